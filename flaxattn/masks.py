@@ -1,0 +1,169 @@
+"""Attention masks as data.
+
+A mask is a small frozen value that says which key positions a query position may
+see. It is defined on positions (the index of a token inside its document), never
+on array indices, so it stays right for packed rows and for load-balanced
+(permuted) sequences. Masks are hashable and usable as static arguments of `jit`.
+
+Every mask answers two questions, both elementwise and valid for numpy and jax
+arrays alike:
+  - `allows(q_pos, k_pos)`: may this query see this key?
+  - `block_kinds(q_lo, q_hi, k_lo, k_hi)`: for a block of queries whose positions lie
+    in [q_lo, q_hi] and keys in [k_lo, k_hi], is the block certainly empty (`skip`)
+    or certainly dense (`full`)? Kernels use it to skip work; it must be
+    conservative (never `skip` when a pair is allowed, never `full` when one is not).
+
+Masks combine with `&`: `Causal() & Local(128)` allows what both allow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+
+
+def _check_positive_int(cls_name: str, arg: str, value) -> None:
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+    raise ValueError(
+        f"{cls_name}({arg}=...) expects a positive int, got {value!r}"
+        f" ({type(value).__name__}). Pass the {arg} in tokens, e.g. {cls_name}(128)."
+    )
+
+
+class Mask:
+  """Base class of all masks. Subclasses are frozen dataclasses."""
+
+  def allows(self, q_pos, k_pos):
+    """Boolean array broadcast from `q_pos` and `k_pos`: True where attention is allowed."""
+    raise NotImplementedError
+
+  def block_kinds(self, q_lo, q_hi, k_lo, k_hi):
+    """Returns `(skip, full)` boolean arrays broadcast from the position bounds."""
+    raise NotImplementedError
+
+  @property
+  def is_causal(self) -> bool:
+    """True if no query ever sees a key at a later position."""
+    return False
+
+  def __and__(self, other: Mask) -> Mask:
+    if not isinstance(other, Mask):
+      return NotImplemented
+    parts = []
+    for m in (self, other):
+      parts.extend(m.masks if isinstance(m, And) else (m,))
+    return And(tuple(parts))
+
+
+@dataclasses.dataclass(frozen=True)
+class Full(Mask):
+  """Every query sees every key of its document."""
+
+  def allows(self, q_pos, k_pos):
+    return (q_pos == q_pos) & (k_pos == k_pos)
+
+  def block_kinds(self, q_lo, q_hi, k_lo, k_hi):
+    false = (q_lo != q_lo) | (k_lo != k_lo)
+    return false, ~false
+
+
+@dataclasses.dataclass(frozen=True)
+class Causal(Mask):
+  """A query at position p sees keys at positions k <= p."""
+
+  def allows(self, q_pos, k_pos):
+    return k_pos <= q_pos
+
+  def block_kinds(self, q_lo, q_hi, k_lo, k_hi):
+    return k_lo > q_hi, k_hi <= q_lo
+
+  @property
+  def is_causal(self) -> bool:
+    return True
+
+
+@dataclasses.dataclass(frozen=True)
+class Local(Mask):
+  """Sliding window: a query at position p sees keys at p - window < k <= p."""
+
+  window: int
+
+  def __post_init__(self):
+    _check_positive_int("Local", "window", self.window)
+
+  def allows(self, q_pos, k_pos):
+    return (k_pos <= q_pos) & (k_pos > q_pos - self.window)
+
+  def block_kinds(self, q_lo, q_hi, k_lo, k_hi):
+    skip = (k_lo > q_hi) | (k_hi <= q_lo - self.window)
+    full = (k_hi <= q_lo) & (k_lo > q_hi - self.window)
+    return skip, full
+
+  @property
+  def is_causal(self) -> bool:
+    return True
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunked(Mask):
+  """Llama 4 chunked attention: causal inside aligned chunks of `size` positions.
+
+  A query at position p sees keys k <= p with k // size == p // size.
+  """
+
+  size: int
+
+  def __post_init__(self):
+    _check_positive_int("Chunked", "size", self.size)
+
+  def allows(self, q_pos, k_pos):
+    return (k_pos <= q_pos) & (k_pos // self.size == q_pos // self.size)
+
+  def block_kinds(self, q_lo, q_hi, k_lo, k_hi):
+    s = self.size
+    skip = (k_lo > q_hi) | (k_hi // s < q_lo // s) | (k_lo // s > q_hi // s)
+    one_chunk = (q_lo // s == q_hi // s) & (k_lo // s == k_hi // s) & (k_lo // s == q_lo // s)
+    full = (k_hi <= q_lo) & one_chunk
+    return skip, full
+
+  @property
+  def is_causal(self) -> bool:
+    return True
+
+
+@dataclasses.dataclass(frozen=True)
+class And(Mask):
+  """Intersection of masks: a pair is allowed only if every part allows it."""
+
+  masks: tuple[Mask, ...]
+
+  def __post_init__(self):
+    if not self.masks or not all(isinstance(m, Mask) for m in self.masks):
+      raise ValueError(f"And(masks=...) expects a non-empty tuple of Mask, got {self.masks!r}")
+
+  def allows(self, q_pos, k_pos):
+    out = self.masks[0].allows(q_pos, k_pos)
+    for m in self.masks[1:]:
+      out = out & m.allows(q_pos, k_pos)
+    return out
+
+  def block_kinds(self, q_lo, q_hi, k_lo, k_hi):
+    skip, full = self.masks[0].block_kinds(q_lo, q_hi, k_lo, k_hi)
+    for m in self.masks[1:]:
+      s, f = m.block_kinds(q_lo, q_hi, k_lo, k_hi)
+      skip, full = skip | s, full & f
+    return skip, full
+
+  @property
+  def is_causal(self) -> bool:
+    return any(m.is_causal for m in self.masks)
+
+
+def check_mask(mask) -> Mask:
+  """Returns `mask` if it is a `Mask`, else raises a TypeError saying what is accepted."""
+  if not isinstance(mask, Mask):
+    raise TypeError(
+        f"mask expects a flaxattn mask (Full(), Causal(), Local(window), Chunked(size),"
+        f" or a combination with &), got {mask!r} ({type(mask).__name__})."
+    )
+  return mask

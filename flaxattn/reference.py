@@ -1,0 +1,47 @@
+"""Dense reference attention: float32 einsum and softmax, O(T * S) memory. The test oracle."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from flaxattn.layout import Layout
+from flaxattn.masks import Mask
+
+
+def dense_mask(mask: Mask, layout: Layout) -> jax.Array:
+  """Boolean `[B, T, S]`: True where query t may attend key s. Materialized: tests only."""
+  seg_q = layout.q_segment_ids[:, :, None]
+  seg_k = layout.kv_segment_ids[:, None, :]
+  same_doc = (seg_q == seg_k) & (seg_q != 0)
+  return same_doc & mask.allows(layout.q_positions[:, :, None], layout.kv_positions[:, None, :])
+
+
+def reference_attention(q, k, v, layout: Layout, *, mask: Mask, scale: float, return_lse: bool):
+  """Attention by materializing scores.
+
+  Args:
+    q: `[B, T, H, D]`. k, v: `[B, S, Hkv, D]` with H divisible by Hkv.
+    layout: segment ids and positions (None fields take the defaults).
+  Returns:
+    `[B, T, H, D]` in q's dtype, and with `return_lse` also the log-sum-exp `[B, T, H]`
+    float32 (-inf for a row with nothing to attend to, whose output is zeros).
+  """
+  b, t, h, d = q.shape
+  s, hkv = k.shape[1], k.shape[2]
+  g = h // hkv
+  layout = layout.materialize(b, t, s)
+  allowed_BTS = dense_mask(mask, layout)
+  q_BTKGD = q.astype(jnp.float32).reshape(b, t, hkv, g, d)
+  scores_BKGTS = jnp.einsum("btkgd,bskd->bkgts", q_BTKGD, k.astype(jnp.float32)) * scale
+  scores_BKGTS = jnp.where(allowed_BTS[:, None, None], scores_BKGTS, -jnp.inf)
+  lse_BKGT = jax.nn.logsumexp(scores_BKGTS, axis=-1)
+  # A row with no allowed key has lse = -inf; keep its probabilities (and gradients) zero.
+  safe_lse = jnp.where(jnp.isfinite(lse_BKGT), lse_BKGT, 0.0)
+  probs_BKGTS = jnp.exp(scores_BKGTS - safe_lse[..., None])
+  out_BTKGD = jnp.einsum("bkgts,bskd->btkgd", probs_BKGTS, v.astype(jnp.float32))
+  out = out_BTKGD.reshape(b, t, h, d).astype(q.dtype)
+  if not return_lse:
+    return out
+  lse_BTH = lse_BKGT.transpose(0, 3, 1, 2).reshape(b, t, h)
+  return out, lse_BTH
