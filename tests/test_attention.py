@@ -1,0 +1,165 @@
+"""Every kernel against the dense reference: forward, log-sum-exp and gradients."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import flaxattn
+from flaxattn.blockwise import blockwise_attention
+from flaxattn.layout import Layout
+from flaxattn.reference import reference_attention
+from packing import random_packing
+
+MASKS = [flaxattn.Full(), flaxattn.Causal(), flaxattn.Local(7), flaxattn.Chunked(16),
+         flaxattn.Causal() & flaxattn.Local(40)]
+# float32 matches to rounding; bfloat16 inputs round q/k/v and p before the matmuls.
+TOL = {jnp.float32: dict(atol=2e-5, rtol=2e-5), jnp.bfloat16: dict(atol=3e-2, rtol=3e-2)}
+
+
+def _inputs(seed, b, t, s, h, hkv, d, dtype):
+  ks = jax.random.split(jax.random.key(seed), 3)
+  q = jax.random.normal(ks[0], (b, t, h, d), jnp.float32).astype(dtype)
+  k = jax.random.normal(ks[1], (b, s, hkv, d), jnp.float32).astype(dtype)
+  v = jax.random.normal(ks[2], (b, s, hkv, d), jnp.float32).astype(dtype)
+  return q, k, v
+
+
+def _loss(kernel, layout, mask, q, k, v):
+  """A scalar touching every output and the lse, so gradients test both cotangents."""
+  out, lse = kernel(q, k, v, layout, mask=mask, scale=0.3, return_lse=True)
+  out = out.astype(jnp.float32)
+  finite_lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
+  return jnp.sum(out * jnp.cos(out)) + 0.5 * jnp.sum(jnp.sin(finite_lse)), (out, lse)
+
+
+def _compare(kernel, layout, mask, q, k, v, dtype):
+  grad = lambda kern: jax.grad(functools.partial(_loss, kern, layout, mask), (0, 1, 2), has_aux=True)
+  want_g, (want_o, want_l) = jax.jit(grad(reference_attention))(q, k, v)
+  got_g, (got_o, got_l) = jax.jit(grad(kernel))(q, k, v)
+  tol = TOL[dtype]
+  np.testing.assert_allclose(got_o, want_o, **tol)
+  np.testing.assert_array_equal(np.isinf(got_l), np.isinf(want_l))
+  np.testing.assert_allclose(np.where(np.isinf(got_l), 0, got_l), np.where(np.isinf(want_l), 0, want_l), **tol)
+  for name, got, want in zip("qkv", got_g, want_g):
+    scale = max(1.0, float(jnp.abs(want.astype(jnp.float32)).max()))
+    np.testing.assert_allclose(np.asarray(got, np.float32) / scale, np.asarray(want, np.float32) / scale,
+                               err_msg=f"d{name}", **tol)
+
+
+def _small_blocks(q, k, v, layout, *, mask, scale, return_lse):
+  # Blocks of 16 queries x 32 keys so documents and T=100 cross many block edges.
+  return blockwise_attention(q, k, v, layout, mask=mask, scale=scale, return_lse=return_lse,
+                             block_q=16, block_k=32)
+
+
+# Each mask with and without packing; GQA ratios 1, 2, 4 cycle through the cases so every
+# ratio meets packed and unpacked layouts without compiling all 30 combinations.
+CASES = [(m, packed, (1, 2, 4)[(2 * i + packed) % 3]) for i, m in enumerate(MASKS) for packed in (False, True)]
+
+
+@pytest.mark.parametrize("mask,packed,groups", CASES, ids=lambda x: str(x))
+def test_blockwise_matches_reference(mask, packed, groups):
+  b, t, hkv, d = 2, 100, 2, 16
+  q, k, v = _inputs(groups, b, t, t, hkv * groups, hkv, d, jnp.float32)
+  layout = Layout()
+  if packed:
+    seg, pos = random_packing(np.random.default_rng(groups), b, t, max_docs=7, pad_tail=9)
+    layout = Layout(jnp.asarray(seg), jnp.asarray(seg), jnp.asarray(pos), jnp.asarray(pos))
+  _compare(_small_blocks, layout, mask, q, k, v, jnp.float32)
+
+
+@pytest.mark.parametrize("mask", [flaxattn.Causal(), flaxattn.Local(9), flaxattn.Chunked(8)], ids=str)
+def test_blockwise_bfloat16(mask):
+  q, k, v = _inputs(5, 2, 72, 72, 4, 2, 32, jnp.bfloat16)
+  seg, pos = random_packing(np.random.default_rng(5), 2, 72, pad_tail=5)
+  layout = Layout(jnp.asarray(seg), jnp.asarray(seg), jnp.asarray(pos), jnp.asarray(pos))
+  _compare(_small_blocks, layout, mask, q, k, v, jnp.bfloat16)
+  out = _small_blocks(q, k, v, layout, mask=mask, scale=0.3, return_lse=False)
+  assert out.dtype == jnp.bfloat16
+
+
+def test_cross_attention_different_lengths():
+  """Queries and keys of different lengths, each with their own packing."""
+  b, t, s = 2, 40, 90
+  q, k, v = _inputs(7, b, t, s, 4, 1, 16, jnp.float32)
+  rng = np.random.default_rng(7)
+  q_seg, q_pos = random_packing(rng, b, t, max_docs=3, pad_tail=3)
+  kv_seg, kv_pos = random_packing(rng, b, s, max_docs=3, pad_tail=0)
+  kv_pos = kv_pos * 0 + np.arange(s)  # keys indexed globally: a Full mask ignores them
+  layout = Layout(*(jnp.asarray(x) for x in (q_seg, kv_seg, q_pos, kv_pos)))
+  _compare(_small_blocks, layout, flaxattn.Full(), q, k, v, jnp.float32)
+
+
+@pytest.mark.parametrize("backend", ["fused", "reference"])
+def test_public_entry_point(backend):
+  """flaxattn.attention routes to the kernel and matches jax.nn.dot_product_attention."""
+  q, k, v = _inputs(3, 2, 50, 50, 4, 2, 16, jnp.float32)
+  got = flaxattn.attention(q, k, v, backend=backend)
+  want = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+  np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+  out, lse = flaxattn.attention(q, k, v, mask=flaxattn.Full(), backend=backend, return_lse=True)
+  assert out.shape == q.shape and lse.shape == (2, 50, 4) and lse.dtype == jnp.float32
+
+
+def test_public_packed_segments_default_kv():
+  """kv_segment_ids / kv_positions default to the query ones for self attention."""
+  q, k, v = _inputs(4, 1, 64, 64, 2, 2, 8, jnp.float32)
+  seg, pos = random_packing(np.random.default_rng(4), 1, 64, pad_tail=4)
+  got = flaxattn.attention(q, k, v, segment_ids=seg, positions=pos, backend="fused")
+  want = flaxattn.attention(q, k, v, segment_ids=seg, positions=pos, kv_segment_ids=seg,
+                            kv_positions=pos, backend="reference")
+  np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+  # The last document alone gives the same rows: nothing crosses a document boundary.
+  rows = np.nonzero(seg[0] == seg.max())[0]
+  alone = flaxattn.attention(q[:, rows], k[:, rows], v[:, rows], backend="fused")
+  np.testing.assert_allclose(got[:, rows], alone, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("backend", ["fused", "reference"])
+def test_fully_masked_rows_are_zero_with_finite_gradients(backend):
+  q, k, v = _inputs(8, 1, 40, 40, 2, 2, 8, jnp.float32)
+  seg = np.ones((1, 40), np.int32)
+  seg[0, 30:] = 0  # padding queries see nothing
+  pos = np.arange(40, dtype=np.int32)[None]
+  kv_pos = pos + 5  # the first five queries are before every key: nothing causal to see
+
+  def f(q, k, v):
+    out, lse = flaxattn.attention(q, k, v, segment_ids=seg, positions=pos, kv_positions=kv_pos,
+                                  backend=backend, return_lse=True)
+    return jnp.sum(out ** 2), (out, lse)
+
+  grads, (out, lse) = jax.grad(f, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+  empty = np.r_[np.arange(5), np.arange(30, 40)]
+  np.testing.assert_array_equal(out[0, empty], 0.0)
+  assert np.all(np.isneginf(lse[0, empty]))
+  for g in grads:
+    assert np.all(np.isfinite(g))
+  np.testing.assert_array_equal(grads[0][0, empty], 0.0)
+
+
+def test_block_schedule_skips_other_documents():
+  """Packed documents aligned to blocks: only diagonal blocks are visited."""
+  from flaxattn.blockwise import block_kinds, SKIP
+  seg = np.repeat(np.arange(1, 5, dtype=np.int32), 64)[None]
+  pos = np.tile(np.arange(64, dtype=np.int32), 4)[None]
+  kinds = block_kinds(np, flaxattn.Full(), seg, seg, pos, pos, 32, 32)
+  live = kinds[0] != SKIP
+  assert live.sum() == 4 * 4  # 4 documents x (2 x 2) blocks each
+  assert np.array_equal(live, np.kron(np.eye(4, dtype=bool), np.ones((2, 2), bool)))
+  causal = block_kinds(np, flaxattn.Causal(), seg, seg, pos, pos, 32, 32)[0]
+  assert (causal != SKIP).sum() == 4 * 3 and (causal == 1).sum() == 4  # per doc: 2 diag + 1 full
+
+
+def test_fused_memory_is_linear_in_t():
+  """Compiled temp memory of forward+backward grows ~linearly, far below a [T, T] buffer."""
+  def temp(t):
+    x = jax.ShapeDtypeStruct((1, t, 2, 32), jnp.float32)
+    f = jax.grad(lambda q, k, v: flaxattn.attention(q, k, v, backend="fused").sum(), (0, 1, 2))
+    return jax.jit(f).lower(x, x, x).compile().memory_analysis().temp_size_in_bytes
+
+  small, large = temp(2048), temp(8192)
+  assert large <= 5 * small, (small, large)
+  assert large < 8192 * 8192 * 4 / 4, large  # a quarter of one [T, T] float32 score matrix
