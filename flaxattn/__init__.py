@@ -2,16 +2,20 @@
 
 Public API:
   attention, explain                     the functional entry point and its dispatch report
-  Full, Causal, Local, Chunked, Mask     masks on positions and segments
+  Full, Causal, Local, Chunked, Mask     masks on positions and segments (combine with &)
   seqlens_and_offsets                    THD descriptor from segment ids, O(T + max_segments)
-  MultiHeadAttention                     NNX layer, a drop-in for flax.nnx.MultiHeadAttention
-  sharding                               default logical-axis rules
+  MultiHeadAttention, RoPE               NNX layer, a drop-in for flax.nnx.MultiHeadAttention
+  sharding                               default logical-axis rules for (data, fsdp, tensor, context)
 """
 
+from flaxattn import sharding
 from flaxattn.attention import attention, explain
+from flaxattn.layer import MultiHeadAttention
 from flaxattn.masks import Causal, Chunked, Full, Local, Mask
+from flaxattn.rope import RoPE
 
 __all__ = [
     "attention", "explain",
     "Mask", "Full", "Causal", "Local", "Chunked",
+    "MultiHeadAttention", "RoPE", "sharding",
 ]

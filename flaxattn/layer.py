@@ -1,0 +1,381 @@
+"""`flaxattn.MultiHeadAttention`: a drop-in for `flax.nnx.MultiHeadAttention`.
+
+Same constructor and call arguments, submodule names (`query`, `key`, `value`, `out`,
+`query_ln`, `key_ln`) and kernel shapes as nnx, so `nnx.update(ours, nnx.state(theirs,
+nnx.Param))` carries weights over (that replaces our Variables and so drops their logical
+axis names; `nnx.update(ours, nnx.to_pure_dict(nnx.state(theirs, nnx.Param)))` keeps them).
+Differences, all because attention here never builds a
+`[T, S]` array:
+  - masks are `flaxattn` masks on positions (constructor `mask=Causal()`, or per call);
+    a boolean mask array raises and says to pass `segment_ids`/`positions` instead;
+  - no attention-probability dropout (`dropout_rate` must be 0) and no `sow_weights`;
+  - `attention_fn` has `flaxattn.attention`'s signature, not `nnx.dot_product_attention`'s.
+Additions: `num_kv_heads` (GQA), `backend`, `context_parallel`, `rope`, and call-time
+`segment_ids`, `positions`, `kv_segment_ids`, `kv_positions` for packed sequences.
+"""
+
+from __future__ import annotations
+
+import functools
+from types import MappingProxyType
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.nnx.nn import dtypes, initializers
+from flax.nnx.nn.linear import default_kernel_init
+from jax import lax
+
+from flaxattn.attention import attention
+from flaxattn.masks import Causal, Full, Mask, check_mask
+from flaxattn.rope import RoPE
+from flaxattn.sharding import constrain, param_metadata
+
+# Logical axis names of activations and parameters (see flaxattn.sharding).
+Q_NAMES = ("batch", "seq", "heads", "head_dim")
+KV_NAMES = ("batch", "seq", "kv_heads", "head_dim")
+X_NAMES = ("batch", "seq", "embed")
+
+_EMPTY = MappingProxyType({})
+
+
+def _check_size(arg: str, value, optional: bool = False) -> None:
+  if optional and value is None:
+    return
+  if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    raise ValueError(f"MultiHeadAttention({arg}=...) expects a positive int"
+                     f"{' or None' if optional else ''}, got {value!r}.")
+
+
+def _check_input(arg: str, x, features: int, features_arg: str) -> None:
+  if getattr(x, "ndim", None) != 3:
+    raise ValueError(f"{arg} expects a 3-D array [batch, seq, features], got shape"
+                     f" {getattr(x, 'shape', None)}; reshape extra batch axes into the first.")
+  if x.shape[-1] != features:
+    raise ValueError(f"{arg} expects {features} features ({features_arg}={features}), got shape"
+                     f" {x.shape}.")
+
+
+def _index_BT(batch: int, length: int, start=0) -> jax.Array:
+  return jnp.broadcast_to(start + jnp.arange(length, dtype=jnp.int32), (batch, length))
+
+
+class MultiHeadAttention(nnx.Module):
+  """Multi-head (and grouped-query) attention over packed sequences.
+
+  Args (beyond `nnx.MultiHeadAttention`'s, whose meaning is unchanged):
+    num_kv_heads: heads of `key`/`value` (GQA/MQA); must divide `num_heads`. Default num_heads.
+    backend: `flaxattn.attention` backend, "auto" or a kernel name.
+    mask: a `flaxattn` mask (default `Causal()`; nnx's default without a mask is `Full()`).
+    context_parallel: a `flaxattn.ContextParallel`, passed to `flaxattn.attention`.
+    rope: a `flaxattn.RoPE` applied to queries and keys at their positions, or None.
+    attention_fn: called as `flaxattn.attention` is (default), e.g. a `functools.partial` of
+      it with `scale=`.
+    dropout_rate: must be 0; attention dropout needs the `[T, S]` probabilities.
+    broadcast_dropout, deterministic, keep_rngs: accepted for compatibility; unused.
+
+  Parameters carry logical axis names as `out_sharding` metadata: query kernel
+  `(embed, heads, head_dim)`, key/value kernels `(embed, kv_heads, head_dim)`, out kernel
+  `(heads, head_dim, embed)`; pass `kernel_metadata` etc. to override.
+
+  Raises:
+    ValueError: a size that is not a positive int, `qkv_features` not divisible by
+      `num_heads`, `num_heads` not divisible by `num_kv_heads`, `dropout_rate` != 0, or an
+      odd head_dim with `rope`.
+    TypeError: `mask` not a flaxattn mask, `rope` not a `RoPE`.
+  """
+
+  def __init__(
+      self,
+      num_heads: int,
+      in_features: int,
+      qkv_features: int | None = None,
+      out_features: int | None = None,
+      num_kv_heads: int | None = None,
+      in_kv_features: int | None = None,
+      *,
+      dtype=None,
+      param_dtype=jnp.float32,
+      broadcast_dropout: bool = True,
+      dropout_rate: float = 0.0,
+      deterministic: bool | None = None,
+      precision=None,
+      kernel_init=default_kernel_init,
+      out_kernel_init=None,
+      bias_init=initializers.zeros_init(),
+      out_bias_init=None,
+      use_bias: bool = True,
+      attention_fn: Callable[..., jax.Array] = attention,
+      decode: bool | None = None,
+      normalize_qk: bool = False,
+      qkv_promote_dtype=dtypes.promote_dtype,
+      out_promote_dtype=dtypes.promote_dtype,
+      ln_promote_dtype=dtypes.promote_dtype,
+      rngs: nnx.Rngs,
+      keep_rngs: bool = True,
+      kernel_metadata: Mapping[str, Any] = _EMPTY,
+      out_kernel_metadata: Mapping[str, Any] = _EMPTY,
+      bias_metadata: Mapping[str, Any] = _EMPTY,
+      out_bias_metadata: Mapping[str, Any] = _EMPTY,
+      query_ln_scale_metadata: Mapping[str, Any] = _EMPTY,
+      key_ln_scale_metadata: Mapping[str, Any] = _EMPTY,
+      backend: str = "auto",
+      mask: Mask = Causal(),
+      context_parallel=None,
+      rope: RoPE | None = None,
+  ):
+    _check_size("num_heads", num_heads)
+    _check_size("in_features", in_features)
+    for arg, value in (("qkv_features", qkv_features), ("out_features", out_features),
+                       ("num_kv_heads", num_kv_heads), ("in_kv_features", in_kv_features)):
+      _check_size(arg, value, optional=True)
+    self.num_heads = num_heads
+    self.in_features = in_features
+    self.qkv_features = qkv_features or in_features
+    self.out_features = out_features or in_features
+    self.num_kv_heads = num_kv_heads or num_heads
+    self.in_kv_features = in_kv_features or in_features
+    if self.qkv_features % num_heads:
+      raise ValueError(f"qkv_features ({self.qkv_features}) expects a multiple of num_heads"
+                       f" ({num_heads}): head_dim = qkv_features // num_heads.")
+    if num_heads % self.num_kv_heads:
+      raise ValueError(f"num_kv_heads ({self.num_kv_heads}) expects a divisor of num_heads"
+                       f" ({num_heads}): each KV head serves num_heads // num_kv_heads query heads.")
+    if dropout_rate != 0.0:
+      raise ValueError(f"dropout_rate expects 0.0, got {dropout_rate!r}: flaxattn kernels never"
+                       " form the attention probabilities to drop; apply nnx.Dropout to the output.")
+    if rope is not None and not isinstance(rope, RoPE):
+      raise TypeError(f"rope expects a flaxattn.RoPE or None, got {rope!r} ({type(rope).__name__}).")
+    self.head_dim = self.qkv_features // num_heads
+    if rope is not None and self.head_dim % 2:
+      raise ValueError(f"rope expects an even head_dim, got head_dim {self.head_dim}"
+                       f" (qkv_features {self.qkv_features} / num_heads {num_heads}).")
+    self.mask = check_mask(mask)
+    self.backend = backend
+    self.context_parallel = context_parallel
+    self.rope = rope
+    self.dtype = dtype
+    self.param_dtype = param_dtype
+    self.broadcast_dropout = broadcast_dropout
+    self.dropout_rate = dropout_rate
+    self.deterministic = deterministic
+    self.precision = precision
+    self.use_bias = use_bias
+    self.attention_fn = attention_fn
+    self.decode = decode
+    self.normalize_qk = normalize_qk
+
+    qkv = functools.partial(
+        nnx.LinearGeneral, dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init,
+        bias_init=bias_init, use_bias=use_bias, precision=precision,
+        promote_dtype=qkv_promote_dtype, rngs=rngs)
+    heads = (num_heads, self.head_dim)
+    kv_heads = (self.num_kv_heads, self.head_dim)
+    self.query = qkv(
+        in_features, heads,
+        kernel_metadata=param_metadata(("embed", "heads", "head_dim"), kernel_metadata),
+        bias_metadata=param_metadata(("heads", "head_dim"), bias_metadata))
+    # K/V get their own logical name so that rules can replicate them when there are fewer
+    # KV heads than the tensor axis has devices (see flaxattn.sharding.rules).
+    kv_kernel = param_metadata(("embed", "kv_heads", "head_dim"), kernel_metadata)
+    kv_bias = param_metadata(("kv_heads", "head_dim"), bias_metadata)
+    self.key = qkv(self.in_kv_features, kv_heads, kernel_metadata=kv_kernel, bias_metadata=kv_bias)
+    self.value = qkv(self.in_kv_features, kv_heads, kernel_metadata=kv_kernel, bias_metadata=kv_bias)
+
+    if normalize_qk:
+      # QK normalization (arxiv.org/abs/2302.05442), as nnx: LayerNorm over head_dim.
+      ln = functools.partial(nnx.LayerNorm, self.head_dim, use_bias=False, dtype=dtype,
+                             param_dtype=param_dtype, promote_dtype=ln_promote_dtype, rngs=rngs)
+      self.query_ln = ln(scale_metadata=param_metadata(("head_dim",), query_ln_scale_metadata))
+      self.key_ln = ln(scale_metadata=param_metadata(("head_dim",), key_ln_scale_metadata))
+    else:
+      self.query_ln = nnx.data(None)
+      self.key_ln = nnx.data(None)
+
+    self.out = nnx.LinearGeneral(
+        heads, self.out_features, axis=(-2, -1), dtype=dtype, param_dtype=param_dtype,
+        kernel_init=out_kernel_init or kernel_init, bias_init=out_bias_init or bias_init,
+        use_bias=use_bias, precision=precision, promote_dtype=out_promote_dtype, rngs=rngs,
+        kernel_metadata=param_metadata(("heads", "head_dim", "embed"),
+                                       out_kernel_metadata or kernel_metadata),
+        bias_metadata=param_metadata(("embed",), out_bias_metadata or bias_metadata))
+
+    self.cached_key = nnx.data(None)
+    self.cached_value = nnx.data(None)
+    self.cached_segment_ids = nnx.data(None)
+    self.cached_positions = nnx.data(None)
+    self.cache_index = nnx.data(None)
+
+  def __call__(
+      self,
+      inputs_q: jax.Array,
+      inputs_k: jax.Array | None = None,
+      inputs_v: jax.Array | None = None,
+      *,
+      mask: Mask | None = None,
+      deterministic: bool | None = None,
+      rngs=None,
+      sow_weights: bool = False,
+      decode: bool | None = None,
+      is_causal: bool = False,
+      out_sharding=None,
+      qkv_sharding=None,
+      segment_ids: jax.Array | None = None,
+      positions: jax.Array | None = None,
+      kv_segment_ids: jax.Array | None = None,
+      kv_positions: jax.Array | None = None,
+  ) -> jax.Array:
+    """Attention of `inputs_q` `[B, T, in_features]` over `inputs_k`/`inputs_v` `[B, S, in_kv_features]`.
+
+    Args:
+      inputs_q: queries; `inputs_k` defaults to `inputs_q`, `inputs_v` to `inputs_k`.
+      mask: a `flaxattn` mask overriding the constructor's for this call.
+      is_causal: also apply `Causal()` (as nnx).
+      decode: use the KV cache (see `init_cache`); T may be > 1 (prefill). Default: the
+        constructor's `decode`, else False.
+      segment_ids, positions: `[B, T]` int32 (packed documents; see `flaxattn.attention`).
+        In decode they describe the new tokens and default to one document at positions
+        `cache_index + arange(T)`.
+      kv_segment_ids, kv_positions: `[B, S]` for cross attention; not allowed in decode.
+      deterministic, rngs: accepted for compatibility; there is no dropout.
+      out_sharding, qkv_sharding: passed to the output / QKV `LinearGeneral` calls.
+
+    Returns:
+      `[B, T, out_features]`.
+
+    Raises:
+      ValueError: inputs not 3-D or with the wrong feature size, a boolean `mask` array,
+        `sow_weights=True`, decode without `init_cache` or with a mismatched cache.
+    """
+    if inputs_k is None:
+      if inputs_v is not None:
+        raise ValueError("inputs_k expects an array when inputs_v is given; to use one array for"
+                         " both, pass it as inputs_k and leave inputs_v None.")
+      inputs_k = inputs_q
+    if inputs_v is None:
+      inputs_v = inputs_k
+    _check_input("inputs_q", inputs_q, self.in_features, "in_features")
+    _check_input("inputs_k", inputs_k, self.in_kv_features, "in_kv_features")
+    _check_input("inputs_v", inputs_v, self.in_kv_features, "in_kv_features")
+    mask = self._call_mask(mask, is_causal)
+    if sow_weights:
+      raise ValueError("sow_weights expects False: flaxattn never materializes the [T, S]"
+                       " attention weights; use nnx.MultiHeadAttention to inspect them.")
+    decode = bool(self.decode if decode is None else decode)
+
+    q = constrain(self.query(inputs_q, out_sharding=qkv_sharding), Q_NAMES)
+    k = constrain(self.key(inputs_k, out_sharding=qkv_sharding), KV_NAMES)
+    v = constrain(self.value(inputs_v, out_sharding=qkv_sharding), KV_NAMES)
+    if self.normalize_qk:
+      q, k = self.query_ln(q), self.key_ln(k)
+
+    b, t, s = q.shape[0], q.shape[1], k.shape[1]
+    if decode:
+      if kv_segment_ids is not None or kv_positions is not None:
+        raise ValueError("kv_segment_ids and kv_positions expect None in decode: the cache holds"
+                         " the keys' segments and positions; pass segment_ids/positions of the"
+                         " new tokens instead.")
+      self._check_cache(k)
+      if positions is None:
+        positions = _index_BT(b, t, self.cache_index[...])
+      if segment_ids is None:
+        segment_ids = jnp.ones((b, t), jnp.int32)
+      kv_segment_ids, kv_positions = segment_ids, positions
+    if self.rope is not None:
+      q_pos = _index_BT(b, t) if positions is None else positions
+      if kv_positions is not None:
+        k_pos = kv_positions
+      else:  # As flaxattn.attention: keys share the query positions when lengths agree.
+        k_pos = positions if positions is not None and s == t else _index_BT(b, s)
+      q, k = self.rope(q, q_pos), self.rope(k, k_pos)
+    if decode:
+      k, v, kv_segment_ids, kv_positions = self._update_cache(k, v, segment_ids, positions)
+
+    q, k, v = dtypes.promote_dtype((q, k, v), dtype=self.dtype)
+    x = self.attention_fn(
+        q, k, v, mask=mask, segment_ids=segment_ids, positions=positions,
+        kv_segment_ids=kv_segment_ids, kv_positions=kv_positions, backend=self.backend,
+        context_parallel=self.context_parallel)
+    x = constrain(x, Q_NAMES)
+    return constrain(self.out(x, out_sharding=out_sharding), X_NAMES)
+
+  def _call_mask(self, mask, is_causal: bool) -> Mask:
+    if mask is None:
+      mask = self.mask
+    elif not isinstance(mask, Mask):
+      raise ValueError(
+          f"mask expects a flaxattn mask (Full(), Causal(), Local(w), Chunked(n)) or None, got"
+          f" {type(mask).__name__} of shape {getattr(mask, 'shape', None)}. flaxattn never"
+          " materializes [T, S] masks: describe padding and packed documents with"
+          " segment_ids=[B, T] (0 = padding) and positions=[B, T], and the pattern with a mask.")
+    if is_causal and not mask.is_causal:
+      mask = Causal() if mask == Full() else mask & Causal()
+    return mask
+
+  def init_cache(self, input_shape, dtype=jnp.float32) -> None:
+    """Allocates an empty KV cache for `decode=True` calls.
+
+    Args:
+      input_shape: `(batch, max_length, features)`, the shape of the longest input.
+      dtype: dtype of the cached keys and values.
+
+    The cache holds the unrepeated GQA keys/values `[B, max_length, num_kv_heads, head_dim]`,
+    the segment id of each slot (0 = empty, so empty slots are never attended) and its
+    position. Decoding past `max_length` is not checked (`lax.dynamic_update_slice` clamps).
+
+    Raises:
+      ValueError: `input_shape` is not `(batch, max_length, features)` of positive ints.
+    """
+    if len(input_shape) != 3 or any(not isinstance(n, int) or n <= 0 for n in input_shape):
+      raise ValueError(f"init_cache(input_shape=...) expects (batch, max_length, features) of"
+                       f" positive ints, got {input_shape!r}.")
+    b, max_length = input_shape[:2]
+    shape = (b, max_length, self.num_kv_heads, self.head_dim)
+    self.cached_key = nnx.Cache(jnp.zeros(shape, dtype))
+    self.cached_value = nnx.Cache(jnp.zeros(shape, dtype))
+    self.cached_segment_ids = nnx.Cache(jnp.zeros((b, max_length), jnp.int32))
+    self.cached_positions = nnx.Cache(jnp.zeros((b, max_length), jnp.int32))
+    self.cache_index = nnx.Cache(jnp.array(0, dtype=jnp.int32))
+
+  def _check_cache(self, k) -> None:
+    if self.cached_key is None:
+      raise ValueError("decode=True expects a KV cache: call init_cache((batch, max_length,"
+                       " features)) first.")
+    b, max_length, hkv, d = self.cached_key.shape
+    if (k.shape[0], k.shape[2], k.shape[3]) != (b, hkv, d) or k.shape[1] > max_length:
+      raise ValueError(f"decode expects keys of shape ({b}, <= {max_length}, {hkv}, {d}) to fit"
+                       f" the cache, got {k.shape}; call init_cache with this batch size.")
+
+  def _update_cache(self, k, v, segment_ids, positions):
+    """Writes the new tokens at `cache_index`; returns the whole cache for attention."""
+    for arg, ids in (("segment_ids", segment_ids), ("positions", positions)):
+      if ids.shape != k.shape[:2]:
+        raise ValueError(f"{arg} expects shape {k.shape[:2]} [batch, new tokens] in decode, got"
+                         f" {ids.shape}.")
+    i = self.cache_index[...]
+    zero = jnp.zeros((), jnp.int32)
+    for cache, new in ((self.cached_key, k), (self.cached_value, v)):
+      cache[...] = lax.dynamic_update_slice(cache[...], new.astype(cache.dtype), (zero, i, zero, zero))
+    for cache, new in ((self.cached_segment_ids, segment_ids), (self.cached_positions, positions)):
+      cache[...] = lax.dynamic_update_slice(cache[...], new.astype(jnp.int32), (zero, i))
+    self.cache_index[...] = i + k.shape[1]
+    return (self.cached_key[...].astype(k.dtype), self.cached_value[...].astype(v.dtype),
+            self.cached_segment_ids[...], self.cached_positions[...])
+
+  def set_view(self, deterministic: bool | None = None, decode: bool | None = None,
+               batch_size: int | None = None, max_length: int | None = None):
+    """For `nnx.view`, as nnx: sets the modes; `decode=True` allocates a missing cache.
+
+    Raises:
+      TypeError: `decode=True` without a cache and without `batch_size` and `max_length`.
+    """
+    if deterministic is not None:
+      self.deterministic = deterministic
+    if decode is not None:
+      self.decode = decode
+      if decode and self.cached_key is None:
+        if batch_size is None or max_length is None:
+          raise TypeError("set_view(decode=True) expects batch_size and max_length to allocate"
+                          " the cache.")
+        self.init_cache((batch_size, max_length, self.in_features), self.dtype or jnp.float32)

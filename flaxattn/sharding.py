@@ -1,0 +1,160 @@
+"""Logical axis names and the default rules that map them to mesh axes.
+
+Model code names array axes logically (`batch`, `seq`, `embed`, `heads`, `kv_heads`,
+`head_dim`, `mlp`, `vocab`) and never holds a mesh. The caller picks the mesh and rules:
+
+  mesh = jax.make_mesh((2, 4), ("data", "tensor"), axis_types=(AxisType.Auto,) * 2)
+  with jax.set_mesh(mesh), nnx.logical_axis_rules(sharding.rules(mesh, kv_heads=2)):
+    model = nnx.jit(make_model)()   # parameters are sharded as they are created
+
+The mesh axes are `data`, `fsdp`, `tensor` and `context`; a mesh may have any subset. Make
+its axes `AxisType.Auto` (GSPMD): constraints here are `jax.lax.with_sharding_constraint`.
+`rules(mesh, ...)` fits `DEFAULT_RULES` to one mesh: it drops mesh axes the mesh lacks
+(flax would otherwise pass the name to `NamedSharding`, which rejects it) and, for the
+logical dimensions whose sizes you give, mesh axes that do not divide them. The latter is
+how GQA with fewer KV heads than the tensor axis works: `rules(mesh, kv_heads=2)` on
+`tensor=4` replicates K/V heads over `tensor` (each tensor shard projects all KV heads,
+which are few) while query heads stay sharded.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+from flax.core import spmd as flax_spmd
+from jax.sharding import PartitionSpec
+
+# A rule maps a logical name to None (replicated), one mesh axis, or a tuple of them.
+Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
+
+DEFAULT_RULES: Rules = (
+    ("batch", ("data", "fsdp")),
+    ("seq", "context"),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("head_dim", None),
+    ("mlp", "tensor"),
+    ("vocab", "tensor"),
+)
+
+
+def _as_tuple(axes) -> tuple[str, ...]:
+  if axes is None:
+    return ()
+  return (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def _as_entry(axes: tuple[str, ...]):
+  if not axes:
+    return None
+  return axes[0] if len(axes) == 1 else axes
+
+
+def _fit(axes, mesh_shape: dict[str, int], size: int | None, used=frozenset()) -> tuple[str, ...]:
+  """The mesh axes of `axes` that exist, are unused and together divide `size` (greedy)."""
+  kept = []
+  for axis in _as_tuple(axes):
+    if axis not in mesh_shape or axis in used:
+      continue
+    if size is not None and size % (math.prod(mesh_shape[a] for a in kept) * mesh_shape[axis]):
+      continue
+    kept.append(axis)
+  return tuple(kept)
+
+
+def _mesh_shape(mesh) -> dict[str, int]:
+  return dict(zip(mesh.axis_names, mesh.axis_sizes))
+
+
+def rules(mesh, base: Rules = DEFAULT_RULES, **dim_sizes: int) -> Rules:
+  """`base` fitted to `mesh`, for `nnx.logical_axis_rules`.
+
+  Args:
+    mesh: a `jax.sharding.Mesh` or `AbstractMesh`.
+    base: rules to fit, `(logical_name, mesh_axes)` pairs.
+    **dim_sizes: sizes of logical dimensions that a mesh axis may not divide, e.g.
+      `kv_heads=2`; mesh axes that do not divide them are dropped (replicated).
+
+  Returns:
+    Rules naming only axes of `mesh`.
+
+  Raises:
+    ValueError: a `dim_sizes` name that `base` does not know, or a size that is not a
+    positive int.
+  """
+  names = {name for name, _ in base}
+  for name, size in dim_sizes.items():
+    if name not in names:
+      raise ValueError(f"rules(..., {name}=...) expects a logical name of the rules {sorted(names)},"
+                       f" got {name!r}.")
+    if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+      raise ValueError(f"rules(..., {name}=...) expects a positive int size, got {size!r}.")
+  shape = _mesh_shape(mesh)
+  return tuple((name, _as_entry(_fit(axes, shape, dim_sizes.get(name)))) for name, axes in base)
+
+
+def active_rules() -> Rules:
+  """The rules set by the innermost `nnx.logical_axis_rules` (empty if none)."""
+  return tuple(flax_spmd.get_logical_axis_rules())
+
+
+def logical_to_spec(names, shape=None, *, rules: Rules | None = None, mesh=None) -> PartitionSpec:
+  """The `PartitionSpec` of an array whose axes have logical `names` (None = replicated).
+
+  Mesh axes absent from `mesh`, already used by an earlier dimension (e.g. `embed` after
+  `batch` took `fsdp`), or not dividing the dimension in `shape` are dropped. As in flax, a
+  name without a rule is taken to be a mesh axis name.
+
+  Args:
+    names: one logical name or None per array axis.
+    shape: the array's shape, to drop mesh axes that do not divide a dimension; optional.
+    rules: default the active `nnx.logical_axis_rules`, else `DEFAULT_RULES`.
+    mesh: default the mesh set with `jax.set_mesh`.
+  """
+  mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+  table = dict(rules if rules is not None else (active_rules() or DEFAULT_RULES))
+  mesh_shape = _mesh_shape(mesh)
+  used: set[str] = set()
+  spec = []
+  for i, name in enumerate(names):
+    axes = () if name is None else _fit(table.get(name, name), mesh_shape,
+                                        None if shape is None else shape[i], frozenset(used))
+    used.update(axes)
+    spec.append(_as_entry(axes))
+  return PartitionSpec(*spec)
+
+
+def constrain(x: jax.Array, names) -> jax.Array:
+  """`x` with a sharding constraint from logical axis `names` (one per axis of `x`).
+
+  A no-op unless both a mesh (`jax.set_mesh`) and rules (`nnx.logical_axis_rules`) are
+  set, so single-device code needs neither; without rules every axis would resolve to
+  replicated, which is a constraint nobody asked for.
+
+  Raises:
+    ValueError: `names` does not have one entry per axis of `x`.
+  """
+  if len(names) != x.ndim:
+    raise ValueError(f"constrain expects one logical name per axis of x {x.shape}, got {names}.")
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or not active_rules():
+    return x
+  return jax.lax.with_sharding_constraint(x, logical_to_spec(names, x.shape, mesh=mesh))
+
+
+def param_metadata(names: tuple[str, ...], metadata) -> dict:
+  """Variable metadata carrying logical `names` as `out_sharding`, unless `metadata` has one.
+
+  Flax shards a variable with `out_sharding` as it is created, which needs a mesh and rules;
+  without both we keep the names but skip that step so single-device code needs nothing
+  (`nnx.get_partition_spec` still reads them).
+  """
+  metadata = dict(metadata)
+  if "out_sharding" in metadata:
+    return metadata
+  metadata["out_sharding"] = names
+  if jax.sharding.get_abstract_mesh().empty or not active_rules():
+    metadata.setdefault("eager_sharding", False)
+  return metadata

@@ -1,0 +1,201 @@
+"""flaxattn.MultiHeadAttention: drop-in equality with nnx, GQA, RoPE on packed rows, decode."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from flaxattn.layer import MultiHeadAttention
+from flaxattn.masks import Causal, Full, Local
+from flaxattn.rope import RoPE
+
+B, T, E = 2, 8, 16
+
+
+@nnx.jit(static_argnames=("mask", "decode", "is_causal"))
+def run(model, *inputs, **kw):
+  """`model(*inputs, **kw)` jitted: one compile is much faster than op-by-op on CPU."""
+  return model(*inputs, **kw)
+
+
+@nnx.jit
+def run_nnx(model, *inputs, mask=None):
+  """`run` for nnx.MultiHeadAttention, whose mask is an array."""
+  return model(*inputs, mask=mask)
+
+
+def _x(shape, seed=0):
+  return jax.random.normal(jax.random.key(seed), shape, jnp.float32)
+
+
+def _pair(mask, **kw):
+  """(ours, theirs) with theirs' parameters copied into ours (initialized differently)."""
+  theirs = nnx.MultiHeadAttention(decode=False, rngs=nnx.Rngs(0), **kw)
+  ours = MultiHeadAttention(mask=mask, backend="reference", rngs=nnx.Rngs(1), **kw)
+  nnx.update(ours, nnx.state(theirs, nnx.Param))
+  return ours, theirs
+
+
+DROP_IN = [
+    dict(num_heads=4, in_features=E),
+    dict(num_heads=4, in_features=E, qkv_features=32, out_features=8, num_kv_heads=2,
+         normalize_qk=True),
+    dict(num_heads=2, in_features=E, in_kv_features=12, use_bias=False),
+]
+
+
+@pytest.mark.parametrize("kw", DROP_IN)
+def test_drop_in_same_parameters_and_full_output(kw):
+  theirs = nnx.MultiHeadAttention(decode=False, rngs=nnx.Rngs(0), **kw)
+  ours = MultiHeadAttention(mask=Full(), backend="reference", rngs=nnx.Rngs(1), **kw)
+  shapes = lambda m: jax.tree.map(jnp.shape, nnx.to_pure_dict(nnx.state(m, nnx.Param)))
+  assert shapes(ours) == shapes(theirs)
+  nnx.update(ours, nnx.state(theirs, nnx.Param))
+  s = 6 if "in_kv_features" in kw else T  # cross attention with a different length
+  xq, xkv = _x((B, T, E)), _x((B, s, kw.get("in_kv_features", E)), 1)
+  np.testing.assert_allclose(run(ours, xq, xkv), run_nnx(theirs, xq, xkv), atol=1e-5)
+
+
+def test_drop_in_causal_output_and_param_gradient():
+  kw = dict(num_heads=4, in_features=E, num_kv_heads=2)
+  ours, theirs = _pair(Causal(), **kw)
+  x = _x((B, T, E))
+  causal = nnx.make_causal_mask(x[..., 0])
+  np.testing.assert_allclose(run(ours, x), run_nnx(theirs, x, mask=causal), atol=1e-5)
+
+  @nnx.jit
+  def grads(model, **call):
+    loss = lambda model: jnp.sum(jnp.sin(model(x, **call)))
+    return nnx.to_pure_dict(nnx.grad(loss, argnums=nnx.DiffState(0, nnx.Param))(model))
+
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5),
+               grads(ours), grads(theirs, mask=causal))
+
+
+def test_call_mask_overrides_and_is_causal():
+  ours, theirs = _pair(Full(), num_heads=4, in_features=E)
+  x = _x((B, T, E))
+  want = run_nnx(theirs, x, mask=nnx.make_causal_mask(x[..., 0]))
+  np.testing.assert_allclose(run(ours, x, mask=Causal()), want, atol=1e-5)
+  np.testing.assert_allclose(run(ours, x, is_causal=True), want, atol=1e-5)
+
+
+def test_default_backend_matches_reference_on_packed_rows():
+  kw = dict(num_heads=4, in_features=E, num_kv_heads=2, rope=RoPE())
+  auto = MultiHeadAttention(**kw, rngs=nnx.Rngs(0))
+  ref = MultiHeadAttention(**kw, backend="reference", rngs=nnx.Rngs(0))
+  seg = jnp.array([[1] * 3 + [2] * 4 + [0]] * B, jnp.int32)
+  pos = jnp.array([[0, 1, 2, 0, 1, 2, 3, 0]] * B, jnp.int32)
+  x = _x((B, T, E))
+  np.testing.assert_allclose(run(auto, x, segment_ids=seg, positions=pos),
+                             run(ref, x, segment_ids=seg, positions=pos), atol=1e-5)
+
+
+def test_gqa_shapes_and_logical_names_without_mesh():
+  m = MultiHeadAttention(8, 32, qkv_features=64, num_kv_heads=2, out_features=24, rngs=nnx.Rngs(0))
+  assert m.query.kernel.shape == (32, 8, 8)
+  assert m.key.kernel.shape == m.value.kernel.shape == (32, 2, 8)
+  assert m.value.bias.shape == (2, 8)
+  assert m.out.kernel.shape == (8, 8, 24)
+  assert m.query.kernel.get_metadata()["out_sharding"] == ("embed", "heads", "head_dim")
+  assert m.key.kernel.get_metadata()["out_sharding"] == ("embed", "kv_heads", "head_dim")
+  assert m.value.bias.get_metadata()["out_sharding"] == ("kv_heads", "head_dim")
+  assert m.out.kernel.get_metadata()["out_sharding"] == ("heads", "head_dim", "embed")
+  assert run(m, _x((B, T, 32))).shape == (B, T, 24)
+
+
+def test_update_from_pure_dict_keeps_logical_names():
+  theirs = nnx.MultiHeadAttention(4, E, decode=False, rngs=nnx.Rngs(0))
+  ours = MultiHeadAttention(4, E, rngs=nnx.Rngs(1))
+  nnx.update(ours, nnx.to_pure_dict(nnx.state(theirs, nnx.Param)))
+  np.testing.assert_array_equal(ours.key.kernel[...], theirs.key.kernel[...])
+  assert ours.key.kernel.get_metadata()["out_sharding"] == ("embed", "kv_heads", "head_dim")
+
+
+def test_rope_positions_restart_per_document():
+  m = MultiHeadAttention(4, E, num_kv_heads=2, rope=RoPE(), backend="reference", rngs=nnx.Rngs(0))
+  x = _x((1, 12, E))
+  seg = jnp.array([[1] * 5 + [2] * 7], jnp.int32)
+  pos = jnp.array([list(range(5)) + list(range(7))], jnp.int32)
+  packed = run(m, x, segment_ids=seg, positions=pos)
+  np.testing.assert_allclose(packed[:, 5:], run(m, x[:, 5:]), atol=1e-5)
+  np.testing.assert_allclose(packed[:, :5], run(m, x[:, :5]), atol=1e-5)
+  # RoPE changes the output, and only relative positions matter: shifting a whole
+  # document's positions leaves its output unchanged.
+  plain = MultiHeadAttention(4, E, num_kv_heads=2, backend="reference", rngs=nnx.Rngs(0))
+  assert not np.allclose(run(plain, x[:, 5:]), run(m, x[:, 5:]), atol=1e-3)
+  shifted = run(m, x[:, 5:], positions=jnp.arange(100, 107, dtype=jnp.int32)[None])
+  np.testing.assert_allclose(shifted, run(m, x[:, 5:]), atol=1e-4)
+
+
+@pytest.mark.parametrize("mask", [Causal(), Local(3)])
+def test_decode_token_by_token_matches_full_forward(mask):
+  m = MultiHeadAttention(4, E, num_kv_heads=2, rope=RoPE(), mask=mask, normalize_qk=True,
+                         backend="reference", rngs=nnx.Rngs(0))
+  x = _x((B, T, E))
+  full = run(m, x)
+  m.init_cache((B, T, E))
+  outs = [run(m, x[:, :3], decode=True)]  # prefill three tokens, then one at a time
+  outs += [run(m, x[:, t:t + 1], decode=True) for t in range(3, T)]
+  np.testing.assert_allclose(jnp.concatenate(outs, axis=1), full, atol=1e-5)
+  assert m.cached_key.shape == (B, T, 2, 4) and int(m.cache_index[...]) == T
+
+
+def test_decode_skips_padding_slots():
+  m = MultiHeadAttention(2, E, rope=RoPE(), backend="reference", rngs=nnx.Rngs(0))
+  x = _x((1, 6, E))
+  m.init_cache((1, 8, E))
+  # Two padding tokens first (segment 0) are cached but never attended to.
+  seg = jnp.array([[0, 0, 1, 1, 1, 1]], jnp.int32)
+  pos = jnp.array([[0, 0, 0, 1, 2, 3]], jnp.int32)
+  out = run(m, x, decode=True, segment_ids=seg, positions=pos)
+  np.testing.assert_allclose(out[:, 2:], run(m, x[:, 2:]), atol=1e-5)
+  nxt = run(m, _x((1, 1, E), 3), decode=True, positions=jnp.array([[4]], jnp.int32))
+  want = m(jnp.concatenate([x[:, 2:], _x((1, 1, E), 3)], axis=1))[:, -1:]
+  np.testing.assert_allclose(nxt, want, atol=1e-5)
+
+
+def test_nnx_view_allocates_cache():
+  m = MultiHeadAttention(2, E, rngs=nnx.Rngs(0))
+  v = nnx.view(m, decode=True, batch_size=3, max_length=5)
+  assert v.decode and v.cached_key.shape == (3, 5, 2, 8)
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: MultiHeadAttention(6, 24, num_kv_heads=4, rngs=nnx.Rngs(0)),
+     r"num_kv_heads \(4\) expects a divisor of num_heads \(6\)"),
+    (lambda: MultiHeadAttention(4, 16, qkv_features=18, rngs=nnx.Rngs(0)),
+     r"qkv_features \(18\) expects a multiple of num_heads \(4\)"),
+    (lambda: MultiHeadAttention(0, 16, rngs=nnx.Rngs(0)), r"num_heads=.*positive int.*got 0"),
+    (lambda: MultiHeadAttention(4, 16, dropout_rate=0.1, rngs=nnx.Rngs(0)),
+     r"dropout_rate expects 0.0, got 0.1"),
+    (lambda: MultiHeadAttention(4, 12, rope=RoPE(), rngs=nnx.Rngs(0)),
+     r"rope expects an even head_dim, got head_dim 3"),
+    (lambda: RoPE(theta=0.5), r"theta=.*got 0.5"),
+])
+def test_constructor_errors(make, match):
+  with pytest.raises(ValueError, match=match):
+    make()
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda m: m(_x((B, T, E))[0]), r"inputs_q expects a 3-D array .* got shape \(8, 16\)"),
+    (lambda m: m(_x((B, T, 12))), r"inputs_q expects 16 features \(in_features=16\), got shape"),
+    (lambda m: m(_x((B, T, E)), mask=nnx.make_causal_mask(jnp.ones((B, T)))),
+     r"mask expects a flaxattn mask .* got ArrayImpl of shape \(2, 1, 8, 8\).*segment_ids"),
+    (lambda m: m(_x((B, T, E)), sow_weights=True), r"sow_weights expects False"),
+    (lambda m: m(_x((B, 1, E)), decode=True), r"decode=True expects a KV cache: call init_cache"),
+    (lambda m: m(_x((B, T, E)), None, _x((B, T, E))), r"inputs_k expects an array when inputs_v"),
+])
+def test_call_errors(call, match):
+  m = MultiHeadAttention(4, E, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=match):
+    call(m)
+
+
+def test_decode_cache_mismatch_error():
+  m = MultiHeadAttention(4, E, rngs=nnx.Rngs(0))
+  m.init_cache((B, T, E))
+  with pytest.raises(ValueError, match=r"decode expects keys of shape \(2, <= 8, 4, 4\)"):
+    m(_x((3, 1, E)), decode=True)
