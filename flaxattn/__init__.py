@@ -13,9 +13,11 @@ from flaxattn.attention import attention, explain
 from flaxattn.layer import MultiHeadAttention
 from flaxattn.masks import Causal, Chunked, Full, Local, Mask
 from flaxattn.rope import RoPE
+from flaxattn.segments import SeqlensOffsets, seqlens_and_offsets
 
 __all__ = [
     "attention", "explain",
     "Mask", "Full", "Causal", "Local", "Chunked",
+    "seqlens_and_offsets", "SeqlensOffsets",
     "MultiHeadAttention", "RoPE", "sharding",
 ]
