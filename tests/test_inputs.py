@@ -1,0 +1,67 @@
+"""Bad input raises an error naming the argument, what was received and what was expected;
+the registry explains and refuses what it cannot serve."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import flaxattn
+from flaxattn import registry
+
+Q = jnp.zeros((2, 16, 4, 8))
+K = jnp.zeros((2, 16, 2, 8))
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(q=jnp.zeros((16, 4, 8))), r"q expects a 4-D array .*shape \(16, 4, 8\)"),
+    (dict(q=jnp.zeros((2, 16, 3, 8))), r"q heads \(3\) expect a multiple of k/v heads \(2\)"),
+    (dict(k=jnp.zeros((2, 16, 2, 4)), v=jnp.zeros((2, 16, 2, 4))), r"head_dim"),
+    (dict(v=jnp.zeros((2, 15, 2, 8))), r"k and v expect the same shape"),
+    (dict(q=jnp.zeros((2, 16, 4, 8), jnp.int32)), r"q expects a floating dtype.*int32"),
+    (dict(q=jnp.zeros((2, 16, 4, 8), jnp.bfloat16)), r"q, k, v expect one dtype"),
+    (dict(segment_ids=jnp.ones((2, 15), jnp.int32)), r"segment_ids expects an integer array of shape \(2, 16\).*\(2, 15\)"),
+    (dict(segment_ids=jnp.ones((2, 16), jnp.float32)), r"segment_ids expects an integer array.*float32"),
+    (dict(positions=jnp.ones((16,), jnp.int32)), r"positions expects an integer array of shape \(2, 16\)"),
+    (dict(kv_positions=jnp.ones((2, 8), jnp.int32)), r"kv_positions expects .*\(2, 16\)"),
+    (dict(kv_segment_ids=jnp.ones((2, 16), jnp.int32)), r"segment_ids is required"),
+    (dict(backend="nope"), r"backend expects 'auto' or one of \['fused', 'reference'"),
+])
+def test_bad_input_names_the_argument(kwargs, match):
+  args = dict(q=Q, k=K, v=K)
+  args.update(kwargs)
+  with pytest.raises(ValueError, match=match):
+    flaxattn.attention(args.pop("q"), args.pop("k"), args.pop("v"), **args)
+
+
+def test_mask_type_error():
+  with pytest.raises(TypeError, match=r"mask expects a flaxattn mask .*got array"):
+    flaxattn.attention(Q, K, K, mask=np.ones((16, 16), bool))
+
+
+def test_cross_attention_needs_kv_segments():
+  with pytest.raises(ValueError, match=r"kv_segment_ids is required when keys \(9\) and queries \(16\)"):
+    flaxattn.attention(Q, K[:, :9], K[:, :9], segment_ids=jnp.ones((2, 16), jnp.int32))
+
+
+def test_explicit_backend_that_declines_names_reason_and_alternatives(monkeypatch):
+  picky = registry.FunctionKernel("picky", lambda *a, **kw: None,
+                                  lambda call: None if call.dtype == "bfloat16" else "needs bfloat16.")
+  monkeypatch.setitem(registry._KERNELS, "picky", picky)
+  monkeypatch.setitem(registry._ORDER, "cpu", ["picky"] + registry.order("cpu"))
+  with pytest.raises(ValueError, match=r"backend='picky' cannot serve this call: needs bfloat16\..*"
+                                       r"Kernels that can: \['fused', 'reference'\]"):
+    flaxattn.attention(Q, K, K, backend="picky")
+  text = flaxattn.explain(Q, K, K, print_fn=None)
+  assert "picky: declines: needs bfloat16." in text and "backend='auto' -> fused" in text
+  text = flaxattn.explain(Q.astype(jnp.bfloat16), K.astype(jnp.bfloat16), K.astype(jnp.bfloat16),
+                          print_fn=None)
+  assert "backend='auto' -> picky" in text
+
+
+def test_explain_takes_shapes_only(capsys):
+  shape = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
+  flaxattn.explain(shape(1, 4096, 8, 64), shape(1, 4096, 2, 64), shape(1, 4096, 2, 64),
+                   mask=flaxattn.Local(128))
+  out = capsys.readouterr().out
+  assert "mask Local(window=128)" in out and "-> fused" in out
