@@ -241,27 +241,76 @@ def _blockwise_bwd(q, k, v, out, lse, dout, dlse, arrays, kinds, lo_t, hi_t, *, 
   return dq, to_kv(dk), to_kv(dv)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _flash(mask, bq, bk, q, k, v, arrays, kinds):
-  return _flash_fwd(mask, bq, bk, q, k, v, arrays, kinds)[0]
+def _rows_in(x, t_pad: int, hkv: int, fill=0.0):
+  """`[B, T, H, ...]` -> `[B, Hkv, Tp, G, ...]`, padding T with `fill`."""
+  b, _, h = x.shape[:3]
+  x = _pad_axis1(x, t_pad, fill).reshape((b, t_pad, hkv, h // hkv) + x.shape[3:])
+  return jnp.moveaxis(x, 2, 1)
 
 
-def _flash_fwd(mask, bq, bk, q, k, v, arrays, kinds):
+def _rows_out(x, t: int):
+  """`[B, Hkv, Tp, G, ...]` -> `[B, T, H, ...]`."""
+  b, hkv, t_pad, g = x.shape[:4]
+  return jnp.moveaxis(x, 1, 2).reshape((b, t_pad, hkv * g) + x.shape[4:])[:, :t]
+
+
+def _prepare(q, k, v, layout, mask, scale, block_q, block_k):
+  b, t, _, _ = q.shape
+  s, hkv = k.shape[1], k.shape[2]
+  bq, bk = _block_size(t, block_q), _block_size(s, block_k)
+  t_pad, s_pad = _round_up(t, bq), _round_up(s, bk)
+  arrays, kinds = _schedule(mask, layout, b, t_pad, s_pad, t, s, bq, bk)
+  # Scale q once instead of every score block.
+  q5 = _rows_in(q * jnp.asarray(scale, q.dtype), t_pad, hkv)
+  kv_in = lambda x: _pad_axis1(x, s_pad).transpose(0, 2, 1, 3)
+  return q5, kv_in(k), kv_in(v), arrays, kinds, bq, bk
+
+
+def attention_forward(q, k, v, layout: Layout, *, mask: Mask, scale: float,
+                      block_q: int = DEFAULT_BLOCK_Q, block_k: int = DEFAULT_BLOCK_K):
+  """Forward pass without autodiff rules: out `[B, T, H, D]` (q dtype), lse `[B, T, H]` f32."""
+  q5, k4, v4, arrays, kinds, bq, bk = _prepare(q, k, v, layout, mask, scale, block_q, block_k)
   lo, hi = _visit_bounds(jnp, kinds, axis=2)
-  out, lse = _blockwise_fwd(q, k, v, arrays, kinds, lo, hi, mask=mask, bq=bq, bk=bk)
-  return (out, lse), (q, k, v, out, lse, arrays, kinds)
+  out, lse = _blockwise_fwd(q5, k4, v4, arrays, kinds, lo, hi, mask=mask, bq=bq, bk=bk)
+  t = q.shape[1]
+  return _rows_out(out, t), _rows_out(lse, t)
 
 
-def _flash_bwd(mask, bq, bk, residuals, cotangents):
-  q, k, v, out, lse, arrays, kinds = residuals
-  dout, dlse = cotangents
+def attention_backward(q, k, v, layout: Layout, out, lse, dout, dlse, *, mask: Mask, scale: float,
+                       block_q: int = DEFAULT_BLOCK_Q, block_k: int = DEFAULT_BLOCK_K):
+  """Gradients (dq, dk, dv) of the attention of q against k/v, given the output `out` and
+  log-sum-exp `lse` of the rows (which may cover more keys than k/v: ring attention passes the
+  merged result of every key block) and their cotangents `dout`, `dlse` (float32 `[B, T, H]`)."""
+  q5, k4, v4, arrays, kinds, bq, bk = _prepare(q, k, v, layout, mask, scale, block_q, block_k)
   lo_t, hi_t = _visit_bounds(jnp, kinds, axis=1)
-  dq, dk, dv = _blockwise_bwd(q, k, v, out, lse, dout, dlse, arrays, kinds, lo_t, hi_t,
-                              mask=mask, bq=bq, bk=bk)
-  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+  t_pad, hkv = q5.shape[2], k.shape[2]
+  dq, dk, dv = _blockwise_bwd(
+      q5, k4, v4, _rows_in(out, t_pad, hkv), _rows_in(lse, t_pad, hkv, -jnp.inf),
+      _rows_in(dout, t_pad, hkv), _rows_in(dlse.astype(jnp.float32), t_pad, hkv), arrays, kinds,
+      lo_t, hi_t, mask=mask, bq=bq, bk=bk)
+  kv_out = lambda x: x.transpose(0, 2, 1, 3)[:, :k.shape[1]].astype(k.dtype)
+  return (_rows_out(dq * scale, q.shape[1]).astype(q.dtype), kv_out(dk), kv_out(dv))
 
 
-_flash.defvjp(_flash_fwd, _flash_bwd)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _attention(q, k, v, layout, mask, scale, block_q, block_k):
+  return attention_forward(q, k, v, layout, mask=mask, scale=scale, block_q=block_q, block_k=block_k)
+
+
+def _attention_fwd(q, k, v, layout, mask, scale, block_q, block_k):
+  out, lse = _attention(q, k, v, layout, mask, scale, block_q, block_k)
+  return (out, lse), (q, k, v, layout, out, lse)
+
+
+def _attention_bwd(mask, scale, block_q, block_k, residuals, cotangents):
+  q, k, v, layout, out, lse = residuals
+  dout, dlse = cotangents
+  dq, dk, dv = attention_backward(q, k, v, layout, out, lse, dout, dlse, mask=mask, scale=scale,
+                                  block_q=block_q, block_k=block_k)
+  return dq, dk, dv, None
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def blockwise_attention(q, k, v, layout: Layout, *, mask: Mask, scale: float, return_lse: bool,
@@ -277,19 +326,5 @@ def blockwise_attention(q, k, v, layout: Layout, *, mask: Mask, scale: float, re
     `[B, T, H, D]` in q's dtype; with `return_lse` also lse `[B, T, H]` float32
     (-inf where a query has nothing to attend to; its output and gradients are zero).
   """
-  b, t, h, d = q.shape
-  s, hkv = k.shape[1], k.shape[2]
-  g = h // hkv
-  bq, bk = _block_size(t, block_q), _block_size(s, block_k)
-  t_pad, s_pad = _round_up(t, bq), _round_up(s, bk)
-  arrays, kinds = _schedule(mask, layout, b, t_pad, s_pad, t, s, bq, bk)
-  # Scale q once here instead of every score block; autodiff carries it into dq.
-  q5 = (_pad_axis1(q, t_pad) * jnp.asarray(scale, q.dtype)).reshape(b, t_pad, hkv, g, d)
-  q5 = q5.transpose(0, 2, 1, 3, 4)
-  k4 = _pad_axis1(k, s_pad).transpose(0, 2, 1, 3)
-  v4 = _pad_axis1(v, s_pad).transpose(0, 2, 1, 3)
-  out, lse = _flash(mask, bq, bk, q5, k4, v4, arrays, kinds)
-  out = out.transpose(0, 2, 1, 3, 4).reshape(b, t_pad, h, d)[:, :t]
-  if not return_lse:
-    return out
-  return out, lse.transpose(0, 2, 1, 3).reshape(b, t_pad, h)[:, :t]
+  out, lse = _attention(q, k, v, layout, mask, float(scale), block_q, block_k)
+  return (out, lse) if return_lse else out
