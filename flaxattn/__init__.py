@@ -5,11 +5,15 @@ Public API:
   Full, Causal, Local, Chunked, Mask     masks on positions and segments (combine with &)
   seqlens_and_offsets                    THD descriptor from segment ids, O(T + max_segments)
   MultiHeadAttention, RoPE               NNX layer, a drop-in for flax.nnx.MultiHeadAttention
+  ContextParallel, load_balance,         ring / all-gather attention over a sharded sequence axis
+    unload_balance                       and the dual-chunk load-balancing permutation
   sharding                               default logical-axis rules for (data, fsdp, tensor, context)
 """
 
 from flaxattn import sharding
 from flaxattn.attention import attention, explain
+from flaxattn.balance import load_balance, unload_balance
+from flaxattn.context_parallel import ContextParallel
 from flaxattn.layer import MultiHeadAttention
 from flaxattn.masks import Causal, Chunked, Full, Local, Mask
 from flaxattn.rope import RoPE
@@ -19,5 +23,6 @@ __all__ = [
     "attention", "explain",
     "Mask", "Full", "Causal", "Local", "Chunked",
     "seqlens_and_offsets", "SeqlensOffsets",
+    "ContextParallel", "load_balance", "unload_balance",
     "MultiHeadAttention", "RoPE", "sharding",
 ]

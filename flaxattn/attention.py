@@ -8,6 +8,7 @@ import numpy as np
 
 from flaxattn import registry
 from flaxattn.blockwise import blockwise_attention
+from flaxattn.context_parallel import ContextParallel, context_parallel_attention
 from flaxattn.layout import Layout
 from flaxattn.masks import Causal, Mask, check_mask
 from flaxattn.reference import reference_attention
@@ -111,12 +112,18 @@ def attention(q, k, v, *, mask: Mask = Causal(), segment_ids=None, positions=Non
   layout = make_layout(q, k, segment_ids, positions, kv_segment_ids, kv_positions)
   if scale is None:
     scale = q.shape[-1] ** -0.5
-  if context_parallel is not None:
-    raise NotImplementedError(
-        f"context_parallel={context_parallel!r}: context parallelism is not available in this"
-        " version of flaxattn; pass context_parallel=None.")
   kernel = registry.select(backend, _call(q, k, mask, layout, return_lse))
-  return kernel(q, k, v, layout, mask=mask, scale=float(scale), return_lse=return_lse)
+  if context_parallel is None:
+    return kernel(q, k, v, layout, mask=mask, scale=float(scale), return_lse=return_lse)
+  if not isinstance(context_parallel, ContextParallel):
+    raise TypeError(f"context_parallel expects a flaxattn.ContextParallel or None, got"
+                    f" {context_parallel!r}.")
+  if context_parallel.strategy == "ring" and kernel.name != "fused":
+    raise ValueError(f"context_parallel strategy 'ring' runs the 'fused' kernel's forward and"
+                     f" backward passes per block; backend={backend!r} selected {kernel.name!r}."
+                     " Pass backend='auto' or 'fused', or strategy='all_gather'.")
+  return context_parallel_attention(q, k, v, layout, mask=mask, scale=float(scale),
+                                    cp=context_parallel, kernel=kernel, return_lse=return_lse)
 
 
 def explain(q, k, v, *, mask: Mask = Causal(), segment_ids=None, positions=None,

@@ -1,0 +1,185 @@
+"""Context parallelism: attention with the sequence axis sharded over a mesh axis.
+
+Strategies:
+  - "ring": K, V and their segment ids / positions travel around the devices of the axis
+    with `ppermute` inside a `lax.scan`; each step runs the local blockwise kernel on the
+    device's queries against the visiting key block and merges by log-sum-exp in float32.
+    The local kernel's block schedule skips what the mask and the positions rule out, so
+    under load balancing off-diagonal steps cost full, half or no blocks. The backward pass
+    is a second ring in which dK/dV travel with K/V: per-device memory stays O(T / cp).
+  - "all_gather": K/V gathered once, the local kernel on the device's own queries. The
+    baseline; memory O(T) per device for K/V.
+
+Only the context axis is manual (`shard_map(axis_names={axis})`): batch sharded over
+data/fsdp and heads over tensor stay with the compiler's automatic sharding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from flaxattn import balance
+from flaxattn.blockwise import attention_backward, attention_forward
+from flaxattn.layout import Layout
+from flaxattn.masks import Mask
+
+STRATEGIES = ("ring", "all_gather")
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextParallel:
+  """Run attention with the sequence axis sharded over mesh axis `axis`.
+
+  Args:
+    axis: mesh axis name the sequence (dim 1 of q/k/v) is sharded over.
+    strategy: "ring" or "all_gather".
+    load_balance: the per-token arrays are in `flaxattn.load_balance` order (dual chunk).
+      Only the default positions depend on it (they become the permuted token indices);
+      explicit positions are used as given.
+  Raises:
+    ValueError: unknown strategy or a non-string axis.
+  """
+
+  axis: str = "context"
+  strategy: str = "ring"
+  load_balance: bool = True
+
+  def __post_init__(self):
+    if not isinstance(self.axis, str) or not self.axis:
+      raise ValueError(f"ContextParallel(axis=...) expects a mesh axis name, got {self.axis!r}.")
+    if self.strategy not in STRATEGIES:
+      raise ValueError(f"ContextParallel(strategy=...) expects one of {STRATEGIES}, got {self.strategy!r}.")
+
+
+def _axis_size(cp: ContextParallel) -> int:
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    raise ValueError(f"context_parallel={cp} needs a mesh: call under `with jax.set_mesh(mesh):`"
+                     f" with a mesh that has an axis named {cp.axis!r}.")
+  if cp.axis not in mesh.axis_names:
+    raise ValueError(f"context_parallel axis {cp.axis!r} is not in the mesh; mesh axes are"
+                     f" {tuple(mesh.axis_names)}. Pass ContextParallel(axis=<one of them>).")
+  return mesh.shape[cp.axis]
+
+
+def _merge(out, lse, out_s, lse_s):
+  """Combines two partial softmax results over disjoint key sets (float32)."""
+  new = jnp.logaddexp(lse, lse_s)
+  safe = jnp.where(jnp.isfinite(new), new, 0.0)  # rows with no key anywhere stay 0 / -inf
+  w, w_s = jnp.exp(lse - safe), jnp.exp(lse_s - safe)
+  return out * w[..., None] + out_s.astype(jnp.float32) * w_s[..., None], new
+
+
+def _shift(x, axis: str, n: int):
+  return jax.lax.ppermute(x, axis, [(i, (i + 1) % n) for i in range(n)])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _ring(axis, n, mask, scale, q, k, v, layout):
+  return _ring_fwd(axis, n, mask, scale, q, k, v, layout)[0]
+
+
+def _ring_fwd(axis, n, mask, scale, q, k, v, layout):
+  kernel = functools.partial(attention_forward, mask=mask, scale=scale)
+  q_layout = (layout.q_segment_ids, layout.q_positions)
+
+  def compute(out, lse, kv, ids):
+    o_s, lse_s = kernel(q, kv[0], kv[1], Layout(q_layout[0], ids[0], q_layout[1], ids[1]))
+    return _merge(out, lse, o_s, lse_s)
+
+  def step(carry, _):
+    out, lse, kv, ids = carry
+    # Send the block on before computing with it, so the transfer overlaps the compute.
+    next_kv, next_ids = _shift(kv, axis, n), _shift(ids, axis, n)
+    out, lse = compute(out, lse, kv, ids)
+    return (out, lse, next_kv, next_ids), None
+
+  kv = jnp.stack([k, v])
+  ids = jnp.stack([layout.kv_segment_ids, layout.kv_positions])
+  out = jnp.zeros(q.shape, jnp.float32)
+  lse = jnp.full(q.shape[:3], -jnp.inf, jnp.float32)
+  (out, lse, kv, ids), _ = jax.lax.scan(step, (out, lse, kv, ids), length=n - 1)
+  out, lse = compute(out, lse, kv, ids)  # the last block: nothing left to send
+  out = out.astype(q.dtype)
+  return (out, lse), (q, k, v, layout, out, lse)
+
+
+def _ring_bwd(axis, n, mask, scale, residuals, cotangents):
+  q, k, v, layout, out, lse = residuals
+  dout, dlse = cotangents
+  kernel = functools.partial(attention_backward, mask=mask, scale=scale)
+
+  def compute(dq, dkv, kv, ids):
+    lay = Layout(layout.q_segment_ids, ids[0], layout.q_positions, ids[1])
+    dq_s, dk_s, dv_s = kernel(q, kv[0], kv[1], lay, out, lse, dout, dlse)
+    return dq + dq_s.astype(jnp.float32), dkv + jnp.stack([dk_s, dv_s]).astype(jnp.float32)
+
+  def step(carry, _):
+    dq, dkv, kv, ids = carry
+    next_kv, next_ids = _shift(kv, axis, n), _shift(ids, axis, n)
+    dq, dkv = compute(dq, dkv, kv, ids)
+    # dK/dV of the visiting block travel with it; after n shifts they are home.
+    return (dq, _shift(dkv, axis, n), next_kv, next_ids), None
+
+  kv = jnp.stack([k, v])
+  ids = jnp.stack([layout.kv_segment_ids, layout.kv_positions])
+  init = (jnp.zeros(q.shape, jnp.float32), jnp.zeros(kv.shape, jnp.float32), kv, ids)
+  (dq, dkv, kv, ids), _ = jax.lax.scan(step, init, length=n - 1)
+  dq, dkv = compute(dq, dkv, kv, ids)
+  dkv = _shift(dkv, axis, n)
+  return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype), None
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+def _all_gather(axis, mask, scale, kernel, q, k, v, layout):
+  gather = lambda x: jax.lax.all_gather(x, axis, axis=1, tiled=True)
+  full = Layout(layout.q_segment_ids, gather(layout.kv_segment_ids), layout.q_positions,
+                gather(layout.kv_positions))
+  return kernel(q, gather(k), gather(v), full, mask=mask, scale=scale, return_lse=True)
+
+
+def context_parallel_attention(q, k, v, layout: Layout, *, mask: Mask, scale: float,
+                               cp: ContextParallel, kernel, return_lse: bool):
+  """Attention of q `[B, T, H, D]` over k/v `[B, T, Hkv, D]` sharded over `cp.axis` on dim 1.
+
+  `kernel` is the registry's local kernel (used by "all_gather"; "ring" runs the blockwise
+  kernel's forward and backward passes directly).
+
+  Raises:
+    ValueError: no mesh set, axis not in the mesh, keys and queries of different lengths,
+      or T not divisible by the axis size (2 x the axis size with load balancing).
+  """
+  n = _axis_size(cp)
+  b, t = q.shape[:2]
+  if k.shape[1] != t:
+    raise ValueError(f"context_parallel expects keys as long as queries (self attention), got"
+                     f" q {q.shape} and k {k.shape}.")
+  parts = 2 * n if cp.load_balance else n
+  if t % parts:
+    raise ValueError(f"context_parallel over {cp.axis!r} (size {n}) expects the sequence length"
+                     f" ({t}) divisible by {parts}{' (2 x axis size, load balancing)' if cp.load_balance else ''}.")
+  index = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+  if cp.load_balance:
+    index = balance.load_balance(index, n)
+  full = layout.materialize(b, t, t)
+  layout = Layout(
+      full.q_segment_ids, full.kv_segment_ids,
+      index if layout.q_positions is None else layout.q_positions,
+      index if layout.kv_positions is None else layout.kv_positions)
+
+  seq = P(None, cp.axis)
+  if cp.strategy == "ring":
+    local = lambda q, k, v, lay: _ring(cp.axis, n, mask, scale, q, k, v, lay)
+  else:
+    local = functools.partial(_all_gather, cp.axis, mask, scale, kernel)
+  layout_spec = Layout(seq, seq, seq, seq)
+  out, lse = jax.shard_map(local, in_specs=(seq, seq, seq, layout_spec), out_specs=(seq, seq),
+                           axis_names=frozenset({cp.axis}), check_vma=False)(q, k, v, layout)
+  return (out, lse) if return_lse else out
