@@ -145,6 +145,14 @@ def _all_gather(axis, mask, scale, kernel, q, k, v, layout):
   return kernel(q, gather(k), gather(v), full, mask=mask, scale=scale, return_lse=True)
 
 
+def default_positions(cp: ContextParallel, batch: int, length: int) -> jax.Array:
+  """Positions `[batch, length]` int32 of tokens whose positions were not given: the token
+  index, in `load_balance` order when `cp.load_balance` (so RoPE and masks agree with a
+  pipeline that permuted only the token arrays). Needs the mesh (see `ContextParallel`)."""
+  index = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+  return balance.load_balance(index, _axis_size(cp)) if cp.load_balance else index
+
+
 def context_parallel_attention(q, k, v, layout: Layout, *, mask: Mask, scale: float,
                                cp: ContextParallel, kernel, return_lse: bool):
   """Attention of q `[B, T, H, D]` over k/v `[B, T, Hkv, D]` sharded over `cp.axis` on dim 1.
@@ -165,9 +173,7 @@ def context_parallel_attention(q, k, v, layout: Layout, *, mask: Mask, scale: fl
   if t % parts:
     raise ValueError(f"context_parallel over {cp.axis!r} (size {n}) expects the sequence length"
                      f" ({t}) divisible by {parts}{' (2 x axis size, load balancing)' if cp.load_balance else ''}.")
-  index = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-  if cp.load_balance:
-    index = balance.load_balance(index, n)
+  index = default_positions(cp, b, t)
   full = layout.materialize(b, t, t)
   layout = Layout(
       full.q_segment_ids, full.kv_segment_ids,

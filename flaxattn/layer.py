@@ -28,6 +28,7 @@ from flax.nnx.nn.linear import default_kernel_init
 from jax import lax
 
 from flaxattn.attention import attention
+from flaxattn.context_parallel import default_positions
 from flaxattn.masks import Causal, Full, Mask, check_mask
 from flaxattn.rope import RoPE
 from flaxattn.sharding import constrain, param_metadata
@@ -283,6 +284,9 @@ class MultiHeadAttention(nnx.Module):
         segment_ids = jnp.ones((b, t), jnp.int32)
       kv_segment_ids, kv_positions = segment_ids, positions
     if self.rope is not None:
+      if positions is None and self.context_parallel is not None and s == t:
+        # As flaxattn.attention: default positions follow the load-balance permutation.
+        positions = default_positions(self.context_parallel, b, t)
       q_pos = _index_BT(b, t) if positions is None else positions
       if kv_positions is not None:
         k_pos = kv_positions

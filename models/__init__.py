@@ -1,0 +1,12 @@
+"""Models built on flaxattn and flax.nnx.
+
+  LlamaConfig, Llama     Llama-style decoder (GQA, RoPE on positions, SwiGLU, chunked layers)
+  make_targets, loss_fn  next-token targets for packed rows, weighted cross entropy
+  num_params, flops_per_token, layer_masks
+"""
+
+from models.llama import (Llama, LlamaConfig, flops_per_token, layer_masks, loss_fn,
+                          make_targets, num_params)
+
+__all__ = ["LlamaConfig", "Llama", "make_targets", "loss_fn", "num_params", "flops_per_token",
+           "layer_masks"]

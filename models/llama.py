@@ -1,0 +1,387 @@
+"""A Llama-style decoder on `flaxattn`: packed rows, GQA, RoPE on positions, SwiGLU.
+
+Every token carries a segment id (0 = padding, documents 1, 2, ...) and its position inside
+its document, so packed documents never see each other and each restarts RoPE at 0: a
+document gives the same logits packed or alone. Optional Llama-4-style chunked attention:
+with `chunk_size`, layer i attends inside aligned chunks of `chunk_size` positions unless
+`i % global_every == global_every - 1`, which is global causal (`layer_masks`).
+
+Parameters are float32 and carry logical axis names (`out_sharding` metadata); activations
+get logical sharding constraints (no-ops without a mesh and rules, see `flaxattn.sharding`).
+With `scan_layers`, layers are stacked along a leading `layers` axis and run by `nnx.scan`;
+the stacked unit is one period of the mask pattern (`global_every` layers with
+`chunk_size`, else one layer), so the pattern holds and `n_layers` must be a multiple of the
+period. Parameter trees differ between the two layouts (`layers/<i>/...` vs
+`layers/blocks/<j>/...` stacked over groups, layer i = group i // period, block i % period).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import flaxattn
+from flaxattn.sharding import constrain, param_metadata
+
+X_NAMES = ("batch", "seq", "embed")
+HIDDEN_NAMES = ("batch", "seq", "mlp")
+LOGITS_NAMES = ("batch", "seq", "vocab")
+# Logical name of the stacked-layers axis under scan_layers; no default rule maps it, so it
+# stays replicated unless the caller's rules name a mesh axis for it.
+LAYERS_AXIS = "layers"
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+# jax.checkpoint policies by name. "dots" keeps the outputs of the weight matmuls (no batch
+# dimensions) and recomputes the rest, attention included; "full" keeps only block inputs.
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def _check_positive_int(name: str, value) -> None:
+  if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    raise ValueError(f"LlamaConfig({name}=...) expects a positive int, got {value!r}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+  """Sizes and options of `Llama` (hashable; validated on construction).
+
+  Fields beyond the sizes:
+    chunk_size: Llama-4-style chunked attention (`flaxattn.Chunked(chunk_size)`) in every
+      layer but each `global_every`-th, which stays global causal (see `layer_masks`).
+    remat: "none", "full" (keep only each layer's input) or "dots" (also keep the weight
+      matmul outputs, recompute attention and elementwise ops); `jax.checkpoint` policies.
+    scan_layers: stack layers and run them with `nnx.scan` (one compiled period of the mask
+      pattern); parameter trees differ from the unrolled layout (see the module docstring).
+    dtype: compute dtype, "float32" or "bfloat16", of matmuls and the residual stream;
+      parameters, norm statistics and RoPE angles stay float32, and logits are returned
+      as float32 (the output matmul runs in the compute dtype).
+    attention_backend: passed to `flaxattn.MultiHeadAttention(backend=...)`.
+
+  Raises:
+    ValueError naming the field and value: a size that is not a positive int, `dim` not a
+    multiple of `n_heads`, an odd head_dim (RoPE), `n_heads` not a multiple of `n_kv_heads`,
+    unknown `remat` or `dtype`, `norm_eps`/`rope_theta` out of range, or `scan_layers` with
+    `chunk_size` and `n_layers` not a multiple of `global_every`.
+  """
+
+  vocab_size: int = 256
+  dim: int = 256
+  n_layers: int = 4
+  n_heads: int = 8
+  n_kv_heads: int = 2
+  ffn_dim: int = 768
+  rope_theta: float = 10000.0
+  norm_eps: float = 1e-5
+  tie_embeddings: bool = True
+  max_seq_len: int = 4096
+  chunk_size: int | None = None
+  global_every: int = 4
+  remat: str = "none"
+  scan_layers: bool = False
+  dtype: str = "float32"
+  attention_backend: str = "auto"
+
+  def __post_init__(self):
+    for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
+                 "max_seq_len", "global_every"):
+      _check_positive_int(name, getattr(self, name))
+    if self.chunk_size is not None:
+      _check_positive_int("chunk_size", self.chunk_size)
+    if self.dim % self.n_heads:
+      raise ValueError(f"LlamaConfig(dim=...) expects a multiple of n_heads ({self.n_heads}),"
+                       f" got {self.dim}: head_dim = dim // n_heads.")
+    if self.head_dim % 2:
+      raise ValueError(f"LlamaConfig(dim=...) expects an even head_dim for RoPE, got dim"
+                       f" {self.dim} / n_heads {self.n_heads} = {self.head_dim}.")
+    if self.n_heads % self.n_kv_heads:
+      raise ValueError(f"LlamaConfig(n_heads=...) expects a multiple of n_kv_heads"
+                       f" ({self.n_kv_heads}), got {self.n_heads}: each KV head serves"
+                       " n_heads // n_kv_heads query heads.")
+    if self.remat not in REMAT_POLICIES:
+      raise ValueError(f"LlamaConfig(remat=...) expects one of {tuple(REMAT_POLICIES)}, got"
+                       f" {self.remat!r}.")
+    if self.dtype not in DTYPES:
+      raise ValueError(f"LlamaConfig(dtype=...) expects one of {tuple(DTYPES)}, got"
+                       f" {self.dtype!r}; parameters are always float32.")
+    if not isinstance(self.rope_theta, (int, float)) or self.rope_theta <= 1:
+      raise ValueError(f"LlamaConfig(rope_theta=...) expects a number > 1, got {self.rope_theta!r}.")
+    if not isinstance(self.norm_eps, (int, float)) or self.norm_eps <= 0:
+      raise ValueError(f"LlamaConfig(norm_eps=...) expects a number > 0, got {self.norm_eps!r}.")
+    if not isinstance(self.attention_backend, str) or not self.attention_backend:
+      raise ValueError(f"LlamaConfig(attention_backend=...) expects a flaxattn backend name"
+                       f" ('auto', 'fused', 'reference', ...), got {self.attention_backend!r}.")
+    if self.scan_layers and self.n_layers % self.period:
+      raise ValueError(f"LlamaConfig(n_layers=...) expects a multiple of global_every"
+                       f" ({self.global_every}) with scan_layers and chunk_size, got"
+                       f" {self.n_layers}: the scan runs whole periods of the layer pattern."
+                       " Change n_layers or global_every, or set scan_layers=False.")
+
+  @property
+  def head_dim(self) -> int:
+    return self.dim // self.n_heads
+
+  @property
+  def period(self) -> int:
+    """Layers in one repeat of the mask pattern (the unit `scan_layers` stacks)."""
+    return 1 if self.chunk_size is None else self.global_every
+
+
+def layer_masks(config: LlamaConfig) -> tuple[flaxattn.Mask, ...]:
+  """The attention mask of each of the `n_layers` layers: `Chunked(chunk_size)`, except
+  `Causal()` where `i % global_every == global_every - 1` or without `chunk_size`."""
+  if config.chunk_size is None:
+    return (flaxattn.Causal(),) * config.n_layers
+  g = config.global_every
+  return tuple(flaxattn.Causal() if i % g == g - 1 else flaxattn.Chunked(config.chunk_size)
+               for i in range(config.n_layers))
+
+
+class RMSNorm(nnx.Module):
+  """x / rms(x) * scale, computed in float32, returned in the compute dtype."""
+
+  def __init__(self, dim: int, *, eps: float, dtype):
+    self.eps = eps
+    self.dtype = dtype
+    self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), **param_metadata(("embed",), {}))
+
+  def __call__(self, x_BTD: jax.Array) -> jax.Array:
+    x = x_BTD.astype(jnp.float32)
+    x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
+    return (x * self.scale[...]).astype(self.dtype)
+
+
+class MLP(nnx.Module):
+  """SwiGLU: w2(silu(w1 x) * w3 x), no biases."""
+
+  def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+    linear = functools.partial(nnx.Linear, use_bias=False, dtype=DTYPES[config.dtype],
+                               param_dtype=jnp.float32, rngs=rngs)
+    up = param_metadata(("embed", "mlp"), {})
+    self.w1 = linear(config.dim, config.ffn_dim, kernel_metadata=up)
+    self.w3 = linear(config.dim, config.ffn_dim, kernel_metadata=up)
+    self.w2 = linear(config.ffn_dim, config.dim,
+                     kernel_metadata=param_metadata(("mlp", "embed"), {}))
+
+  def __call__(self, x_BTD: jax.Array) -> jax.Array:
+    h_BTF = constrain(nnx.silu(self.w1(x_BTD)) * self.w3(x_BTD), HIDDEN_NAMES)
+    return constrain(self.w2(h_BTF), X_NAMES)
+
+
+class Block(nnx.Module):
+  """Pre-norm decoder layer: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+  def __init__(self, config: LlamaConfig, mask: flaxattn.Mask, *, context_parallel,
+               rngs: nnx.Rngs):
+    dtype = DTYPES[config.dtype]
+    self.attn_norm = RMSNorm(config.dim, eps=config.norm_eps, dtype=dtype)
+    self.attn = flaxattn.MultiHeadAttention(
+        config.n_heads, config.dim, num_kv_heads=config.n_kv_heads, use_bias=False,
+        dtype=dtype, param_dtype=jnp.float32, decode=False, mask=mask,
+        backend=config.attention_backend, context_parallel=context_parallel,
+        rope=flaxattn.RoPE(config.rope_theta), rngs=rngs)
+    self.mlp_norm = RMSNorm(config.dim, eps=config.norm_eps, dtype=dtype)
+    self.mlp = MLP(config, rngs=rngs)
+
+  def __call__(self, x_BTD, segment_ids, positions):
+    x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), segment_ids=segment_ids,
+                              positions=positions)
+    return x_BTD + self.mlp(self.mlp_norm(x_BTD))
+
+
+class LayerGroup(nnx.Module):
+  """One period of the mask pattern; the unit that `scan_layers` stacks and scans."""
+
+  def __init__(self, config: LlamaConfig, *, context_parallel, rngs: nnx.Rngs):
+    masks = layer_masks(config)[:config.period]
+    self.blocks = nnx.List([Block(config, m, context_parallel=context_parallel, rngs=rngs)
+                            for m in masks])
+
+
+def _call_block(block: Block, x_BTD, segment_ids, positions):
+  return block(x_BTD, segment_ids, positions)
+
+
+class Llama(nnx.Module):
+  """Llama-style decoder: token embedding, `n_layers` blocks, final RMSNorm, output head.
+
+  Args:
+    config: a `LlamaConfig`.
+    context_parallel: a `flaxattn.ContextParallel` for every attention layer (sequence axis
+      sharded over its mesh axis); call the model under `jax.set_mesh`.
+    rngs: parameter initialization.
+
+  Create it under `jax.set_mesh(mesh)` and `nnx.logical_axis_rules(...)` (e.g. inside
+  `nnx.jit`) to get sharded parameters.
+  """
+
+  def __init__(self, config: LlamaConfig, *,
+               context_parallel: flaxattn.ContextParallel | None = None, rngs: nnx.Rngs):
+    if not isinstance(config, LlamaConfig):
+      raise TypeError(f"Llama(config=...) expects a LlamaConfig, got {type(config).__name__}.")
+    self.config = config
+    self.context_parallel = context_parallel
+    dtype = DTYPES[config.dtype]
+    self.embed = nnx.Embed(config.vocab_size, config.dim, dtype=dtype, param_dtype=jnp.float32,
+                           embedding_metadata=param_metadata(("vocab", "embed"), {}), rngs=rngs)
+    if config.scan_layers:
+      @nnx.split_rngs(splits=config.n_layers // config.period)
+      @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: LAYERS_AXIS})
+      def make_groups(rngs):
+        return LayerGroup(config, context_parallel=context_parallel, rngs=rngs)
+
+      self.layers = make_groups(rngs)
+    else:
+      self.layers = nnx.List([Block(config, m, context_parallel=context_parallel, rngs=rngs)
+                              for m in layer_masks(config)])
+    self.norm = RMSNorm(config.dim, eps=config.norm_eps, dtype=dtype)
+    if config.tie_embeddings:
+      self.lm_head = nnx.data(None)
+    else:
+      self.lm_head = nnx.Linear(config.dim, config.vocab_size, use_bias=False, dtype=dtype,
+                                param_dtype=jnp.float32, rngs=rngs,
+                                kernel_metadata=param_metadata(("embed", "vocab"), {}))
+
+  def __call__(self, tokens: jax.Array, *, segment_ids: jax.Array | None = None,
+               positions: jax.Array | None = None) -> jax.Array:
+    """Logits `[B, T, vocab_size]` float32 of `tokens` `[B, T]` int.
+
+    Args:
+      tokens: token ids `[B, T]`.
+      segment_ids: `[B, T]` int32, 0 = padding, documents 1, 2, ...; None = one document
+        per row. Tokens attend only inside their own non-zero segment.
+      positions: `[B, T]` int32, each token's position inside its document (RoPE and the
+        causal/chunked masks use it); None = the token index (under load-balanced context
+        parallelism, the permuted index, as `flaxattn.attention`).
+
+    Raises:
+      ValueError: tokens not `[B, T]` or T > max_seq_len.
+    """
+    if getattr(tokens, "ndim", None) != 2:
+      raise ValueError(f"tokens expects shape [batch, seq], got {getattr(tokens, 'shape', None)}.")
+    x_BTD = constrain(self.embed(tokens), X_NAMES)
+    return self.from_embeddings(x_BTD, segment_ids=segment_ids, positions=positions)
+
+  def from_embeddings(self, x_BTD: jax.Array, *, segment_ids: jax.Array | None = None,
+                      positions: jax.Array | None = None) -> jax.Array:
+    """Logits `[B, T, vocab_size]` float32 of token embeddings `x_BTD` `[B, T, dim]`.
+
+    The decoder after the embedding lookup, so that gradients with respect to the inputs
+    exist (causality tests) and callers may feed their own embeddings. Arguments and
+    errors as `__call__`.
+    """
+    cfg = self.config
+    t = x_BTD.shape[1]
+    if t > cfg.max_seq_len:
+      raise ValueError(f"tokens expects at most max_seq_len={cfg.max_seq_len} positions, got a"
+                       f" sequence of {t}; raise LlamaConfig.max_seq_len.")
+    x_BTD = x_BTD.astype(DTYPES[cfg.dtype])
+    policy = REMAT_POLICIES[cfg.remat]
+    block = _call_block if cfg.remat == "none" else nnx.remat(_call_block, policy=policy)
+    if cfg.scan_layers:
+      def run_group(group: LayerGroup, x_BTD):
+        for b in group.blocks:
+          x_BTD = block(b, x_BTD, segment_ids, positions)
+        return x_BTD
+
+      x_BTD = nnx.scan(run_group, in_axes=(0, nnx.Carry), out_axes=nnx.Carry,
+                       transform_metadata={nnx.PARTITION_NAME: LAYERS_AXIS})(self.layers, x_BTD)
+    else:
+      for b in self.layers:
+        x_BTD = block(b, x_BTD, segment_ids, positions)
+    x_BTD = self.norm(x_BTD)
+    logits_BTV = self.embed.attend(x_BTD) if cfg.tie_embeddings else self.lm_head(x_BTD)
+    return constrain(logits_BTV.astype(jnp.float32), LOGITS_NAMES)
+
+
+def make_targets(tokens, segment_ids):
+  """Next-token targets and loss weights of packed rows.
+
+  Args:
+    tokens: `[..., T]` int token ids (numpy or jax).
+    segment_ids: `[..., T]` int, 0 = padding, documents 1, 2, ...
+
+  Returns:
+    `(targets, weights)`: `targets[..., t] = tokens[..., t + 1]` (0 at the last position),
+    int32; `weights[..., t]` float32, 1.0 where tokens t and t + 1 are in the same non-zero
+    segment, else 0.0 (padding, a document's last token, the row's last token). numpy in,
+    numpy out; jax in, jax out. Apply before any load-balance permutation: it needs the
+    original order.
+
+  Raises:
+    ValueError: shapes differ or T is missing.
+  """
+  xp = jnp if isinstance(tokens, jax.Array) or isinstance(segment_ids, jax.Array) else np
+  tokens, segment_ids = xp.asarray(tokens), xp.asarray(segment_ids)
+  if tokens.shape != segment_ids.shape or tokens.ndim < 1:
+    raise ValueError(f"make_targets expects tokens and segment_ids of one shape [..., T], got"
+                     f" {tokens.shape} and {segment_ids.shape}.")
+  last = xp.zeros_like(tokens[..., :1])
+  targets = xp.concatenate([tokens[..., 1:], last], axis=-1).astype(xp.int32)
+  same = (segment_ids[..., :-1] == segment_ids[..., 1:]) & (segment_ids[..., :-1] != 0)
+  weights = xp.concatenate([same, xp.zeros_like(same[..., :1])], axis=-1).astype(xp.float32)
+  return targets, weights
+
+
+def loss_fn(model: Llama, batch: dict) -> tuple[jax.Array, dict]:
+  """Weighted mean next-token cross entropy (float32) of a batch.
+
+  Args:
+    model: a `Llama`.
+    batch: `[B, T]` arrays: int32 `tokens`, `targets`, `segment_ids`, `positions`, and
+      float32 `weights` (from `make_targets`, then permuted with the rest).
+
+  Returns:
+    `(loss, {"tokens": sum of weights})`; loss is sum(weights * ce) / max(sum(weights), 1),
+    so a batch without targets gives 0, not NaN.
+  """
+  logits_BTV = model(batch["tokens"], segment_ids=batch["segment_ids"],
+                     positions=batch["positions"])
+  log_z_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
+  # A one-hot product rather than a gather keeps a vocab-sharded logits array sharded.
+  one_hot_BTV = jax.nn.one_hot(batch["targets"], logits_BTV.shape[-1], dtype=logits_BTV.dtype)
+  target_BT = jnp.sum(logits_BTV * one_hot_BTV, axis=-1)
+  weights_BT = batch["weights"].astype(jnp.float32)
+  tokens = jnp.sum(weights_BT)
+  loss = jnp.sum((log_z_BT - target_BT) * weights_BT) / jnp.maximum(tokens, 1.0)
+  return loss, {"tokens": tokens}
+
+
+def num_params(config: LlamaConfig) -> int:
+  """Number of parameters of `Llama(config)`, from shapes only (`nnx.eval_shape`)."""
+  model = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
+  return sum(math.prod(p.shape) for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+def flops_per_token(config: LlamaConfig, seq_len: int) -> float:
+  """Training FLOPs (forward + backward) per token for rows of `seq_len` tokens.
+
+  Counted: 6 x the matmul parameters (2 FLOPs per multiply-add, backward twice the
+  forward): per layer the q, k, v, out and w1, w2, w3 kernels, plus the output projection
+  (`vocab_size x dim`, tied or not). Attention scores and values (QK^T, PV):
+  12 x dim x (keys a query sees on average) per layer, with seq_len / 2 keys for causal
+  layers and min(chunk_size, seq_len) / 2 for chunked ones. Each row is counted as one
+  document: packed rows do less attention work, so the attention term is an upper bound.
+  Not counted: the embedding lookup, norms, RoPE, softmax, activations, residual adds.
+
+  Raises:
+    ValueError: seq_len not a positive int.
+  """
+  if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0:
+    raise ValueError(f"flops_per_token(seq_len=...) expects a positive int, got {seq_len!r}.")
+  d, hd = config.dim, config.head_dim
+  attn = d * config.n_heads * hd * 2 + d * config.n_kv_heads * hd * 2
+  mlp = 3 * d * config.ffn_dim
+  matmul_params = config.n_layers * (attn + mlp) + config.vocab_size * d
+  keys = sum(seq_len / 2 if m == flaxattn.Causal() else min(m.size, seq_len) / 2
+             for m in layer_masks(config))
+  return 6.0 * matmul_params + 12.0 * config.n_heads * hd * keys

@@ -1,0 +1,318 @@
+"""models.llama: full-size shapes, causality and document isolation by gradient, RoPE per
+document, loss masking, chunked layers, scan/remat equivalence, bfloat16, config errors."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import flaxattn
+from models.llama import (Llama, LlamaConfig, flops_per_token, layer_masks, loss_fn,
+                          make_targets, num_params)
+
+B, T = 2, 16
+# Small and fast: the reference backend compiles quickest; flaxattn's own tests check that
+# every kernel agrees with it.
+SMALL = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64,
+                    max_seq_len=T, attention_backend="reference")
+
+
+@nnx.jit
+def forward(model, tokens, segment_ids, positions):
+  return model(tokens, segment_ids=segment_ids, positions=positions)
+
+
+@nnx.jit
+def loss_and_grads(model, batch):
+  (loss, aux), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model, batch)
+  return loss, aux, nnx.to_pure_dict(grads)
+
+
+def _packed(doc_lens_per_row, length=T):
+  """Segment ids and positions `[len(rows), length]`: documents in order, padding after."""
+  seg = np.zeros((len(doc_lens_per_row), length), np.int32)
+  pos = np.zeros_like(seg)
+  for b, lens in enumerate(doc_lens_per_row):
+    start = 0
+    for i, n in enumerate(lens):
+      seg[b, start:start + n], pos[b, start:start + n] = i + 1, np.arange(n)
+      start += n
+  return seg, pos
+
+
+def _tokens(seed, shape=(B, T), vocab=SMALL.vocab_size):
+  return np.random.default_rng(seed).integers(1, vocab, shape).astype(np.int32)
+
+
+def _batch(tokens, seg, pos):
+  targets, weights = make_targets(tokens, seg)
+  return dict(tokens=tokens, targets=targets, segment_ids=seg, positions=pos, weights=weights)
+
+
+@pytest.fixture(scope="module")
+def small():
+  return Llama(SMALL, rngs=nnx.Rngs(0))
+
+
+# -- full-size shapes, no memory ------------------------------------------------------------
+
+LLAMA3_8B = LlamaConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                        ffn_dim=14336, rope_theta=500000.0, tie_embeddings=False,
+                        max_seq_len=8192)
+
+
+def _expected_params(c: LlamaConfig) -> int:
+  hd = c.dim // c.n_heads
+  attn = c.dim * c.n_heads * hd * 2 + c.dim * c.n_kv_heads * hd * 2  # q, o; k, v
+  layer = attn + 3 * c.dim * c.ffn_dim + 2 * c.dim  # + SwiGLU, two norms
+  heads = 1 if c.tie_embeddings else 2
+  return c.n_layers * layer + heads * c.vocab_size * c.dim + c.dim  # + final norm
+
+
+def test_8b_shapes_and_parameter_count():
+  want = _expected_params(LLAMA3_8B)
+  assert abs(want - 8.03e9) < 0.01e9  # Llama 3 8B: 8,030,261,248
+  assert num_params(LLAMA3_8B) == want
+  # Tracing a scanned model is one layer's work; the parameter count is the same.
+  cfg = dataclasses.replace(LLAMA3_8B, scan_layers=True)
+  assert num_params(cfg) == want
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0))))
+  assert state["layers"]["blocks"][0]["attn"]["key"]["kernel"].shape == (32, 4096, 8, 128)
+  tokens = jax.ShapeDtypeStruct((1, 2048), jnp.int32)
+  logits = jax.eval_shape(lambda s, t: nnx.merge(graphdef, s)(t), state, tokens)
+  assert logits.shape == (1, 2048, 128256) and logits.dtype == jnp.float32
+
+
+def test_flops_per_token_counts_matmuls_and_causal_attention():
+  c, t = LLAMA3_8B, 8192
+  matmul = _expected_params(c) - c.vocab_size * c.dim - c.dim * (2 * c.n_layers + 1)
+  assert flops_per_token(c, t) == pytest.approx(6 * matmul + 12 * c.n_layers * c.dim * t / 2)
+  # Chunked layers see chunk_size / 2 keys on average; every 4th layer stays global.
+  chunked = dataclasses.replace(c, chunk_size=1024)
+  assert flops_per_token(chunked, t) == pytest.approx(
+      6 * matmul + 12 * c.dim * (8 * t / 2 + 24 * 1024 / 2))
+
+
+# -- causality and document isolation, by gradient ------------------------------------------
+
+def _dependence(model, seg, pos):
+  """`dep[b, t, c, s]`: |d logits[b, t] . r / d x[c, s]| summed over features."""
+  x = jax.random.normal(jax.random.key(1), (B, T, model.config.dim))
+  r = jax.random.normal(jax.random.key(2), (model.config.vocab_size,))
+
+  @nnx.jit
+  def jacobian(model, x):
+    f = lambda x: model.from_embeddings(x, segment_ids=seg, positions=pos) @ r
+    return jnp.abs(jax.jacrev(f)(x)).sum(-1)
+
+  return np.asarray(jacobian(model, x))
+
+
+def _allowed(seg, pos, chunk=None):
+  """Which (b, t) may depend on which (c, s): itself, and earlier tokens of its document."""
+  same_row = np.eye(B, dtype=bool)[:, None, :, None]
+  same_doc = (seg[:, :, None] == seg[:, None, :]) & (seg[:, :, None] != 0)
+  earlier = pos[:, None, :] <= pos[:, :, None]
+  if chunk is not None:
+    earlier &= pos[:, None, :] // chunk == pos[:, :, None] // chunk
+  itself = np.eye(T, dtype=bool)[None]
+  within = (same_doc & earlier) | itself  # [B, T, S]
+  return same_row & within[:, :, None, :]
+
+
+@pytest.mark.parametrize("chunk", [None, 4])
+def test_causal_and_document_isolation_by_gradient(small, chunk):
+  # Row 0: documents of 5 and 8 tokens, 3 padding; row 1: 3 and 13. With chunk 4 and
+  # global_every 4, both layers are chunked: a token sees only its chunk of its document.
+  seg, pos = _packed([[5, 8], [3, 13]])
+  if chunk is None:
+    model = small
+  else:
+    model = Llama(dataclasses.replace(SMALL, chunk_size=chunk, global_every=4), rngs=nnx.Rngs(0))
+    assert layer_masks(model.config) == (flaxattn.Chunked(chunk),) * 2
+  dep = _dependence(model, seg, pos)
+  allowed = _allowed(seg, pos, chunk)
+  assert np.all(dep[~allowed] == 0.0), np.argwhere((dep > 0) & ~allowed)[:5]
+  assert np.all(dep[allowed] > 1e-6), np.argwhere((dep <= 1e-6) & allowed)[:5]
+
+
+def test_rope_restarts_per_document():
+  """A document gives the same logits packed after another one as alone at the row start.
+
+  RoPE scores depend only on position differences, so the chunked layers (chunks aligned to
+  positions inside the document) are what shows whether positions restart.
+  """
+  cfg = dataclasses.replace(SMALL, chunk_size=4, global_every=2, attention_backend="auto")
+  model = Llama(cfg, rngs=nnx.Rngs(3))
+  seg, pos = _packed([[5, 7], [7]])
+  tokens = _tokens(4)
+  tokens[1, :7] = tokens[0, 5:12]
+  logits = forward(model, tokens, seg, pos)
+  np.testing.assert_allclose(logits[1, :7], logits[0, 5:12], atol=1e-5)
+  # Positions numbered on from the first document (the row index) move the chunk bounds.
+  logits = forward(model, tokens, seg, np.where(seg == 2, pos + 5, pos))
+  assert np.abs(logits[1, :7] - logits[0, 5:12]).max() > 1e-3
+
+
+# -- targets and loss -----------------------------------------------------------------------
+
+def test_make_targets_exact():
+  tokens = np.array([[10, 11, 12, 13, 14, 15, 16, 17],
+                     [20, 21, 22, 23, 24, 25, 26, 27]], np.int32)
+  seg = np.array([[1, 1, 1, 2, 2, 0, 0, 0],
+                  [1, 1, 2, 2, 2, 2, 2, 2]], np.int32)
+  want_targets = np.array([[11, 12, 13, 14, 15, 16, 17, 0],
+                           [21, 22, 23, 24, 25, 26, 27, 0]], np.int32)
+  want_weights = np.array([[1, 1, 0, 1, 0, 0, 0, 0],
+                           [1, 0, 1, 1, 1, 1, 1, 0]], np.float32)
+  targets, weights = make_targets(tokens, seg)
+  assert isinstance(targets, np.ndarray) and targets.dtype == np.int32
+  assert isinstance(weights, np.ndarray) and weights.dtype == np.float32
+  np.testing.assert_array_equal(targets, want_targets)
+  np.testing.assert_array_equal(weights, want_weights)
+  targets, weights = make_targets(jnp.asarray(tokens), jnp.asarray(seg))
+  assert isinstance(targets, jax.Array) and isinstance(weights, jax.Array)
+  np.testing.assert_array_equal(targets, want_targets)
+  np.testing.assert_array_equal(weights, want_weights)
+  with pytest.raises(ValueError, match="one shape"):
+    make_targets(tokens, seg[:, :-1])
+
+
+def _loss(logits, batch):
+  """Weighted mean cross entropy in numpy float64."""
+  logits = np.asarray(logits, np.float64)
+  logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+  ce = -np.take_along_axis(logp, batch["targets"][..., None], -1)[..., 0]
+  return (ce * batch["weights"]).sum() / batch["weights"].sum()
+
+
+def test_loss_is_weighted_cross_entropy_and_ignores_padding(small):
+  seg, pos = _packed([[5, 8], [3, 9]])
+  batch = _batch(_tokens(5), seg, pos)
+  loss, aux, _ = loss_and_grads(small, batch)
+  w = batch["weights"]
+  assert float(aux["tokens"]) == w.sum() == 5 + 8 + 3 + 9 - 4
+  np.testing.assert_allclose(loss, _loss(forward(small, batch["tokens"], seg, pos), batch),
+                             rtol=1e-5)
+
+  padding = seg == 0
+  changed = dict(batch, tokens=np.where(padding, _tokens(6), batch["tokens"]),
+                 targets=np.where(w == 0, _tokens(7), batch["targets"]))
+  assert (changed["tokens"] != batch["tokens"]).any()
+  changed_loss, _, grads = loss_and_grads(small, changed)
+  np.testing.assert_allclose(changed_loss, loss, rtol=1e-6)
+  assert all(np.isfinite(g).all() for g in jax.tree.leaves(grads))
+
+
+# -- layer pattern, scan, remat -------------------------------------------------------------
+
+def test_chunked_layer_pattern_in_both_layouts():
+  cfg = dataclasses.replace(SMALL, n_layers=8, chunk_size=4, global_every=4)
+  c4, causal = flaxattn.Chunked(4), flaxattn.Causal()
+  assert layer_masks(cfg) == (c4, c4, c4, causal) * 2
+  model = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
+  assert tuple(b.attn.mask for b in model.layers) == layer_masks(cfg)
+  scanned = nnx.eval_shape(lambda: Llama(dataclasses.replace(cfg, scan_layers=True),
+                                         rngs=nnx.Rngs(0)))
+  assert tuple(b.attn.mask for b in scanned.layers.blocks) == (c4, c4, c4, causal)
+  assert scanned.layers.blocks[0].mlp.w1.kernel.shape == (2, 32, 64)  # 2 groups of 4
+  assert layer_masks(SMALL) == (causal, causal)
+
+
+def _to_scanned(model: Llama, scanned: Llama) -> None:
+  """Copies `model`'s per-layer weights into `scanned` (layer i = group i // p, block i % p)."""
+  params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  layers = params.pop("layers")
+  p, n = model.config.period, model.config.n_layers
+  params["layers"] = {"blocks": {
+      j: jax.tree.map(lambda *xs: jnp.stack(xs), *[layers[i] for i in range(j, n, p)])
+      for j in range(p)}}
+  nnx.update(scanned, params)
+
+
+def test_scan_layers_same_logits_as_unrolled():
+  cfg = dataclasses.replace(SMALL, n_layers=4, chunk_size=4, global_every=2)
+  model = Llama(cfg, rngs=nnx.Rngs(0))
+  scanned = Llama(dataclasses.replace(cfg, scan_layers=True), rngs=nnx.Rngs(1))
+  _to_scanned(model, scanned)
+  seg, pos = _packed([[6, 10], [16]])
+  tokens = _tokens(8)
+  np.testing.assert_allclose(forward(scanned, tokens, seg, pos), forward(model, tokens, seg, pos),
+                             atol=1e-5)
+
+
+def test_remat_policies_same_loss_and_grads(small):
+  seg, pos = _packed([[6, 7], [16]])
+  batch = _batch(_tokens(9), seg, pos)
+  want_loss, _, want_grads = loss_and_grads(small, batch)
+  for remat in ("full", "dots"):
+    model = Llama(dataclasses.replace(SMALL, remat=remat), rngs=nnx.Rngs(0))  # same weights
+    loss, _, grads = loss_and_grads(model, batch)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
+                 grads, want_grads)
+
+
+# -- dtype, sharding names, errors ----------------------------------------------------------
+
+def test_bfloat16_compute_close_to_float32(small):
+  bf16 = Llama(dataclasses.replace(SMALL, dtype="bfloat16"), rngs=nnx.Rngs(0))
+  params = jax.tree.leaves(nnx.state(bf16, nnx.Param))
+  assert all(p.dtype == jnp.float32 for p in params)
+  seg, pos = _packed([[5, 8], [16]])
+  batch = _batch(_tokens(10), seg, pos)
+  want = forward(small, batch["tokens"], seg, pos)
+  got = forward(bf16, batch["tokens"], seg, pos)
+  assert got.dtype == jnp.float32
+  np.testing.assert_allclose(got, want, atol=0.05 * float(jnp.abs(want).max()))
+  np.testing.assert_allclose(_loss(got, batch), _loss(want, batch), rtol=1e-2)
+
+
+@pytest.mark.parametrize("tie, scan", [(True, False), (False, True)])
+def test_every_parameter_has_logical_axis_names(tie, scan):
+  cfg = dataclasses.replace(SMALL, tie_embeddings=tie, scan_layers=scan)
+  model = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
+  names = {"/".join(map(str, path)): (v.shape, v.get_metadata().get("out_sharding"))
+           for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+  for path, (shape, axes) in names.items():
+    assert axes is not None and len(axes) == len(shape), (path, shape, axes)
+  stack = ("layers",) if scan else ()
+  layer = "layers/blocks/0" if scan else "layers/1"
+  assert names["embed/embedding"][1] == ("vocab", "embed")
+  assert names[f"{layer}/mlp/w1/kernel"][1] == stack + ("embed", "mlp")
+  assert names[f"{layer}/mlp/w2/kernel"][1] == stack + ("mlp", "embed")
+  assert names[f"{layer}/attn_norm/scale"][1] == stack + ("embed",)
+  assert names["norm/scale"][1] == ("embed",)
+  assert ("lm_head/kernel" in names) == (not tie)
+  if not tie:
+    assert names["lm_head/kernel"][1] == ("embed", "vocab")
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(n_heads=8, n_kv_heads=3), r"n_heads=.*multiple of n_kv_heads \(3\), got 8"),
+    (dict(dim=30), r"dim=.*multiple of n_heads \(4\), got 30"),
+    (dict(dim=36, n_heads=12, n_kv_heads=4), r"dim=.*even head_dim.*= 3"),
+    (dict(remat="some"), r"remat=.*got 'some'"),
+    (dict(dtype="float16"), r"dtype=.*got 'float16'"),
+    (dict(n_layers=0), r"n_layers=.*positive int, got 0"),
+    (dict(chunk_size=0), r"chunk_size=.*positive int, got 0"),
+    (dict(scan_layers=True, chunk_size=4, global_every=4, n_layers=6),
+     r"n_layers=.*multiple of global_every \(4\).*got 6"),
+])
+def test_bad_config_raises_naming_field_and_value(change, match):
+  with pytest.raises(ValueError, match=match):
+    dataclasses.replace(SMALL, **change)
+
+
+def test_call_errors(small):
+  with pytest.raises(ValueError, match=r"max_seq_len=16.*got a sequence of 17"):
+    small(jnp.zeros((1, T + 1), jnp.int32))
+  with pytest.raises(ValueError, match=r"tokens expects shape \[batch, seq\]"):
+    small(jnp.zeros((T,), jnp.int32))
+  cp = flaxattn.ContextParallel("context")
+  model = nnx.eval_shape(lambda: Llama(SMALL, context_parallel=cp, rngs=nnx.Rngs(0)))
+  with pytest.raises(ValueError, match="positions expects a .* load-balanced context_parallel"):
+    model.from_embeddings(jnp.zeros((B, T, SMALL.dim)))
