@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from flaxattn import balance
-from flaxattn.blockwise import attention_backward, attention_forward
+from flaxattn.blockwise import DEFAULT_BLOCK_Q, attention_backward, attention_forward
 from flaxattn.layout import Layout
 from flaxattn.masks import Mask
 
@@ -79,13 +79,13 @@ def _shift(x, axis: str, n: int):
   return jax.lax.ppermute(x, axis, [(i, (i + 1) % n) for i in range(n)])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _ring(axis, n, mask, scale, q, k, v, layout):
-  return _ring_fwd(axis, n, mask, scale, q, k, v, layout)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
+def _ring(axis, n, mask, scale, block, q, k, v, layout):
+  return _ring_fwd(axis, n, mask, scale, block, q, k, v, layout)[0]
 
 
-def _ring_fwd(axis, n, mask, scale, q, k, v, layout):
-  kernel = functools.partial(attention_forward, mask=mask, scale=scale)
+def _ring_fwd(axis, n, mask, scale, block, q, k, v, layout):
+  kernel = functools.partial(attention_forward, mask=mask, scale=scale, block_q=block, block_k=block)
   q_layout = (layout.q_segment_ids, layout.q_positions)
 
   def compute(out, lse, kv, ids):
@@ -109,10 +109,11 @@ def _ring_fwd(axis, n, mask, scale, q, k, v, layout):
   return (out, lse), (q, k, v, layout, out, lse)
 
 
-def _ring_bwd(axis, n, mask, scale, residuals, cotangents):
+def _ring_bwd(axis, n, mask, scale, block, residuals, cotangents):
   q, k, v, layout, out, lse = residuals
   dout, dlse = cotangents
-  kernel = functools.partial(attention_backward, mask=mask, scale=scale)
+  kernel = functools.partial(attention_backward, mask=mask, scale=scale, block_q=block,
+                             block_k=block)
 
   def compute(dq, dkv, kv, ids):
     lay = Layout(layout.q_segment_ids, ids[0], layout.q_positions, ids[1])
@@ -143,6 +144,13 @@ def _all_gather(axis, mask, scale, kernel, q, k, v, layout):
   full = Layout(layout.q_segment_ids, gather(layout.kv_segment_ids), layout.q_positions,
                 gather(layout.kv_positions))
   return kernel(q, gather(k), gather(v), full, mask=mask, scale=scale, return_lse=True)
+
+
+def ring_block(t: int, n: int, load_balance: bool) -> int:
+  """Kernel block size of the ring for T = t over n devices. A block must not straddle the
+  two load-balanced chunks of a shard: its position range would cover both and nothing in
+  it could be skipped."""
+  return min(DEFAULT_BLOCK_Q, t // (2 * n)) if load_balance else DEFAULT_BLOCK_Q
 
 
 def default_positions(cp: ContextParallel, batch: int, length: int) -> jax.Array:
@@ -182,7 +190,8 @@ def context_parallel_attention(q, k, v, layout: Layout, *, mask: Mask, scale: fl
 
   seq = P(None, cp.axis)
   if cp.strategy == "ring":
-    local = lambda q, k, v, lay: _ring(cp.axis, n, mask, scale, q, k, v, lay)
+    block = ring_block(t, n, cp.load_balance)
+    local = lambda q, k, v, lay: _ring(cp.axis, n, mask, scale, block, q, k, v, lay)
   else:
     local = functools.partial(_all_gather, cp.axis, mask, scale, kernel)
   layout_spec = Layout(seq, seq, seq, seq)

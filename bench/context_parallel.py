@@ -1,0 +1,265 @@
+"""Context-parallel attention benchmark on simulated CPU devices, every number from the same run.
+
+  python bench/context_parallel.py [--json bench/results/context_parallel_cpu.json] [--quick]
+
+Sets XLA_FLAGS=--xla_force_host_platform_device_count=8 before importing jax, so the host
+CPU shows up as 8 devices. Everything is causal, forward+backward (gradient of sum(out**2)
+w.r.t. q, k, v), B=1, H=4, D=64, float32, with meshes
+`jax.make_mesh((cp,), ("context",), axis_types=(Auto,), devices=jax.devices()[:cp])` used
+under `with jax.set_mesh(mesh):` and q/k/v sharded P(None, "context").
+
+ContextParallel(load_balance=True) (the default) takes the inputs to be in
+`flaxattn.load_balance` order and derives the permuted positions itself. The inputs here are
+random, so permuting them would change nothing measured: no permutation of data is done.
+
+  1. per-device compiled temp memory (`memory_analysis()`, which under SPMD describes the
+     per-device program: argument sizes shrink as 1/cp) of ring attention at T=16384 for
+     cp = 2, 4, 8, and the ratio cp=8 / cp=2 (target <= 0.45); all_gather alongside;
+  2. compute balance, exact, with numpy: the ring is replayed (device r holds its shard's
+     positions, at step s it sees the keys of device (r - s) mod cp) and the (query block,
+     key block) pairs the local blockwise kernel computes (kind != SKIP, from
+     `flaxattn.blockwise.block_kinds` with the kernel's block size for length T/cp) are
+     counted per device, with and without load balancing, cp=8, T=16384; and FULL vs PARTIAL
+     (masked) blocks per ring step;
+  3. ring vs all_gather at T=32768, cp=8: step time, per-device temp memory, and useful
+     GFLOP/s (causal pairs T(T+1)/2 x H x D x 2 flops x 6 matmuls: 2 forward, 4 backward),
+     beside single-device `flaxattn.attention(..., backend="fused")` (no mesh) at the same T.
+     The 8 simulated devices share this machine's CPU cores, so wall time compares the total
+     work done, not parallel speedup.
+Times are the best of `--repeats` runs after one compile-and-warm-up run.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           " --xla_force_host_platform_device_count=8").strip()
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import flaxattn  # noqa: E402
+from flaxattn import blockwise  # noqa: E402
+from flaxattn.context_parallel import ring_block  # noqa: E402
+
+B, H, D = 1, 4, 64
+AXIS = "context"
+MIB = 2**20
+
+
+def best_time(fn, args, repeats: int) -> float:
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - start)
+  return min(times)
+
+
+def causal_pairs(t: int) -> int:
+  return t * (t + 1) // 2
+
+
+def useful_gflops(t: int, seconds: float) -> float:
+  return causal_pairs(t) * H * D * 2 * 6 / seconds / 1e9
+
+
+def make_mesh(cp: int):
+  return jax.make_mesh((cp,), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,),
+                       devices=jax.devices()[:cp])
+
+
+def fwd_bwd(strategy: str | None, load_balance: bool = True):
+  """jit(grad(sum(out**2))) w.r.t. q, k, v; strategy None: single device, no context parallel."""
+  cp = None if strategy is None else flaxattn.ContextParallel(
+      axis=AXIS, strategy=strategy, load_balance=load_balance)
+
+  def loss(q, k, v):
+    return jnp.sum(flaxattn.attention(q, k, v, backend="fused", context_parallel=cp) ** 2)
+  return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+
+def memory(fn, t: int, sharding=None) -> dict:
+  x = jax.ShapeDtypeStruct((B, t, H, D), jnp.float32, sharding=sharding)
+  m = fn.lower(x, x, x).compile().memory_analysis()
+  return dict(temp_mib=m.temp_size_in_bytes / MIB, argument_mib=m.argument_size_in_bytes / MIB,
+              output_mib=m.output_size_in_bytes / MIB)
+
+
+# 1. memory ---------------------------------------------------------------------------------
+
+def bench_memory(t: int, cps) -> list[dict]:
+  rows = []
+  for cp in cps:
+    mesh = make_mesh(cp)
+    with jax.set_mesh(mesh):
+      for strategy in ("ring", "all_gather"):
+        rows.append(dict(t=t, cp=cp, strategy=strategy,
+                         **memory(fwd_bwd(strategy), t, NamedSharding(mesh, P(None, AXIS)))))
+  return rows
+
+
+# 2. compute balance ------------------------------------------------------------------------
+
+def ring_schedule(t: int, cp: int, load_balance: bool):
+  """Replays the ring with numpy. Returns (bq, counts [cp, cp, 3]): for device r at ring step s
+  the number of SKIP / FULL / PARTIAL (query block, key block) pairs of the local kernel."""
+  pos = np.arange(t, dtype=np.int32)[None]
+  if load_balance:
+    pos = np.asarray(flaxattn.load_balance(pos, cp, axis=1))
+  local = t // cp
+  shards = pos.reshape(1, cp, local).transpose(1, 0, 2)  # [cp, 1, local]: shard r's positions
+  # The ring's block size, clipped as blockwise._prepare clips it for a local length T / cp.
+  bq = bk = blockwise._block_size(local, ring_block(t, cp, load_balance))
+  assert local % bq == 0 and local % bk == 0, "padding not modelled"
+  seg = np.ones((1, local), np.int32)
+  counts = np.zeros((cp, cp, 3), np.int64)
+  for r in range(cp):
+    for s in range(cp):
+      kinds = blockwise.block_kinds(np, flaxattn.Causal(), seg, seg, shards[r], shards[(r - s) % cp],
+                                    bq, bk)
+      counts[r, s] = np.bincount(kinds.ravel(), minlength=3)
+  return bq, bk, counts
+
+
+def bench_balance(t: int, cp: int) -> dict:
+  out = {}
+  for lb in (True, False):
+    bq, bk, counts = ring_schedule(t, cp, lb)
+    computed = counts[:, :, blockwise.FULL] + counts[:, :, blockwise.PARTIAL]  # [cp, cp]
+    per_device = computed.sum(1)
+    out["balanced" if lb else "contiguous"] = dict(
+        t=t, cp=cp, load_balance=lb, block_q=bq, block_k=bk,
+        blocks_per_step=int(counts[0, 0].sum()),
+        computed_per_device=per_device.tolist(),
+        max_over_min=float(per_device.max() / per_device.min()),
+        full_per_step=counts[:, :, blockwise.FULL].tolist(),
+        partial_per_step=counts[:, :, blockwise.PARTIAL].tolist(),
+        total_computed=int(per_device.sum()))
+  return out
+
+
+# 3. ring vs all_gather vs single device ----------------------------------------------------
+
+def qkv(t: int):
+  keys = jax.random.split(jax.random.key(0), 3)
+  return tuple(jax.random.normal(kk, (B, t, H, D), jnp.float32) for kk in keys)
+
+
+def bench_strategies(t: int, cp: int, repeats: int) -> list[dict]:
+  rows = []
+  host = qkv(t)
+  mesh = make_mesh(cp)
+  sharding = NamedSharding(mesh, P(None, AXIS))
+  with jax.set_mesh(mesh):
+    args = tuple(jax.device_put(x, sharding) for x in host)
+    for strategy in ("ring", "all_gather"):
+      fn = fwd_bwd(strategy)
+      mem = memory(fn, t, sharding)
+      start = time.perf_counter()
+      sec = best_time(fn, args, repeats)
+      rows.append(dict(case=f"causal T={t}", impl=f"{strategy} cp={cp}", seconds=sec,
+                       gflops=useful_gflops(t, sec), total_seconds=time.perf_counter() - start, **mem))
+  fn = fwd_bwd(None)
+  mem = memory(fn, t)
+  start = time.perf_counter()
+  sec = best_time(fn, host, repeats)
+  rows.append(dict(case=f"causal T={t}", impl="fused, 1 device", seconds=sec,
+                   gflops=useful_gflops(t, sec), total_seconds=time.perf_counter() - start, **mem))
+  base = rows[-1]["seconds"]
+  for r in rows:
+    r["x_single_device"] = r["seconds"] / base
+  return rows
+
+
+# -------------------------------------------------------------------------------------------
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--json", help="write the results to this file")
+  parser.add_argument("--repeats", type=int, default=2)
+  parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke test")
+  parser.add_argument("--t-time", type=int, help="T of part 3 (default 32768; 4096 with --quick)")
+  args = parser.parse_args()
+  t_mem, t_bal, t_time = (4096, 4096, 4096) if args.quick else (16384, 16384, 32768)
+  t_time = args.t_time or t_time
+  cps, cp_max = (2, 4, 8), 8
+  start = time.perf_counter()
+  cores = os.cpu_count()
+  print(f"{len(jax.devices())} simulated {jax.devices()[0].platform} devices on {cores} CPU cores;"
+        f" B={B} H={H} D={D} float32, causal, forward+backward")
+
+  # 1.
+  mem_rows = bench_memory(t_mem, cps)
+  print(f"\n1. per-device compiled memory, T={t_mem} (MiB)")
+  print(f"{'strategy':<11} {'cp':>3} {'T/cp':>6} {'temp':>8} {'args':>7} {'outputs':>8}")
+  for r in mem_rows:
+    print(f"{r['strategy']:<11} {r['cp']:>3} {t_mem // r['cp']:>6} {r['temp_mib']:>8.1f}"
+          f" {r['argument_mib']:>7.1f} {r['output_mib']:>8.1f}")
+  temp = {(r["strategy"], r["cp"]): r["temp_mib"] for r in mem_rows}
+  ratios = {s: temp[(s, cps[-1])] / temp[(s, cps[0])] for s in ("ring", "all_gather")}
+  print(f"temp cp={cps[-1]} / cp={cps[0]}: ring {ratios['ring']:.3f} (target <= 0.45),"
+        f" all_gather {ratios['all_gather']:.3f}")
+  print("(argument sizes fall as 1/cp: memory_analysis describes one device's program)")
+
+  # 2.
+  bal = bench_balance(t_bal, cp_max)
+  b0 = bal["balanced"]
+  print(f"\n2. blocks computed (kind != SKIP) per device over the {cp_max} ring steps, forward"
+        f" (backward has the same schedule);\n   T={t_bal}, cp={cp_max}, local T/cp={t_bal // cp_max},"
+        f" blocks {b0['block_q']}x{b0['block_k']}, {b0['blocks_per_step']} pairs per step")
+  print(f"{'layout':<12} " + " ".join(f"{'r=' + str(r):>5}" for r in range(cp_max))
+        + f" {'total':>6} {'max/min':>8}")
+  for name, b in bal.items():
+    print(f"{name:<12} " + " ".join(f"{c:>5}" for c in b["computed_per_device"])
+          + f" {b['total_computed']:>6} {b['max_over_min']:>8.2f}")
+  for name, b in bal.items():
+    print(f"\n{name}: FULL/PARTIAL blocks per ring step s (rows: device r)")
+    print(f"{'':<5}" + " ".join(f"{'s=' + str(s):>6}" for s in range(cp_max)))
+    for r in range(cp_max):
+      print(f"{'r=' + str(r):<5}" + " ".join(
+          f"{str(b['full_per_step'][r][s]) + '/' + str(b['partial_per_step'][r][s]):>6}"
+          for s in range(cp_max)))
+    off = sum(b["partial_per_step"][r][s] for r in range(cp_max) for s in range(1, cp_max))
+    print(f"PARTIAL blocks off the diagonal step (s>0): {off}")
+  causal_total = causal_pairs(t_bal)
+  print(f"(ideal: {causal_total / (b0['block_q'] * b0['block_k']):.1f} block-equivalents of causal"
+        f" pairs in all)")
+  chunk = t_bal // (2 * cp_max)
+  if chunk % b0["block_q"]:
+    print(f"note: load-balanced chunks (T/2cp = {chunk}) are not a multiple of the block"
+          f" ({b0['block_q']}): a block holds parts of two chunks, its position range spans both,"
+          " and the schedule can only mask it, not skip it")
+
+  # 3.
+  print(f"\n3. ring vs all_gather, T={t_time}, cp={cp_max}, vs fused on one device (no mesh)")
+  time_rows = bench_strategies(t_time, cp_max, args.repeats)
+  print(f"{'case':<14} {'impl':<17} {'seconds':>8} {'x 1 dev':>8} {'GFLOP/s':>8}"
+        f" {'temp MiB/dev':>13} {'args MiB/dev':>13}")
+  for r in time_rows:
+    print(f"{r['case']:<14} {r['impl']:<17} {r['seconds']:>8.2f} {r['x_single_device']:>8.2f}"
+          f" {r['gflops']:>8.1f} {r['temp_mib']:>13.1f} {r['argument_mib']:>13.1f}")
+  print(f"note: the {cp_max} simulated devices share {cores} CPU cores, so these wall times compare"
+        " the total work done,\nnot parallel speedup; best of"
+        f" {args.repeats} after a warm-up run.")
+  total = time.perf_counter() - start
+  print(f"\nscript time {total:.0f} s")
+
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(dict(devices=len(jax.devices()), cpu_cores=cores, quick=args.quick,
+                     memory=mem_rows, temp_ratio_last_over_first=ratios, balance=bal,
+                     strategies=time_rows, script_seconds=total), f, indent=2)
+
+
+if __name__ == "__main__":
+  main()
