@@ -10,8 +10,8 @@ Strategies:
   - "all_gather": K/V gathered once, the local kernel on the device's own queries. The
     baseline; memory O(T) per device for K/V.
 
-Only the context axis is manual (`shard_map(axis_names={axis})`): batch sharded over
-data/fsdp and heads over tensor stay with the compiler's automatic sharding.
+The shard_map is manual over the context axis and over the batch and head axes that divide
+their dimensions (default data/fsdp and tensor), so batch and heads stay sharded inside.
 """
 
 from __future__ import annotations
@@ -41,6 +41,9 @@ class ContextParallel:
     load_balance: the per-token arrays are in `flaxattn.load_balance` order (dual chunk).
       Only the default positions depend on it (they become the permuted token indices);
       explicit positions are used as given.
+    batch_axes, head_axes: mesh axes the batch and the heads may be sharded over; those in
+      the mesh whose sizes divide the dimension stay sharded inside the attention (absent
+      or non-dividing axes are replicated there).
   Raises:
     ValueError: unknown strategy or a non-string axis.
   """
@@ -48,12 +51,24 @@ class ContextParallel:
   axis: str = "context"
   strategy: str = "ring"
   load_balance: bool = True
+  batch_axes: tuple[str, ...] = ("data", "fsdp")
+  head_axes: tuple[str, ...] = ("tensor",)
 
   def __post_init__(self):
     if not isinstance(self.axis, str) or not self.axis:
       raise ValueError(f"ContextParallel(axis=...) expects a mesh axis name, got {self.axis!r}.")
     if self.strategy not in STRATEGIES:
       raise ValueError(f"ContextParallel(strategy=...) expects one of {STRATEGIES}, got {self.strategy!r}.")
+
+
+def _dividing_axes(mesh, axes, *sizes) -> tuple[str, ...]:
+  """The axes of `axes` present in `mesh` whose running product divides every size."""
+  kept, product = [], 1
+  for a in axes:
+    if a in mesh.axis_names and all(n % (product * mesh.shape[a]) == 0 for n in sizes):
+      kept.append(a)
+      product *= mesh.shape[a]
+  return tuple(kept)
 
 
 def _axis_size(cp: ContextParallel) -> int:
@@ -188,13 +203,19 @@ def context_parallel_attention(q, k, v, layout: Layout, *, mask: Mask, scale: fl
       index if layout.q_positions is None else layout.q_positions,
       index if layout.kv_positions is None else layout.kv_positions)
 
-  seq = P(None, cp.axis)
+  # Batch and head axes are manual too: left to automatic sharding, the compiler would
+  # gather the batch inside the ring's loops.
+  mesh = jax.sharding.get_abstract_mesh()
+  batch = _dividing_axes(mesh, [a for a in cp.batch_axes if a != cp.axis], b) or None
+  heads = _dividing_axes(mesh, [a for a in cp.head_axes if a != cp.axis], q.shape[2], k.shape[2]) or None
+  seq = P(batch, cp.axis)
+  qkv = P(batch, cp.axis, heads)
   if cp.strategy == "ring":
     block = ring_block(t, n, cp.load_balance)
     local = lambda q, k, v, lay: _ring(cp.axis, n, mask, scale, block, q, k, v, lay)
   else:
     local = functools.partial(_all_gather, cp.axis, mask, scale, kernel)
-  layout_spec = Layout(seq, seq, seq, seq)
-  out, lse = jax.shard_map(local, in_specs=(seq, seq, seq, layout_spec), out_specs=(seq, seq),
-                           axis_names=frozenset({cp.axis}), check_vma=False)(q, k, v, layout)
+  manual = frozenset({cp.axis, *(batch or ()), *(heads or ())})
+  out, lse = jax.shard_map(local, in_specs=(qkv, qkv, qkv, Layout(seq, seq, seq, seq)),
+                           out_specs=(qkv, qkv), axis_names=manual, check_vma=False)(q, k, v, layout)
   return (out, lse) if return_lse else out
