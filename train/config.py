@@ -1,0 +1,298 @@
+"""The trainer's configuration: one frozen dataclass tree; YAML files and `key=value`
+overrides only set values of it.
+
+  cfg = load("configs/demo.yaml", ["model.dim=128", "steps=20"])
+
+Values are checked against the field types (an int where a float is expected is fine; a
+bool is not an int). Unknown keys and wrong types raise `ConfigError` listing the valid
+keys, before jax computes anything (importing `models.llama` imports jax but starts no
+backend).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from typing import Any
+
+import yaml
+
+from models.llama import LlamaConfig
+
+
+class ConfigError(ValueError):
+  """A config key or value that the schema rejects."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  """Where documents come from and how they become packed rows.
+
+  source: "stdlib" (the Python standard library's own `.py` files, on every machine) or a
+    directory of `.txt` files (one document each) and `.jsonl` files (one document per
+    line, its "text" field), read recursively in sorted order.
+  tokenizer: "bytes" (UTF-8 bytes, ids 0..255) or the path of a SentencePiece `.model`.
+  eval_fraction: the share of documents held out for eval, chosen by a hash of their name.
+  eval_batches: batches of held-out rows in each eval.
+  packing_bins: rows the packer fills at once (more bins, less padding).
+  read_threads: threads reading and tokenizing documents.
+  """
+
+  source: str = "stdlib"
+  tokenizer: str = "bytes"
+  eval_fraction: float = 0.02
+  eval_batches: int = 2
+  packing_bins: int = 16
+  read_threads: int = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+  """AdamW with linear warmup then cosine decay to `lr * min_lr_ratio`, global-norm clipping.
+
+  Weight decay applies to matrices only (not norm scales).
+  """
+
+  lr: float = 3e-4
+  warmup_steps: int = 100
+  min_lr_ratio: float = 0.1
+  weight_decay: float = 0.1
+  b1: float = 0.9
+  b2: float = 0.95
+  eps: float = 1e-8
+  clip_norm: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  """Mesh axis sizes; one may be -1 (fill with the remaining devices). Their product must
+  equal the number of devices."""
+
+  data: int = -1
+  fsdp: int = 1
+  tensor: int = 1
+  context: int = 1
+
+  def shape(self, num_devices: int) -> tuple[int, ...]:
+    """Axis sizes in `AXES` order with -1 filled.
+
+    Raises:
+      ConfigError: more than one -1, a size < 1, or a product that is not `num_devices`.
+    """
+    sizes = [getattr(self, a) for a in MESH_AXES]
+    if sum(s == -1 for s in sizes) > 1 or any(s < 1 and s != -1 for s in sizes):
+      raise ConfigError(f"mesh expects positive sizes with at most one -1, got {self}.")
+    known = math.prod(s for s in sizes if s != -1)
+    if -1 in sizes:
+      if num_devices % known:
+        raise ConfigError(f"mesh {self} cannot fill -1: {num_devices} devices are not a"
+                          f" multiple of the other axes' product {known}.")
+      sizes[sizes.index(-1)] = num_devices // known
+    if math.prod(sizes) != num_devices:
+      raise ConfigError(f"mesh {dict(zip(MESH_AXES, sizes))} has {math.prod(sizes)} devices,"
+                        f" but there are {num_devices}; set one axis to -1 or fix the sizes.")
+    return tuple(sizes)
+
+
+MESH_AXES = ("data", "fsdp", "tensor", "context")
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextParallelConfig:
+  """`flaxattn.ContextParallel` over the mesh's `context` axis (used when it is > 1)."""
+
+  strategy: str = "ring"
+  load_balance: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+  """Orbax checkpoints in `{run_dir}/checkpoints`; `max_to_keep` newest are kept."""
+
+  max_to_keep: int = 3
+  async_save: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """A training run.
+
+  run_dir: checkpoints, metrics.jsonl, TensorBoard events and loss.png go here; a rerun
+    with the same run_dir resumes from its latest good checkpoint.
+  steps: total optimizer steps (also the cosine schedule's length).
+  seq_len: tokens per row; batch_size: rows per step, global (over all processes).
+  checkpoint_every / eval_every: in steps; 0 = never (a checkpoint is still written at
+    the end and on SIGTERM).
+  platform: "" (JAX's default) or a JAX platform name ("cpu", "gpu", "tpu").
+  num_devices: with platform "cpu", the number of simulated CPU devices; elsewhere 0 or
+    the number of devices (checked). 0 = whatever is there.
+  distributed: "auto", "on" or "off": whether to call `jax.distributed.initialize()`
+    (see `train.distributed`).
+  """
+
+  run_dir: str = "runs/default"
+  steps: int = 100
+  seed: int = 0
+  seq_len: int = 4096
+  batch_size: int = 8
+  checkpoint_every: int = 50
+  eval_every: int = 50
+  log_every: int = 1
+  platform: str = ""
+  num_devices: int = 0
+  distributed: str = "auto"
+  model: LlamaConfig = dataclasses.field(default_factory=LlamaConfig)
+  data: DataConfig = dataclasses.field(default_factory=DataConfig)
+  optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+  mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+  context_parallel: ContextParallelConfig = dataclasses.field(
+      default_factory=ContextParallelConfig)
+  checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+
+  def __post_init__(self):
+    for name in ("steps", "seq_len", "batch_size", "log_every"):
+      if getattr(self, name) < 1:
+        raise ConfigError(f"{name} expects a positive int, got {getattr(self, name)}.")
+    for name in ("checkpoint_every", "eval_every", "num_devices"):
+      if getattr(self, name) < 0:
+        raise ConfigError(f"{name} expects an int >= 0, got {getattr(self, name)}.")
+    if self.seq_len > self.model.max_seq_len:
+      raise ConfigError(f"seq_len ({self.seq_len}) expects at most model.max_seq_len"
+                        f" ({self.model.max_seq_len}); raise model.max_seq_len.")
+    if self.distributed not in ("auto", "on", "off"):
+      raise ConfigError(f"distributed expects 'auto', 'on' or 'off', got {self.distributed!r}.")
+    if self.context_parallel.strategy not in ("ring", "all_gather"):
+      raise ConfigError("context_parallel.strategy expects 'ring' or 'all_gather', got"
+                        f" {self.context_parallel.strategy!r}.")
+    if not 0 <= self.data.eval_fraction < 1:
+      raise ConfigError(f"data.eval_fraction expects a value in [0, 1), got {self.data.eval_fraction}.")
+
+
+def valid_keys(cls=TrainConfig, prefix: str = "") -> list[str]:
+  """Every dotted key of the schema, e.g. `model.dim`."""
+  keys = []
+  for f in dataclasses.fields(cls):
+    kind = _field_types(cls)[f.name]
+    if dataclasses.is_dataclass(kind):
+      keys += valid_keys(kind, f"{prefix}{f.name}.")
+    else:
+      keys.append(f"{prefix}{f.name}")
+  return keys
+
+
+def _field_types(cls) -> dict[str, Any]:
+  return typing.get_type_hints(cls)
+
+
+def _unknown(key: str) -> ConfigError:
+  return ConfigError(f"unknown config key {key!r}. Valid keys:\n  " + "\n  ".join(valid_keys()))
+
+
+def _check_value(key: str, kind, value):
+  """`value` if it fits type `kind` (ints widen to floats), else ConfigError."""
+  options = typing.get_args(kind) if isinstance(kind, types.UnionType) else (kind,)
+  for option in options:
+    if option is type(None) and value is None:
+      return None
+    if option is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+      return float(value)
+    if option is int and isinstance(value, int) and not isinstance(value, bool):
+      return value
+    if option in (bool, str) and isinstance(value, option):
+      return value
+  names = " | ".join(getattr(o, "__name__", str(o)) for o in options)
+  raise ConfigError(f"config key {key!r} expects {names}, got {value!r}"
+                    f" ({type(value).__name__}).")
+
+
+def _parse_text(key: str, kind, text: str):
+  """The value of override text `text` for a field of type `kind`."""
+  options = typing.get_args(kind) if isinstance(kind, types.UnionType) else (kind,)
+  if type(None) in options and text.lower() in ("none", "null", "~"):
+    return None
+  if str in options:
+    return text
+  parsed = yaml.safe_load(text)  # true/false, ints, floats (1e-3 too: handled below)
+  if float in options and isinstance(parsed, str):
+    try:
+      parsed = float(text)
+    except ValueError:
+      pass
+  return _check_value(key, kind, parsed)
+
+
+def _build(cls, values: dict, prefix: str = ""):
+  """An instance of dataclass `cls` from nested `values` (checked), defaults elsewhere."""
+  if not isinstance(values, dict):
+    raise ConfigError(f"config key {prefix.rstrip('.')!r} expects a mapping of its fields,"
+                      f" got {values!r}.")
+  kinds = _field_types(cls)
+  kwargs = {}
+  for name, value in values.items():
+    key = f"{prefix}{name}"
+    if name not in kinds:
+      raise _unknown(key)
+    kind = kinds[name]
+    if dataclasses.is_dataclass(kind):
+      kwargs[name] = _build(kind, value, f"{key}.")
+    else:
+      if isinstance(value, str) and kind is float:
+        value = _parse_text(key, kind, value)  # YAML reads 1e-3 (no dot) as a string
+      kwargs[name] = _check_value(key, kind, value)
+  try:
+    return cls(**kwargs)
+  except ConfigError:
+    raise
+  except (ValueError, TypeError) as e:
+    raise ConfigError(f"{prefix.rstrip('.') or 'config'}: {e}") from e
+
+
+def _set(values: dict, override: str) -> None:
+  """Applies `key=value` (dotted key, value parsed by the field's type) to nested `values`."""
+  key, sep, text = override.partition("=")
+  if not sep or not key:
+    raise ConfigError(f"override {override!r} expects key=value, e.g. model.dim=128.")
+  cls, node, parts = TrainConfig, values, key.split(".")
+  for i, part in enumerate(parts):
+    kinds = _field_types(cls)
+    if part not in kinds:
+      raise _unknown(key)
+    kind = kinds[part]
+    last = i == len(parts) - 1
+    if last and dataclasses.is_dataclass(kind):
+      raise ConfigError(f"config key {key!r} is a section; set its fields, e.g."
+                        f" {key}.{dataclasses.fields(kind)[0].name}=...")
+    if not last and not dataclasses.is_dataclass(kind):
+      raise ConfigError(f"config key {key!r}: {part!r} is not a section.")
+    if last:
+      node[part] = _parse_text(key, kind, text)
+    else:
+      node = node.setdefault(part, {})
+      if not isinstance(node, dict):
+        raise ConfigError(f"config key {'.'.join(parts[:i + 1])!r} expects a mapping.")
+      cls = kind
+
+
+def load(path: str | None, overrides: list[str] = ()) -> TrainConfig:
+  """The `TrainConfig` of YAML file `path` (None: defaults) with `key=value` overrides.
+
+  Raises:
+    ConfigError: unknown keys, wrong types, malformed overrides or invalid values.
+    FileNotFoundError: `path` does not exist.
+  """
+  values = {}
+  if path is not None:
+    with open(path) as f:
+      values = yaml.safe_load(f) or {}
+    if not isinstance(values, dict):
+      raise ConfigError(f"{path} expects a YAML mapping of config keys, got {type(values).__name__}.")
+  for override in overrides:
+    _set(values, override)
+  return _build(TrainConfig, values)
+
+
+def to_dict(cfg) -> dict:
+  """The config as nested plain values (for logging next to the run)."""
+  return dataclasses.asdict(cfg)

@@ -1,0 +1,190 @@
+"""Documents -> packed rows -> global batches, through grain.
+
+Per process:
+  documents (sorted; the held-out ones by a hash of their name) -> this process's shard
+  -> shuffled each epoch, repeated -> read + tokenize -> split into pieces of <= seq_len
+  -> first-fit packed into rows of seq_len (`segment_ids` 1, 2, ... and `positions`
+  restarting at 0; 0 = padding) -> batched -> next-token targets and weights
+  (`models.llama.make_targets`, in the original token order).
+Then `GlobalBatches` permutes every per-token array with `flaxattn.load_balance` (under
+load-balanced context parallelism) and assembles global arrays with
+`jax.make_array_from_process_local_data`: batch over (data, fsdp), sequence over context.
+The grain iterator's state (`get_state`/`set_state`) is what checkpoints save.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import sysconfig
+import zlib
+
+import grain
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import flaxattn
+from models.llama import make_targets
+from train.config import ConfigError, DataConfig
+
+BATCH_SPEC = P(("data", "fsdp"), "context")
+KEYS = ("tokens", "targets", "weights", "segment_ids", "positions")
+
+
+@dataclasses.dataclass(frozen=True)
+class Document:
+  """One document: a whole file (`line` -1) or line `line` of a `.jsonl` file at byte
+  `offset`. `name` is stable across machines (the eval split hashes it)."""
+
+  name: str
+  path: str
+  line: int = -1
+  offset: int = 0
+
+  def read(self) -> str:
+    if self.line < 0:
+      return pathlib.Path(self.path).read_text(encoding="utf-8", errors="replace")
+    with open(self.path, "rb") as f:
+      f.seek(self.offset)
+      return json.loads(f.readline())["text"]
+
+
+def _stdlib_files() -> tuple[pathlib.Path, list[pathlib.Path]]:
+  root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+  skip = {"site-packages", "dist-packages"}  # installed packages, not the standard library
+  return root, [p for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts)]
+
+
+def _jsonl_documents(path: pathlib.Path, name: str) -> list[Document]:
+  docs, offset = [], 0
+  with open(path, "rb") as f:
+    for i, line in enumerate(f):
+      if line.strip():
+        docs.append(Document(f"{name}:{i}", str(path), i, offset))
+      offset += len(line)
+  return docs
+
+
+def list_documents(source: str) -> list[Document]:
+  """All documents of `source` ("stdlib" or a directory), in a deterministic order.
+
+  Raises:
+    ConfigError: the directory does not exist or holds no `.txt`/`.jsonl` documents.
+  """
+  if source == "stdlib":
+    root, files = _stdlib_files()
+  else:
+    root = pathlib.Path(source)
+    if not root.is_dir():
+      raise ConfigError(f"data.source expects 'stdlib' or a directory, got {source!r}"
+                        " (not a directory).")
+    files = [p for p in root.rglob("*") if p.suffix in (".txt", ".jsonl") and p.is_file()]
+  docs = []
+  for path in sorted(files):
+    name = path.relative_to(root).as_posix()
+    docs += _jsonl_documents(path, name) if path.suffix == ".jsonl" else [Document(name, str(path))]
+  if not docs:
+    raise ConfigError(f"data.source {source!r} holds no documents (.txt files, .jsonl lines"
+                      " with a 'text' field).")
+  return docs
+
+
+def split_documents(docs: list[Document], eval_fraction: float) -> tuple[list, list]:
+  """(train, eval): a document is held out when the hash of its name falls in
+  `eval_fraction`; at least one is held out when `eval_fraction` > 0.
+
+  Raises:
+    ConfigError: nothing left to train on.
+  """
+  held = [zlib.crc32(d.name.encode()) % 100_000 < eval_fraction * 100_000 for d in docs]
+  if eval_fraction > 0 and not any(held):
+    held[0] = True
+  train = [d for d, h in zip(docs, held) if not h]
+  if not train:
+    raise ConfigError(f"data.eval_fraction={eval_fraction} leaves no training documents.")
+  return train, [d for d, h in zip(docs, held) if h]
+
+
+class _SplitPieces(grain.experimental.FlatMapTransform):
+  """A tokenized document -> pieces of at most `seq_len` tokens (the packer refuses longer
+  ones); pieces with fewer than 2 tokens have no next-token target and are dropped."""
+
+  def __init__(self, seq_len: int):
+    self.seq_len = seq_len
+    self.max_fan_out = 1 << 20  # unused by the iterator version; required by the base
+
+  def flat_map(self, ids):
+    pieces = [ids[i:i + self.seq_len] for i in range(0, len(ids), self.seq_len)]
+    return [{"tokens": p} for p in pieces if len(p) >= 2]
+
+
+def _with_targets(packed: dict) -> dict:
+  tokens, segment_ids = packed["tokens"], packed["tokens_segment_ids"]
+  targets, weights = make_targets(tokens, segment_ids)
+  return {"tokens": tokens, "targets": targets, "weights": weights,
+          "segment_ids": segment_ids, "positions": packed["tokens_positions"]}
+
+
+def pipeline(docs: list[Document], tokenizer, cfg: DataConfig, *, seq_len: int, batch: int,
+             seed: int, shard_index: int, shard_count: int, shuffle: bool) -> grain.IterDataset:
+  """Endless packed batches (dicts of `[batch, seq_len]` numpy arrays, keys `KEYS`) of
+  shard `shard_index` of `shard_count` of `docs`.
+
+  Raises:
+    ConfigError: the shard holds no documents.
+  """
+  source = grain.MapDataset.source(docs)[shard_index::shard_count]
+  if len(source) == 0:
+    raise ConfigError(f"data shard {shard_index} of {shard_count} holds no documents; use more"
+                      " documents or fewer data-parallel processes.")
+  if shuffle:
+    source = source.shuffle(seed)
+  ds = source.repeat(None).map(lambda d: tokenizer.encode(d.read()))
+  ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=cfg.read_threads,
+                                            prefetch_buffer_size=4 * cfg.packing_bins))
+  ds = grain.experimental.FlatMapIterDataset(ds, _SplitPieces(seq_len))
+  ds = grain.experimental.FirstFitPackIterDataset(
+      ds, length_struct={"tokens": seq_len}, num_packing_bins=max(cfg.packing_bins, batch),
+      seed=seed, shuffle_bins=shuffle)
+  return ds.batch(batch, drop_remainder=True).map(_with_targets)
+
+
+class GlobalBatches:
+  """This process's part of global `[batch_size, seq_len]` batches, assembled into
+  `jax.Array`s sharded `P(("data", "fsdp"), "context")` over `mesh`.
+
+  The rows (and columns, if the context axis spans processes) that this process's devices
+  hold decide which data shard it reads: processes holding the same rows read the same
+  shard and keep their own columns.
+
+  Args:
+    mesh: the training mesh (axes data, fsdp, tensor, context).
+    cp: the context-parallel size to load-balance for, or None for no permutation.
+  """
+
+  def __init__(self, mesh, *, batch_size: int, seq_len: int, cp: int | None):
+    self.sharding = NamedSharding(mesh, BATCH_SPEC)
+    self.shape = (batch_size, seq_len)
+    self.cp = cp
+    index = self.sharding.addressable_devices_indices_map(self.shape).values()
+    rows = [i[0].indices(batch_size) for i in index]
+    cols = [i[1].indices(seq_len) for i in index]
+    self.rows = slice(min(r[0] for r in rows), max(r[1] for r in rows))
+    self.cols = slice(min(c[0] for c in cols), max(c[1] for c in cols))
+    self.local_batch = self.rows.stop - self.rows.start
+    self.shard_index = self.rows.start // self.local_batch
+    self.shard_count = batch_size // self.local_batch
+
+  def to_global(self, local: dict) -> dict:
+    """Global arrays of a local batch (dict of `[local_batch, seq_len]` numpy arrays)."""
+    out = {}
+    for key in KEYS:
+      x = local[key]
+      if self.cp is not None:
+        x = np.asarray(flaxattn.load_balance(x, self.cp))
+      out[key] = jax.make_array_from_process_local_data(self.sharding, x[:, self.cols],
+                                                        self.shape)
+    return out

@@ -1,0 +1,25 @@
+"""AdamW with linear warmup + cosine decay and global-norm clipping (optax)."""
+
+from __future__ import annotations
+
+import jax
+import optax
+
+from train.config import OptimizerConfig
+
+
+def schedule(cfg: OptimizerConfig, steps: int) -> optax.Schedule:
+  """Learning rate by step: 0 -> `lr` over `warmup_steps`, then cosine to
+  `lr * min_lr_ratio` at `steps`."""
+  warmup = min(cfg.warmup_steps, steps - 1)
+  return optax.warmup_cosine_decay_schedule(0.0, cfg.lr, warmup, max(steps, warmup + 1),
+                                            end_value=cfg.lr * cfg.min_lr_ratio)
+
+
+def make(cfg: OptimizerConfig, steps: int) -> optax.GradientTransformation:
+  """Clip by global norm, then AdamW; weight decay on matrices only (not norm scales)."""
+  decay_mask = lambda params: jax.tree.map(lambda p: p.ndim > 1, params)
+  return optax.chain(
+      optax.clip_by_global_norm(cfg.clip_norm),
+      optax.adamw(schedule(cfg, steps), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                  weight_decay=cfg.weight_decay, mask=decay_mask))

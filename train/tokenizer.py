@@ -1,0 +1,52 @@
+"""Tokenizers: text -> int32 ids.
+
+The default is byte-level (UTF-8 bytes, ids 0..255, no special tokens): every document is
+its own packed segment, so no BOS/EOS is needed to separate documents, and nothing is
+downloaded. A SentencePiece model is the option for real runs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class ByteTokenizer:
+  """UTF-8 bytes as ids 0..255."""
+
+  vocab_size = 256
+
+  def encode(self, text: str) -> np.ndarray:
+    """ids `[len(text.encode())]` int32."""
+    return np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32)
+
+  def decode(self, ids) -> str:
+    return bytes(np.asarray(ids, np.uint8)).decode("utf-8", errors="replace")
+
+
+class SentencePieceTokenizer:
+  """A SentencePiece model file (`.model`); ids as the model numbers them.
+
+  Raises:
+    ImportError: the `sentencepiece` package is not installed.
+    OSError: the model file cannot be read.
+  """
+
+  def __init__(self, path: str):
+    try:
+      import sentencepiece  # only this option needs it
+    except ImportError as e:
+      raise ImportError(f"data.tokenizer={path!r} needs the sentencepiece package: pip install"
+                        " sentencepiece (or use data.tokenizer=bytes).") from e
+    self._sp = sentencepiece.SentencePieceProcessor(model_file=path)
+    self.vocab_size = self._sp.get_piece_size()
+
+  def encode(self, text: str) -> np.ndarray:
+    return np.asarray(self._sp.encode(text), np.int32)
+
+  def decode(self, ids) -> str:
+    return self._sp.decode([int(i) for i in ids])
+
+
+def make(name: str):
+  """`ByteTokenizer` for "bytes", else a `SentencePieceTokenizer` of the model at `name`."""
+  return ByteTokenizer() if name == "bytes" else SentencePieceTokenizer(name)
