@@ -49,28 +49,10 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import flaxattn  # noqa: E402
 from flaxattn import blockwise  # noqa: E402
 from flaxattn.context_parallel import ring_block  # noqa: E402
+from attention import B, D, H, best_time, causal_pairs, qkv, useful_gflops  # noqa: E402
 
-B, H, D = 1, 4, 64
 AXIS = "context"
 MIB = 2**20
-
-
-def best_time(fn, args, repeats: int) -> float:
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return min(times)
-
-
-def causal_pairs(t: int) -> int:
-  return t * (t + 1) // 2
-
-
-def useful_gflops(t: int, seconds: float) -> float:
-  return causal_pairs(t) * H * D * 2 * 6 / seconds / 1e9
 
 
 def make_mesh(cp: int):
@@ -150,11 +132,6 @@ def bench_balance(t: int, cp: int) -> dict:
 
 # 3. ring vs all_gather vs single device ----------------------------------------------------
 
-def qkv(t: int):
-  keys = jax.random.split(jax.random.key(0), 3)
-  return tuple(jax.random.normal(kk, (B, t, H, D), jnp.float32) for kk in keys)
-
-
 def bench_strategies(t: int, cp: int, repeats: int) -> list[dict]:
   rows = []
   host = qkv(t)
@@ -168,13 +145,13 @@ def bench_strategies(t: int, cp: int, repeats: int) -> list[dict]:
       start = time.perf_counter()
       sec = best_time(fn, args, repeats)
       rows.append(dict(case=f"causal T={t}", impl=f"{strategy} cp={cp}", seconds=sec,
-                       gflops=useful_gflops(t, sec), total_seconds=time.perf_counter() - start, **mem))
+                       gflops=useful_gflops(causal_pairs(t), sec), total_seconds=time.perf_counter() - start, **mem))
   fn = fwd_bwd(None)
   mem = memory(fn, t)
   start = time.perf_counter()
   sec = best_time(fn, host, repeats)
   rows.append(dict(case=f"causal T={t}", impl="fused, 1 device", seconds=sec,
-                   gflops=useful_gflops(t, sec), total_seconds=time.perf_counter() - start, **mem))
+                   gflops=useful_gflops(causal_pairs(t), sec), total_seconds=time.perf_counter() - start, **mem))
   base = rows[-1]["seconds"]
   for r in rows:
     r["x_single_device"] = r["seconds"] / base
