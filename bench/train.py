@@ -1,0 +1,308 @@
+"""Training-step throughput of the demo model on 4 simulated CPU devices, every number from
+the same run.
+
+  python bench/train.py [--json bench/results/train_cpu.json] [--steps N] [--config PATH]
+
+The demo model (`configs/demo.yaml`: its model config, seq_len and global batch_size) is
+trained with the trainer's own pieces: `train.loop._make_state` (Llama + AdamW from
+`train.optimizer`), `train.loop.train_step` (the jitted step `python -m train` runs),
+`train.mesh.make`, `flaxattn.sharding.rules` and `train.data.GlobalBatches`. Variants, all on
+the same global batch (`batch_size` rows of `seq_len`) and the same initial parameters:
+
+  1. ring:        mesh context=4 (the demo config), ContextParallel("ring", load_balance);
+  2. all_gather:  mesh context=4, ContextParallel("all_gather", load_balance) (the demo
+                  config with context_parallel.strategy=all_gather);
+  3. no CP:       no context parallelism, on ONE of the 4 simulated devices (a 1-device mesh
+                  with every axis of size 1). The demo batch is 1 row, so a data axis > 1
+                  cannot split it; replicating the step over 4 devices (an unused mesh axis)
+                  would make each device repeat the whole step on the same 2 shared cores,
+                  4x the work; one device is what a run without CP does;
+  4. dense mask:  as 3, but every layer's attention is `jax.nn.dot_product_attention(...,
+                  implementation="xla")` with a dense [B, 1, T, T] boolean mask from the
+                  segment ids and positions (same segment, non-padding, key position <= query
+                  position). `models.llama.Llama` does not expose `attention_fn`, so the
+                  layers' `MultiHeadAttention.attention_fn` attribute is monkeypatched after
+                  construction.
+
+The batch is one packed batch from the trainer's data pipeline (`train.data.pipeline`: the
+Python standard library's `.py` files, byte tokenizer, first-fit packed, shuffled with the
+config's seed): by default the first batch whose rows hold at least `--min-docs` (3)
+documents, real documents of uneven lengths plus padding (`--batch-index N` picks pipeline
+batch N instead; at seq_len 4096 most demo batches are one piece of a long file). The CP
+variants get it in `flaxattn.load_balance` order, as the trainer feeds it
+(`GlobalBatches(cp=4)`); the others in the original order. The same batch is reused for every
+step (data loading is not timed).
+
+XLA_FLAGS gets `--xla_force_host_platform_device_count=4` and
+`--xla_cpu_multi_thread_eigen=false` (what `train.distributed.setup` sets when simulating
+devices) before jax is imported. The simulated devices share the host's cores, so wall time
+compares total work and overheads, not the parallel speedup of real chips. The `cores`
+column (process CPU time / wall time over the timed steps) shows how many cores a variant
+kept busy: even one simulated device uses more than one for large matmuls.
+
+Step time: after `--warmup` compile-and-warm-up steps per variant, `--steps` rounds that
+each time one step of every variant in turn (interleaved, so that load from other users of
+the machine hits the variants alike), each to `jax.block_until_ready` of the step's outputs.
+tokens/s = batch_size x seq_len (padding included, as the trainer's tokens_per_s) / the
+median step time (the best is also shown). MFU = `models.llama.flops_per_token(model,
+seq_len)` x tokens/s / this CPU's float32 matmul FLOP/s (2048^3, `bench/attention.py`'s
+`matmul_gflops` on the default device), measured before and after the steps, the higher
+taken. flops_per_token counts each row as one causal document, so for packed rows its
+attention term is an upper bound of the work needed. The loss of the first step (same
+initial parameters and batch) is printed per variant as a consistency check.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import sys
+
+_flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+          if not f.startswith("--xla_force_host_platform_device_count")]
+_flags.append("--xla_force_host_platform_device_count=4")
+if not any(f.startswith("--xla_cpu_multi_thread_eigen") for f in _flags):
+  _flags.append("--xla_cpu_multi_thread_eigen=false")
+os.environ["XLA_FLAGS"] = " ".join(_flags)
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+# This file is bench/train.py: with bench/ first on sys.path, `import train` would import
+# this file instead of the trainer package. Put the repo root first and bench/ last (for
+# bench/attention.py and the seqlens module it imports).
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench"
+sys.path[:] = ([str(ROOT)] + [p for p in sys.path if pathlib.Path(p or ".").resolve() != BENCH]
+               + [str(BENCH)])
+
+import argparse  # noqa: E402
+import gc  # noqa: E402
+import importlib.util  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+from jax.sharding import AxisType, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import flaxattn  # noqa: E402
+from models.llama import flops_per_token, num_params  # noqa: E402
+from train import config as config_lib  # noqa: E402
+from train import data, loop  # noqa: E402
+from train import mesh as mesh_lib  # noqa: E402
+from train import tokenizer as tokenizer_lib  # noqa: E402
+
+
+def _load_attention_bench():
+  spec = importlib.util.spec_from_file_location("bench_attention", BENCH / "attention.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+attention_bench = _load_attention_bench()
+best_time, matmul_gflops = attention_bench.best_time, attention_bench.matmul_gflops
+
+
+def dense_mask_attention(q, k, v, *, mask, segment_ids=None, positions=None,
+                         kv_segment_ids=None, kv_positions=None, backend=None,
+                         context_parallel=None, **unused):
+  """`flaxattn.attention`'s signature; plain jax.nn.dot_product_attention with a dense
+  [B, 1, T, S] mask from segment ids and positions (causal masks only, no CP)."""
+  del backend, unused
+  if context_parallel is not None or mask != flaxattn.Causal():
+    raise ValueError(f"dense_mask_attention serves Causal() without CP, got {mask!r}, "
+                     f"{context_parallel!r}.")
+  b, t, s = q.shape[0], q.shape[1], k.shape[1]
+  if segment_ids is None:
+    segment_ids = jnp.ones((b, t), jnp.int32)
+  if positions is None:
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+  kv_seg = segment_ids if kv_segment_ids is None else kv_segment_ids
+  kv_pos = positions if kv_positions is None else kv_positions
+  allowed = ((segment_ids[:, :, None] == kv_seg[:, None, :]) & (segment_ids[:, :, None] != 0)
+             & (kv_pos[:, None, :] <= positions[:, :, None]))
+  assert allowed.shape == (b, t, s)
+  return jax.nn.dot_product_attention(q, k, v, mask=allowed[:, None], implementation="xla")
+
+
+def _rules(mesh, m):
+  return flaxattn.sharding.rules(mesh, kv_heads=m.n_kv_heads, heads=m.n_heads, mlp=m.ffn_dim,
+                                 vocab=m.vocab_size, embed=m.dim)
+
+
+def one_batch(cfg, index: int | None, min_docs: int) -> tuple[int, dict]:
+  """(its index, one local batch: numpy, original token order) from the trainer's pipeline:
+  batch `index`, or with index None the first batch whose every row holds at least
+  `min_docs` documents."""
+  tok = tokenizer_lib.make(cfg.data.tokenizer)
+  train_docs, _ = data.split_documents(data.list_documents(cfg.data.source),
+                                       cfg.data.eval_fraction)
+  ds = data.pipeline(train_docs, tok, cfg.data, seq_len=cfg.seq_len, batch=cfg.batch_size,
+                     seed=cfg.seed, shard_index=0, shard_count=1, shuffle=True)
+  it = iter(ds)
+  for i in range(10_000):
+    batch = {k: np.array(v) for k, v in next(it).items()}
+    docs = min(len(np.unique(r[r > 0])) for r in batch["segment_ids"])
+    if i == index or (index is None and docs >= min_docs):
+      break
+  else:
+    raise SystemExit(f"no batch with >= {min_docs} documents per row in the first 10000")
+  del it, ds  # stop the reader threads before timing
+  gc.collect()
+  time.sleep(1.0)
+  return i, batch
+
+
+class Variant:
+  """One variant's mesh, state and global batch, compiled and warmed up; `step()` runs and
+  times one training step (wall seconds, process CPU seconds)."""
+
+  def __init__(self, name: str, cfg, local: dict, *, cp_size: int, dense: bool, warmup: int):
+    self.name, self.cfg, self.dense = name, cfg, dense
+    if cp_size > 1:
+      self.mesh = mesh_lib.make(cfg)
+      assert self.mesh.shape["context"] == cp_size, dict(self.mesh.shape)
+      self.cp = flaxattn.ContextParallel("context", cfg.context_parallel.strategy,
+                                         cfg.context_parallel.load_balance)
+    else:
+      axes = config_lib.MESH_AXES
+      self.mesh = jax.make_mesh((1,) * len(axes), axes, axis_types=(AxisType.Auto,) * len(axes),
+                                devices=jax.devices()[:1])
+      self.cp = None
+    self.rules = _rules(self.mesh, cfg.model)
+    batches = data.GlobalBatches(
+        self.mesh, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
+        cp=cp_size if self.cp is not None and self.cp.load_balance else None)
+    with jax.set_mesh(self.mesh), nnx.logical_axis_rules(self.rules):
+      self.state = nnx.jit(lambda: loop._make_state(cfg, self.cp))()
+      if dense:  # Llama does not expose attention_fn: patch the layer instances
+        for block in self.state.model.layers:
+          block.attn.attention_fn = dense_mask_attention
+      self.batch = jax.block_until_ready(batches.to_global(local))
+    self.first_step_s, _, out = self._run()
+    self.first_loss = float(out["loss"])
+    for _ in range(warmup - 1):
+      self._run()
+    self.times, self.cpu = [], []
+
+  def _run(self):
+    with jax.set_mesh(self.mesh), nnx.logical_axis_rules(self.rules):
+      cpu0, start = time.process_time(), time.perf_counter()
+      out = jax.block_until_ready(loop.train_step(self.state, self.batch))
+      return time.perf_counter() - start, time.process_time() - cpu0, out
+
+  def step(self) -> None:
+    wall, cpu, _ = self._run()
+    self.times.append(wall)
+    self.cpu.append(cpu)
+
+  def result(self) -> dict:
+    cfg, tokens = self.cfg, self.cfg.batch_size * self.cfg.seq_len
+    median = statistics.median(self.times)
+    return dict(variant=self.name, mesh=dict(self.mesh.shape), devices=self.mesh.size,
+                strategy=None if self.cp is None else self.cp.strategy,
+                load_balance=None if self.cp is None else self.cp.load_balance,
+                attention="jax.nn.dot_product_attention xla + dense mask" if self.dense
+                else f"flaxattn (backend={cfg.model.attention_backend})",
+                first_step_s=self.first_step_s, first_loss=self.first_loss,
+                step_times=self.times, median_step_s=median, best_step_s=min(self.times),
+                cores_used=sum(self.cpu) / sum(self.times), tokens_per_step=tokens,
+                tokens_per_s=tokens / median, tokens_per_s_best=tokens / min(self.times))
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--json", help="write the results to this file")
+  parser.add_argument("--steps", type=int, default=10, help="timed steps per variant")
+  parser.add_argument("--warmup", type=int, default=2,
+                      help="untimed steps first per variant (the first compiles)")
+  parser.add_argument("--repeats", type=int, default=3, help="matmul timing repeats")
+  parser.add_argument("--batch-index", type=int, default=None,
+                      help="pipeline batch to use (default: the first with >= --min-docs"
+                           " documents per row)")
+  parser.add_argument("--min-docs", type=int, default=3)
+  parser.add_argument("--config", default=str(ROOT / "configs" / "demo.yaml"))
+  args = parser.parse_args()
+  if args.steps < 1 or args.warmup < 1:
+    parser.error("--steps and --warmup expect >= 1")
+  wall = time.perf_counter()
+
+  base = config_lib.load(args.config)
+  if jax.device_count() != 4 or base.mesh.context != 4:
+    raise SystemExit(f"expects 4 devices and mesh.context=4, got {jax.device_count()} devices"
+                     f" and {base.mesh}")
+  specs = [  # (name, overrides, cp_size, dense)
+      ("ring (context=4, LB)", ["context_parallel.strategy=ring"], 4, False),
+      ("all_gather (context=4, LB)", ["context_parallel.strategy=all_gather"], 4, False),
+      ("no CP (1 device)", [], 1, False),
+      ("dense mask jax.nn (1 device)", [], 1, True),
+  ]
+  cfg0 = config_lib.load(args.config, specs[0][1])
+  batch_index, local = one_batch(cfg0, args.batch_index, args.min_docs)
+  seg = local["segment_ids"]
+  lengths = [[int(np.sum(r == s)) for s in np.unique(r[r > 0])] for r in seg]
+  padding = int(np.sum(seg == 0))
+  fpt = flops_per_token(cfg0.model, cfg0.seq_len)
+  print(f"device: {jax.devices()[0].device_kind} x{jax.device_count()} (simulated),"
+        f" host cpus: {os.cpu_count()}; XLA_FLAGS={os.environ['XLA_FLAGS']}")
+  print(f"model: {num_params(cfg0.model) / 1e6:.3f}M params, {cfg0.model}")
+  print(f"batch: pipeline batch {batch_index}, {cfg0.batch_size} x {cfg0.seq_len} tokens,"
+        f" document lengths per row {lengths}, {padding} padding tokens;"
+        f" flops_per_token {fpt / 1e6:.2f} MFLOP")
+
+  mm_before = matmul_gflops(args.repeats)
+  variants = []
+  for name, overrides, cp_size, dense in specs:
+    v = Variant(name, config_lib.load(args.config, overrides), local, cp_size=cp_size,
+                dense=dense, warmup=args.warmup)
+    print(f"  {name}: first step (compile) {v.first_step_s:.1f} s, loss {v.first_loss:.5f}",
+          flush=True)
+    variants.append(v)
+  for _ in range(args.steps):  # interleaved, so that load from other users hits all alike
+    for v in variants:
+      v.step()
+  mm_after = matmul_gflops(args.repeats)
+  mm = max(mm_before, mm_after)
+  print(f"float32 matmul 2048^3 on one simulated device: {mm_before:.1f} GFLOP/s before,"
+        f" {mm_after:.1f} after the steps; MFU uses the higher")
+
+  rows = [v.result() for v in variants]
+  for r in rows:
+    r["ratio_to_ring"] = r["tokens_per_s"] / rows[0]["tokens_per_s"]
+    r["mfu"] = fpt * r["tokens_per_s"] / (mm * 1e9)
+  head = (f"{'variant':<30} {'tokens/s':>9} {'step s':>8} {'best s':>8} {'x ring':>7}"
+          f" {'MFU':>6} {'cores':>6} {'loss@0':>8}")
+  lines = [head] + [
+      f"{r['variant']:<30} {r['tokens_per_s']:>9.0f} {r['median_step_s']:>8.3f}"
+      f" {r['best_step_s']:>8.3f} {r['ratio_to_ring']:>7.2f} {r['mfu']:>6.3f}"
+      f" {r['cores_used']:>6.2f} {r['first_loss']:>8.4f}" for r in rows]
+  print("\n" + "\n".join(lines))
+  elapsed = time.perf_counter() - wall
+  print(f"\ntokens/s and step s: median of {args.steps} interleaved steps after {args.warmup}"
+        f" warm-up; x ring: tokens/s ratio; MFU vs {mm:.1f} GFLOP/s; cores: process CPU"
+        f" time / wall time over the timed steps; total {elapsed:.0f} s")
+
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(dict(devices=jax.device_count(), cpu_cores=os.cpu_count(),
+                     machine=platform.machine(), jax=jax.__version__,
+                     xla_flags=os.environ["XLA_FLAGS"], config=args.config,
+                     command=" ".join(["python"] + sys.argv),
+                     model=config_lib.to_dict(cfg0)["model"], seq_len=cfg0.seq_len,
+                     batch_size=cfg0.batch_size, steps=args.steps, warmup=args.warmup,
+                     batch_source=f"train.data.pipeline (stdlib .py files, bytes tokenizer,"
+                                  f" first-fit packed, seed {cfg0.seed}), batch {batch_index}",
+                     document_lengths=lengths, padding_tokens=padding,
+                     flops_per_token=fpt, matmul_gflops=mm, matmul_gflops_before=mm_before,
+                     matmul_gflops_after=mm_after, variants=rows, table=lines,
+                     wall_s=elapsed), f, indent=2)
+
+
+if __name__ == "__main__":
+  main()
