@@ -312,7 +312,3 @@ def test_call_errors(small):
     small(jnp.zeros((1, T + 1), jnp.int32))
   with pytest.raises(ValueError, match=r"tokens expects shape \[batch, seq\]"):
     small(jnp.zeros((T,), jnp.int32))
-  cp = flaxattn.ContextParallel("context")
-  model = nnx.eval_shape(lambda: Llama(SMALL, context_parallel=cp, rngs=nnx.Rngs(0)))
-  with pytest.raises(ValueError, match="positions expects a .* load-balanced context_parallel"):
-    model.from_embeddings(jnp.zeros((B, T, SMALL.dim)))
