@@ -12,10 +12,14 @@ from flaxattn.context_parallel import ContextParallel, context_parallel_attentio
 from flaxattn.layout import Layout
 from flaxattn.masks import Causal, Mask, check_mask
 from flaxattn.reference import reference_attention
+from flaxattn.splash import splash_attention, splash_unsupported_reason
 
 registry.register(
     registry.FunctionKernel("fused", blockwise_attention),
     platforms={"default": 0, "cpu": 0, "gpu": 0, "tpu": 1})
+registry.register(
+    registry.FunctionKernel("splash", splash_attention, splash_unsupported_reason),
+    platforms={"tpu": 0, "default": 50, "cpu": 50, "gpu": 50})
 registry.register(
     registry.FunctionKernel("reference", reference_attention),
     platforms={"default": 100, "cpu": 100, "gpu": 100, "tpu": 100})

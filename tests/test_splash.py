@@ -1,0 +1,127 @@
+"""The splash kernel (Pallas interpret mode on CPU) against the reference, and its decline rules.
+
+Interpret mode is slow: T=256 with 128-blocks (a 2x2 block grid, so documents cross block
+edges), D=64, GQA 4 query heads on 2 KV heads.
+"""
+
+import tracemalloc
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+
+import flaxattn
+from flaxattn import splash
+from flaxattn.layout import Layout
+from packing import random_packing
+from test_attention import _compare, _inputs
+
+B, T, H, HKV, D = 2, 256, 4, 2, 64
+
+
+def _splash_128(q, k, v, layout, *, mask, scale, return_lse):
+  return splash.splash_attention(q, k, v, layout, mask=mask, scale=scale, return_lse=return_lse,
+                                 block_q=128, block_kv=128)
+
+
+def _packed(seed, pad_tail=0):
+  seg, pos = random_packing(np.random.default_rng(seed), B, T, max_docs=5, pad_tail=pad_tail)
+  seg, pos = jnp.asarray(seg), jnp.asarray(pos)
+  return seg, pos, Layout(seg, seg, pos, pos)
+
+
+@pytest.mark.parametrize("mask", [flaxattn.Causal(), flaxattn.Local(40), flaxattn.Full(),
+                                  flaxattn.Chunked(64), flaxattn.Chunked(96) & flaxattn.Local(50)],
+                         ids=str)
+def test_default_positions_match_reference(mask):
+  q, k, v = _inputs(1, B, T, T, H, HKV, D, jnp.float32)
+  _compare(_splash_128, Layout(), mask, q, k, v, jnp.float32)
+
+
+@pytest.mark.parametrize("mask", [flaxattn.Causal(), flaxattn.Causal() & flaxattn.Local(30),
+                                  flaxattn.Full()], ids=str)
+def test_packed_documents_match_reference(mask):
+  """Documents (positions restarting at 0) crossing block edges, and a padding tail."""
+  q, k, v = _inputs(2, B, T, T, H, HKV, D, jnp.float32)
+  _, _, layout = _packed(2, pad_tail=20)
+  _compare(_splash_128, layout, mask, q, k, v, jnp.float32)
+
+
+def test_public_entry_point_bfloat16_default_blocks():
+  q, k, v = _inputs(3, 1, T, T, H, HKV, D, jnp.bfloat16)
+  seg, pos, _ = _packed(3)
+  got = flaxattn.attention(q, k, v, segment_ids=seg[:1], positions=pos[:1], backend="splash")
+  want = flaxattn.attention(q, k, v, segment_ids=seg[:1], positions=pos[:1], backend="reference")
+  assert got.dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                             atol=3e-2, rtol=3e-2)
+
+
+def test_padding_rows_are_zero_with_finite_gradients():
+  q, k, v = _inputs(4, 1, T, T, 2, 1, D, jnp.float32)
+  seg = np.ones((1, T), np.int32)
+  seg[0, 200:] = 0
+
+  def f(q, k, v):
+    out, lse = flaxattn.attention(q, k, v, segment_ids=seg, backend="splash", return_lse=True)
+    return jnp.sum(out ** 2), (out, lse)
+
+  grads, (out, lse) = jax.grad(f, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+  np.testing.assert_array_equal(out[0, 200:], 0.0)
+  assert np.all(np.isneginf(lse[0, 200:])) and np.all(np.isfinite(lse[0, :200]))
+  for g in grads:
+    assert np.all(np.isfinite(g))
+  np.testing.assert_array_equal(grads[0][0, 200:], 0.0)
+  np.testing.assert_array_equal(grads[1][0, 200:], 0.0)  # padding keys are seen by no one
+
+
+def _declines(match, q, k, v, **kwargs):
+  with pytest.raises(ValueError, match=match):
+    flaxattn.attention(q, k, v, backend="splash", **kwargs)
+
+
+def test_decline_reasons():
+  q, k, v = _inputs(5, 1, T, T, 2, 2, D, jnp.float32)
+  seg, pos, _ = _packed(5)
+  seg, pos = seg[:1], pos[:1]
+  _declines("Chunked with explicit positions", q, k, v, mask=flaxattn.Chunked(64),
+            segment_ids=seg, positions=pos)
+  _declines("without segment_ids", q, k, v, positions=pos)
+  _declines("multiple of 128, got 200", q[:, :200], k[:, :200], v[:, :200])
+  _declines("query length 256 != key length 128", q, k[:, :128], v[:, :128], mask=flaxattn.Full())
+  _declines("different sizes", q, k, v, mask=flaxattn.Chunked(64) & flaxattn.Chunked(32))
+  # Full ignores positions, so explicit positions are fine without segment ids.
+  flaxattn.attention(q, k, v, mask=flaxattn.Full(), positions=pos, backend="splash")
+
+
+def test_auto_on_cpu_prefers_fused():
+  q, k, v = _inputs(6, 1, T, T, 2, 2, D, jnp.float32)
+  text = flaxattn.explain(q, k, v, print_fn=None)
+  assert "splash: accepts" in text and "backend='auto' -> fused" in text
+
+
+def test_lazy_parts():
+  C, L, K = flaxattn.Causal(), flaxattn.Local, flaxattn.Chunked
+  assert splash.lazy_parts(flaxattn.Full()) == ()
+  assert splash.lazy_parts(flaxattn.Full() & C) == (("causal",),)
+  assert splash.lazy_parts(C & L(8) & L(4)) == (("local", 4),)
+  assert splash.lazy_parts(K(16) & C) == (("chunked", 16),)
+  assert splash.lazy_parts(L(5) & K(16)) == (("local", 5), ("chunked", 16))
+
+
+def test_long_causal_kernel_builds_without_dense_mask(monkeypatch):
+  """T=32768: no NumpyMask, and host memory far below one [T, T] bool array (1 GiB)."""
+  def no_numpy_mask(*args, **kwargs):
+    raise AssertionError("splash built a NumpyMask of the whole sequence")
+
+  monkeypatch.setattr(sm.NumpyMask, "__post_init__", no_numpy_mask)
+  t = 32768
+  tracemalloc.start()
+  try:
+    splash._kernel.__wrapped__((("causal",),), t, 4, 512, 512, True)  # bypass the cache
+    peak = tracemalloc.get_traced_memory()[1]
+  finally:
+    tracemalloc.stop()
+  assert peak < 64 * 2**20, f"peak host allocation {peak / 2**20:.0f} MiB"
