@@ -22,7 +22,6 @@ import zlib
 
 import grain
 import jax
-import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -184,7 +183,7 @@ class GlobalBatches:
     for key in KEYS:
       x = local[key]
       if self.cp is not None:
-        x = np.asarray(flaxattn.load_balance(x, self.cp))
+        x = flaxattn.load_balance(x, self.cp)
       out[key] = jax.make_array_from_process_local_data(self.sharding, x[:, self.cols],
                                                         self.shape)
     return out
