@@ -8,17 +8,17 @@ import numpy as np
 
 from flaxattn import registry
 from flaxattn.blockwise import blockwise_attention
-from flaxattn.context_parallel import ContextParallel, context_parallel_attention
+from flaxattn.context_parallel import ContextParallel, axis_size, context_parallel_attention
 from flaxattn.layout import Layout
 from flaxattn.masks import Causal, Mask, check_mask
 from flaxattn.reference import reference_attention
-from flaxattn.splash import splash_attention, splash_unsupported_reason
+from flaxattn.splash import Splash
 
 registry.register(
     registry.FunctionKernel("fused", blockwise_attention),
     platforms={"default": 0, "cpu": 0, "gpu": 0, "tpu": 1})
 registry.register(
-    registry.FunctionKernel("splash", splash_attention, splash_unsupported_reason),
+    Splash(),
     platforms={"tpu": 0, "default": 50, "cpu": 50, "gpu": 50})
 registry.register(
     registry.FunctionKernel("reference", reference_attention),
@@ -77,13 +77,17 @@ def make_layout(q, k, segment_ids, positions, kv_segment_ids, kv_positions) -> L
   return Layout(segment_ids, kv_segment_ids, positions, kv_positions)
 
 
-def _call(q, k, mask, layout: Layout, return_lse: bool) -> registry.Call:
+def _call(q, k, mask, layout: Layout, return_lse: bool, context_parallel=None) -> registry.Call:
+  if context_parallel is not None and not isinstance(context_parallel, ContextParallel):
+    raise TypeError(f"context_parallel expects a flaxattn.ContextParallel or None, got"
+                    f" {context_parallel!r}.")
   return registry.Call(
       platform=registry.current_platform(), q_shape=tuple(q.shape), kv_shape=tuple(k.shape),
       dtype=str(np.dtype(q.dtype)), mask=mask,
       has_segment_ids=layout.q_segment_ids is not None,
       has_positions=layout.q_positions is not None or layout.kv_positions is not None,
-      return_lse=return_lse)
+      return_lse=return_lse,
+      cp_size=1 if context_parallel is None else axis_size(context_parallel))
 
 
 def attention(q, k, v, *, mask: Mask = Causal(), segment_ids=None, positions=None,
@@ -99,7 +103,8 @@ def attention(q, k, v, *, mask: Mask = Causal(), segment_ids=None, positions=Non
     positions: `[B, T]` int, position of each token inside its document; None = token index.
     kv_segment_ids, kv_positions: `[B, S]` for keys; default to the query ones when S == T.
     scale: score scale, default `D ** -0.5`.
-    backend: "auto", or a kernel name ("fused", "reference", ...; see `flaxattn.explain`).
+    backend: "auto", a kernel name ("fused", "splash", "reference"; see `flaxattn.explain`),
+      or a kernel object carrying options, e.g. `flaxattn.splash.Splash(block_q=256)`.
     context_parallel: a `flaxattn.ContextParallel` to run with the sequence axis sharded.
     return_lse: also return the log-sum-exp of each query row, `[B, T, H]` float32.
 
@@ -116,16 +121,9 @@ def attention(q, k, v, *, mask: Mask = Causal(), segment_ids=None, positions=Non
   layout = make_layout(q, k, segment_ids, positions, kv_segment_ids, kv_positions)
   if scale is None:
     scale = q.shape[-1] ** -0.5
-  kernel = registry.select(backend, _call(q, k, mask, layout, return_lse))
+  kernel = registry.select(backend, _call(q, k, mask, layout, return_lse, context_parallel))
   if context_parallel is None:
     return kernel(q, k, v, layout, mask=mask, scale=float(scale), return_lse=return_lse)
-  if not isinstance(context_parallel, ContextParallel):
-    raise TypeError(f"context_parallel expects a flaxattn.ContextParallel or None, got"
-                    f" {context_parallel!r}.")
-  if context_parallel.strategy == "ring" and kernel.name != "fused":
-    raise ValueError(f"context_parallel strategy 'ring' runs the 'fused' kernel's forward and"
-                     f" backward passes per block; backend={backend!r} selected {kernel.name!r}."
-                     " Pass backend='auto' or 'fused', or strategy='all_gather'.")
   return context_parallel_attention(q, k, v, layout, mask=mask, scale=float(scale),
                                     cp=context_parallel, kernel=kernel, return_lse=return_lse)
 

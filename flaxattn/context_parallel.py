@@ -2,11 +2,13 @@
 
 Strategies:
   - "ring": K, V and their segment ids / positions travel around the devices of the axis
-    with `ppermute` inside a `lax.scan`; each step runs the local blockwise kernel on the
-    device's queries against the visiting key block and merges by log-sum-exp in float32.
-    The local kernel's block schedule skips what the mask and the positions rule out, so
-    under load balancing off-diagonal steps cost full, half or no blocks. The backward pass
-    is a second ring in which dK/dV travel with K/V: per-device memory stays O(T / cp).
+    with `ppermute`; each step runs the local kernel on the device's queries against the
+    visiting key block and merges by log-sum-exp in float32. With the blockwise kernel the
+    steps are a `lax.scan` and the kernel's block schedule skips what the mask and the
+    positions rule out; splash (TPU) runs one kernel per step (unrolled) whose lazy mask
+    knows the load-balanced order, so its block skipping is static. Under load balancing
+    off-diagonal steps cost full, half or no blocks. The backward pass is a second ring in
+    which dK/dV travel with K/V: per-device memory stays O(T / cp).
   - "all_gather": K/V gathered once, the local kernel on the device's own queries. The
     baseline; memory O(T) per device for K/V.
 
@@ -71,7 +73,8 @@ def _dividing_axes(mesh, axes, *sizes) -> tuple[str, ...]:
   return tuple(kept)
 
 
-def _axis_size(cp: ContextParallel) -> int:
+def axis_size(cp: ContextParallel) -> int:
+  """The size of `cp.axis` in the current mesh (raises if there is no mesh or no such axis)."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
     raise ValueError(f"context_parallel={cp} needs a mesh: call under `with jax.set_mesh(mesh):`"
@@ -94,71 +97,129 @@ def _shift(x, axis: str, n: int):
   return jax.lax.ppermute(x, axis, [(i, (i + 1) % n) for i in range(n)])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
-def _ring(axis, n, mask, scale, block, q, k, v, layout):
-  return _ring_fwd(axis, n, mask, scale, block, q, k, v, layout)[0]
+@dataclasses.dataclass(frozen=True)
+class _BlockwiseLocal:
+  """The blockwise kernel's forward and backward passes as the ring's local computation.
+  (A local computation may return None for a step that has nothing to compute.)"""
+
+  mask: Mask
+  scale: float
+  block: int
+  unrolled: bool = False  # the same computation at every step: a scan
+
+  def forward(self, step, data, q, k, v, layout):
+    return attention_forward(q, k, v, layout, mask=self.mask, scale=self.scale,
+                             block_q=self.block, block_k=self.block)
+
+  def backward(self, step, data, q, k, v, layout, out, lse, dout, dlse):
+    return attention_backward(q, k, v, layout, out, lse, dout, dlse, mask=self.mask,
+                              scale=self.scale, block_q=self.block, block_k=self.block)
 
 
-def _ring_fwd(axis, n, mask, scale, block, q, k, v, layout):
-  kernel = functools.partial(attention_forward, mask=mask, scale=scale, block_q=block, block_k=block)
-  q_layout = (layout.q_segment_ids, layout.q_positions)
+@dataclasses.dataclass(frozen=True)
+class _KernelLocal:
+  """Any registry kernel on the gathered keys (the all-gather strategy)."""
 
-  def compute(out, lse, kv, ids):
-    o_s, lse_s = kernel(q, kv[0], kv[1], Layout(q_layout[0], ids[0], q_layout[1], ids[1]))
-    return _merge(out, lse, o_s, lse_s)
+  kernel: object
+  mask: Mask
+  scale: float
 
-  def step(carry, _):
+  def gathered(self, data, q, k, v, layout):
+    return self.kernel(q, k, v, layout, mask=self.mask, scale=self.scale, return_lse=True)
+
+
+def _steps(local, n: int, body, carry):
+  """Runs `body(carry, step)` for steps 0 .. n-2: a scan, or unrolled when the local
+  computation differs per step (the step is then a Python int)."""
+  if local.unrolled:
+    for step in range(n - 1):
+      carry = body(carry, step)
+    return carry
+  return jax.lax.scan(lambda c, step: (body(c, step), None), carry, jnp.arange(n - 1))[0]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _ring(axis, n, local, data, q, k, v, layout):
+  return _ring_fwd(axis, n, local, data, q, k, v, layout)[0]
+
+
+def _ring_fwd(axis, n, local, data, q, k, v, layout):
+  def compute(out, lse, kv, ids, step):
+    lay = Layout(layout.q_segment_ids, ids[0], layout.q_positions, ids[1])
+    partial = local.forward(step, data, q, kv[0], kv[1], lay)
+    return (out, lse) if partial is None else _merge(out, lse, *partial)
+
+  def step(carry, i):
     out, lse, kv, ids = carry
     # Send the block on before computing with it, so the transfer overlaps the compute.
     next_kv, next_ids = _shift(kv, axis, n), _shift(ids, axis, n)
-    out, lse = compute(out, lse, kv, ids)
-    return (out, lse, next_kv, next_ids), None
+    out, lse = compute(out, lse, kv, ids, i)
+    return out, lse, next_kv, next_ids
 
   kv = jnp.stack([k, v])
   ids = jnp.stack([layout.kv_segment_ids, layout.kv_positions])
   out = jnp.zeros(q.shape, jnp.float32)
   lse = jnp.full(q.shape[:3], -jnp.inf, jnp.float32)
-  (out, lse, kv, ids), _ = jax.lax.scan(step, (out, lse, kv, ids), length=n - 1)
-  out, lse = compute(out, lse, kv, ids)  # the last block: nothing left to send
+  out, lse, kv, ids = _steps(local, n, step, (out, lse, kv, ids))
+  out, lse = compute(out, lse, kv, ids, n - 1)  # the last block: nothing left to send
   out = out.astype(q.dtype)
-  return (out, lse), (q, k, v, layout, out, lse)
+  return (out, lse), (data, q, k, v, layout, out, lse)
 
 
-def _ring_bwd(axis, n, mask, scale, block, residuals, cotangents):
-  q, k, v, layout, out, lse = residuals
+def _ring_bwd(axis, n, local, residuals, cotangents):
+  data, q, k, v, layout, out, lse = residuals
   dout, dlse = cotangents
-  kernel = functools.partial(attention_backward, mask=mask, scale=scale, block_q=block,
-                             block_k=block)
 
-  def compute(dq, dkv, kv, ids):
+  def compute(dq, dkv, kv, ids, step):
     lay = Layout(layout.q_segment_ids, ids[0], layout.q_positions, ids[1])
-    dq_s, dk_s, dv_s = kernel(q, kv[0], kv[1], lay, out, lse, dout, dlse)
+    grads = local.backward(step, data, q, kv[0], kv[1], lay, out, lse, dout, dlse)
+    if grads is None:
+      return dq, dkv
+    dq_s, dk_s, dv_s = grads
     return dq + dq_s.astype(jnp.float32), dkv + jnp.stack([dk_s, dv_s]).astype(jnp.float32)
 
-  def step(carry, _):
+  def step(carry, i):
     dq, dkv, kv, ids = carry
     next_kv, next_ids = _shift(kv, axis, n), _shift(ids, axis, n)
-    dq, dkv = compute(dq, dkv, kv, ids)
+    dq, dkv = compute(dq, dkv, kv, ids, i)
     # dK/dV of the visiting block travel with it; after n shifts they are home.
-    return (dq, _shift(dkv, axis, n), next_kv, next_ids), None
+    return dq, _shift(dkv, axis, n), next_kv, next_ids
 
   kv = jnp.stack([k, v])
   ids = jnp.stack([layout.kv_segment_ids, layout.kv_positions])
   init = (jnp.zeros(q.shape, jnp.float32), jnp.zeros(kv.shape, jnp.float32), kv, ids)
-  (dq, dkv, kv, ids), _ = jax.lax.scan(step, init, length=n - 1)
-  dq, dkv = compute(dq, dkv, kv, ids)
+  dq, dkv, kv, ids = _steps(local, n, step, init)
+  dq, dkv = compute(dq, dkv, kv, ids, n - 1)
   dkv = _shift(dkv, axis, n)
-  return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype), None
+  return None, dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype), None
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
-def _all_gather(axis, mask, scale, kernel, q, k, v, layout):
+def _all_gather(axis, local, data, q, k, v, layout):
   gather = lambda x: jax.lax.all_gather(x, axis, axis=1, tiled=True)
   full = Layout(layout.q_segment_ids, gather(layout.kv_segment_ids), layout.q_positions,
                 gather(layout.kv_positions))
-  return kernel(q, gather(k), gather(v), full, mask=mask, scale=scale, return_lse=True)
+  return local.gathered(data, q, gather(k), gather(v), full)
+
+
+def _local(kernel, cp: ContextParallel, n: int, mask: Mask, scale: float, q_shape, kv_shape):
+  """The per-device computation for `kernel`: (local, data, data_specs). Kernels with their
+  own context-parallel form (splash) provide it; otherwise the ring runs the blockwise
+  passes and the all-gather strategy calls the kernel on the gathered keys."""
+  if hasattr(kernel, "context_parallel_local"):
+    return kernel.context_parallel_local(strategy=cp.strategy, axis=cp.axis, shards=n,
+                                         load_balance=cp.load_balance, mask=mask, scale=scale,
+                                         q_shape=q_shape, kv_shape=kv_shape)
+  if cp.strategy == "all_gather":
+    return _KernelLocal(kernel, mask, scale), None, None
+  if kernel.name != "fused":
+    raise ValueError(f"context_parallel strategy 'ring' runs the 'fused' or 'splash' kernel's"
+                     f" forward and backward passes per block; the backend selected"
+                     f" {kernel.name!r}. Pass backend='auto', 'fused' or 'splash', or"
+                     " strategy='all_gather'.")
+  return _BlockwiseLocal(mask, scale, ring_block(q_shape[1], n, cp.load_balance)), None, None
 
 
 def ring_block(t: int, n: int, load_balance: bool) -> int:
@@ -173,21 +234,21 @@ def default_positions(cp: ContextParallel, batch: int, length: int) -> jax.Array
   index, in `load_balance` order when `cp.load_balance` (so RoPE and masks agree with a
   pipeline that permuted only the token arrays). Needs the mesh (see `ContextParallel`)."""
   index = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
-  return balance.load_balance(index, _axis_size(cp)) if cp.load_balance else index
+  return balance.load_balance(index, axis_size(cp)) if cp.load_balance else index
 
 
 def context_parallel_attention(q, k, v, layout: Layout, *, mask: Mask, scale: float,
                                cp: ContextParallel, kernel, return_lse: bool):
   """Attention of q `[B, T, H, D]` over k/v `[B, T, Hkv, D]` sharded over `cp.axis` on dim 1.
 
-  `kernel` is the registry's local kernel (used by "all_gather"; "ring" runs the blockwise
-  kernel's forward and backward passes directly).
+  `kernel` is the registry's kernel: splash runs its own per-device kernels; the ring
+  otherwise runs the blockwise kernel's forward and backward passes directly.
 
   Raises:
     ValueError: no mesh set, axis not in the mesh, keys and queries of different lengths,
       or T not divisible by the axis size (2 x the axis size with load balancing).
   """
-  n = _axis_size(cp)
+  n = axis_size(cp)
   b, t = q.shape[:2]
   if k.shape[1] != t:
     raise ValueError(f"context_parallel expects keys as long as queries (self attention), got"
@@ -210,12 +271,13 @@ def context_parallel_attention(q, k, v, layout: Layout, *, mask: Mask, scale: fl
   heads = _dividing_axes(mesh, [a for a in cp.head_axes if a != cp.axis], q.shape[2], k.shape[2]) or None
   seq = P(batch, cp.axis)
   qkv = P(batch, cp.axis, heads)
+  local, data, data_specs = _local(kernel, cp, n, mask, scale, q.shape, k.shape)
   if cp.strategy == "ring":
-    block = ring_block(t, n, cp.load_balance)
-    local = lambda q, k, v, lay: _ring(cp.axis, n, mask, scale, block, q, k, v, lay)
+    body = functools.partial(_ring, cp.axis, n, local)
   else:
-    local = functools.partial(_all_gather, cp.axis, mask, scale, kernel)
+    body = functools.partial(_all_gather, cp.axis, local)
   manual = frozenset({cp.axis, *(batch or ()), *(heads or ())})
-  out, lse = jax.shard_map(local, in_specs=(qkv, qkv, qkv, Layout(seq, seq, seq, seq)),
-                           out_specs=(qkv, qkv), axis_names=manual, check_vma=False)(q, k, v, layout)
+  out, lse = jax.shard_map(body, in_specs=(data_specs, qkv, qkv, qkv, Layout(seq, seq, seq, seq)),
+                           out_specs=(qkv, qkv), axis_names=manual,
+                           check_vma=False)(data, q, k, v, layout)
   return (out, lse) if return_lse else out

@@ -27,6 +27,7 @@ class Call:
   has_segment_ids: bool
   has_positions: bool
   return_lse: bool
+  cp_size: int = 1  # devices the sequence is split over (context parallelism)
 
 
 class Kernel(Protocol):
@@ -87,12 +88,21 @@ def reasons(call: Call) -> dict[str, str | None]:
   return {name: _KERNELS[name].unsupported_reason(call) for name in names()}
 
 
-def select(backend: str, call: Call) -> Kernel:
-  """The kernel that serves `call` for `backend` ("auto" or a kernel name).
+def select(backend, call: Call) -> Kernel:
+  """The kernel that serves `call` for `backend` ("auto", a kernel name or a kernel object,
+  which is how a kernel's options such as splash block sizes are set).
 
   Raises:
     ValueError: unknown backend, or an explicit backend that cannot serve the call.
   """
+  if not isinstance(backend, str):
+    if not hasattr(backend, "unsupported_reason"):
+      raise ValueError(f"backend expects 'auto', a kernel name in {names()} or a kernel object"
+                       f" (e.g. flaxattn.splash.Splash(block_q=256)), got {backend!r}.")
+    reason = backend.unsupported_reason(call)
+    if reason is not None:
+      raise ValueError(f"backend={backend!r} cannot serve this call: {reason}")
+    return backend
   if backend == "auto":
     for name in order(call.platform):
       if _KERNELS[name].unsupported_reason(call) is None:

@@ -13,32 +13,51 @@ stated in the decline reasons otherwise):
   - default positions (`positions=None`): every mask is exact;
   - explicit positions: `Full` always; `Causal`/`Local` only with `segment_ids`, and the
     caller guarantees that each document is contiguous with its own id and that positions
-    restart at 0 at each document and increase by one token to token (what a packing
-    pipeline produces; NOT load-balanced / permuted rows). Positions are traced data, so
-    this is not checked;
+    restart at 0 at each document and increase by one token to token in the original
+    (not load-balanced) order: what a packing pipeline produces. Positions are traced
+    data, so this is not checked;
   - `Chunked` with explicit positions declines: splash chunks by index, which matches
     only if every document starts at a multiple of the chunk size, unknowable at trace time.
+
+Context parallelism: with the sequence sharded over n devices (and permuted by
+`flaxattn.load_balance`), the kernel's rows and columns are no longer token indices. A
+`TokenOrder` maps them back to original indices with integer arithmetic (no table), and an
+`_OrderedMask` applies the lazy mask to the original indices: its `q_sequence` holds the
+original index of every query row (sharded with the queries, as splash's MaskInfo is), and
+the key's original index follows from the query's shard and the ring step. The ring thus
+runs one kernel per step (the step is static), each skipping exactly the blocks the
+permuted causal structure rules out.
 
 GQA runs the MQA kernel once per KV head (vmapped) with that head's group of query heads,
 so K/V are never repeated. The log-sum-exp comes from the kernel's residuals; gradients run
 splash's fused dK/dV/dQ kernel with the lse cotangent folded into its row term `di`.
+Under a mesh the kernel runs inside `shard_map` over the batch and head axes (a Pallas
+call cannot be partitioned automatically).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask_info as mask_info_lib
+from jax.sharding import PartitionSpec as P
 
-from flaxattn import registry
+from flaxattn import registry, sharding
 from flaxattn.layout import Layout
 from flaxattn.masks import And, Causal, Chunked, Full, Local, Mask
 
 LANES = 128  # splash's blocks are multiples of the TPU lane width
-DEFAULT_BLOCK = 512
+# Rows whose lse is below this saw no key: splash leaves them at its mask value (finite
+# garbage, or NaN when every block was skipped). Real lse values are nowhere near.
+_EMPTY_LSE = sk.DEFAULT_MASK_VALUE / 2
+# Stands in for lse = -inf in the backward pass: exp(score - this) = 0 for every score.
+_NO_KEYS_LSE = 1e30
 
 # A mask as lazy parts: () is Full; otherwise ("causal",), ("local", window), ("chunked", size).
 Parts = tuple[tuple, ...]
@@ -67,19 +86,90 @@ def lazy_parts(mask: Mask) -> Parts | str:
   return parts or ((("causal",),) if causal else ())
 
 
-def _splash_mask(parts: Parts, length: int) -> sm.Mask:
-  shape = (length, length)
+def _allows(parts: Parts, q, k):
+  """The mask on original indices, with operators that work on numpy and inside the kernel."""
+  allowed = k <= q
+  for kind, *args in parts:
+    if kind == "local":
+      allowed = allowed & (q - args[0] < k)
+    elif kind == "chunked":
+      allowed = allowed & (q // args[0] == k // args[0])
+  return allowed
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenOrder:
+  """Where a kernel's rows and columns sit in the original sequence.
+
+  The sequence (T tokens) is split over `shards` devices of `T / shards` tokens each, in
+  `flaxattn.load_balance` order when `load_balance`. Rows are the queries of all shards,
+  in shard order. Columns are the keys of one shard, the one device r receives at ring
+  step `step` (shard r - step), or, with `step=None`, all shards in shard order (gathered).
+  """
+
+  shards: int = 1
+  load_balance: bool = False
+  step: int | None = None
+
+  def original(self, shard, local, shard_len: int):
+    """Original index of token `local` of shard `shard` (numpy or jax integers)."""
+    if not self.load_balance:
+      return shard * shard_len + local
+    chunk_len = shard_len // 2
+    second = local // chunk_len  # 0: chunk `shard`, 1: chunk 2n-1-shard
+    chunk = shard + second * (2 * self.shards - 1 - 2 * shard)
+    return chunk * chunk_len + local - second * chunk_len
+
+  def shard_of(self, index, shard_len: int):
+    """The shard holding the token of original index `index`."""
+    if not self.load_balance:
+      return index // shard_len
+    chunk = index // (shard_len // 2)
+    return chunk + (chunk // self.shards) * (2 * self.shards - 1 - 2 * chunk)
+
+  def key_original(self, q_index, col, shard_len: int):
+    """Original index of key column `col` for a query of original index `q_index`."""
+    if self.step is None:
+      return self.original(col // shard_len, col % shard_len, shard_len)
+    source = (self.shard_of(q_index, shard_len) + (self.shards - self.step)) % self.shards
+    return self.original(source, col, shard_len)
+
+
+class _OrderedMask(sm._ComputableMask):  # pylint: disable=protected-access
+  """A lazy mask on original indices for a kernel whose rows/columns are in `order`."""
+
+  def __init__(self, parts: Parts, shape: tuple[int, int], order: TokenOrder):
+    self.parts, self.order = parts, order
+    self.shard_len = shape[0] // order.shards
+    super().__init__(shape, self._mask_function)
+    rows = np.arange(shape[0], dtype=np.int32)
+    self.q_sequence = order.original(rows // self.shard_len, rows % self.shard_len,
+                                     self.shard_len).astype(np.int32)
+
+  def _mask_function(self, q_index, col):
+    return _allows(self.parts, q_index, self.order.key_original(q_index, col, self.shard_len))
+
+  def __eq__(self, other):
+    return (isinstance(other, _OrderedMask) and (self.parts, self.shape, self.order)
+            == (other.parts, other.shape, other.order))
+
+  def __hash__(self):
+    return hash((self.parts, self.shape, self.order))
+
+
+def _splash_mask(parts: Parts, shape: tuple[int, int], order: TokenOrder) -> sm.Mask:
+  if not parts:
+    return sm.FullMask(shape)
+  if order.shards > 1:
+    return _OrderedMask(parts, shape, order)
   build = {"causal": lambda: sm.CausalMask(shape),
            # ours: p - w < k <= p, i.e. w - 1 keys to the left and none to the right.
            "local": lambda w: sm.LocalMask(shape, window_size=(w - 1, 0), offset=0),
            "chunked": lambda s: sm.ChunkedCausalMask(shape, chunk_size=s)}
-  masks = [build[kind](*args) for kind, *args in parts]
-  if not masks:
-    return sm.FullMask(shape)
-  return functools.reduce(lambda a, b: a & b, masks)
+  return functools.reduce(lambda a, b: a & b, [build[kind](*args) for kind, *args in parts])
 
 
-def block_size(length: int, requested: int = DEFAULT_BLOCK) -> int:
+def block_size(length: int, requested: int) -> int:
   """The largest multiple of 128 that is at most `requested` and divides `length`."""
   for b in range(min(requested, length) // LANES * LANES, 0, -LANES):
     if length % b == 0:
@@ -88,66 +178,90 @@ def block_size(length: int, requested: int = DEFAULT_BLOCK) -> int:
                    f" {requested} and dividing the sequence length {length}; none exists.")
 
 
-def splash_unsupported_reason(call: registry.Call) -> str | None:
-  """None if splash serves `call` exactly (see the module docstring), else why not."""
-  t, s = call.q_shape[1], call.kv_shape[1]
-  if t != s:
-    return (f"splash serves self attention only (masks on token index): query length {t} !="
-            f" key length {s}. Use 'fused'.")
-  if t % LANES:
-    return (f"splash needs a sequence length that is a multiple of {LANES}, got {t}; pad the"
-            " sequence (padding as segment 0) or use 'fused'.")
-  parts = lazy_parts(call.mask)
-  if isinstance(parts, str):
-    return parts
-  if call.has_positions and any(kind == "chunked" for kind, *_ in parts):
-    return ("Chunked with explicit positions: splash chunks by token index, which equals"
-            " chunking by position only if every document starts at a multiple of the chunk"
-            " size, and that cannot be checked at trace time. Omit positions or use 'fused'.")
-  if call.has_positions and parts and not call.has_segment_ids:
-    return ("explicit positions without segment_ids: splash masks on token index, which"
-            " matches the positions only for packed documents (segment_ids given) whose"
-            " positions restart at 0 and increase by one; permuted (load-balanced) positions"
-            " are not supported. Pass segment_ids, omit positions, or use 'fused'.")
-  return None
+def default_block(head_dim: int) -> int:
+  """Block edge for a head dimension: 512 up to D = 128, smaller for wider heads so that
+  a block's q, k, v and accumulator tiles stay within the same on-chip memory."""
+  return max(LANES, 512 * 128 // max(head_dim, 128) // LANES * LANES)
 
 
 @functools.lru_cache(maxsize=64)
-def _kernel(parts: Parts, length: int, groups: int, bq: int, bkv: int, interpret: bool):
-  """The MQA splash kernel for `groups` query heads per KV head (cached: built once)."""
+def _kernel(parts: Parts, order: TokenOrder, q_len: int, kv_len: int, groups: int, bq: int,
+            bkv: int, interpret: bool) -> sk.SplashAttentionKernel | None:
+  """The MQA splash kernel for `groups` query heads per KV head (cached: built once per
+  shape, mask and block sizes, so retracing costs nothing). None when the mask allows
+  nothing (a ring step whose keys no query may see)."""
   sizes = sk.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq,
                         block_kv_dkv=bkv, block_kv_dkv_compute=bkv, use_fused_bwd_kernel=True)
-  mask = sm.MultiHeadMask([_splash_mask(parts, length)] * groups)
+  mask = sm.MultiHeadMask([_splash_mask(parts, (q_len, kv_len), order)] * groups)
   # Mask infos must be concrete constants even when first built inside a jit trace.
   with jax.ensure_compile_time_eval():
-    return sk.make_splash_mqa(mask, block_sizes=sizes, save_residuals=True, head_shards=1,
-                              q_seq_shards=1, interpret=interpret)
+    if order.shards == 1:
+      return sk.make_splash_mqa(mask, block_sizes=sizes, save_residuals=True, head_shards=1,
+                                q_seq_shards=1, interpret=interpret)
+    # Sharded queries: the dK/dV MaskInfo's indices are relative to each query shard; the
+    # forward MaskInfo is the same for any number of shards, so it is built for one (jax
+    # 0.10 fails to shrink a sharded grid without partial blocks, and any empty grid).
+    dkv, _ = mask_info_lib.process_mask_dkv(mask, (bq, bkv), head_shards=1,
+                                            q_seq_shards=order.shards, shrink_grid=False)
+    if not dkv.block_mask.any():
+      return None
+    fwd, mask_function = mask_info_lib.process_mask(mask, (bq, bkv), head_shards=1, q_seq_shards=1)
+    return sk.SplashAttentionKernel(
+        jax.tree.map(jnp.asarray, fwd), None, jax.tree.map(jnp.asarray, dkv), block_sizes=sizes,
+        is_mqa=True, save_residuals=True, mask_value=sk.DEFAULT_MASK_VALUE,
+        attn_logits_soft_cap=None, residual_checkpoint_name=None, mask_function=mask_function,
+        interpret=interpret)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _splash(key, q, k, v, segment_ids):
-  """q `[B, Hkv, G, T, D]` (scaled), k/v `[B, Hkv, T, D]`, segment_ids `SegmentIds` of
-  `[B, T]` or None. Returns out `[B, Hkv, G, T, D]` and lse `[B, Hkv, G, T]` float32."""
-  return _splash_fwd(key, q, k, v, segment_ids)[0]
+def _kernel_spec(kernel: sk.SplashAttentionKernel, axis: str | None):
+  """shard_map specs of a kernel's mask infos: query-block rows over `axis` (None: replicated)."""
+  def spec(path, leaf):
+    name = path[-1].name
+    if axis is None or name == "partial_mask_blocks":
+      return P()
+    return P(axis) if name == "q_sequence" else P(None, axis)
+  return jax.tree_util.tree_map_with_path(spec, kernel)
 
 
-def _splash_fwd(key, q, k, v, segment_ids):
-  kernel = _kernel(*key)
-  over_heads = jax.vmap(lambda q, k, v, seg: kernel(q, k, v, segment_ids=seg),
-                        in_axes=(0, 0, 0, None))
-  out, (lse,) = jax.vmap(over_heads)(q, k, v, segment_ids)
-  return (out, lse), (q, k, v, segment_ids, out, lse)
+def _segment_ids(q_seg, kv_seg):
+  return None if q_seg is None else sk.SegmentIds(q=q_seg, kv=kv_seg)
 
 
-def _splash_bwd(key, residuals, cotangents):
-  kernel = _kernel(*key)
-  q, k, v, segment_ids, out, lse = residuals
-  dout, dlse = cotangents
+def forward(kernel, q, k, v, q_seg, kv_seg, *, scale: float):
+  """One splash call: q `[B, T, H, D]`, k/v `[B, S, Hkv, D]`, segment ids `[B, T]`/`[B, S]`
+  or None. Returns out `[B, T, H, D]` in q's dtype and lse `[B, T, H]` float32; rows with
+  no key (padding included) get zeros and lse -inf."""
+  b, t, h, d = q.shape
+  hkv = k.shape[2]
+  q_BKGTD = (q * jnp.asarray(scale, q.dtype)).reshape(b, t, hkv, h // hkv, d).transpose(0, 2, 3, 1, 4)
+  k_BKSD, v_BKSD = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+  over_heads = jax.vmap(lambda q, k, v, seg: kernel(q, k, v, segment_ids=seg), in_axes=(0, 0, 0, None))
+  out_BKGTD, (lse_BKGT,) = jax.vmap(over_heads)(q_BKGTD, k_BKSD, v_BKSD, _segment_ids(q_seg, kv_seg))
+  out = out_BKGTD.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
+  lse = lse_BKGT.transpose(0, 3, 1, 2).reshape(b, t, h).astype(jnp.float32)
+  empty = ~(lse > _EMPTY_LSE)  # NaN too
+  if q_seg is not None:
+    # Splash lets padding (segment 0) attend to padding; ours gives it nothing to attend to.
+    empty = empty | (q_seg == 0)[:, :, None]
+  out = jnp.where(empty[..., None], jnp.zeros((), out.dtype), out)
+  return out, jnp.where(empty, -jnp.inf, lse)
+
+
+def backward(kernel, q, k, v, q_seg, kv_seg, out, lse, dout, dlse, *, scale: float):
+  """Gradients (dq, dk, dv) of a splash call given the (possibly merged) out and lse."""
+  b, t, h, d = q.shape
+  hkv = k.shape[2]
+  g = h // hkv
+  to_kernel = lambda x: x.reshape(b, t, hkv, g, *x.shape[3:]).transpose(0, 2, 3, 1, *range(4, x.ndim + 1))
+  q_BKGTD = to_kernel(q * jnp.asarray(scale, q.dtype))
+  out_BKGTD, dout_BKGTD = to_kernel(out), to_kernel(dout)
+  lse_BKGT = to_kernel(jnp.where(jnp.isneginf(lse), _NO_KEYS_LSE, lse))
+  # d lse / d s = p: an lse cotangent enters exactly as a shift of the row term di.
+  di_BKGT = (jnp.einsum("bkgtd,bkgtd->bkgt", out_BKGTD.astype(jnp.float32),
+                        dout_BKGTD.astype(jnp.float32)) - to_kernel(dlse.astype(jnp.float32)))
   sizes, kw = kernel.kwargs["block_sizes"], kernel.kwargs
 
-  def one(q, k, v, seg, out, lse, dout, dlse):
-    # d lse / d s = p: an lse cotangent enters exactly as a shift of the row term di.
-    di = jnp.einsum("htd,htd->ht", out.astype(jnp.float32), dout.astype(jnp.float32)) - dlse
+  def one(q, k, v, seg, lse, dout, di):
     # Splash's own VJP cannot take an lse cotangent (it refuses to differentiate with
     # save_residuals), so call its fused backward kernel directly (jax 0.10 internals).
     dq, dk, dv = sk._splash_attention_bwd_dkv(  # pylint: disable=protected-access
@@ -158,51 +272,175 @@ def _splash_bwd(key, residuals, cotangents):
         mask_function=kw["mask_function"], interpret=kw["interpret"])
     return dq, dk, dv
 
-  over_heads = jax.vmap(one, in_axes=(0, 0, 0, None, 0, 0, 0, 0))
-  dq, dk, dv = jax.vmap(over_heads)(q, k, v, segment_ids, out, lse, dout, dlse.astype(jnp.float32))
-  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+  over_heads = jax.vmap(one, in_axes=(0, 0, 0, None, 0, 0, 0))
+  dq, dk, dv = jax.vmap(over_heads)(q_BKGTD, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3),
+                                    _segment_ids(q_seg, kv_seg), lse_BKGT, dout_BKGTD, di_BKGT)
+  dq = dq.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d) * jnp.asarray(scale, dq.dtype)
+  return dq.astype(q.dtype), dk.transpose(0, 2, 1, 3).astype(k.dtype), dv.transpose(0, 2, 1, 3).astype(v.dtype)
 
 
-_splash.defvjp(_splash_fwd, _splash_bwd)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attend(scale, kernel, q, k, v, q_seg, kv_seg):
+  return forward(kernel, q, k, v, q_seg, kv_seg, scale=scale)
 
 
-def splash_attention(q, k, v, layout: Layout, *, mask: Mask, scale: float, return_lse: bool,
-                     block_q: int | None = None, block_kv: int | None = None):
-  """Splash attention over packed sequences (self attention, T a multiple of 128).
+def _attend_fwd(scale, kernel, q, k, v, q_seg, kv_seg):
+  out, lse = forward(kernel, q, k, v, q_seg, kv_seg, scale=scale)
+  return (out, lse), (kernel, q, k, v, q_seg, kv_seg, out, lse)
 
-  Args:
-    q: `[B, T, H, D]`; k, v: `[B, T, Hkv, D]`, H a multiple of Hkv; float32/bfloat16.
-    layout: segment ids (0 = padding) and positions; see the module docstring for which
-      positions are exact. Padding queries get zeros, lse -inf and zero gradients.
-    block_q, block_kv: block sizes, multiples of 128 dividing T (default: the largest such
-      at most 512).
-  Returns:
-    `[B, T, H, D]` in q's dtype; with `return_lse` also lse `[B, T, H]` float32.
-  Raises:
-    ValueError: a call `splash_unsupported_reason` declines (mask without a lazy splash
-      equivalent, T not a multiple of 128, query and key lengths differ).
-  """
-  b, t, h, d = q.shape
-  hkv = k.shape[2]
-  g = h // hkv
-  parts = lazy_parts(mask)
-  if isinstance(parts, str) or k.shape[1] != t:
-    raise ValueError(f"splash cannot serve mask={mask!r} with q {q.shape}, k {k.shape}: "
-                     f"{parts if isinstance(parts, str) else 'query and key lengths differ.'}")
-  bq = block_size(t, block_q or DEFAULT_BLOCK)
-  bkv = block_size(t, block_kv or DEFAULT_BLOCK)
-  key = (parts, t, g, bq, bkv, registry.current_platform() != "tpu")
-  q_BKGTD = (q * jnp.asarray(scale, q.dtype)).reshape(b, t, hkv, g, d).transpose(0, 2, 3, 1, 4)
-  k_BKTD, v_BKTD = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-  segment_ids = None
-  if layout.q_segment_ids is not None:
-    segment_ids = sk.SegmentIds(q=layout.q_segment_ids, kv=layout.kv_segment_ids)
-  out_BKGTD, lse_BKGT = _splash(key, q_BKGTD, k_BKTD, v_BKTD, segment_ids)
-  out = out_BKGTD.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
-  lse = lse_BKGT.transpose(0, 3, 1, 2).reshape(b, t, h)
-  if segment_ids is not None:
-    # Splash lets padding (segment 0) attend to padding; ours gives it nothing to attend to.
-    padding = (layout.q_segment_ids == 0)[:, :, None]
-    out = jnp.where(padding[..., None], jnp.zeros((), out.dtype), out)
-    lse = jnp.where(padding, -jnp.inf, lse)
-  return (out, lse) if return_lse else out
+
+def _attend_bwd(scale, residuals, cotangents):
+  kernel, q, k, v, q_seg, kv_seg, out, lse = residuals
+  dq, dk, dv = backward(kernel, q, k, v, q_seg, kv_seg, out, lse, *cotangents, scale=scale)
+  return None, dq, dk, dv, None, None
+
+
+_attend.defvjp(_attend_fwd, _attend_bwd)
+
+
+def _mesh_axes(names, mesh, *sizes) -> tuple[str, ...]:
+  """Axes of `names` in the mesh, not already manual, whose product divides every size."""
+  kept, product = [], 1
+  for a in names:
+    if (a in mesh.axis_names and a not in mesh.manual_axes
+        and all(n % (product * mesh.shape[a]) == 0 for n in sizes)):
+      kept.append(a)
+      product *= mesh.shape[a]
+  return tuple(kept)
+
+
+def _rule_axes(logical: str) -> tuple[str, ...]:
+  axes = dict(sharding.DEFAULT_RULES)[logical]
+  return (axes,) if isinstance(axes, str) else tuple(axes or ())
+
+
+@dataclasses.dataclass(frozen=True)
+class Splash:
+  """The "splash" kernel. Block sizes default to `default_block(head_dim)` fitted to the
+  sequence; pass `Splash(block_q=..., block_kv=...)` as `backend=` to override them."""
+
+  block_q: int | None = None
+  block_kv: int | None = None
+  name: str = "splash"
+
+  def __post_init__(self):
+    for arg in ("block_q", "block_kv"):
+      value = getattr(self, arg)
+      if value is not None and (not isinstance(value, int) or value <= 0 or value % LANES):
+        raise ValueError(f"Splash({arg}=...) expects a positive multiple of {LANES} or None,"
+                         f" got {value!r}.")
+
+  def unsupported_reason(self, call: registry.Call) -> str | None:
+    """None if splash serves `call` exactly (see the module docstring), else why not."""
+    t, s = call.q_shape[1], call.kv_shape[1]
+    if t != s:
+      return (f"splash serves self attention only (masks on token index): query length {t} !="
+              f" key length {s}. Use 'fused'.")
+    if t % (LANES * call.cp_size):
+      per = "" if call.cp_size == 1 else f" per device (T / {call.cp_size} context shards)"
+      return (f"splash needs a sequence length{per} that is a multiple of {LANES}, got"
+              f" {t // call.cp_size if t % call.cp_size == 0 else t / call.cp_size}; pad the"
+              " sequence (padding as segment 0) or use 'fused'.")
+    parts = lazy_parts(call.mask)
+    if isinstance(parts, str):
+      return parts
+    if call.has_positions and any(kind == "chunked" for kind, *_ in parts):
+      return ("Chunked with explicit positions: splash chunks by token index, which equals"
+              " chunking by position only if every document starts at a multiple of the chunk"
+              " size, and that cannot be checked at trace time. Omit positions or use 'fused'.")
+    if call.has_positions and parts and not call.has_segment_ids:
+      return ("explicit positions without segment_ids: splash masks on token index, which"
+              " matches the positions only for packed documents (segment_ids given) whose"
+              " positions restart at 0 and increase by one; arbitrary positions are not"
+              " supported. Pass segment_ids, omit positions, or use 'fused'.")
+    return None
+
+  def blocks(self, q_len: int, kv_len: int, head_dim: int) -> tuple[int, int]:
+    default = default_block(head_dim)
+    return (block_size(q_len, self.block_q or default), block_size(kv_len, self.block_kv or default))
+
+  def kernel(self, mask: Mask, order: TokenOrder, q_shape, kv_shape):
+    """The cached kernel for global shapes q `[B, T, H, D]`, k `[B, S, Hkv, D]` whose
+    queries are split over `order.shards` devices."""
+    parts = lazy_parts(mask)
+    if isinstance(parts, str):
+      raise ValueError(f"splash cannot serve mask={mask!r}: {parts}")
+    t, s = q_shape[1], kv_shape[1]
+    shard_len = t // order.shards
+    # A block straddling the two load-balanced chunks of a shard covers distant tokens and
+    # is rarely skippable: cut blocks inside a chunk where the chunk allows it.
+    chunk = shard_len // 2
+    unit = chunk if order.load_balance and order.shards > 1 and chunk % LANES == 0 else shard_len
+    bq, bkv = self.blocks(unit, s if order.shards == 1 else min(s, unit), q_shape[3])
+    return _kernel(parts, order, t, s, q_shape[2] // kv_shape[2], bq, bkv,
+                   registry.current_platform() != "tpu")
+
+  def __call__(self, q, k, v, layout: Layout, *, mask: Mask, scale: float, return_lse: bool):
+    """Splash attention over packed sequences (self attention, T a multiple of 128).
+
+    Args:
+      q: `[B, T, H, D]`; k, v: `[B, T, Hkv, D]`, H a multiple of Hkv; float32/bfloat16.
+      layout: segment ids (0 = padding) and positions; see the module docstring for which
+        positions are exact. Padding queries get zeros, lse -inf and zero gradients.
+    Returns:
+      `[B, T, H, D]` in q's dtype; with `return_lse` also lse `[B, T, H]` float32.
+    Raises:
+      ValueError: a call `unsupported_reason` declines (mask without a lazy splash
+        equivalent, T not a multiple of 128, query and key lengths differ).
+    """
+    if k.shape[1] != q.shape[1]:
+      raise ValueError(f"splash serves self attention only, got q {q.shape} and k {k.shape}.")
+    kernel = self.kernel(mask, TokenOrder(), q.shape, k.shape)
+    attend = functools.partial(_attend, float(scale))
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and set(mesh.axis_names) - set(mesh.manual_axes):
+      # A Pallas call is opaque to automatic partitioning: run it per (batch, head) shard.
+      batch = _mesh_axes(_rule_axes("batch"), mesh, q.shape[0]) or None
+      heads = _mesh_axes(_rule_axes("heads"), mesh, q.shape[2], k.shape[2]) or None
+      qkv, seg = P(batch, None, heads), P(batch, None)
+      auto = frozenset(mesh.axis_names) - frozenset(mesh.manual_axes)
+      attend = jax.shard_map(attend, in_specs=(_kernel_spec(kernel, None), qkv, qkv, qkv, seg, seg),
+                             out_specs=(qkv, P(batch, None, heads)), axis_names=auto,
+                             check_vma=False)
+    out, lse = attend(kernel, q, k, v, layout.q_segment_ids, layout.kv_segment_ids)
+    return (out, lse) if return_lse else out
+
+  def context_parallel_local(self, *, strategy: str, axis: str, shards: int, load_balance: bool,
+                             mask: Mask, scale: float, q_shape, kv_shape):
+    """The local computation of context-parallel attention (see `context_parallel`): one
+    kernel per ring step (or one for the gathered keys), with mask infos sharded over `axis`."""
+    t = q_shape[1]
+    if strategy == "ring":
+      kernels = tuple(self.kernel(mask, TokenOrder(shards, load_balance, step), q_shape,
+                                  (kv_shape[0], t // shards, *kv_shape[2:]))
+                      for step in range(shards))
+    else:
+      kernels = (self.kernel(mask, TokenOrder(shards, load_balance, None), q_shape, kv_shape),)
+    return _SplashLocal(float(scale)), kernels, tuple(_kernel_spec(k, axis) for k in kernels)
+
+
+@dataclasses.dataclass(frozen=True)
+class _SplashLocal:
+  """Per-device splash computation for context parallelism; `kernels` is the shard-local
+  tuple from `Splash.context_parallel_local`."""
+
+  scale: float
+  unrolled: bool = True  # a kernel per ring step: the step must be static
+
+  def forward(self, step: int, kernels, q, k, v, layout: Layout):
+    if kernels[step] is None:  # no query sees these keys: skip the step
+      return None
+    return forward(kernels[step], q, k, v, layout.q_segment_ids, layout.kv_segment_ids,
+                   scale=self.scale)
+
+  def backward(self, step: int, kernels, q, k, v, layout: Layout, out, lse, dout, dlse):
+    if kernels[step] is None:
+      return None
+    return backward(kernels[step], q, k, v, layout.q_segment_ids, layout.kv_segment_ids,
+                    out, lse, dout, dlse, scale=self.scale)
+
+  def gathered(self, kernels, q, k, v, layout: Layout):
+    if kernels[0] is None:
+      b, t, h, _ = q.shape
+      return jnp.zeros_like(q), jnp.full((b, t, h), -jnp.inf, jnp.float32)
+    return _attend(self.scale, kernels[0], q, k, v, layout.q_segment_ids, layout.kv_segment_ids)

@@ -4,7 +4,7 @@
 cases of `cases(N)` and prints one `CASE {json}` line each: the largest error of the
 output, lse and dq/dk/dv against `backend="reference"` without context parallelism,
 relative to the largest reference magnitude, and the collectives of the compiled program.
-With N == 4 it also prints a `LAYER` line. One process per N: JAX reads the device count
+With N == 4 it also prints a `LAYER` line, with N == 8 a `SPLASH` line. One process per N: JAX reads the device count
 once, and every case shares the process so only compiling costs time.
 
 `python tests/cp_check.py dist PORT I` (two processes, 2 devices each) prints `DIST`.
@@ -26,28 +26,36 @@ MASKS = {"causal": flaxattn.Causal(), "local": flaxattn.Local(3), "chunked": fla
          "full": flaxattn.Full()}
 
 
-def case(mesh, strategy="ring", lb=True, mask="causal", hkv=2, packed=True, pipeline=False, t=64):
-  name = "-".join([strategy, "lb" if lb else "nolb", mask, f"hkv{hkv}", "packed" if packed else "default",
-                   "x".join(f"{a}{s}" for a, s in mesh.items())] + (["pipeline"] if pipeline else []))
+def case(mesh, strategy="ring", lb=True, mask="causal", hkv=2, packed=True, pipeline=False, t=64,
+         backend="auto"):
+  name = "-".join(([] if backend == "auto" else [backend])
+                  + [strategy, "lb" if lb else "nolb", mask, f"hkv{hkv}", "packed" if packed else "default",
+                     "x".join(f"{a}{s}" for a, s in mesh.items())] + (["pipeline"] if pipeline else []))
   return dict(name=name, mesh=mesh, strategy=strategy, lb=lb, mask=mask, hkv=hkv, packed=packed,
-              pipeline=pipeline, t=t)
+              pipeline=pipeline, t=t, backend=backend)
 
 
 def cases(n: int) -> list[dict]:
   """A covering set, not the product (each ring compile costs seconds): every mask with ring
   and load balancing, each strategy x load balancing, GQA with 2 and 1 KV heads for 4 query
   heads, a Local window smaller than cp, 2-D and 3-D (heads over tensor) meshes, and the
-  unpermute pipeline."""
+  unpermute pipeline. Splash (Pallas interpret mode: slow, so few cases, T = 128 per shard)
+  with the ring and all-gather strategies, every mask, packed and default layouts."""
   c2, c4, c8, dc2, dc4 = (dict(context=2), dict(context=4), dict(context=8), dict(data=2, context=2),
                           dict(data=2, context=4))
   return {
-      2: [case(c2, mask="full", hkv=2), case(c2, "all_gather", lb=False, mask="causal", hkv=1, packed=False)],
+      2: [case(c2, mask="full", hkv=2), case(c2, "all_gather", lb=False, mask="causal", hkv=1, packed=False),
+          case(c2, mask="causal", hkv=2, t=256, backend="splash"),
+          case(c2, "all_gather", mask="local", hkv=1, t=256, backend="splash")],
       4: [case(c4, mask="causal", hkv=2), case(c4, "all_gather", mask="causal", hkv=2),
           case(c4, lb=False, mask="causal", hkv=1, packed=False),
-          case(c4, mask="local", hkv=1, pipeline=True), case(dc2, mask="causal", hkv=1, packed=False)],
+          case(c4, mask="local", hkv=1, pipeline=True), case(dc2, mask="causal", hkv=1, packed=False),
+          case(c4, mask="chunked", hkv=1, packed=False, t=512, backend="splash"),
+          case(c4, lb=False, mask="local", hkv=2, t=512, backend="splash")],
       8: [case(c8, mask="causal", hkv=2, t=128), case(dc4, mask="chunked", hkv=1, packed=False, pipeline=True),
           case(dc4, "all_gather", lb=False, mask="local", hkv=2),
-          case(dict(data=2, tensor=2, context=2), mask="causal", hkv=2)],
+          case(dict(data=2, tensor=2, context=2), mask="causal", hkv=2),
+          case(dict(data=2, tensor=2, context=2), mask="causal", hkv=2, t=256, backend="splash")],
   }[n]
 
 
@@ -105,6 +113,8 @@ def run_case(jax, jnp, c) -> dict:
   if c["packed"]:
     seg, pos = _packing(b, t, cp, seed)
   mask = MASKS[c["mask"]]
+  if c["backend"] == "splash" and c["mask"] == "local":
+    mask = flaxattn.Local(100)  # a window spanning several 128-token blocks
   cpar = flaxattn.ContextParallel(strategy=c["strategy"], load_balance=c["lb"])
   lb = lambda x: x if x is None else flaxattn.load_balance(x, cp)
   batch = "data" if "data" in c["mesh"] else None
@@ -116,7 +126,7 @@ def run_case(jax, jnp, c) -> dict:
 
   def parallel(q, k, v, seg, pos):
     return flaxattn.attention(q, k, v, mask=mask, segment_ids=seg, positions=pos, scale=0.3,
-                              context_parallel=cpar, return_lse=True)
+                              context_parallel=cpar, return_lse=True, backend=c["backend"])
 
   if c["pipeline"]:
     # The data pipeline: every per-token array of the unpermuted batch goes through
@@ -171,6 +181,30 @@ def layer(jax, jnp) -> dict:
   return dict(packed=_rel(got_packed, want_packed), default=_rel(got_default, want_default))
 
 
+def splash_sharded(jax, jnp) -> dict:
+  """Splash without context parallelism on a (data, fsdp, tensor) mesh: it runs per batch and
+  head shard (shard_map), so nothing floating-point is gathered; fwd and grads vs reference."""
+  from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+  b, t, h, hkv, d = 4, 256, 4, 2, 8
+  ks = jax.random.split(jax.random.key(7), 3)
+  q = jax.random.normal(ks[0], (b, t, h, d))
+  k, v = (jax.random.normal(x, (b, t, hkv, d)) for x in ks[1:])
+  seg, pos = random_packing(np.random.default_rng(7), b, t, max_docs=4, pad_tail=5)
+  attend = lambda backend: lambda q, k, v: flaxattn.attention(
+      q, k, v, segment_ids=seg, positions=pos, backend=backend, return_lse=True)
+  want = _loss_fn(jax, jnp, attend("reference"))(q, k, v)
+  mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), axis_types=(AxisType.Auto,) * 3)
+  with jax.set_mesh(mesh):
+    shard = lambda x: jax.device_put(x, NamedSharding(mesh, P(("data", "fsdp"), None, "tensor")))
+    args = shard(q), shard(k), shard(v)
+    compiled = _loss_fn(jax, jnp, attend("splash")).lower(*args).compile()
+    (gq, gk, gv), (go, gl) = compiled(*args)
+    hlo = _hlo_collectives(compiled.as_text())
+  (wq, wk, wv), (wo, wl) = want
+  return dict(out=_rel(go, wo), lse=_rel(gl, wl), dq=_rel(gq, wq), dk=_rel(gk, wk), dv=_rel(gv, wv),
+              out_spec=[str(a) for a in go.sharding.spec], **hlo)
+
+
 def distributed(port: int, process_id: int) -> dict:
   """One of two processes with two CPU devices each: ring attention over a 4-device mesh that
   spans both, checked on this process's shards against the reference computed locally."""
@@ -214,6 +248,8 @@ def main(n: int):
     print("CASE " + json.dumps(run_case(jax, jnp, c)), flush=True)
   if n == 4:
     print("LAYER " + json.dumps(layer(jax, jnp)), flush=True)
+  if n == 8:
+    print("SPLASH " + json.dumps(splash_sharded(jax, jnp)), flush=True)
 
 
 if __name__ == "__main__":

@@ -178,7 +178,7 @@ def test_errors():
     _trace(12, dict(context=4), context_parallel=ring)
   with pytest.raises(ValueError, match=r"length \(6\) divisible by 4\."):
     _trace(6, dict(context=4), context_parallel=flaxattn.ContextParallel(load_balance=False))
-  with pytest.raises(ValueError, match="strategy 'ring' runs the 'fused' kernel.*selected 'reference'"):
+  with pytest.raises(ValueError, match="strategy 'ring' runs the 'fused' or 'splash'.*selected 'reference'"):
     _trace(16, dict(context=4), context_parallel=ring, backend="reference")
   with pytest.raises(ValueError, match=r"strategy=\.\.\.\) expects one of \('ring', 'all_gather'\), got 'bogus'"):
     flaxattn.ContextParallel(strategy="bogus")
@@ -206,3 +206,12 @@ def test_context_axis_of_size_one_is_plain_attention():
     got = grads(context_parallel=flaxattn.ContextParallel())  # ring: a scan of length 0
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     assert cp_check._rel(g, w) < TOL
+
+
+def test_splash_runs_per_batch_and_head_shard(procs):
+  """Splash without context parallelism on a (data, fsdp, tensor) mesh: shard_map keeps the
+  batch and heads sharded (no floating-point all-gather) and matches the reference."""
+  r = procs[8]()["SPLASH"][0]
+  assert max(_errors(r).values()) < TOL, _errors(r)
+  assert r["out_spec"] == ["('data', 'fsdp')", "None", "tensor"]
+  assert r["all_gather_dtypes"] == []

@@ -21,9 +21,7 @@ from test_attention import _compare, _inputs
 B, T, H, HKV, D = 2, 256, 4, 2, 64
 
 
-def _splash_128(q, k, v, layout, *, mask, scale, return_lse):
-  return splash.splash_attention(q, k, v, layout, mask=mask, scale=scale, return_lse=return_lse,
-                                 block_q=128, block_kv=128)
+_splash_128 = splash.Splash(block_q=128, block_kv=128)
 
 
 def _packed(seed, pad_tail=0):
@@ -120,8 +118,53 @@ def test_long_causal_kernel_builds_without_dense_mask(monkeypatch):
   t = 32768
   tracemalloc.start()
   try:
-    splash._kernel.__wrapped__((("causal",),), t, 4, 512, 512, True)  # bypass the cache
+    splash._kernel.__wrapped__((("causal",),), splash.TokenOrder(), t, t, 4, 512, 512, True)  # uncached
     peak = tracemalloc.get_traced_memory()[1]
   finally:
     tracemalloc.stop()
   assert peak < 64 * 2**20, f"peak host allocation {peak / 2**20:.0f} MiB"
+
+
+def _ring_blocks(mask, load_balance, n=4, t=4096):
+  """Blocks each device computes over the ring's steps (from the kernels' MaskInfo), and the
+  number of steps with nothing to compute anywhere (no kernel at all)."""
+  _, kernels, _ = splash.Splash().context_parallel_local(
+      strategy="ring", axis="context", shards=n, load_balance=load_balance, mask=mask,
+      scale=1.0, q_shape=(1, t, 2, 128), kv_shape=(1, t, 2, 128))
+  per_device = np.zeros(n, int)
+  for kernel in kernels:
+    if kernel is not None:
+      per_device += (np.asarray(kernel.fwd_mask_info.block_mask)[0] > 0).reshape(n, -1).sum(1)
+  return per_device, sum(k is None for k in kernels)
+
+
+def test_ring_kernels_balance_causal_work_and_drop_empty_steps():
+  balanced, _ = _ring_blocks(flaxattn.Causal(), True)
+  contiguous, _ = _ring_blocks(flaxattn.Causal(), False)
+  # 1024 tokens per device, 512-blocks: 3 blocks on the diagonal step, 2 (half) on the others.
+  np.testing.assert_array_equal(balanced, [9, 9, 9, 9])
+  np.testing.assert_array_equal(contiguous, [3, 7, 11, 15])
+  # Chunks of 512 are the load-balanced chunks: only the diagonal step has a kernel, and
+  # on it each device's two chunks see only themselves.
+  per_device, empty_steps = _ring_blocks(flaxattn.Chunked(512), True)
+  assert empty_steps == 3 and per_device.tolist() == [2, 2, 2, 2]
+
+
+def test_block_sizes_from_head_dim_and_overridable():
+  assert [splash.default_block(d) for d in (64, 128, 256)] == [512, 512, 256]
+  assert splash.Splash().blocks(1536, 1536, 128) == (512, 512)
+  assert splash.Splash(block_q=256).blocks(1536, 1536, 64) == (256, 512)
+  with pytest.raises(ValueError, match=r"Splash\(block_q=...\) expects a positive multiple of 128.*got 100"):
+    splash.Splash(block_q=100)
+  q, k, v = _inputs(8, 1, T, T, H, HKV, D, jnp.float32)
+  got = flaxattn.attention(q, k, v, backend=splash.Splash(block_q=128, block_kv=256))
+  want = flaxattn.attention(q, k, v, backend="reference")
+  np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_context_parallel_needs_128_tokens_per_device():
+  call = flaxattn.registry.Call(platform="tpu", q_shape=(1, 512, 2, 64), kv_shape=(1, 512, 2, 64),
+                                dtype="bfloat16", mask=flaxattn.Causal(), has_segment_ids=False,
+                                has_positions=False, return_lse=False, cp_size=8)
+  assert "per device (T / 8 context shards) that is a multiple of 128, got 64" in (
+      splash.Splash().unsupported_reason(call))
