@@ -1,6 +1,10 @@
-"""Splash kernel construction cost: lazy masks vs a NumpyMask of the whole sequence.
+"""Splash kernel construction cost (lazy masks vs a NumpyMask) and GPU attention throughput.
+
+Part 1 measures splash's lazy masks against a NumpyMask of the whole sequence; part 2, on an
+NVIDIA GPU only, attention kernel throughput (cuDNN THD, jax.nn cuDNN, blockwise).
 
   python bench/kernels.py [--json results.json] [--lengths 8192 16384] [--long 32768]
+                          [--gpu-only] [--gpu-lengths 8192 32768] [--repeats 10]
 
 Causal attention, B=1, H=8 query heads on 2 KV heads, D=128, bfloat16, forward+backward
 (gradient of the sum of the output w.r.t. q, k, v). For each case, in a fresh subprocess:
@@ -11,15 +15,39 @@ Causal attention, B=1, H=8 query heads on 2 KV heads, D=128, bfloat16, forward+b
 Rows:
   - flaxattn "splash" (lazy CausalMask) at each length and at the long length (target
     < 30 s build+lower and < 2 GiB);
+  - at the long length, flaxattn splash as the ring's local kernel on 8 load-balanced
+    (simulated) devices: the 8 per-step kernels (lazy masks on the permuted order) and the
+    lowering of the context-parallel fwd+bwd;
   - JAX's splash kernel with `NumpyMask(np.tril(np.ones((T, T), bool)))`, the O(T^2) way
     (host memory T^2 bytes for the mask alone, plus its hash copy), at the shorter lengths.
 Off TPU the kernel lowers in Pallas interpret mode; build cost and host memory are the same
 as on TPU, lowering differs (Mosaic on TPU).
+
+GPU section (runs when jax.default_backend() == "gpu"; otherwise it prints why it is
+skipped). B=1, 16 query heads on 8 KV heads, D=128, bfloat16, at each --gpu-lengths T, for
+"causal" (one causal document) and "packed" (16 equal causal documents in the row):
+  - flaxattn cuDNN: `flaxattn.cudnn.cudnn_attention` (plain BTNH call for one document,
+    THD seqlens/offsets for packed rows); for causal also through THD with one document
+    (segment ids all 1), to show what the packed layout costs;
+  - jax.nn.dot_product_attention(implementation="cudnn"): is_causal=True. It has no THD
+    offsets; packed rows are run as a batch of 16 rows of T/16 tokens, which is the same
+    attention only because the documents have equal length; and, at T <= 8192, with the
+    [T, T] boolean mask that packing with unequal documents would need (cuDNN gets it as a
+    dense bias);
+  - flaxattn blockwise: `flaxattn.blockwise.blockwise_attention`.
+Timed: forward (out) and forward+backward (gradient of sum(out) w.r.t. q, k, v), median of
+--repeats runs after two warm-up runs, each ended by block_until_ready. Useful FLOPs count
+only allowed (query, key) pairs: forward 4 * D * H * pairs (two matmuls), forward+backward
+3.5x that (the backward's five matmuls, the QK^T recomputation included, as FlashAttention
+counts). Each kernel is also shown as a fraction of the GPU's bf16 matmul TFLOP/s
+(8192 x 8192 x 8192), measured in the same run. "temp MiB" is XLA's compiled temporary
+memory of the forward+backward (cuDNN workspaces included).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -29,6 +57,7 @@ import time
 
 H, HKV, D = 8, 2, 128
 BLOCK = 512
+GPU_H, GPU_HKV, GPU_DOCS = 16, 8, 16
 
 
 def _rss_mib() -> float:
@@ -52,8 +81,18 @@ def _measure(kind: str, t: int) -> dict:
   base = _rss_mib()
   start = time.perf_counter()
   if kind == "lazy":
-    splash._kernel((("causal",),), t, H // HKV, BLOCK, BLOCK, interpret)
+    splash.Splash(block_q=BLOCK, block_kv=BLOCK).kernel(flaxattn.Causal(), splash.TokenOrder(),
+                                                       q.shape, kv.shape)
     attn = lambda q, k, v: flaxattn.attention(q, k, v, backend="splash")
+  elif kind == "ring8":
+    # Context parallelism over 8 (simulated) devices, load-balanced: one kernel per ring step.
+    from jax.sharding import AxisType
+    cp = flaxattn.ContextParallel()
+    splash.Splash(block_q=BLOCK, block_kv=BLOCK).context_parallel_local(
+        strategy="ring", axis=cp.axis, shards=8, load_balance=True, mask=flaxattn.Causal(),
+        scale=D ** -0.5, q_shape=q.shape, kv_shape=kv.shape)
+    mesh = jax.make_mesh((8,), (cp.axis,), axis_types=(AxisType.Auto,))
+    attn = lambda q, k, v: flaxattn.attention(q, k, v, backend="splash", context_parallel=cp)
   else:
     mask = sm.MultiHeadMask([sm.NumpyMask(np.tril(np.ones((t, t), np.bool_)))] * (H // HKV))
     sizes = sk.BlockSizes(block_q=BLOCK, block_kv=BLOCK, block_kv_compute=BLOCK,
@@ -72,23 +111,156 @@ def _measure(kind: str, t: int) -> dict:
   build = time.perf_counter() - start
   grad = jax.grad(lambda q, k, v: attn(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))
   start = time.perf_counter()
-  jax.jit(grad).lower(q, kv, kv)
+  with jax.set_mesh(mesh) if kind == "ring8" else contextlib.nullcontext():
+    jax.jit(grad).lower(q, kv, kv)
   lower = time.perf_counter() - start
-  return dict(kernel="flaxattn splash (lazy CausalMask)" if kind == "lazy"
-              else "splash + NumpyMask [T, T]", mask_kind=kind, T=t, build_s=round(build, 2),
+  names = {"lazy": "flaxattn splash (lazy CausalMask)", "numpy": "splash + NumpyMask [T, T]",
+           "ring8": "flaxattn splash ring, 8 shards (lazy)"}
+  return dict(kernel=names[kind], mask_kind=kind, T=t, build_s=round(build, 2),
               lower_s=round(lower, 2), total_s=round(build + lower, 2),
               peak_host_mib=round(_rss_mib() - base, 1), platform=jax.default_backend())
 
 
 def _run_case(kind: str, t: int, timeout: int) -> dict:
   cmd = [sys.executable, os.path.abspath(__file__), "--one", kind, str(t)]
+  env = dict(os.environ)
+  if kind == "ring8" and "JAX_PLATFORMS" not in env:
+    env.update(XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
   try:
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=True)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=True, env=env)
   except subprocess.TimeoutExpired:
     return dict(mask_kind=kind, T=t, error=f"timed out after {timeout} s")
   except subprocess.CalledProcessError as e:
     return dict(mask_kind=kind, T=t, error=e.stderr.strip().splitlines()[-1][:200])
   return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _median_time(fn, args, repeats: int) -> float:
+  import jax
+  for _ in range(2):
+    jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - start)
+  return sorted(times)[len(times) // 2]
+
+
+def _matmul_tflops(repeats: int) -> float:
+  import jax
+  import jax.numpy as jnp
+  n = 8192
+  a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
+  b = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
+  return 2 * n**3 / _median_time(jax.jit(jnp.matmul), (a, b), repeats) / 1e12
+
+
+def _gpu_kernels(t: int, case: str):
+  """(name, attention fn of q, k, v) for one case; the fns close over the layout."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  import flaxattn
+  from flaxattn import blockwise, cudnn
+  from flaxattn.layout import Layout
+
+  mask, scale = flaxattn.Causal(), D ** -0.5
+  if case == "causal":
+    layouts = [("", Layout())]
+    one_doc = jnp.ones((1, t), jnp.int32)
+    layouts.append((" THD, 1 document", Layout(one_doc, one_doc)))
+  else:
+    seg = jnp.asarray(np.repeat(np.arange(1, GPU_DOCS + 1, dtype=np.int32), t // GPU_DOCS)[None])
+    pos = jnp.asarray(np.tile(np.arange(t // GPU_DOCS, dtype=np.int32), GPU_DOCS)[None])
+    layouts = [(" THD", Layout(seg, seg, pos, pos))]
+  q_shape = jax.ShapeDtypeStruct((1, t, GPU_H, D), jnp.bfloat16)
+  kv_shape = jax.ShapeDtypeStruct((1, t, GPU_HKV, D), jnp.bfloat16)
+  for label, layout in layouts:  # else the numbers would be the blockwise fallback's
+    assert cudnn.served_by_cudnn(q_shape, kv_shape, layout, mask=mask), label
+  kernels = [(f"flaxattn cuDNN{label}", lambda q, k, v, layout=layout: cudnn.cudnn_attention(
+      q, k, v, layout, mask=mask, scale=scale, return_lse=False)) for label, layout in layouts]
+
+  def jax_nn(q, k, v, **kwargs):
+    return jax.nn.dot_product_attention(q, k, v, scale=scale, implementation="cudnn", **kwargs)
+
+  if case == "causal":
+    kernels.append(("jax.nn cuDNN is_causal", lambda q, k, v: jax_nn(q, k, v, is_causal=True)))
+  else:
+    docs = lambda x: x.reshape((GPU_DOCS, t // GPU_DOCS) + x.shape[2:])
+    kernels.append(("jax.nn cuDNN, docs as batch rows", lambda q, k, v: jax_nn(
+        docs(q), docs(k), docs(v), is_causal=True).reshape(q.shape)))
+    if t <= 8192:
+      same = (seg[:, :, None] == seg[:, None, :]) & (pos[:, :, None] >= pos[:, None, :])
+      kernels.append(("jax.nn cuDNN, [T, T] mask", lambda q, k, v: jax_nn(
+          q, k, v, mask=same[:, None])))
+  layout = layouts[-1][1] if case == "packed" else Layout()
+  kernels.append(("flaxattn blockwise", lambda q, k, v: blockwise.blockwise_attention(
+      q, k, v, layout, mask=mask, scale=scale, return_lse=False)))
+  return kernels
+
+
+def _gpu_row(name: str, attn, t: int, case: str, matmul: float, repeats: int) -> dict:
+  import jax
+  import jax.numpy as jnp
+
+  keys = jax.random.split(jax.random.key(t), 3)
+  q = jax.random.normal(keys[0], (1, t, GPU_H, D), jnp.bfloat16)
+  k = jax.random.normal(keys[1], (1, t, GPU_HKV, D), jnp.bfloat16)
+  v = jax.random.normal(keys[2], (1, t, GPU_HKV, D), jnp.bfloat16)
+  docs = 1 if case == "causal" else GPU_DOCS
+  length = t // docs
+  pairs = docs * length * (length + 1) // 2
+  fwd_flops = 4 * D * GPU_H * pairs
+  row = dict(section="gpu", kernel=name, case=case, T=t, H=GPU_H, HKV=GPU_HKV, D=D,
+             device=jax.devices()[0].device_kind, matmul_tflops=round(matmul, 1))
+  try:
+    fwd = jax.jit(attn)
+    grad = jax.jit(jax.grad(lambda q, k, v: jnp.sum(attn(q, k, v).astype(jnp.float32)),
+                            argnums=(0, 1, 2)))
+    memory = grad.lower(q, k, v).compile().memory_analysis()
+    if memory is not None:
+      row["temp_mib"] = round(memory.temp_size_in_bytes / 2**20, 1)
+    for label, fn, flops in (("fwd", fwd, fwd_flops), ("fwd_bwd", grad, 3.5 * fwd_flops)):
+      seconds = _median_time(fn, (q, k, v), repeats)
+      row[f"{label}_ms"] = round(seconds * 1e3, 3)
+      row[f"{label}_tflops"] = round(flops / seconds / 1e12, 1)
+      row[f"{label}_of_matmul"] = round(flops / seconds / 1e12 / matmul, 3)
+  except Exception as e:  # a kernel that cannot run this case (memory, unsupported) is a result
+    row["error"] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+  return row
+
+
+def gpu_section(lengths: list[int], repeats: int) -> list[dict]:
+  """The GPU throughput rows (empty, after saying why, when there is no GPU)."""
+  import jax
+
+  if jax.default_backend() != "gpu":
+    print(f"GPU section skipped: jax.default_backend() is {jax.default_backend()!r}; it"
+          " measures cuDNN attention on an NVIDIA GPU.", flush=True)
+    return []
+  matmul = _matmul_tflops(repeats)
+  print(f"\nGPU {jax.devices()[0].device_kind}: bf16 matmul 8192^3 {matmul:.1f} TFLOP/s."
+        f" Attention B=1, H={GPU_H} on {GPU_HKV} KV heads, D={D}, bfloat16; causal = one"
+        f" document, packed = {GPU_DOCS} equal causal documents.")
+  header = (f"{'kernel':34} {'case':>6} {'T':>6} {'fwd ms':>8} {'TFLOP/s':>8} {'of mm':>6}"
+            f" {'f+b ms':>8} {'TFLOP/s':>8} {'of mm':>6} {'temp MiB':>9}")
+  print(header + "\n" + "-" * len(header), flush=True)
+  rows = []
+  for t in lengths:
+    for case in ("causal", "packed"):
+      for name, attn in _gpu_kernels(t, case):
+        row = _gpu_row(name, attn, t, case, matmul, repeats)
+        rows.append(row)
+        if "error" in row:
+          print(f"{name:34} {case:>6} {t:>6} error: {row['error']}", flush=True)
+        else:
+          print(f"{name:34} {case:>6} {t:>6} {row['fwd_ms']:>8.2f} {row['fwd_tflops']:>8.1f}"
+                f" {row['fwd_of_matmul']:>6.0%} {row['fwd_bwd_ms']:>8.2f}"
+                f" {row['fwd_bwd_tflops']:>8.1f} {row['fwd_bwd_of_matmul']:>6.0%}"
+                f" {row.get('temp_mib', float('nan')):>9.1f}", flush=True)
+  return rows
 
 
 def main():
@@ -98,25 +270,34 @@ def main():
                       help="lengths measured both ways (lazy and NumpyMask)")
   parser.add_argument("--long", type=int, default=32768, help="length measured lazily only")
   parser.add_argument("--timeout", type=int, default=600, help="seconds per case")
+  parser.add_argument("--gpu-only", action="store_true",
+                      help="skip the splash construction part, run only the GPU section")
+  parser.add_argument("--gpu-lengths", type=int, nargs="+", default=[8192, 32768],
+                      help="sequence lengths of the GPU section")
+  parser.add_argument("--repeats", type=int, default=10, help="timed runs per GPU measurement")
   parser.add_argument("--one", nargs=2, metavar=("KIND", "T"), help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args.one:
     print(json.dumps(_measure(args.one[0], int(args.one[1]))))
     return
 
-  cases = [(kind, t) for t in args.lengths for kind in ("lazy", "numpy")] + [("lazy", args.long)]
-  print(f"splash causal, H={H} on {HKV} KV heads, D={D}, bfloat16, blocks {BLOCK}; fwd+bwd")
-  header = f"{'kernel':36} {'T':>6} {'build s':>8} {'lower s':>8} {'total s':>8} {'peak host MiB':>14}"
-  print(header + "\n" + "-" * len(header), flush=True)
   rows = []
-  for kind, t in cases:
-    row = _run_case(kind, t, args.timeout)
-    rows.append(row)
-    if "error" in row:
-      print(f"{kind:36} {t:>6} error: {row['error']}", flush=True)
-    else:
-      print(f"{row['kernel']:36} {t:>6} {row['build_s']:>8.2f} {row['lower_s']:>8.2f}"
-            f" {row['total_s']:>8.2f} {row['peak_host_mib']:>14.1f}", flush=True)
+  if not args.gpu_only:
+    cases = ([(kind, t) for t in args.lengths for kind in ("lazy", "numpy")]
+             + [("lazy", args.long), ("ring8", args.long)])
+    print(f"splash causal, H={H} on {HKV} KV heads, D={D}, bfloat16, blocks {BLOCK}; fwd+bwd")
+    header = f"{'kernel':36} {'T':>6} {'build s':>8} {'lower s':>8} {'total s':>8} {'peak host MiB':>14}"
+    print(header + "\n" + "-" * len(header), flush=True)
+    for kind, t in cases:
+      row = _run_case(kind, t, args.timeout)
+      rows.append(row)
+      if "error" in row:
+        print(f"{kind:36} {t:>6} error: {row['error']}", flush=True)
+      else:
+        print(f"{row['kernel']:36} {t:>6} {row['build_s']:>8.2f} {row['lower_s']:>8.2f}"
+              f" {row['total_s']:>8.2f} {row['peak_host_mib']:>14.1f}", flush=True)
+  # After the splash cases: they measure their own processes' memory from a clean start.
+  rows += gpu_section(args.gpu_lengths, args.repeats)
   if args.json:
     with open(args.json, "w") as f:
       json.dump(rows, f, indent=2)

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flaxattn import registry
-from flaxattn.blockwise import blockwise_attention
+from flaxattn.fused import Fused
 from flaxattn.context_parallel import ContextParallel, axis_size, context_parallel_attention
 from flaxattn.layout import Layout
 from flaxattn.masks import Causal, Mask, check_mask
@@ -15,7 +15,7 @@ from flaxattn.reference import reference_attention
 from flaxattn.splash import Splash
 
 registry.register(
-    registry.FunctionKernel("fused", blockwise_attention),
+    Fused(),
     platforms={"default": 0, "cpu": 0, "gpu": 0, "tpu": 1})
 registry.register(
     Splash(),
@@ -81,13 +81,8 @@ def _call(q, k, mask, layout: Layout, return_lse: bool, context_parallel=None) -
   if context_parallel is not None and not isinstance(context_parallel, ContextParallel):
     raise TypeError(f"context_parallel expects a flaxattn.ContextParallel or None, got"
                     f" {context_parallel!r}.")
-  return registry.Call(
-      platform=registry.current_platform(), q_shape=tuple(q.shape), kv_shape=tuple(k.shape),
-      dtype=str(np.dtype(q.dtype)), mask=mask,
-      has_segment_ids=layout.q_segment_ids is not None,
-      has_positions=layout.q_positions is not None or layout.kv_positions is not None,
-      return_lse=return_lse,
-      cp_size=1 if context_parallel is None else axis_size(context_parallel))
+  return registry.Call.of(q, k, mask, layout, return_lse,
+                          1 if context_parallel is None else axis_size(context_parallel))
 
 
 def attention(q, k, v, *, mask: Mask = Causal(), segment_ids=None, positions=None,
@@ -129,14 +124,17 @@ def attention(q, k, v, *, mask: Mask = Causal(), segment_ids=None, positions=Non
 
 
 def explain(q, k, v, *, mask: Mask = Causal(), segment_ids=None, positions=None,
-            kv_segment_ids=None, kv_positions=None, backend: str = "auto",
+            kv_segment_ids=None, kv_positions=None, backend="auto", context_parallel=None,
             return_lse: bool = False, print_fn=print) -> str:
-  """Prints (and returns) which kernel `attention` would use for these arguments, and why
-  each registered kernel accepts or declines. Arrays or `jax.ShapeDtypeStruct`s work."""
+  """Prints (and returns) which kernel `attention` would use for these arguments on this
+  platform, why each registered kernel accepts or declines, and what `backend` would run
+  on each platform (cpu, gpu, tpu), including which implementation a kernel with several
+  uses ("fused (cudnn)" or "fused (blockwise; cuDNN declines: ...)"). Arrays or
+  `jax.ShapeDtypeStruct`s work; with `context_parallel`, call it under the mesh."""
   check_qkv(q, k, v)
   mask = check_mask(mask)
   layout = make_layout(q, k, segment_ids, positions, kv_segment_ids, kv_positions)
-  text = registry.describe(backend, _call(q, k, mask, layout, return_lse))
+  text = registry.describe(backend, _call(q, k, mask, layout, return_lse, context_parallel))
   if print_fn is not None:
     print_fn(text)
   return text

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from flaxattn import balance
-from flaxattn.blockwise import DEFAULT_BLOCK_Q, attention_backward, attention_forward
+from flaxattn.blockwise import DEFAULT_BLOCK_Q, attention_backward, attention_forward, blockwise_attention
 from flaxattn.layout import Layout
 from flaxattn.masks import Mask
 
@@ -212,14 +212,17 @@ def _local(kernel, cp: ContextParallel, n: int, mask: Mask, scale: float, q_shap
     return kernel.context_parallel_local(strategy=cp.strategy, axis=cp.axis, shards=n,
                                          load_balance=cp.load_balance, mask=mask, scale=scale,
                                          q_shape=q_shape, kv_shape=kv_shape)
+  if kernel.name == "fused":
+    # Blockwise even on GPU: cuDNN masks by token index, which load balancing permutes.
+    if cp.strategy == "all_gather":
+      return _KernelLocal(blockwise_attention, mask, scale), None, None
+    return _BlockwiseLocal(mask, scale, ring_block(q_shape[1], n, cp.load_balance)), None, None
   if cp.strategy == "all_gather":
     return _KernelLocal(kernel, mask, scale), None, None
-  if kernel.name != "fused":
-    raise ValueError(f"context_parallel strategy 'ring' runs the 'fused' or 'splash' kernel's"
-                     f" forward and backward passes per block; the backend selected"
-                     f" {kernel.name!r}. Pass backend='auto', 'fused' or 'splash', or"
-                     " strategy='all_gather'.")
-  return _BlockwiseLocal(mask, scale, ring_block(q_shape[1], n, cp.load_balance)), None, None
+  raise ValueError(f"context_parallel strategy 'ring' runs the 'fused' or 'splash' kernel's"
+                   f" forward and backward passes per block; the backend selected"
+                   f" {kernel.name!r}. Pass backend='auto', 'fused' or 'splash', or"
+                   " strategy='all_gather'.")
 
 
 def ring_block(t: int, n: int, load_balance: bool) -> int:

@@ -67,7 +67,8 @@ class MultiHeadAttention(nnx.Module):
 
   Args (beyond `nnx.MultiHeadAttention`'s, whose meaning is unchanged):
     num_kv_heads: heads of `key`/`value` (GQA/MQA); must divide `num_heads`. Default num_heads.
-    backend: `flaxattn.attention` backend, "auto" or a kernel name.
+    backend: `flaxattn.attention` backend: "auto", a kernel name, or a kernel object with
+      options (e.g. `flaxattn.splash.Splash(block_q=256)`).
     mask: a `flaxattn` mask (default `Causal()`; nnx's default without a mask is `Full()`).
     context_parallel: a `flaxattn.ContextParallel`, passed to `flaxattn.attention`.
     rope: a `flaxattn.RoPE` applied to queries and keys at their positions, or None.
@@ -121,7 +122,7 @@ class MultiHeadAttention(nnx.Module):
       out_bias_metadata: Mapping[str, Any] = _EMPTY,
       query_ln_scale_metadata: Mapping[str, Any] = _EMPTY,
       key_ln_scale_metadata: Mapping[str, Any] = _EMPTY,
-      backend: str = "auto",
+      backend="auto",
       mask: Mask = Causal(),
       context_parallel=None,
       rope: RoPE | None = None,

@@ -11,7 +11,9 @@ import dataclasses
 from typing import Callable, Protocol
 
 import jax
+import numpy as np
 
+from flaxattn.layout import Layout
 from flaxattn.masks import Mask
 
 
@@ -28,6 +30,15 @@ class Call:
   has_positions: bool
   return_lse: bool
   cp_size: int = 1  # devices the sequence is split over (context parallelism)
+
+  @classmethod
+  def of(cls, q, k, mask: Mask, layout: Layout, return_lse: bool, cp_size: int = 1) -> Call:
+    """The call of `flaxattn.attention` on the current platform for these arguments."""
+    return cls(platform=current_platform(), q_shape=tuple(q.shape), kv_shape=tuple(k.shape),
+               dtype=str(np.dtype(q.dtype)), mask=mask,
+               has_segment_ids=layout.q_segment_ids is not None,
+               has_positions=layout.q_positions is not None or layout.kv_positions is not None,
+               return_lse=return_lse, cp_size=cp_size)
 
 
 class Kernel(Protocol):
@@ -125,15 +136,30 @@ def _format_reasons(answers: dict[str, str | None]) -> str:
                    for n, r in answers.items())
 
 
-def describe(backend: str, call: Call) -> str:
-  """Human-readable account of how `backend` resolves for `call`."""
+PLATFORMS = ("cpu", "gpu", "tpu")
+
+
+def _resolve(backend, call: Call) -> str:
+  """What `backend` runs for `call`: a kernel name, with the kernel's own account of which
+  implementation it uses where it has several (e.g. "fused (cudnn)")."""
+  try:
+    kernel = select(backend, call)
+  except ValueError as e:
+    return f"error: {e}"
+  detail = kernel.describe(call) if hasattr(kernel, "describe") else None
+  return kernel.name if detail is None else f"{kernel.name} ({detail})"
+
+
+def describe(backend, call: Call) -> str:
+  """Human-readable account of how `backend` resolves for `call` on its platform (every
+  kernel's answer), then what it would run on each platform."""
   lines = [f"platform: {call.platform}; q {call.q_shape}, k/v {call.kv_shape}, {call.dtype};"
            f" mask {call.mask}; segment_ids: {call.has_segment_ids};"
-           f" positions: {call.has_positions}",
+           f" positions: {call.has_positions}"
+           + (f"; context parallel over {call.cp_size} devices" if call.cp_size > 1 else ""),
            f"order on {call.platform}: {order(call.platform)}"]
-  lines.append(_format_reasons({n: reasons(call)[n] for n in names()}))
-  try:
-    lines.append(f"backend={backend!r} -> {select(backend, call).name}")
-  except ValueError as e:
-    lines.append(f"backend={backend!r} -> error: {e}")
+  lines.append(_format_reasons(reasons(call)))
+  lines.append(f"backend={backend!r} -> {_resolve(backend, call)}")
+  lines.append(f"per platform, backend={backend!r}:")
+  lines += [f"  {p}: {_resolve(backend, dataclasses.replace(call, platform=p))}" for p in PLATFORMS]
   return "\n".join(lines)

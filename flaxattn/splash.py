@@ -128,11 +128,21 @@ class TokenOrder:
     return chunk + (chunk // self.shards) * (2 * self.shards - 1 - 2 * chunk)
 
   def key_original(self, q_index, col, shard_len: int):
-    """Original index of key column `col` for a query of original index `q_index`."""
+    """Original index of key column `col` for a query of original index `q_index`.
+
+    Called on a block's `[bq, 1]` query and `[1, bkv]` column indices: the arithmetic is
+    arranged so that as much as possible stays on one of the two vectors (the host visits
+    every block of T x T when the kernel is built)."""
     if self.step is None:
       return self.original(col // shard_len, col % shard_len, shard_len)
     source = (self.shard_of(q_index, shard_len) + (self.shards - self.step)) % self.shards
-    return self.original(source, col, shard_len)
+    if not self.load_balance:
+      return source * shard_len + col
+    chunk_len = shard_len // 2
+    second = col // chunk_len
+    first_start = source * chunk_len
+    second_start = (2 * self.shards - 1 - source) * chunk_len
+    return first_start + second * (second_start - first_start) + (col - second * chunk_len)
 
 
 class _OrderedMask(sm._ComputableMask):  # pylint: disable=protected-access

@@ -65,3 +65,20 @@ def test_explain_takes_shapes_only(capsys):
                    mask=flaxattn.Local(128))
   out = capsys.readouterr().out
   assert "mask Local(window=128)" in out and "-> fused" in out
+
+
+def test_explain_shows_each_platform():
+  shape = lambda *s, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(s, dtype)
+  q, kv = shape(1, 4096, 8, 128), shape(1, 4096, 2, 128)
+  text = flaxattn.explain(q, kv, kv, segment_ids=shape(1, 4096, dtype=jnp.int32), print_fn=None)
+  assert "  cpu: fused (blockwise)\n  gpu: fused (cudnn)\n  tpu: splash" in text
+  # Chunked: no cuDNN mask, so GPU falls back and says why; splash chunks lazily on TPU.
+  text = flaxattn.explain(q, kv, kv, mask=flaxattn.Chunked(1024), print_fn=None)
+  assert "gpu: fused (blockwise; cuDNN declines: cuDNN has no chunked mask" in text
+  assert "tpu: splash" in text
+  # 4000 tokens: not a multiple of splash's 128-token blocks, so TPU takes the blockwise kernel.
+  q, kv = shape(1, 4000, 8, 128, dtype=jnp.float32), shape(1, 4000, 2, 128, dtype=jnp.float32)
+  text = flaxattn.explain(q, kv, kv, print_fn=None)
+  assert "tpu: fused (blockwise)" in text and "gpu: fused (blockwise; cuDNN declines:" in text
+  text = flaxattn.explain(q, kv, kv, backend="splash", print_fn=None)
+  assert "  tpu: error: backend='splash' cannot serve this call: splash needs a sequence length" in text

@@ -1,0 +1,543 @@
+"""cuDNN fused attention (NVIDIA GPUs) behind the flaxattn kernel interface.
+
+Calls go through JAX's cuDNN SDPA, `jax._src.cudnn.fused_attention_stablehlo` (private,
+jax 0.10): rows without segment ids as plain `BTNH` attention, packed rows in cuDNN's
+THD layout, described by `flaxattn.seqlens_and_offsets` (per-document lengths and offsets,
+O(T + M) memory, never a `[T, T]` mask). GQA/MQA run natively: K/V are never repeated.
+
+Masks. cuDNN masks on the token INDEX inside each document, with the diagonal at the
+top left (query i sees key j <= i even when the two sides differ in length):
+`Full` -> no mask (the padding mask of THD), `Causal` -> causal, `Local(w)` -> causal with
+`sliding_window_length=w`, which keeps keys i - w < j <= i, exactly `Local(w)` (an `&` of
+these takes the smallest window). There is no chunked mask: `Chunked` declines.
+
+Exactness. flaxattn masks on POSITIONS and pairs tokens by segment id, so cuDNN's result is
+exact only if, in every row: the documents fit in the M slots of the descriptor; no segment
+id labels two separate runs (cuDNN would see two documents where flaxattn sees one); and,
+unless the mask is `Full`, positions step by one inside each document and the paired query
+and key documents start at the same position (then position differences are index
+differences). Default positions in self attention satisfy the last two by construction.
+Explicit positions without segment ids decline statically for causal and window masks, as
+in splash (that is what load-balanced, permuted rows look like). Every other condition is
+data: it is checked at run time in O(T + M log M), and a batch that fails any of them runs
+the blockwise kernel instead (`lax.cond`, one branch executed), so results are always
+exact; a packing pipeline (positions restarting at 0, one run per id, at most M documents
+per row) always takes the cuDNN branch. `served_by_cudnn` tells which branch a batch takes.
+
+M (slots per row). A row of T tokens can hold T documents (and T + S in cross
+attention), so only M = T is safe without looking at the data. But XLA hands cuDNN the
+batch as B * M sequences of up to T tokens: the softmax statistics are a dense
+[B * M, H, T] float32 array (4 * H bytes per token per slot), and cuDNN documents that its
+THD backward, not told the true token total (XLA does not tell it), sizes its workspace
+for B * M * T tokens, which for an fp32 dQ accumulator is 4 * H * D bytes per token per
+slot. M = T would be O(T^2) memory. So M defaults to `DEFAULT_MAX_SEGMENTS` (capped by
+the runs a row can hold), exact anyway thanks to the run-time check: a batch with a row of
+more documents runs the blockwise kernel. Pass `max_segments` for rows with more
+documents; bench/kernels.py reports the compiled temporary memory this costs.
+
+Padding tokens (segment 0) and queries whose document has no key (one-sided documents in
+cross attention) get zeros, lse -inf and zero gradients; cuDNN leaves those rows
+undefined, so they are selected away with per-token masks computed in O(T + M).
+
+Log-sum-exp. cuDNN's softmax statistics are the natural-log lse of the scaled scores
+(max + ln sum exp); for packed rows it is laid out per document, [B * M, H, T] with row i
+of document n at [n, :, i], and is gathered here into `[B, T, H]` float32 (and scattered
+back for the backward pass). JAX's VJP drops a cotangent on it; here a `custom_vjp` adds
+it exactly: d lse_i / d s_ij = p_ij, so the lse term is dS_ij = g_i p_ij. cuDNN's backward
+computes dS = P * (dP - D) with dP = dO V^T and D_i = dO_i . O_i, O entering only
+through D; one extra backward call with V = 0 (so dP = 0), O_i = -(e_0 + e_1) and
+dO_i = g_hi e_0 + g_lo e_1 (g split into two bfloat16/float16 parts) gives D_i = -g_i,
+dS = g_i p_ij and returns the dQ and dK terms. It is skipped when the lse cotangent is a
+symbolic zero (`return_lse=False`, or an lse that no loss uses).
+
+JAX 0.10 scales THD key offsets by the QUERY heads (jax-ml/jax#39521 fixes it); with GQA on
+such a version the packed path runs one cuDNN call per group of query heads (each an MHA
+call against the shared K/V), which a probe of JAX's offset code decides once.
+
+`cudnn_forward` / `cudnn_backward` are the two passes on the public layout (`[B, T, H]`
+lse), for ring attention: the backward takes the output and lse of the whole row, which
+may cover more keys than the K/V block it is given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax._src.cudnn import fused_attention_stablehlo as fsa
+
+from flaxattn import blockwise, registry
+from flaxattn.layout import Layout
+from flaxattn.masks import And, Causal, Chunked, Full, Local, Mask
+from flaxattn.segments import SeqlensOffsets, seqlens_and_offsets
+
+DTYPES = ("bfloat16", "float16")
+DEFAULT_MAX_SEGMENTS = 32
+MAX_HEAD_DIM = 256  # Hopper and newer; 128 before (checked on a live device)
+HOPPER = (9, 0)
+
+
+# ---------------------------------------------------------------------------------------
+# What cuDNN can serve
+
+
+def mask_band(mask: Mask) -> tuple[bool, int | None] | str:
+  """`(causal, window)` of the cuDNN diagonal band equal to `mask`, or why there is none."""
+  causal, windows = False, []
+  parts = list(mask.masks) if isinstance(mask, And) else [mask]
+  while parts:
+    m = parts.pop()
+    if isinstance(m, And):
+      parts.extend(m.masks)
+    elif isinstance(m, Local):
+      causal = True
+      windows.append(m.window)
+    elif isinstance(m, Causal):
+      causal = True
+    elif isinstance(m, Chunked):
+      return (f"cuDNN has no chunked mask ({m!r}, Llama 4 chunked attention); the blockwise"
+              " kernel serves it.")
+    elif not isinstance(m, Full):
+      return f"mask {m!r} has no cuDNN equivalent (causal/sliding window); use the blockwise kernel."
+  return causal, (min(windows) if windows else None)
+
+
+@functools.lru_cache(maxsize=1)
+def _local_gpu() -> tuple[bool, tuple[int, int] | None, int | None, str]:
+  """(CUDA?, compute capability, cuDNN version, device kind) of this process's first GPU."""
+  device = jax.devices("gpu")[0]
+  cuda = "cuda" in device.client.platform_version.lower()
+  capability = getattr(device, "compute_capability", None) if cuda else None
+  capability = tuple(int(x) for x in capability.split(".")) if capability else None
+  try:
+    version = fsa.check_cudnn_version()
+  except RuntimeError:
+    version = None
+  return cuda, capability, version, device.device_kind
+
+
+def _device_reason(head_dim: int, packed: bool) -> str | None:
+  """Why the local GPU cannot run the call (asked only when the call is for this GPU)."""
+  cuda, capability, version, kind = _local_gpu()
+  if not cuda or capability is None:
+    return (f"cuDNN fused attention needs an NVIDIA (CUDA) GPU; this one is {kind}. Use the"
+            " blockwise kernel.")
+  if version is None or version < 90000:
+    return (f"cuDNN fused attention needs cuDNN >= 9.0, found {version}; install a newer"
+            " cuDNN (the nvidia-cudnn-cu12 wheel) or use the blockwise kernel.")
+  if capability == (10, 3) and version < 91100:
+    return f"compute capability 10.3 needs cuDNN >= 9.11, found {version}; upgrade cuDNN."
+  if head_dim > 128 and capability < HOPPER:
+    return (f"head_dim {head_dim} > 128 needs a Hopper or newer GPU for cuDNN; this is"
+            f" {kind} (sm{capability[0]}{capability[1]}). Use the blockwise kernel.")
+  if packed and capability < HOPPER:
+    return (f"cuDNN's packed (THD) layout, used for segment_ids, needs a Hopper or newer GPU;"
+            f" this is {kind} (sm{capability[0]}{capability[1]}). Use the blockwise kernel.")
+  if packed and version < 90600:
+    # The oldest cuDNN that JAX's own packed-layout test runs on.
+    return (f"cuDNN's packed (THD) layout, used for segment_ids, needs cuDNN >= 9.6, found"
+            f" {version}; upgrade cuDNN or use the blockwise kernel.")
+  return None
+
+
+def cudnn_unsupported_reason(call: registry.Call) -> str | None:
+  """None if cuDNN serves `call` exactly (see the module docstring), else one sentence why not.
+
+  A pure function of `call`; the GPU itself (compute capability, cuDNN version) is
+  consulted only when the call is for "gpu" and this process runs on a GPU, so asking
+  about "gpu" from a CPU machine reasons from the call alone (assuming a Hopper GPU).
+  """
+  if call.platform != "gpu":
+    return f"cuDNN fused attention runs on NVIDIA GPUs; this call is on {call.platform}."
+  if call.dtype not in DTYPES:
+    return (f"cuDNN fused attention takes bfloat16 or float16, got {call.dtype}; cast q/k/v"
+            " to bfloat16 or float16 (scores and softmax still accumulate in float32).")
+  d = call.q_shape[-1]
+  if d % 8 or d > MAX_HEAD_DIM:
+    return (f"cuDNN fused attention needs head_dim a multiple of 8 and at most {MAX_HEAD_DIM}"
+            f" (128 before Hopper), got {d}; pad the head dimension or use the blockwise kernel.")
+  band = mask_band(call.mask)
+  if isinstance(band, str):
+    return band
+  if call.has_positions and band != (False, None) and not call.has_segment_ids:
+    return ("explicit positions without segment_ids: cuDNN masks on the token index within"
+            " each document, which matches the positions only for packed documents"
+            " (segment_ids given) whose positions restart at 0 and increase by one; permuted"
+            " (load-balanced) positions are not supported. Pass segment_ids, omit positions,"
+            " or use the blockwise kernel.")
+  if call.platform == jax.default_backend():
+    return _device_reason(d, call.has_segment_ids)
+  return None
+
+
+# ---------------------------------------------------------------------------------------
+# Static configuration of one call
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+  mask: Mask
+  scale: float
+  causal: bool  # also True with a window: Local is causal, and only then do positions matter
+  window: int | None
+  max_segments: int
+  self_attention: bool  # keys carry the queries' segment ids (the same array) and T == S
+  same_positions: bool  # keys carry the queries' positions (the same array, or both default)
+  head_groups: int  # > 1: one cuDNN call per group of query heads (see _kv_offsets_per_key_head)
+
+  def mask_type(self, packed: bool) -> fsa.MaskType:
+    if packed:
+      return fsa.MaskType.PADDING_CAUSAL if self.causal else fsa.MaskType.PADDING
+    return fsa.MaskType.CAUSAL if self.causal else fsa.MaskType.NO_MASK
+
+
+@functools.lru_cache(maxsize=1)
+def _kv_offsets_per_key_head() -> bool:
+  """Whether JAX turns THD key offsets into element offsets with the KEY's heads.
+
+  jax 0.10's `_fix_seqlen_offsets` multiplies them by the query's heads, so with GQA
+  cuDNN would read keys at offsets scaled by H / Hkv. Probed on a 1-token example.
+  """
+  q = jax.ShapeDtypeStruct((1, 2, 2, 8), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((1, 2, 1, 8), jnp.bfloat16)
+  seqlens = np.array([[1, 1]], np.int32)
+  offsets = np.array([[0, 1, -1]], np.int32)
+  try:
+    with jax.ensure_compile_time_eval():
+      *_, kv_offsets = fsa._fix_seqlen_offsets(  # pylint: disable=protected-access
+          seqlens, seqlens, offsets, offsets, q, k)
+      return int(kv_offsets[0, 1]) == 1 * 8
+  except (AttributeError, TypeError):
+    return False  # a JAX whose private helper changed: splitting heads is right either way
+
+
+def _config(q, k, layout: Layout, mask: Mask, scale: float, max_segments: int | None) -> _Config:
+  band = mask_band(mask)
+  if isinstance(band, str):
+    raise ValueError(f"cuDNN attention cannot serve mask={mask!r}: {band}")
+  t, s = q.shape[1], k.shape[1]
+  self_attention = layout.kv_segment_ids is layout.q_segment_ids and t == s
+  m = DEFAULT_MAX_SEGMENTS if max_segments is None else int(max_segments)
+  # More slots than a row can hold runs cost memory for nothing; 2 keeps JAX in THD mode
+  # (with one slot it treats the call as unpacked and ignores the offsets).
+  m = max(2, min(m, t if self_attention else t + s))
+  h, hkv = q.shape[2], k.shape[2]
+  groups = 1 if h == hkv or layout.q_segment_ids is None or _kv_offsets_per_key_head() else h // hkv
+  return _Config(mask=mask, scale=float(scale), causal=band[0], window=band[1], max_segments=m,
+                 self_attention=self_attention,
+                 same_positions=layout.kv_positions is layout.q_positions,
+                 head_groups=groups)
+
+
+# ---------------------------------------------------------------------------------------
+# The two cuDNN entry points (JAX private API)
+
+
+def _sdpa_forward(q, k, v, desc: SeqlensOffsets | None, cfg: _Config):
+  """One cuDNN forward: out `[B, T, Hq, D]` and the softmax stats (natural-log lse),
+  `[B, Hq, T]` for dense rows, `[B * M, Hq, T]` (one slab per document) for packed rows."""
+  packed = {} if desc is None else dict(
+      q_seqlen=desc.q_seqlens, kv_seqlen=desc.kv_seqlens,
+      q_offsets=desc.q_offsets, kv_offsets=desc.kv_offsets)
+  return fsa.dot_product_attention(
+      q, k, v, scale=cfg.scale, mask_type=cfg.mask_type(desc is not None),
+      sliding_window_length=cfg.window, qkv_layout="BTNH", return_residual=True, **packed)
+
+
+def _sdpa_backward(q, k, v, desc: SeqlensOffsets | None, stats, out, dout, cfg: _Config):
+  """One cuDNN backward (dq, dk, dv) from the stats and output of the rows.
+
+  JAX exposes it only as the VJP of a forward, so bind its primitive as that VJP does.
+  """
+  unused = jnp.zeros(0, q.dtype)
+  packed = (unused,) * 4 if desc is None else (
+      desc.q_seqlens, desc.kv_seqlens, desc.q_offsets, desc.kv_offsets)
+  dq, dk, dv = fsa._dot_product_attention_bwd_p_wrapper.bind(  # pylint: disable=protected-access
+      q, k, v, unused, *packed, unused, unused, stats, out.astype(q.dtype),
+      dout.astype(q.dtype), scale=cfg.scale, seed=0, dropout_rate=0.0,
+      variadic_args=(False, False), mask_type=cfg.mask_type(desc is not None),
+      layout=fsa.AttentionLayout.BTNH.value, sliding_window_length=cfg.window)
+  return dq, dk, dv
+
+
+# ---------------------------------------------------------------------------------------
+# Packed rows: per-token bookkeeping in O(T + M)
+
+
+class _Packing(NamedTuple):
+  desc: SeqlensOffsets
+  q_sequence: jax.Array  # [B, T] int32: the cuDNN sequence of each query (B * M: none)
+  q_index: jax.Array  # [B, T] int32: the query's index inside its document
+  q_live: jax.Array  # [B, T] bool: a real query whose document has keys
+  kv_live: jax.Array  # [B, S] bool: a real key whose document has queries
+  exact: jax.Array  # [] bool: cuDNN's masks equal flaxattn's in every row (module docstring)
+
+
+def _run_starts(ids):
+  prev = jnp.pad(ids[:, :-1], ((0, 0), (1, 0)))
+  return (ids != 0) & (ids != prev)
+
+
+def _unique_run_ids(ids, offsets, lengths):
+  """No id labels two runs of a row (cuDNN would split a document flaxattn sees whole)."""
+  m = lengths.shape[1]
+  start = jnp.clip(offsets[:, :m], 0, ids.shape[1] - 1)
+  run_ids = jnp.where(lengths > 0, jnp.take_along_axis(ids, start, axis=1),
+                      -1 - jnp.arange(m, dtype=ids.dtype))  # distinct non-ids for empty slots
+  run_ids = jnp.sort(run_ids, axis=1)
+  return ~jnp.any(run_ids[:, 1:] == run_ids[:, :-1])
+
+
+def _steps_by_one(ids, positions):
+  """Positions increase by one from token to token inside every run."""
+  prev = jnp.pad(positions[:, :-1], ((0, 0), (1, 0)))
+  return jnp.all((ids == 0) | _run_starts(ids) | (positions == prev + 1))
+
+
+def _packing(layout: Layout, t: int, s: int, cfg: _Config) -> _Packing:
+  q_ids = layout.q_segment_ids
+  kv_ids = q_ids if cfg.self_attention else layout.kv_segment_ids
+  m = cfg.max_segments
+  desc = seqlens_and_offsets(q_ids, m, None if cfg.self_attention else kv_ids)
+  b = q_ids.shape[0]
+  rows = jnp.arange(b)[:, None]
+
+  # Query slots are the query runs in order (self and cross attention alike).
+  first = _run_starts(q_ids)
+  iota = jnp.arange(t, dtype=jnp.int32)
+  slot = jnp.cumsum(first, axis=1, dtype=jnp.int32) - 1
+  q_index = iota - jax.lax.cummax(jnp.where(first, iota, 0), axis=1)
+  has_keys = jnp.take_along_axis(desc.kv_seqlens, jnp.clip(slot, 0, m - 1), axis=1) > 0
+  q_live = (q_ids != 0) & (slot < m) & has_keys
+  # JAX packs every row's used slots to the left before cuDNN sees them.
+  used = jnp.sum(desc.q_seqlens >= 0, axis=1, dtype=jnp.int32)
+  row_base = jnp.cumsum(used) - used
+  q_sequence = jnp.where(q_live, row_base[:, None] + slot, b * m)
+
+  both = (desc.q_seqlens > 0) & (desc.kv_seqlens > 0)
+  if cfg.self_attention:
+    kv_live = q_live
+  else:
+    # +1 where a key document with queries starts, -1 where it ends, then a running sum.
+    start = jnp.where(both, desc.kv_offsets[:, :m], s + 1)
+    marks = jnp.zeros((b, s + 1), jnp.int32).at[rows, start].add(1, mode="drop")
+    marks = marks.at[rows, jnp.where(both, start + desc.kv_seqlens, s + 1)].add(-1, mode="drop")
+    kv_live = jnp.cumsum(marks, axis=1)[:, :s] > 0
+
+  exact = jnp.all(desc.valid) & _unique_run_ids(q_ids, desc.q_offsets, desc.q_seqlens)
+  if not cfg.self_attention:
+    exact &= _unique_run_ids(kv_ids, desc.kv_offsets, desc.kv_seqlens)
+  default_positions = layout.q_positions is None and layout.kv_positions is None
+  if cfg.causal and not (cfg.self_attention and default_positions):
+    full = layout.materialize(b, t, s)
+    if layout.q_positions is not None:
+      exact &= _steps_by_one(q_ids, full.q_positions)
+    if not (cfg.self_attention and cfg.same_positions):
+      if layout.kv_positions is not None:
+        exact &= _steps_by_one(kv_ids, full.kv_positions)
+      q_first = jnp.take_along_axis(full.q_positions, jnp.clip(desc.q_offsets[:, :m], 0, t - 1), 1)
+      kv_first = jnp.take_along_axis(full.kv_positions, jnp.clip(desc.kv_offsets[:, :m], 0, s - 1), 1)
+      exact &= jnp.all(~both | (q_first == kv_first))
+  return _Packing(desc, q_sequence, q_index, q_live, kv_live, exact)
+
+
+def _stats_to_lse(stats, packing: _Packing | None):
+  """cuDNN stats -> lse `[B, T, H]` (undefined where the query is not live)."""
+  if packing is None:
+    return stats.transpose(0, 2, 1)
+  seq = jnp.clip(packing.q_sequence, 0, stats.shape[0] - 1)[..., None]
+  return stats[seq, jnp.arange(stats.shape[1]), packing.q_index[..., None]]
+
+
+def _lse_to_stats(lse, packing: _Packing | None):
+  """lse `[B, T, H]` -> cuDNN stats (0 in slots no live query fills)."""
+  lse = jnp.where(jnp.isfinite(lse), lse, 0.0).astype(jnp.float32)
+  if packing is None:
+    return lse.transpose(0, 2, 1)
+  b, t, h = lse.shape
+  stats = jnp.zeros((b * packing.desc.q_seqlens.shape[1], h, t), jnp.float32)
+  return stats.at[packing.q_sequence[..., None], jnp.arange(h), packing.q_index[..., None]].set(
+      lse, mode="drop")
+
+
+def _head_groups(x, groups: int):
+  """Query-head slices `[..., H / groups, ...]` (axis 2) that each pair with all KV heads."""
+  return [x] if groups == 1 else [x[:, :, g::groups] for g in range(groups)]
+
+
+def _merge_head_groups(parts):
+  if len(parts) == 1:
+    return parts[0]
+  x = jnp.stack(parts, axis=3)  # [B, T, Hkv, groups, ...]: head kv * groups + g
+  return x.reshape(x.shape[:2] + (-1,) + x.shape[4:])
+
+
+def _lse_cotangent_rows(dlse, dtype, d: int):
+  """O and dO rows with dO . O = -dlse (dlse split in two `dtype` parts for precision)."""
+  hi = dlse.astype(dtype)
+  lo = (dlse - hi.astype(jnp.float32)).astype(dtype)
+  zeros = jnp.zeros(dlse.shape + (d,), dtype)
+  return zeros.at[..., :2].set(-1), zeros.at[..., 0].set(hi).at[..., 1].set(lo)
+
+
+# ---------------------------------------------------------------------------------------
+# Forward and backward on the public layout
+
+
+def _cudnn_forward(q, k, v, packing: _Packing | None, cfg: _Config):
+  desc = None if packing is None else packing.desc
+  outs, lses = [], []
+  for q_g in _head_groups(q, cfg.head_groups):
+    out, stats = _sdpa_forward(q_g, k, v, desc, cfg)
+    outs.append(out)
+    lses.append(_stats_to_lse(stats, packing))
+  out, lse = _merge_head_groups(outs), _merge_head_groups(lses).astype(jnp.float32)
+  if packing is not None:
+    live = packing.q_live[..., None]
+    out = jnp.where(live[..., None], out, jnp.zeros((), out.dtype))
+    lse = jnp.where(live, lse, -jnp.inf)
+  return out.astype(q.dtype), lse
+
+
+def _cudnn_backward(q, k, v, out, lse, dout, dlse, packing: _Packing | None, cfg: _Config):
+  desc = None if packing is None else packing.desc
+  d = q.shape[-1]
+  dqs, dk, dv = [], 0.0, 0.0
+  group = lambda x: _head_groups(x, cfg.head_groups)
+  dlses = group(dlse) if dlse is not None else [None] * cfg.head_groups
+  for q_g, out_g, lse_g, dout_g, dlse_g in zip(group(q), group(out), group(lse), group(dout), dlses):
+    stats = _lse_to_stats(lse_g, packing)
+    dq_g, dk_g, dv_g = _sdpa_backward(q_g, k, v, desc, stats, out_g, dout_g, cfg)
+    dq_g, dk_g = dq_g.astype(jnp.float32), dk_g.astype(jnp.float32)
+    if dlse_g is not None:
+      o_rows, do_rows = _lse_cotangent_rows(dlse_g.astype(jnp.float32), q.dtype, d)
+      dq_l, dk_l, _ = _sdpa_backward(q_g, k, jnp.zeros_like(v), desc, stats, o_rows, do_rows, cfg)
+      dq_g, dk_g = dq_g + dq_l, dk_g + dk_l
+    dqs.append(dq_g)
+    dk, dv = dk + dk_g, dv + dv_g.astype(jnp.float32)
+  dq = _merge_head_groups(dqs)
+  if packing is not None:
+    dq = jnp.where(packing.q_live[..., None, None], dq, 0.0)
+    kv_live = packing.kv_live[..., None, None]
+    dk, dv = jnp.where(kv_live, dk, 0.0), jnp.where(kv_live, dv, 0.0)
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+def _with_kv_ids(layout: Layout) -> Layout:
+  if layout.q_segment_ids is None or layout.kv_segment_ids is not None:
+    return layout
+  return dataclasses.replace(layout, kv_segment_ids=layout.q_segment_ids)
+
+
+def _forward(q, k, v, layout: Layout, cfg: _Config):
+  if layout.q_segment_ids is None:
+    return _cudnn_forward(q, k, v, None, cfg)
+  packing = _packing(layout, q.shape[1], k.shape[1], cfg)
+  return jax.lax.cond(
+      packing.exact, lambda: _cudnn_forward(q, k, v, packing, cfg),
+      lambda: blockwise.attention_forward(q, k, v, layout, mask=cfg.mask, scale=cfg.scale))
+
+
+def _backward(q, k, v, layout: Layout, out, lse, dout, dlse, cfg: _Config):
+  if layout.q_segment_ids is None:
+    return _cudnn_backward(q, k, v, out, lse, dout, dlse, None, cfg)
+  packing = _packing(layout, q.shape[1], k.shape[1], cfg)
+  zero_dlse = jnp.zeros(lse.shape, jnp.float32) if dlse is None else dlse
+
+  def fallback():
+    dq, dk, dv = blockwise.attention_backward(q, k, v, layout, out, lse, dout, zero_dlse,
+                                              mask=cfg.mask, scale=cfg.scale)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+  return jax.lax.cond(
+      packing.exact, lambda: _cudnn_backward(q, k, v, out, lse, dout, dlse, packing, cfg), fallback)
+
+
+def cudnn_forward(q, k, v, layout: Layout, *, mask: Mask, scale: float,
+                  max_segments: int | None = None):
+  """Forward pass without autodiff rules: out `[B, T, H, D]` (q dtype), lse `[B, T, H]` f32.
+
+  Arguments as `cudnn_attention`.
+  """
+  layout = _with_kv_ids(layout)
+  return _forward(q, k, v, layout, _config(q, k, layout, mask, scale, max_segments))
+
+
+def cudnn_backward(q, k, v, layout: Layout, out, lse, dout, dlse, *, mask: Mask, scale: float,
+                   max_segments: int | None = None):
+  """Gradients (dq, dk, dv) of the attention of q against k/v, given the output `out` and
+  lse `[B, T, H]` of the rows (which may cover more keys than k/v, as in ring attention:
+  pass the merged result) and their cotangents `dout` and `dlse` (float32, or None for no
+  lse cotangent, which saves a cuDNN call)."""
+  layout = _with_kv_ids(layout)
+  cfg = _config(q, k, layout, mask, scale, max_segments)
+  return _backward(q, k, v, layout, out, lse, dout, dlse, cfg)
+
+
+def served_by_cudnn(q, k, layout: Layout, *, mask: Mask, max_segments: int | None = None):
+  """Scalar bool array: whether `cudnn_attention` runs these rows on cuDNN (True), or on the
+  blockwise kernel because a run-time condition of the module docstring fails (too many
+  documents for `max_segments`, an id on two runs, positions that differ from indices).
+
+  Only shapes of q `[B, T, H, D]` and k `[B, S, Hkv, D]` are used; O(T + M log M).
+  """
+  layout = _with_kv_ids(layout)
+  if layout.q_segment_ids is None:
+    return jnp.asarray(True)
+  cfg = _config(q, k, layout, mask, 1.0, max_segments)
+  return _packing(layout, q.shape[1], k.shape[1], cfg).exact
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _attention(q, k, v, layout, cfg):
+  return _forward(q, k, v, layout, cfg)
+
+
+def _attention_fwd(q, k, v, layout, cfg):
+  # symbolic_zeros wraps every differentiable leaf in a CustomVJPPrimal.
+  q, k, v, layout = jax.custom_derivatives.custom_vjp_primal_tree_values((q, k, v, layout))
+  out, lse = _forward(q, k, v, layout, cfg)
+  return (out, lse), (q, k, v, layout, out, lse)
+
+
+def _attention_bwd(cfg, residuals, cotangents):
+  q, k, v, layout, out, lse = residuals
+  dout, dlse = cotangents
+  if isinstance(dout, jax.custom_derivatives.SymbolicZero):
+    dout = jnp.zeros(out.shape, out.dtype)
+  if isinstance(dlse, jax.custom_derivatives.SymbolicZero):
+    dlse = None
+  dq, dk, dv = _backward(q, k, v, layout, out, lse, dout, dlse, cfg)
+  return dq, dk, dv, None
+
+
+# Symbolic zeros tell the backward pass when the lse has no cotangent, to skip its cuDNN call.
+_attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
+
+
+def cudnn_attention(q, k, v, layout: Layout, *, mask: Mask, scale: float, return_lse: bool,
+                    max_segments: int | None = None):
+  """cuDNN fused attention over packed sequences (GPU; see the module docstring).
+
+  Args:
+    q: `[B, T, H, D]`; k, v: `[B, S, Hkv, D]`, H a multiple of Hkv; bfloat16 or float16,
+      D a multiple of 8 and at most 256 (128 before Hopper).
+    layout: segment ids (0 = padding) and positions (None = defaults). With segment ids
+      the rows go to cuDNN in the THD layout (Hopper or newer).
+    mask: Full, Causal, Local(w) or an `&` of them.
+    scale: score scale.
+    max_segments: slots per row in the THD descriptor (default `DEFAULT_MAX_SEGMENTS`);
+      rows with more documents run the blockwise kernel instead.
+  Returns:
+    `[B, T, H, D]` in q's dtype; with `return_lse` also the natural-log lse `[B, T, H]`
+    float32. Queries with nothing to attend to get zeros, lse -inf and zero gradients.
+  Raises:
+    ValueError: a mask cuDNN has no equivalent for (Chunked).
+  """
+  layout = _with_kv_ids(layout)
+  out, lse = _attention(q, k, v, layout, _config(q, k, layout, mask, scale, max_segments))
+  return (out, lse) if return_lse else out

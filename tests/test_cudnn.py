@@ -1,0 +1,411 @@
+"""The cuDNN kernel: its decline rules, its glue on CPU against a model of cuDNN, and on a GPU
+against the reference.
+
+On CPU, `fake_cudnn` gives JAX's cuDNN primitives a CPU lowering that models cuDNN itself
+(the layer under JAX's own seqlens/offsets normalization): sequences from the flattened
+seqlens and element offsets (each tensor's offsets divided by ITS per-token stride, as
+cuDNN reads them), top-left causal and sliding-window masks by index within a sequence,
+natural-log stats `[B * M, H, T]`, and a backward that uses O only through
+D = rowsum(dO * O). Rows cuDNN leaves undefined come back as NaN, so the glue must select
+them away. Everything else (JAX's checks, left-shift of slots, element offsets, custom
+partitioning) is JAX's real code.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax._src.cudnn import fused_attention_stablehlo as fsa
+from jax._src.interpreters import mlir
+
+import flaxattn
+from flaxattn import cudnn, registry
+from flaxattn.layout import Layout
+from flaxattn.reference import reference_attention
+from packing import random_packing
+from test_attention import TOL, _compare
+
+ON_GPU = jax.default_backend() == "gpu"
+needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA GPU with cuDNN; none present")
+
+
+def _inputs(seed, b, t, s, h, hkv, d, dtype):
+  """q `[b, t, h, d]`, k/v `[b, s, hkv, d]`, standard normal; made on the host, so that each
+  shape costs no compiled random-number program (these tests are compile-bound on CPU)."""
+  rng = np.random.default_rng(seed)
+  return tuple(jnp.asarray(rng.standard_normal(shape, np.float32).astype(dtype))
+               for shape in ((b, t, h, d), (b, s, hkv, d), (b, s, hkv, d)))
+
+
+def _call(platform="gpu", dtype="bfloat16", d=128, mask=flaxattn.Causal(), segments=True,
+          positions=False, t=1024, s=1024):
+  return registry.Call(platform=platform, q_shape=(2, t, 8, d), kv_shape=(2, s, 4, d),
+                       dtype=dtype, mask=mask, has_segment_ids=segments,
+                       has_positions=positions, return_lse=True)
+
+
+# ---------------------------------------------------------------------------------------
+# Decline rules (static: a CPU machine reasons about "gpu" from the call alone)
+
+
+@pytest.mark.parametrize("call", [
+    _call(), _call(segments=False), _call(mask=flaxattn.Full()), _call(mask=flaxattn.Local(64)),
+    _call(mask=flaxattn.Causal() & flaxattn.Local(64) & flaxattn.Local(32)),
+    _call(dtype="float16", d=64), _call(d=256), _call(positions=True),
+    _call(positions=True, segments=False, mask=flaxattn.Full()), _call(t=100, s=300)],
+    ids=lambda c: f"{c.dtype}-d{c.q_shape[-1]}-{c.mask}-seg{c.has_segment_ids}-pos{c.has_positions}")
+def test_accepts(call):
+  assert cudnn.cudnn_unsupported_reason(call) is None
+
+
+@pytest.mark.parametrize("call,words", [
+    (_call(platform="cpu"), "NVIDIA GPUs; this call is on cpu"),
+    (_call(platform="tpu"), "NVIDIA GPUs; this call is on tpu"),
+    (_call(dtype="float32"), "cast q/k/v to bfloat16 or float16"),
+    (_call(d=100), "head_dim a multiple of 8"),
+    (_call(d=512), "at most 256"),
+    (_call(mask=flaxattn.Chunked(64)), "no chunked mask"),
+    (_call(mask=flaxattn.Causal() & flaxattn.Chunked(64)), "no chunked mask"),
+    (_call(positions=True, segments=False), "explicit positions without segment_ids"),
+    (_call(positions=True, segments=False, mask=flaxattn.Local(8)), "load-balanced"),
+])
+def test_declines_with_reason(call, words):
+  assert words in cudnn.cudnn_unsupported_reason(call)
+
+
+def test_mask_band():
+  assert cudnn.mask_band(flaxattn.Full()) == (False, None)
+  assert cudnn.mask_band(flaxattn.Causal()) == (True, None)
+  assert cudnn.mask_band(flaxattn.Local(9) & flaxattn.Full()) == (True, 9)
+  assert cudnn.mask_band(flaxattn.Local(9) & flaxattn.Causal() & flaxattn.Local(4)) == (True, 4)
+  x = jnp.zeros((1, 16, 2, 8), jnp.bfloat16)
+  with pytest.raises(ValueError, match="chunked"):
+    cudnn.cudnn_attention(x, x, x, Layout(), mask=flaxattn.Chunked(4), scale=1.0, return_lse=False)
+
+
+# ---------------------------------------------------------------------------------------
+# A model of cuDNN for CPU
+
+
+def _sequences(query, key, q_seqlen, kv_seqlen, q_offsets, kv_offsets, mask_type):
+  """Per cuDNN sequence: token indices into the flattened rows and their validity."""
+  b, t, n, d = query.shape
+  _, s, nkv, _ = key.shape
+  if q_offsets.ndim == 2:  # packed: B * M sequences, offsets in elements of each tensor
+    count = b * (q_offsets.shape[1] - 1)  # JAX's [B, M + 1] offsets, read flat as cuDNN does
+    q_start = q_offsets.reshape(-1)[:count] // (n * d)
+    kv_start = kv_offsets.reshape(-1)[:count] // (nkv * d)
+    q_len, kv_len = q_seqlen.reshape(-1)[:count], kv_seqlen.reshape(-1)[:count]
+  else:
+    q_start, kv_start = jnp.arange(b) * t, jnp.arange(b) * s
+    padded = mask_type in (fsa.MaskType.PADDING, fsa.MaskType.PADDING_CAUSAL)
+    q_len = q_seqlen if padded else jnp.full((b,), t)
+    kv_len = kv_seqlen if padded else jnp.full((b,), s)
+  q_tok = q_start[:, None] + jnp.arange(t)
+  kv_tok = kv_start[:, None] + jnp.arange(s)
+  q_ok, kv_ok = jnp.arange(t) < q_len[:, None], jnp.arange(s) < kv_len[:, None]
+  return jnp.where(q_ok, q_tok, b * t), q_ok, jnp.where(kv_ok, kv_tok, b * s), kv_ok
+
+
+def _gather(x, tok):
+  flat = x.reshape((-1,) + x.shape[2:]).astype(jnp.float32)
+  return flat[jnp.clip(tok, 0, flat.shape[0] - 1)]
+
+
+def _scatter(shape, tok, values, dtype):
+  """Rows cuDNN does not write are undefined: NaN."""
+  flat = jnp.full((shape[0] * shape[1],) + shape[2:], jnp.nan, jnp.float32)
+  return flat.at[tok].set(values, mode="drop").reshape(shape).astype(dtype)
+
+
+def _probs(q, k, q_ok, kv_ok, scale, mask_type, window, stats=None):
+  g = q.shape[2] // k.shape[2]
+  scores = jnp.einsum("ntgd,nsgd->ngts", q, jnp.repeat(k, g, axis=2)) * scale
+  i, j = jnp.arange(q.shape[1])[:, None], jnp.arange(k.shape[1])[None, :]
+  allowed = q_ok[:, None, :, None] & kv_ok[:, None, None, :]
+  if mask_type in (fsa.MaskType.CAUSAL, fsa.MaskType.PADDING_CAUSAL):
+    allowed &= j <= i
+  if window:
+    allowed &= j > i - window
+  scores = jnp.where(allowed, scores, -jnp.inf)
+  if stats is None:
+    stats = jax.nn.logsumexp(scores, axis=-1)
+  return jnp.exp(scores - stats[..., None]), stats
+
+
+def _fake_fwd(query, key, value, bias, q_seqlen, kv_seqlen, q_offsets, kv_offsets,
+              page_table_k, page_table_v, *, scale, seed, dropout_rate, variadic_args,
+              mask_type, layout, sliding_window_length, is_training):
+  assert layout == fsa.AttentionLayout.BTNH.value and variadic_args == (False, False)
+  tq, q_ok, tk, kv_ok = _sequences(query, key, q_seqlen, kv_seqlen, q_offsets, kv_offsets,
+                                   mask_type)
+  p, stats = _probs(_gather(query, tq), _gather(key, tk), q_ok, kv_ok, scale, mask_type,
+                    sliding_window_length)
+  g = query.shape[2] // key.shape[2]
+  out = jnp.einsum("ngts,nsgd->ntgd", p, jnp.repeat(_gather(value, tk), g, axis=2))
+  out = _scatter(query.shape, tq, out, query.dtype)
+  stats = jnp.where(q_ok[:, None, :], stats, jnp.nan)
+  return [out, stats] if is_training else [out]
+
+
+def _fake_bwd(query, key, value, bias, q_seqlen, kv_seqlen, q_offsets, kv_offsets,
+              page_table_k, page_table_v, stats, out, dout, *, scale, seed, dropout_rate,
+              variadic_args, mask_type, layout, sliding_window_length):
+  tq, q_ok, tk, kv_ok = _sequences(query, key, q_seqlen, kv_seqlen, q_offsets, kv_offsets,
+                                   mask_type)
+  q, k, v = _gather(query, tq), _gather(key, tk), _gather(value, tk)
+  o, do = _gather(out, tq), _gather(dout, tq)
+  g = q.shape[2] // k.shape[2]
+  p, _ = _probs(q, k, q_ok, kv_ok, scale, mask_type, sliding_window_length, stats)
+  p = jnp.where(q_ok[:, None, :, None], p, 0.0)
+  dv = jnp.einsum("ngts,ntgd->nsgd", p, do)
+  dp = jnp.einsum("ntgd,nsgd->ngts", do, jnp.repeat(v, g, axis=2))
+  ds = p * (dp - jnp.einsum("ntgd,ntgd->ngt", do, o)[..., None])  # O only through D
+  dq = scale * jnp.einsum("ngts,nsgd->ntgd", ds, jnp.repeat(k, g, axis=2))
+  dk = scale * jnp.einsum("ngts,ntgd->nsgd", ds, q)
+  fold = lambda x: x.reshape(x.shape[:2] + (key.shape[2], g, x.shape[-1])).sum(3)
+  return [_scatter(query.shape, tq, dq, query.dtype),
+          _scatter(key.shape, tk, fold(dk), key.dtype),
+          _scatter(value.shape, tk, fold(dv), value.dtype)]
+
+
+@pytest.fixture(scope="module")
+def fake_cudnn():
+  rules = mlir._platform_specific_lowerings["cpu"]  # pylint: disable=protected-access
+  prims = (fsa._dot_product_attention_fwd_p, fsa._dot_product_attention_bwd_p)
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(fsa, "check_cudnn_version", lambda: 91000)
+    mp.setattr(fsa, "check_compute_capability", lambda capability: True)
+    mp.setattr(fsa, "is_cuda_compute_capability_equal", lambda capability: False)
+    for prim, fake in zip(prims, (_fake_fwd, _fake_bwd)):
+      mlir.register_lowering(prim, mlir.lower_fun(fake, multiple_results=True), platform="cpu")
+    yield
+    for prim in prims:
+      rules.pop(prim)
+
+
+@pytest.fixture
+def reference_fallback(monkeypatch):
+  """Swaps the blockwise kernel, which packed calls compile as their fallback branch, for
+  reference passes: still exact, much faster to compile. For tests that assert the cuDNN
+  branch runs."""
+  def forward(q, k, v, layout, *, mask, scale):
+    return reference_attention(q, k, v, layout, mask=mask, scale=scale, return_lse=True)
+
+  def backward(q, k, v, layout, out, lse, dout, dlse, *, mask, scale):
+    _, vjp = jax.vjp(lambda q, k, v: forward(q, k, v, layout, mask=mask, scale=scale), q, k, v)
+    return vjp((dout, dlse))
+
+  monkeypatch.setattr(cudnn.blockwise, "attention_forward", forward)
+  monkeypatch.setattr(cudnn.blockwise, "attention_backward", backward)
+
+
+def _kernel(max_segments):
+  return functools.partial(cudnn.cudnn_attention, max_segments=max_segments)
+
+
+def _takes_cudnn_branch(layout, mask, q, k, max_segments):
+  """The run-time check passes: cuDNN's result is used, not the blockwise fallback's."""
+  # The layout is closed over: kept whole, its shared arrays stay shared (self attention).
+  return bool(jax.jit(lambda: cudnn.served_by_cudnn(q, k, layout, mask=mask,
+                                                    max_segments=max_segments))())
+
+
+def _packed_layout(seed, b, t, pad_tail=5, max_docs=6):
+  seg, pos = random_packing(np.random.default_rng(seed), b, t, max_docs=max_docs, pad_tail=pad_tail)
+  seg, pos = jnp.asarray(seg), jnp.asarray(pos)
+  return Layout(seg, seg, pos, pos)
+
+
+def _doc_positions(seg):
+  """Index of each token inside its run of equal ids."""
+  pos = np.zeros_like(seg)
+  for i in range(1, seg.shape[1]):
+    pos[:, i] = np.where(seg[:, i] == seg[:, i - 1], pos[:, i - 1] + 1, 0)
+  return pos
+
+
+B, T, D = 2, 64, 16
+
+
+def test_fake_packed_matches_reference(fake_cudnn, reference_fallback):
+  """Packed rows with a padding tail and documents of 1+ tokens, GQA (one cuDNN call per
+  query-head group on a JAX that scales key offsets by the query heads): forward, lse and
+  gradients (with a cotangent on the lse)."""
+  q, k, v = _inputs(1, B, T, T, 4, 2, D, jnp.bfloat16)
+  layout = _packed_layout(1, B, T)
+  assert _takes_cudnn_branch(layout, flaxattn.Causal(), q, k, 8)
+  _compare(_kernel(8), layout, flaxattn.Causal(), q, k, v, jnp.bfloat16)
+
+
+def test_fake_cross_attention_one_sided_documents(fake_cudnn, reference_fallback):
+  """Cross attention, T != S: queries of documents without keys get zeros / -inf / zero
+  gradients, keys of documents without queries zero gradients; positions restart at 0."""
+  q_seg = np.array([[1] * 10 + [2] * 14 + [3] * 8 + [0] * 8, [4] * 30 + [5] * 10], np.int32)
+  kv_seg = np.array([[2] * 20 + [1] * 12 + [6] * 16, [5] * 6 + [7] * 12 + [4] * 26 + [0] * 4],
+                    np.int32)
+  layout = Layout(*map(jnp.asarray, (q_seg, kv_seg, _doc_positions(q_seg), _doc_positions(kv_seg))))
+  q, k, v = _inputs(8, 2, 40, 48, 2, 2, D, jnp.bfloat16)
+  mask = flaxattn.Causal() & flaxattn.Local(9)
+  assert _takes_cudnn_branch(layout, mask, q, k, 8)
+  # _compare also checks that exactly the documents 3 (no keys) and 0 (padding) get lse -inf;
+  # their outputs are selected to zero by the same per-token mask.
+  _compare(_kernel(8), layout, mask, q, k, v, jnp.bfloat16)
+
+
+def test_fake_dense_rows_without_lse_cotangent(fake_cudnn):
+  """No segment ids: the plain BTNH call, top-left causal (and window) when T != S; with
+  return_lse=False the lse cotangent is a symbolic zero and its cuDNN call is skipped."""
+  q, k, v = _inputs(7, B, 40, T, 4, 2, D, jnp.bfloat16)
+  mask = flaxattn.Causal() & flaxattn.Local(20)
+  loss = lambda kernel: lambda q, k, v: jnp.sum(kernel(
+      q, k, v, Layout(), mask=mask, scale=0.3, return_lse=False).astype(jnp.float32) ** 2)
+  jaxpr = str(jax.make_jaxpr(jax.grad(loss(cudnn.cudnn_attention)))(q, k, v))
+  assert jaxpr.count("dot_product_attention_bwd_wrapper") == 1  # no second (lse) call
+  grads = lambda kernel: jax.jit(jax.grad(loss(kernel), (0, 1, 2)))(q, k, v)
+  for name, got, want in zip("qkv", grads(cudnn.cudnn_attention), grads(reference_attention)):
+    scale = max(1.0, float(jnp.abs(want.astype(jnp.float32)).max()))
+    np.testing.assert_allclose(np.asarray(got, np.float32) / scale,
+                               np.asarray(want, np.float32) / scale, err_msg=f"d{name}",
+                               **TOL[jnp.bfloat16])
+
+
+@jax.jit
+def _ring_style(q, k, v, dout, dlse):
+  mask, scale, half = flaxattn.Full(), 0.3, k.shape[1] // 2
+  blocks = [(k[:, :half], v[:, :half]), (k[:, half:], v[:, half:])]
+  parts = [cudnn.cudnn_forward(q, kb, vb, Layout(), mask=mask, scale=scale) for kb, vb in blocks]
+  lse = jnp.logaddexp(parts[0][1], parts[1][1])
+  out = sum(jnp.exp(l - lse)[..., None] * o.astype(jnp.float32) for o, l in parts)
+  grads = [cudnn.cudnn_backward(q, kb, vb, Layout(), out.astype(q.dtype), lse, dout, dlse,
+                                mask=mask, scale=scale) for kb, vb in blocks]
+  dq = sum(g[0].astype(jnp.float32) for g in grads)
+  dk = jnp.concatenate([g[1] for g in grads], axis=1)
+  dv = jnp.concatenate([g[2] for g in grads], axis=1)
+
+  def f(q, k, v):
+    o, l = reference_attention(q, k, v, Layout(), mask=mask, scale=scale, return_lse=True)
+    return jnp.sum(o.astype(jnp.float32) * dout.astype(jnp.float32)) + jnp.sum(l * dlse)
+
+  return (dq, dk, dv), jax.grad(f, (0, 1, 2))(q, k, v)
+
+
+def test_fake_ring_style_passes(fake_cudnn):
+  """cudnn_forward on two key blocks merged by lse, then cudnn_backward per block with the
+  merged output and lse (and an lse cotangent), equals attention over all keys."""
+  q, k, v = _inputs(10, B, T, T, 4, 2, D, jnp.bfloat16)
+  rng = np.random.default_rng(11)
+  dout = jnp.asarray(rng.standard_normal(q.shape, np.float32).astype(jnp.bfloat16))
+  dlse = jnp.asarray(rng.standard_normal(q.shape[:3], np.float32))
+
+  got, want = _ring_style(q, k, v, dout, dlse)
+  for name, g, w in zip("qkv", got, want):
+    np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
+                               err_msg=f"d{name}", atol=6e-2, rtol=6e-2)
+
+
+def test_exactness_check_and_fallback(fake_cudnn):
+  """Layouts cuDNN would get wrong fail the run-time check, and then still match (blockwise)."""
+  mask = flaxattn.Causal()
+  q, k, v = _inputs(13, 1, T, T, 2, 2, D, jnp.bfloat16)
+
+  many = jnp.asarray(np.repeat(np.arange(1, 17, dtype=np.int32), 4)[None])  # 16 documents
+  pos = jnp.asarray(np.tile(np.arange(4, dtype=np.int32), 16)[None])
+  repeated = jnp.asarray(np.array([[1] * 20 + [2] * 20 + [1] * 24], np.int32))
+  shifted = pos + 3 * (many % 2)  # positions step by one but do not restart at 0: still exact
+  halves = jnp.asarray(np.array([[1] * 32 + [2] * 32], np.int32))
+  shorter = jnp.asarray(np.array([[1] * 32 + [2] * 16 + [0] * 16], np.int32))
+  later = jnp.asarray(np.array([[1] * 16 + [2] * 48], np.int32))
+  cases = [  # layout, max_segments, served by cuDNN
+      (Layout(many, many, pos, pos), 16, True),
+      (Layout(many, many, shifted, shifted), 16, True),
+      (Layout(many, many, pos, pos), 8, False),  # more documents than slots
+      (Layout(many, many, pos * 2, pos * 2), 16, False),  # positions step by two
+      (Layout(repeated, repeated), 16, False),  # id 1 labels two runs
+      (Layout(halves, shorter), 16, True),  # cross, default positions, same starts
+      (Layout(halves, later), 16, False),  # cross, document 2 starts at 32 vs 16
+  ]
+  # The layouts are closed over: kept whole, their shared arrays stay shared.
+  served = jax.jit(lambda: [cudnn.served_by_cudnn(q, k, layout, mask=mask, max_segments=m)
+                            for layout, m, _ in cases])()
+  assert [bool(x) for x in served] == [want for *_, want in cases]
+  got = jax.jit(lambda q, k, v: _kernel(8)(q, k, v, Layout(many, many, pos, pos), mask=mask,
+                                           scale=0.3, return_lse=False))(q, k, v)
+  want = reference_attention(q, k, v, Layout(many, many, pos, pos), mask=mask, scale=0.3,
+                             return_lse=False)
+  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                             **TOL[jnp.bfloat16])
+
+
+# ---------------------------------------------------------------------------------------
+# On a GPU: real cuDNN against the float32 reference
+
+
+def _served(q, k, mask, packed):
+  """Skips (with cuDNN's reason) what this GPU cannot run, e.g. THD before Hopper."""
+  reason = cudnn.cudnn_unsupported_reason(registry.Call(
+      platform="gpu", q_shape=q.shape, kv_shape=k.shape, dtype=str(q.dtype), mask=mask,
+      has_segment_ids=packed, has_positions=packed, return_lse=True))
+  if reason is not None:
+    pytest.skip(reason)
+
+
+@needs_gpu
+@pytest.mark.parametrize("mask", [flaxattn.Causal(), flaxattn.Local(100), flaxattn.Full()], ids=str)
+@pytest.mark.parametrize("groups", [1, 4])
+@pytest.mark.parametrize("packed", [False, True])
+def test_gpu_matches_reference(mask, groups, packed):
+  """Random packed rows (up to 9 documents, a padding tail) or plain rows, MHA and GQA."""
+  b, t, hkv, d = 2, 512, 2, 128
+  q, k, v = _inputs(20 + groups, b, t, t, hkv * groups, hkv, d, jnp.bfloat16)
+  _served(q, k, mask, packed)
+  layout = _packed_layout(21, b, t, pad_tail=37, max_docs=9) if packed else Layout()
+  if packed:
+    assert _takes_cudnn_branch(layout, mask, q, k, None)
+  _compare(cudnn.cudnn_attention, layout, mask, q, k, v, jnp.bfloat16)
+
+
+@needs_gpu
+def test_gpu_cross_attention_one_sided_documents():
+  """Document 2 has no keys, 3 no queries; positions restart at 0 in each document."""
+  q_seg = np.array([[1] * 100 + [2] * 60 + [0] * 96] * 2, np.int32)
+  kv_seg = np.array([[3] * 64 + [1] * 128 + [0] * 128] * 2, np.int32)
+  q, k, v = _inputs(30, 2, 256, 320, 8, 2, 64, jnp.bfloat16)
+  layout = Layout(*map(jnp.asarray, (q_seg, kv_seg, _doc_positions(q_seg), _doc_positions(kv_seg))))
+  for mask in (flaxattn.Causal(), flaxattn.Full()):
+    _served(q, k, mask, True)
+    assert _takes_cudnn_branch(layout, mask, q, k, None)
+    _compare(cudnn.cudnn_attention, layout, mask, q, k, v, jnp.bfloat16)
+  out, lse = cudnn.cudnn_attention(q, k, v, layout, mask=flaxattn.Full(), scale=0.3,
+                                   return_lse=True)
+  np.testing.assert_array_equal(np.asarray(out[:, 100:], np.float32), 0.0)
+  assert np.all(np.isneginf(lse[:, 100:])) and np.all(np.isfinite(lse[:, :100]))
+
+
+@needs_gpu
+def test_gpu_float16_dense_cross_lengths():
+  q, k, v = _inputs(31, 2, 200, 328, 4, 4, 64, jnp.float16)
+  _served(q, k, flaxattn.Causal(), False)
+  _compare(cudnn.cudnn_attention, Layout(), flaxattn.Causal(), q, k, v, jnp.bfloat16)
+
+
+@needs_gpu
+def test_gpu_fused_backend_reaches_cudnn():
+  """flaxattn.attention(backend="fused") on a GPU runs cuDNN (its compiled HLO calls it),
+  as does cudnn_attention itself, and both match the reference."""
+  q, k, v = _inputs(32, 1, 256, 256, 4, 2, 128, jnp.bfloat16)
+  seg = _packed_layout(33, 1, 256).q_segment_ids
+  for kwargs in ({}, dict(segment_ids=seg)):
+    _served(q, k, flaxattn.Causal(), bool(kwargs))
+    loss = lambda backend: lambda q: jnp.sum(flaxattn.attention(
+        q, k, v, backend=backend, **kwargs).astype(jnp.float32) ** 2)
+    fused = jax.jit(jax.grad(loss("fused")))
+    assert "__cudnn$fmha" in fused.lower(q).compile().as_text(), kwargs
+    np.testing.assert_allclose(np.asarray(fused(q), np.float32),
+                               np.asarray(jax.grad(loss("reference"))(q), np.float32),
+                               **TOL[jnp.bfloat16])
+  direct = jax.jit(lambda q: cudnn.cudnn_attention(
+      q, k, v, Layout(seg, seg), mask=flaxattn.Causal(), scale=0.1, return_lse=False))
+  assert "__cudnn$fmha" in direct.lower(q).compile().as_text()
