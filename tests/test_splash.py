@@ -168,3 +168,13 @@ def test_context_parallel_needs_128_tokens_per_device():
                                 has_positions=False, return_lse=False, cp_size=8)
   assert "per device (T / 8 context shards) that is a multiple of 128, got 64" in (
       splash.Splash().unsupported_reason(call))
+
+
+def test_kernels_are_cached_across_traces():
+  q, k, v = _inputs(9, 1, T, T, H, HKV, D, jnp.float32)
+  attend = lambda q, k, v: flaxattn.attention(q, k, v, backend=splash.Splash(block_q=128))
+  jax.jit(attend).lower(q, k, v)
+  before = splash._kernel.cache_info()
+  jax.jit(lambda q, k, v: attend(q, k, v) * 2).lower(q, k, v)  # a new trace, same kernel
+  after = splash._kernel.cache_info()
+  assert after.misses == before.misses and after.hits > before.hits
