@@ -23,7 +23,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 
@@ -33,14 +32,21 @@ import seqlens as seqlens_bench
 B, H, D = 1, 4, 64
 
 
-def best_time(fn, args, repeats: int) -> float:
-  jax.block_until_ready(fn(*args))
+def run_times(fn, args, repeats: int, warmup: int = 1) -> list[float]:
+  """Seconds of `repeats` calls of `fn(*args)` after `warmup` untimed ones, each ended by
+  block_until_ready."""
+  for _ in range(warmup):
+    jax.block_until_ready(fn(*args))
   times = []
   for _ in range(repeats):
     start = time.perf_counter()
     jax.block_until_ready(fn(*args))
     times.append(time.perf_counter() - start)
-  return min(times)
+  return times
+
+
+def best_time(fn, args, repeats: int) -> float:
+  return min(run_times(fn, args, repeats))
 
 
 def fwd_bwd(attn):

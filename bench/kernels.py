@@ -52,6 +52,7 @@ import json
 import os
 import resource
 import subprocess
+import statistics
 import sys
 import time
 
@@ -136,15 +137,8 @@ def _run_case(kind: str, t: int, timeout: int) -> dict:
 
 
 def _median_time(fn, args, repeats: int) -> float:
-  import jax
-  for _ in range(2):
-    jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return sorted(times)[len(times) // 2]
+  from attention import run_times  # imports jax: only where the GPU section runs
+  return statistics.median(run_times(fn, args, repeats, warmup=2))
 
 
 def _matmul_tflops(repeats: int) -> float:
@@ -209,10 +203,10 @@ def _gpu_row(name: str, attn, t: int, case: str, matmul: float, repeats: int) ->
   q = jax.random.normal(keys[0], (1, t, GPU_H, D), jnp.bfloat16)
   k = jax.random.normal(keys[1], (1, t, GPU_HKV, D), jnp.bfloat16)
   v = jax.random.normal(keys[2], (1, t, GPU_HKV, D), jnp.bfloat16)
+  from attention import causal_pairs
+
   docs = 1 if case == "causal" else GPU_DOCS
-  length = t // docs
-  pairs = docs * length * (length + 1) // 2
-  fwd_flops = 4 * D * GPU_H * pairs
+  fwd_flops = 4 * D * GPU_H * docs * causal_pairs(t // docs)
   row = dict(section="gpu", kernel=name, case=case, T=t, H=GPU_H, HKV=GPU_HKV, D=D,
              device=jax.devices()[0].device_kind, matmul_tflops=round(matmul, 1))
   try:

@@ -86,8 +86,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
-from jax.sharding import AxisType, NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
+from jax.sharding import AxisType  # noqa: E402
 
 import flaxattn  # noqa: E402
 from models.llama import flops_per_token, num_params  # noqa: E402

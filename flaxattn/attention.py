@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 
 from flaxattn import registry
-from flaxattn.fused import Fused
 from flaxattn.context_parallel import ContextParallel, axis_size, context_parallel_attention
+from flaxattn.fused import Fused
 from flaxattn.layout import Layout
 from flaxattn.masks import Causal, Mask, check_mask
 from flaxattn.reference import reference_attention

@@ -17,7 +17,6 @@ group folds into the matmul's rows.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp

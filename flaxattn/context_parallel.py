@@ -25,8 +25,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from flaxattn import balance
-from flaxattn.blockwise import DEFAULT_BLOCK_Q, attention_backward, attention_forward, blockwise_attention
+from flaxattn import balance, sharding
+from flaxattn.blockwise import (DEFAULT_BLOCK_Q, attention_backward, attention_forward,
+                                blockwise_attention)
 from flaxattn.layout import Layout
 from flaxattn.masks import Mask
 
@@ -61,16 +62,6 @@ class ContextParallel:
       raise ValueError(f"ContextParallel(axis=...) expects a mesh axis name, got {self.axis!r}.")
     if self.strategy not in STRATEGIES:
       raise ValueError(f"ContextParallel(strategy=...) expects one of {STRATEGIES}, got {self.strategy!r}.")
-
-
-def _dividing_axes(mesh, axes, *sizes) -> tuple[str, ...]:
-  """The axes of `axes` present in `mesh` whose running product divides every size."""
-  kept, product = [], 1
-  for a in axes:
-    if a in mesh.axis_names and all(n % (product * mesh.shape[a]) == 0 for n in sizes):
-      kept.append(a)
-      product *= mesh.shape[a]
-  return tuple(kept)
 
 
 def axis_size(cp: ContextParallel) -> int:
@@ -270,8 +261,8 @@ def context_parallel_attention(q, k, v, layout: Layout, *, mask: Mask, scale: fl
   # Batch and head axes are manual too: left to automatic sharding, the compiler would
   # gather the batch inside the ring's loops.
   mesh = jax.sharding.get_abstract_mesh()
-  batch = _dividing_axes(mesh, [a for a in cp.batch_axes if a != cp.axis], b) or None
-  heads = _dividing_axes(mesh, [a for a in cp.head_axes if a != cp.axis], q.shape[2], k.shape[2]) or None
+  batch = sharding.dividing_axes(mesh, [a for a in cp.batch_axes if a != cp.axis], b) or None
+  heads = sharding.dividing_axes(mesh, [a for a in cp.head_axes if a != cp.axis], q.shape[2], k.shape[2]) or None
   seq = P(batch, cp.axis)
   qkv = P(batch, cp.axis, heads)
   local, data, data_specs = _local(kernel, cp, n, mask, scale, q.shape, k.shape)

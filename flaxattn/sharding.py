@@ -64,6 +64,23 @@ def _fit(axes, mesh_shape: dict[str, int], size: int | None, used=frozenset()) -
   return tuple(kept)
 
 
+def default_axes(logical: str) -> tuple[str, ...]:
+  """The mesh axes `DEFAULT_RULES` maps logical name `logical` to."""
+  return _as_tuple(dict(DEFAULT_RULES)[logical])
+
+
+def dividing_axes(mesh, axes, *sizes: int) -> tuple[str, ...]:
+  """The axes of `axes` in `mesh`, not already manual there (inside a `shard_map`), whose
+  running product divides every one of `sizes` (greedy, in order)."""
+  kept, product = [], 1
+  for axis in axes:
+    if (axis in mesh.axis_names and axis not in mesh.manual_axes
+        and all(n % (product * mesh.shape[axis]) == 0 for n in sizes)):
+      kept.append(axis)
+      product *= mesh.shape[axis]
+  return tuple(kept)
+
+
 def _mesh_shape(mesh) -> dict[str, int]:
   return dict(zip(mesh.axis_names, mesh.axis_sizes))
 

@@ -308,22 +308,6 @@ def _attend_bwd(scale, residuals, cotangents):
 _attend.defvjp(_attend_fwd, _attend_bwd)
 
 
-def _mesh_axes(names, mesh, *sizes) -> tuple[str, ...]:
-  """Axes of `names` in the mesh, not already manual, whose product divides every size."""
-  kept, product = [], 1
-  for a in names:
-    if (a in mesh.axis_names and a not in mesh.manual_axes
-        and all(n % (product * mesh.shape[a]) == 0 for n in sizes)):
-      kept.append(a)
-      product *= mesh.shape[a]
-  return tuple(kept)
-
-
-def _rule_axes(logical: str) -> tuple[str, ...]:
-  axes = dict(sharding.DEFAULT_RULES)[logical]
-  return (axes,) if isinstance(axes, str) else tuple(axes or ())
-
-
 @dataclasses.dataclass(frozen=True)
 class Splash:
   """The "splash" kernel. Block sizes default to `default_block(head_dim)` fitted to the
@@ -403,12 +387,12 @@ class Splash:
     kernel = self.kernel(mask, TokenOrder(), q.shape, k.shape)
     attend = functools.partial(_attend, float(scale))
     mesh = jax.sharding.get_abstract_mesh()
-    if not mesh.empty and set(mesh.axis_names) - set(mesh.manual_axes):
+    auto = frozenset(mesh.axis_names) - frozenset(mesh.manual_axes)  # empty without a mesh
+    if auto:
       # A Pallas call is opaque to automatic partitioning: run it per (batch, head) shard.
-      batch = _mesh_axes(_rule_axes("batch"), mesh, q.shape[0]) or None
-      heads = _mesh_axes(_rule_axes("heads"), mesh, q.shape[2], k.shape[2]) or None
+      batch = sharding.dividing_axes(mesh, sharding.default_axes("batch"), q.shape[0]) or None
+      heads = sharding.dividing_axes(mesh, sharding.default_axes("heads"), q.shape[2], k.shape[2]) or None
       qkv, seg = P(batch, None, heads), P(batch, None)
-      auto = frozenset(mesh.axis_names) - frozenset(mesh.manual_axes)
       attend = jax.shard_map(attend, in_specs=(_kernel_spec(kernel, None), qkv, qkv, qkv, seg, seg),
                              out_specs=(qkv, P(batch, None, heads)), axis_names=auto,
                              check_vma=False)
