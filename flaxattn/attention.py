@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 
-from flaxattn import registry
+from flaxattn import checks, registry
 from flaxattn.context_parallel import ContextParallel, axis_size, context_parallel_attention
 from flaxattn.fused import Fused
 from flaxattn.layout import Layout
@@ -48,21 +49,43 @@ def check_qkv(q, k, v) -> None:
         f" attention; got q {q.shape}, k {k.shape}.")
 
 
-def _check_ids(arg: str, x, batch: int, length: int, ref: str):
+_INT32 = np.iinfo(np.int32)
+
+
+def check_ids(arg: str, x, batch: int, length: int, ref: str):
+  """`x` `[batch, length]` as int32, or None. Integers wider than int32 are checked to fit
+  (on the host, or at run time when traced): narrowing them would merge documents.
+
+  Raises:
+    ValueError: not an integer array of that shape, or values outside int32.
+  """
   if x is None:
     return None
   if getattr(x, "shape", None) != (batch, length) or not jnp.issubdtype(x.dtype, jnp.integer):
     raise _shape_error(arg, x, f"an integer array of shape {(batch, length)} ([batch, seq] of {ref})")
-  return x if x.dtype == jnp.int32 else x.astype(jnp.int32)
+  if x.dtype == jnp.int32:
+    return x
+  info = jnp.iinfo(x.dtype)
+  if info.min < _INT32.min or info.max > _INT32.max:
+    xp = np if isinstance(x, np.ndarray) else jnp  # jnp would narrow numpy int64 first
+    lo, hi = xp.min(x), xp.max(x)
+    checks.raise_if(
+        (lo < _INT32.min) | (hi > _INT32.max),
+        lambda lo, hi: ValueError(
+            f"{arg} expects values that fit in int32 [{_INT32.min}, {_INT32.max}], got {x.dtype}"
+            f" values in [{lo}, {hi}]; renumber them (segment ids only need to differ between"
+            " documents of a row, positions to count within one)."),
+        lo, hi)
+  return x.astype(jnp.int32)
 
 
 def make_layout(q, k, segment_ids, positions, kv_segment_ids, kv_positions) -> Layout:
   """Checks the packed-layout arguments against q `[B,T,...]` and k `[B,S,...]`; fills kv defaults."""
   b, t, s = q.shape[0], q.shape[1], k.shape[1]
-  segment_ids = _check_ids("segment_ids", segment_ids, b, t, "q")
-  positions = _check_ids("positions", positions, b, t, "q")
-  kv_segment_ids = _check_ids("kv_segment_ids", kv_segment_ids, b, s, "k/v")
-  kv_positions = _check_ids("kv_positions", kv_positions, b, s, "k/v")
+  segment_ids = check_ids("segment_ids", segment_ids, b, t, "q")
+  positions = check_ids("positions", positions, b, t, "q")
+  kv_segment_ids = check_ids("kv_segment_ids", kv_segment_ids, b, s, "k/v")
+  kv_positions = check_ids("kv_positions", kv_positions, b, s, "k/v")
   if kv_segment_ids is None and segment_ids is not None:
     if s != t:
       raise ValueError(f"kv_segment_ids is required when keys ({s}) and queries ({t}) differ in length"

@@ -195,19 +195,23 @@ def _all_gather(axis, local, data, q, k, v, layout):
   return local.gathered(data, q, gather(k), gather(v), full)
 
 
-def _local(kernel, cp: ContextParallel, n: int, mask: Mask, scale: float, q_shape, kv_shape):
+def _local(kernel, cp: ContextParallel, n: int, mask: Mask, scale: float, q_shape, kv_shape,
+           layout: Layout, index):
   """The per-device computation for `kernel`: (local, data, data_specs). Kernels with their
-  own context-parallel form (splash) provide it; otherwise the ring runs the blockwise
-  passes and the all-gather strategy calls the kernel on the gathered keys."""
+  own context-parallel form (splash) provide it, with the blockwise ring step as the exact
+  path for batches they cannot serve; otherwise the ring runs the blockwise passes and the
+  all-gather strategy calls the kernel on the gathered keys."""
+  blockwise_step = _BlockwiseLocal(mask, scale, ring_block(q_shape[1], n, cp.load_balance))
   if hasattr(kernel, "context_parallel_local"):
     return kernel.context_parallel_local(strategy=cp.strategy, axis=cp.axis, shards=n,
                                          load_balance=cp.load_balance, mask=mask, scale=scale,
-                                         q_shape=q_shape, kv_shape=kv_shape)
+                                         q_shape=q_shape, kv_shape=kv_shape, layout=layout,
+                                         index=index, fallback=blockwise_step)
   if kernel.name == "fused":
     # Blockwise even on GPU: cuDNN masks by token index, which load balancing permutes.
     if cp.strategy == "all_gather":
       return _KernelLocal(blockwise_attention, mask, scale), None, None
-    return _BlockwiseLocal(mask, scale, ring_block(q_shape[1], n, cp.load_balance)), None, None
+    return blockwise_step, None, None
   if cp.strategy == "all_gather":
     return _KernelLocal(kernel, mask, scale), None, None
   raise ValueError(f"context_parallel strategy 'ring' runs the 'fused' or 'splash' kernel's"
@@ -252,6 +256,7 @@ def context_parallel_attention(q, k, v, layout: Layout, *, mask: Mask, scale: fl
     raise ValueError(f"context_parallel over {cp.axis!r} (size {n}) expects the sequence length"
                      f" ({t}) divisible by {parts}{' (2 x axis size, load balancing)' if cp.load_balance else ''}.")
   index = default_positions(cp, b, t)
+  local, data, data_specs = _local(kernel, cp, n, mask, scale, q.shape, k.shape, layout, index)
   full = layout.materialize(b, t, t)
   layout = Layout(
       full.q_segment_ids, full.kv_segment_ids,
@@ -265,7 +270,6 @@ def context_parallel_attention(q, k, v, layout: Layout, *, mask: Mask, scale: fl
   heads = sharding.dividing_axes(mesh, [a for a in cp.head_axes if a != cp.axis], q.shape[2], k.shape[2]) or None
   seq = P(batch, cp.axis)
   qkv = P(batch, cp.axis, heads)
-  local, data, data_specs = _local(kernel, cp, n, mask, scale, q.shape, k.shape)
   if cp.strategy == "ring":
     body = functools.partial(_ring, cp.axis, n, local)
   else:

@@ -8,6 +8,7 @@ all defaults has a block structure known at trace time (a static schedule).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -49,3 +50,32 @@ jax.tree_util.register_dataclass(
     data_fields=["q_segment_ids", "kv_segment_ids", "q_positions", "kv_positions"],
     meta_fields=[],
 )
+
+
+def follows_index(layout: Layout, q_index, kv_index, chunk: int | None = None) -> jax.Array:
+  """Scalar bool: a mask on token indices equals the same mask on positions for this layout.
+
+  Kernels that mask by index (splash, cuDNN) see `q_index` `[B, T]` / `kv_index` `[B, S]`
+  int32 (the original index of each token; under load balancing not the array index). The
+  two masks agree on every pair of tokens that share a segment id when each document has
+  one shift: position - index is the same for all its query and key tokens (and, with
+  `chunk`, so is position // chunk - index // chunk, which aligns chunks). Padding is
+  ignored. `layout` must be materialized. Any ids and any token order: the tokens are
+  sorted by (segment id, shifts), O(T log T) time and O(T) memory, never `[T, T]`.
+  """
+  same_kv = layout.kv_segment_ids is layout.q_segment_ids and layout.kv_positions is layout.q_positions
+  sides = [(layout.q_segment_ids, layout.q_positions, q_index)]
+  if not (same_kv and kv_index is q_index):
+    sides.append((layout.kv_segment_ids, layout.kv_positions, kv_index))
+  ids, shift, chunk_shift = [], [], []
+  for seg, pos, index in sides:
+    real = seg != 0
+    ids.append(seg)
+    shift.append(jnp.where(real, pos - index, 0))
+    if chunk is not None:
+      chunk_shift.append(jnp.where(real, pos // chunk - index // chunk, 0))
+  keys = [jnp.concatenate(x, axis=1) for x in (ids, shift, chunk_shift) if x]
+  keys = jax.lax.sort(keys, dimension=1, num_keys=len(keys))
+  same_doc = keys[0][:, 1:] == keys[0][:, :-1]
+  return jnp.all(functools.reduce(
+      jnp.logical_and, [~same_doc | (x[:, 1:] == x[:, :-1]) for x in keys[1:]]))

@@ -7,17 +7,14 @@ block once); a `NumpyMask` of the whole sequence (O(T^2) host memory and compile
 never built. Packed documents go through `SegmentIds`. Off TPU the kernel runs in Pallas
 interpret mode, which is how it is tested on CPU.
 
-Splash masks on token INDEX, flaxattn on POSITIONS, so the kernel is exact only when the
-two agree up to a per-document shift. The contract (checked statically where possible,
-stated in the decline reasons otherwise):
-  - default positions (`positions=None`): every mask is exact;
-  - explicit positions: `Full` always; `Causal`/`Local` only with `segment_ids`, and the
-    caller guarantees that each document is contiguous with its own id and that positions
-    restart at 0 at each document and increase by one token to token in the original
-    (not load-balanced) order: what a packing pipeline produces. Positions are traced
-    data, so this is not checked;
-  - `Chunked` with explicit positions declines: splash chunks by index, which matches
-    only if every document starts at a multiple of the chunk size, unknowable at trace time.
+Splash masks on token INDEX, flaxattn on POSITIONS. The two agree when each document has
+one shift, position - index (and, for `Chunked`, chunks aligned the same way): always for
+default positions and for `Full`, and for what a packing pipeline produces (positions
+restarting at 0 and counting up by one inside each document). Explicit positions are data,
+so with a mask that reads them each call checks `layout.follows_index` at run time (a
+sort of the tokens, O(T log T), no `[T, T]` array) and a batch that fails runs the
+blockwise kernel instead (`lax.cond`, one branch executed, forward and backward alike):
+results always equal the reference. `flaxattn.explain` says when a call carries the check.
 
 Context parallelism: with the sequence sharded over n devices (and permuted by
 `flaxattn.load_balance`), the kernel's rows and columns are no longer token indices. A
@@ -48,8 +45,8 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ma
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask_info as mask_info_lib
 from jax.sharding import PartitionSpec as P
 
-from flaxattn import registry, sharding
-from flaxattn.layout import Layout
+from flaxattn import blockwise, registry, sharding
+from flaxattn.layout import Layout, follows_index
 from flaxattn.masks import And, Causal, Chunked, Full, Local, Mask
 
 LANES = 128  # splash's blocks are multiples of the TPU lane width
@@ -241,6 +238,9 @@ def forward(kernel, q, k, v, q_seg, kv_seg, *, scale: float):
   """One splash call: q `[B, T, H, D]`, k/v `[B, S, Hkv, D]`, segment ids `[B, T]`/`[B, S]`
   or None. Returns out `[B, T, H, D]` in q's dtype and lse `[B, T, H]` float32; rows with
   no key (padding included) get zeros and lse -inf."""
+  if kernel is None:  # no query sees any key under index masking
+    b, t, h, _ = q.shape
+    return jnp.zeros_like(q), jnp.full((b, t, h), -jnp.inf, jnp.float32)
   b, t, h, d = q.shape
   hkv = k.shape[2]
   q_BKGTD = (q * jnp.asarray(scale, q.dtype)).reshape(b, t, hkv, h // hkv, d).transpose(0, 2, 3, 1, 4)
@@ -259,6 +259,8 @@ def forward(kernel, q, k, v, q_seg, kv_seg, *, scale: float):
 
 def backward(kernel, q, k, v, q_seg, kv_seg, out, lse, dout, dlse, *, scale: float):
   """Gradients (dq, dk, dv) of a splash call given the (possibly merged) out and lse."""
+  if kernel is None:
+    return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)
   b, t, h, d = q.shape
   hkv = k.shape[2]
   g = h // hkv
@@ -289,20 +291,57 @@ def backward(kernel, q, k, v, q_seg, kv_seg, out, lse, dout, dlse, *, scale: flo
   return dq.astype(q.dtype), dk.transpose(0, 2, 1, 3).astype(k.dtype), dv.transpose(0, 2, 1, 3).astype(v.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attend(scale, kernel, q, k, v, q_seg, kv_seg):
-  return forward(kernel, q, k, v, q_seg, kv_seg, scale=scale)
+def needs_index_check(mask: Mask, has_positions: bool) -> bool:
+  """Whether splash's exactness depends on the data: explicit positions and a mask that
+  reads them (`Full` does not; default positions are the index itself)."""
+  return has_positions and lazy_parts(mask) != ()
 
 
-def _attend_fwd(scale, kernel, q, k, v, q_seg, kv_seg):
-  out, lse = forward(kernel, q, k, v, q_seg, kv_seg, scale=scale)
-  return (out, lse), (kernel, q, k, v, q_seg, kv_seg, out, lse)
+def index_check(mask: Mask, layout: Layout, q_index, kv_index):
+  """None when splash is exact for any data of `layout`, else the scalar bool array
+  `follows_index` (original token indices `q_index` `[B, T]`, `kv_index` `[B, S]` fill
+  positions that were not given)."""
+  if not needs_index_check(mask, layout.q_positions is not None or layout.kv_positions is not None):
+    return None
+  (b, t), s = q_index.shape, kv_index.shape[1]
+  q_seg = jnp.ones((b, t), jnp.int32) if layout.q_segment_ids is None else layout.q_segment_ids
+  kv_seg = q_seg if layout.kv_segment_ids is None else layout.kv_segment_ids
+  q_pos = q_index if layout.q_positions is None else layout.q_positions
+  kv_pos = kv_index if layout.kv_positions is None else layout.kv_positions
+  chunks = [size for kind, *size in lazy_parts(mask) if kind == "chunked"]
+  return follows_index(Layout(q_seg, kv_seg, q_pos, kv_pos), q_index, kv_index,
+                       chunks[0][0] if chunks else None)
 
 
-def _attend_bwd(scale, residuals, cotangents):
-  kernel, q, k, v, q_seg, kv_seg, out, lse = residuals
-  dq, dk, dv = backward(kernel, q, k, v, q_seg, kv_seg, out, lse, *cotangents, scale=scale)
-  return None, dq, dk, dv, None, None
+def _index_masked_or_blockwise(exact, index_masked, blockwise_fn):
+  """`index_masked()` where splash is exact (`exact` None: always), else `blockwise_fn()`."""
+  return index_masked() if exact is None else jax.lax.cond(exact, index_masked, blockwise_fn)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _attend(scale, mask, kernel, exact, q, k, v, layout):
+  return _attend_fwd(scale, mask, kernel, exact, q, k, v, layout)[0]
+
+
+def _attend_fwd(scale, mask, kernel, exact, q, k, v, layout):
+  """Splash where `exact` (see `index_check`) holds, else the blockwise kernel."""
+  out, lse = _index_masked_or_blockwise(
+      exact,
+      lambda: forward(kernel, q, k, v, layout.q_segment_ids, layout.kv_segment_ids, scale=scale),
+      lambda: blockwise.attention_forward(q, k, v, layout, mask=mask, scale=scale))
+  return (out, lse), (kernel, exact, q, k, v, layout, out, lse)
+
+
+def _attend_bwd(scale, mask, residuals, cotangents):
+  kernel, exact, q, k, v, layout, out, lse = residuals
+  dout, dlse = cotangents
+  dq, dk, dv = _index_masked_or_blockwise(
+      exact,
+      lambda: backward(kernel, q, k, v, layout.q_segment_ids, layout.kv_segment_ids, out, lse,
+                       dout, dlse, scale=scale),
+      lambda: blockwise.attention_backward(q, k, v, layout, out, lse, dout, dlse, mask=mask,
+                                           scale=scale))
+  return None, None, dq, dk, dv, None
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)
@@ -336,17 +375,13 @@ class Splash:
               f" {t // call.cp_size if t % call.cp_size == 0 else t / call.cp_size}; pad the"
               " sequence (padding as segment 0) or use 'fused'.")
     parts = lazy_parts(call.mask)
-    if isinstance(parts, str):
-      return parts
-    if call.has_positions and any(kind == "chunked" for kind, *_ in parts):
-      return ("Chunked with explicit positions: splash chunks by token index, which equals"
-              " chunking by position only if every document starts at a multiple of the chunk"
-              " size, and that cannot be checked at trace time. Omit positions or use 'fused'.")
-    if call.has_positions and parts and not call.has_segment_ids:
-      return ("explicit positions without segment_ids: splash masks on token index, which"
-              " matches the positions only for packed documents (segment_ids given) whose"
-              " positions restart at 0 and increase by one; arbitrary positions are not"
-              " supported. Pass segment_ids, omit positions, or use 'fused'.")
+    return parts if isinstance(parts, str) else None
+
+  def describe(self, call: registry.Call) -> str | None:
+    """What runs: splash, and the run-time check where explicit positions meet a mask."""
+    if needs_index_check(call.mask, call.has_positions):
+      return ("index masks; positions checked per batch at run time, a batch whose documents"
+              " are not the token index shifted runs the blockwise kernel")
     return None
 
   def blocks(self, q_len: int, kv_len: int, head_dim: int) -> tuple[int, int]:
@@ -385,24 +420,32 @@ class Splash:
     if k.shape[1] != q.shape[1]:
       raise ValueError(f"splash serves self attention only, got q {q.shape} and k {k.shape}.")
     kernel = self.kernel(mask, TokenOrder(), q.shape, k.shape)
-    attend = functools.partial(_attend, float(scale))
+    index = jnp.broadcast_to(jnp.arange(q.shape[1], dtype=jnp.int32), q.shape[:2])
+    exact = index_check(mask, layout, index, index)
+    attend = functools.partial(_attend, float(scale), mask)
     mesh = jax.sharding.get_abstract_mesh()
     auto = frozenset(mesh.axis_names) - frozenset(mesh.manual_axes)  # empty without a mesh
     if auto:
       # A Pallas call is opaque to automatic partitioning: run it per (batch, head) shard.
       batch = sharding.dividing_axes(mesh, sharding.default_axes("batch"), q.shape[0]) or None
       heads = sharding.dividing_axes(mesh, sharding.default_axes("heads"), q.shape[2], k.shape[2]) or None
-      qkv, seg = P(batch, None, heads), P(batch, None)
-      attend = jax.shard_map(attend, in_specs=(_kernel_spec(kernel, None), qkv, qkv, qkv, seg, seg),
+      qkv, seq = P(batch, None, heads), P(batch, None)
+      layout_spec = jax.tree.map(lambda _: seq, layout)
+      attend = jax.shard_map(attend, in_specs=(_kernel_spec(kernel, None), P(), qkv, qkv, qkv, layout_spec),
                              out_specs=(qkv, P(batch, None, heads)), axis_names=auto,
                              check_vma=False)
-    out, lse = attend(kernel, q, k, v, layout.q_segment_ids, layout.kv_segment_ids)
+    out, lse = attend(kernel, exact, q, k, v, layout)
     return (out, lse) if return_lse else out
 
   def context_parallel_local(self, *, strategy: str, axis: str, shards: int, load_balance: bool,
-                             mask: Mask, scale: float, q_shape, kv_shape):
+                             mask: Mask, scale: float, q_shape, kv_shape, layout: Layout, index,
+                             fallback):
     """The local computation of context-parallel attention (see `context_parallel`): one
-    kernel per ring step (or one for the gathered keys), with mask infos sharded over `axis`."""
+    kernel per ring step (or one for the gathered keys), with mask infos sharded over `axis`.
+
+    `layout` is the call's (global, positions None where not given), `index` `[B, T]` the
+    original token index of each position in the sequence; a batch that fails
+    `index_check` runs `fallback`, the ring's blockwise step, instead."""
     t = q_shape[1]
     if strategy == "ring":
       kernels = tuple(self.kernel(mask, TokenOrder(shards, load_balance, step), q_shape,
@@ -410,31 +453,43 @@ class Splash:
                       for step in range(shards))
     else:
       kernels = (self.kernel(mask, TokenOrder(shards, load_balance, None), q_shape, kv_shape),)
-    return _SplashLocal(float(scale)), kernels, tuple(_kernel_spec(k, axis) for k in kernels)
+    exact = index_check(mask, layout, index, index)
+    specs = tuple(_kernel_spec(k, axis) for k in kernels)
+    return _SplashLocal(float(scale), mask, fallback), (kernels, exact), (specs, P())
 
 
 @dataclasses.dataclass(frozen=True)
 class _SplashLocal:
-  """Per-device splash computation for context parallelism; `kernels` is the shard-local
-  tuple from `Splash.context_parallel_local`."""
+  """Per-device splash computation for context parallelism; its data is the shard-local
+  kernels from `Splash.context_parallel_local` and the run-time exactness flag."""
 
   scale: float
+  mask: Mask
+  fallback: object  # the blockwise ring step, for batches splash cannot mask exactly
   unrolled: bool = True  # a kernel per ring step: the step must be static
 
-  def forward(self, step: int, kernels, q, k, v, layout: Layout):
-    if kernels[step] is None:  # no query sees these keys: skip the step
+  def forward(self, step: int, data, q, k, v, layout: Layout):
+    kernels, exact = data
+    kernel = kernels[step]
+    if exact is None and kernel is None:  # no query sees these keys: skip the step
       return None
-    return forward(kernels[step], q, k, v, layout.q_segment_ids, layout.kv_segment_ids,
-                   scale=self.scale)
+    return _index_masked_or_blockwise(
+        exact,
+        lambda: forward(kernel, q, k, v, layout.q_segment_ids, layout.kv_segment_ids,
+                        scale=self.scale),
+        lambda: self.fallback.forward(step, None, q, k, v, layout))
 
-  def backward(self, step: int, kernels, q, k, v, layout: Layout, out, lse, dout, dlse):
-    if kernels[step] is None:
+  def backward(self, step: int, data, q, k, v, layout: Layout, out, lse, dout, dlse):
+    kernels, exact = data
+    kernel = kernels[step]
+    if exact is None and kernel is None:
       return None
-    return backward(kernels[step], q, k, v, layout.q_segment_ids, layout.kv_segment_ids,
-                    out, lse, dout, dlse, scale=self.scale)
+    return _index_masked_or_blockwise(
+        exact,
+        lambda: backward(kernel, q, k, v, layout.q_segment_ids, layout.kv_segment_ids, out, lse,
+                         dout, dlse, scale=self.scale),
+        lambda: self.fallback.backward(step, None, q, k, v, layout, out, lse, dout, dlse))
 
-  def gathered(self, kernels, q, k, v, layout: Layout):
-    if kernels[0] is None:
-      b, t, h, _ = q.shape
-      return jnp.zeros_like(q), jnp.full((b, t, h), -jnp.inf, jnp.float32)
-    return _attend(self.scale, kernels[0], q, k, v, layout.q_segment_ids, layout.kv_segment_ids)
+  def gathered(self, data, q, k, v, layout: Layout):
+    kernels, exact = data
+    return _attend(self.scale, self.mask, kernels[0], exact, q, k, v, layout)

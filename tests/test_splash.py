@@ -84,9 +84,6 @@ def test_decline_reasons():
   q, k, v = _inputs(5, 1, T, T, 2, 2, D, jnp.float32)
   seg, pos, _ = _packed(5)
   seg, pos = seg[:1], pos[:1]
-  _declines("Chunked with explicit positions", q, k, v, mask=flaxattn.Chunked(64),
-            segment_ids=seg, positions=pos)
-  _declines("without segment_ids", q, k, v, positions=pos)
   _declines("multiple of 128, got 200", q[:, :200], k[:, :200], v[:, :200])
   _declines("query length 256 != key length 128", q, k[:, :128], v[:, :128], mask=flaxattn.Full())
   _declines("different sizes", q, k, v, mask=flaxattn.Chunked(64) & flaxattn.Chunked(32))
@@ -128,9 +125,11 @@ def test_long_causal_kernel_builds_without_dense_mask(monkeypatch):
 def _ring_blocks(mask, load_balance, n=4, t=4096):
   """Blocks each device computes over the ring's steps (from the kernels' MaskInfo), and the
   number of steps with nothing to compute anywhere (no kernel at all)."""
-  _, kernels, _ = splash.Splash().context_parallel_local(
+  _, (kernels, exact), _ = splash.Splash().context_parallel_local(
       strategy="ring", axis="context", shards=n, load_balance=load_balance, mask=mask,
-      scale=1.0, q_shape=(1, t, 2, 128), kv_shape=(1, t, 2, 128))
+      scale=1.0, q_shape=(1, t, 2, 128), kv_shape=(1, t, 2, 128), layout=Layout(),
+      index=jnp.arange(t)[None], fallback=None)
+  assert exact is None  # default positions: exact for any data
   per_device = np.zeros(n, int)
   for kernel in kernels:
     if kernel is not None:
@@ -178,3 +177,65 @@ def test_kernels_are_cached_across_traces():
   jax.jit(lambda q, k, v: attend(q, k, v) * 2).lower(q, k, v)  # a new trace, same kernel
   after = splash._kernel.cache_info()
   assert after.misses == before.misses and after.hits > before.hits
+
+
+def _two_runs_of_one_id():
+  """Segment id 1 on two separate runs, positions restarting per run (legal: one document
+  to the mask, as the reference sees it, but not index-shifted)."""
+  seg = np.array([[1] * 40 + [2] * 40 + [1] * 48], np.int32)
+  pos = np.concatenate([np.arange(40), np.arange(40), np.arange(48)])[None].astype(np.int32)
+  return seg, pos
+
+
+@pytest.mark.parametrize("mask, layout", [
+    (flaxattn.Causal(), "two_runs"), (flaxattn.Local(16), "two_runs"),
+    (flaxattn.Local(16), "step_two"), (flaxattn.Chunked(32), "unaligned"),
+    (flaxattn.Local(16), "no_segment_ids")], ids=str)
+def test_positions_that_are_not_index_shifts_take_the_exact_path(mask, layout):
+  """Layouts on which index masking differs from position masking (by up to 2.5 before the
+  run-time check): the batch runs the blockwise kernel, forward and gradients."""
+  q, k, v = _inputs(11, 1, 128, 128, 2, 1, 16, jnp.float32)
+  seg, pos = _two_runs_of_one_id()
+  if layout == "step_two":
+    seg, pos = np.ones_like(seg), (2 * np.arange(128, dtype=np.int32))[None]
+  elif layout == "unaligned":  # documents of 50 and 78 tokens: the second starts mid-chunk
+    seg = np.array([[1] * 50 + [2] * 78], np.int32)
+    pos = np.concatenate([np.arange(50), np.arange(78)])[None].astype(np.int32)
+  elif layout == "no_segment_ids":
+    seg, pos = None, pos + 5
+  lay = Layout(*(None if x is None else jnp.asarray(x) for x in (seg, seg, pos, pos)))
+  index = jnp.arange(128, dtype=jnp.int32)[None]
+  assert not bool(splash.index_check(mask, lay, index, index))
+  _compare(_splash_128, lay, mask, q, k, v, jnp.float32)
+
+
+def test_index_check_passes_packed_pipelines_and_load_balanced_order():
+  seg, pos, lay = _packed(12, pad_tail=9)
+  index = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+  for mask in (flaxattn.Causal(), flaxattn.Local(30)):
+    assert bool(splash.index_check(mask, lay, index, index))
+  assert splash.index_check(flaxattn.Full(), lay, index, index) is None  # positions unread
+  assert splash.index_check(flaxattn.Causal(), Layout(seg, seg), index, index) is None
+  # Documents aligned to the chunk pass the chunked check, unaligned ones do not.
+  aligned = jnp.asarray(np.repeat(np.arange(1, 5), 64)[None], jnp.int32)
+  in_doc = jnp.asarray(np.tile(np.arange(64), 4)[None], jnp.int32)
+  assert bool(splash.index_check(flaxattn.Chunked(32), Layout(aligned, aligned, in_doc, in_doc),
+                                 index[:1], index[:1]))
+  assert not bool(splash.index_check(flaxattn.Chunked(48), Layout(aligned, aligned, in_doc, in_doc),
+                                     index[:1], index[:1]))
+  # Load-balanced order: the kernel's index is the permuted original index.
+  lb = lambda x: flaxattn.load_balance(x, 4)
+  assert bool(splash.index_check(flaxattn.Causal(), Layout(lb(seg), lb(seg), lb(pos), lb(pos)),
+                                 lb(index), lb(index)))
+  assert not bool(splash.index_check(flaxattn.Causal(), Layout(lb(seg), lb(seg), lb(pos), lb(pos)),
+                                     index, index))
+
+
+def test_explain_says_when_splash_checks_at_run_time():
+  q = jax.ShapeDtypeStruct((1, T, 2, D), jnp.float32)
+  seg, pos, _ = _packed(13)
+  checked = flaxattn.explain(q, q, q, segment_ids=seg[:1], positions=pos[:1], backend="splash",
+                             print_fn=None)
+  assert "tpu: splash (index masks; positions checked per batch at run time" in checked
+  plain = flaxattn.explain(q, q, q, segment_ids=seg[:1], backend="splash", print_fn=None)
+  assert "tpu: splash\n" in plain + "\n"
