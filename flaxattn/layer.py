@@ -6,8 +6,9 @@ nnx.Param))` carries weights over (that replaces our Variables and so drops thei
 axis names; `nnx.update(ours, nnx.to_pure_dict(nnx.state(theirs, nnx.Param)))` keeps them).
 Differences, all because attention here never builds a
 `[T, S]` array:
-  - masks are `flaxattn` masks on positions (constructor `mask=Causal()`, or per call);
-    a boolean mask array raises and says to pass `segment_ids`/`positions` instead;
+  - masks are `flaxattn` masks on positions (constructor `mask=`, default `Full()` as nnx
+    without a mask, or per call); a boolean mask array raises and says to pass
+    `segment_ids`/`positions` instead;
   - no attention-probability dropout (`dropout_rate` must be 0) and no `sow_weights`;
   - `attention_fn` has `flaxattn.attention`'s signature, not `nnx.dot_product_attention`'s.
 Additions: `num_kv_heads` (GQA), `backend`, `context_parallel`, `rope`, and call-time
@@ -27,7 +28,8 @@ from flax.nnx.nn import dtypes, initializers
 from flax.nnx.nn.linear import default_kernel_init
 from jax import lax
 
-from flaxattn.attention import attention
+from flaxattn import checks
+from flaxattn.attention import attention, check_ids
 from flaxattn.context_parallel import default_positions
 from flaxattn.masks import Causal, Full, Mask, check_mask
 from flaxattn.rope import RoPE
@@ -58,8 +60,8 @@ def _check_input(arg: str, x, features: int, features_arg: str) -> None:
                      f" {x.shape}.")
 
 
-def _index_BT(batch: int, length: int, start=0) -> jax.Array:
-  return jnp.broadcast_to(start + jnp.arange(length, dtype=jnp.int32), (batch, length))
+def _index_BT(batch: int, length: int) -> jax.Array:
+  return jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
 
 
 class MultiHeadAttention(nnx.Module):
@@ -69,7 +71,8 @@ class MultiHeadAttention(nnx.Module):
     num_kv_heads: heads of `key`/`value` (GQA/MQA); must divide `num_heads`. Default num_heads.
     backend: `flaxattn.attention` backend: "auto", a kernel name, or a kernel object with
       options (e.g. `flaxattn.splash.Splash(block_q=256)`).
-    mask: a `flaxattn` mask (default `Causal()`; nnx's default without a mask is `Full()`).
+    mask: a `flaxattn` mask (default `Full()`, as nnx without a mask; pass `Causal()` for
+      a decoder, or `is_causal=True` per call).
     context_parallel: a `flaxattn.ContextParallel`, passed to `flaxattn.attention`.
     rope: a `flaxattn.RoPE` applied to queries and keys at their positions, or None.
     attention_fn: called as `flaxattn.attention` is (default), e.g. a `functools.partial` of
@@ -123,7 +126,7 @@ class MultiHeadAttention(nnx.Module):
       query_ln_scale_metadata: Mapping[str, Any] = _EMPTY,
       key_ln_scale_metadata: Mapping[str, Any] = _EMPTY,
       backend="auto",
-      mask: Mask = Causal(),
+      mask: Mask = Full(),
       context_parallel=None,
       rope: RoPE | None = None,
   ):
@@ -236,9 +239,12 @@ class MultiHeadAttention(nnx.Module):
       is_causal: also apply `Causal()` (as nnx).
       decode: use the KV cache (see `init_cache`); T may be > 1 (prefill). Default: the
         constructor's `decode`, else False.
-      segment_ids, positions: `[B, T]` int32 (packed documents; see `flaxattn.attention`).
-        In decode they describe the new tokens and default to one document at positions
-        `cache_index + arange(T)`.
+      segment_ids, positions: `[B, T]` int (packed documents; see `flaxattn.attention`).
+        In decode they describe the new tokens. Left out, the new tokens continue the last
+        cached token's document (its segment id) and position (+1, +2, ...); from an empty
+        cache they are one document from position 0. Positions left out with segment ids
+        given count up inside each run of equal ids, the first run continuing the cached
+        document when it has the same id.
       kv_segment_ids, kv_positions: `[B, S]` for cross attention; not allowed in decode.
       deterministic, rngs: accepted for compatibility; there is no dropout.
       out_sharding, qkv_sharding: passed to the output / QKV `LinearGeneral` calls.
@@ -248,7 +254,10 @@ class MultiHeadAttention(nnx.Module):
 
     Raises:
       ValueError: inputs not 3-D or with the wrong feature size, a boolean `mask` array,
-        `sow_weights=True`, decode without `init_cache` or with a mismatched cache.
+        `sow_weights=True`, ids or positions not `[B, T]` integers that fit in int32, decode
+        without `init_cache` or with a mismatched cache, decode that would write past the
+        cache, or default segment ids in decode after a cache that ends in padding. Checks
+        on traced values raise from inside the compiled program.
     """
     if inputs_k is None:
       if inputs_v is not None:
@@ -273,16 +282,17 @@ class MultiHeadAttention(nnx.Module):
       q, k = self.query_ln(q), self.key_ln(k)
 
     b, t, s = q.shape[0], q.shape[1], k.shape[1]
+    segment_ids = check_ids("segment_ids", segment_ids, b, t, "inputs_q")
+    positions = check_ids("positions", positions, b, t, "inputs_q")
+    kv_segment_ids = check_ids("kv_segment_ids", kv_segment_ids, b, s, "inputs_k")
+    kv_positions = check_ids("kv_positions", kv_positions, b, s, "inputs_k")
     if decode:
       if kv_segment_ids is not None or kv_positions is not None:
         raise ValueError("kv_segment_ids and kv_positions expect None in decode: the cache holds"
                          " the keys' segments and positions; pass segment_ids/positions of the"
                          " new tokens instead.")
       self._check_cache(k)
-      if positions is None:
-        positions = _index_BT(b, t, self.cache_index[...])
-      if segment_ids is None:
-        segment_ids = jnp.ones((b, t), jnp.int32)
+      segment_ids, positions = self._decode_layout(b, t, segment_ids, positions)
       kv_segment_ids, kv_positions = segment_ids, positions
     if self.rope is not None:
       if positions is None and self.context_parallel is not None and s == t:
@@ -327,7 +337,7 @@ class MultiHeadAttention(nnx.Module):
 
     The cache holds the unrepeated GQA keys/values `[B, max_length, num_kv_heads, head_dim]`,
     the segment id of each slot (0 = empty, so empty slots are never attended) and its
-    position. Decoding past `max_length` is not checked (`lax.dynamic_update_slice` clamps).
+    position. A decode call that would write past `max_length` raises; nothing is written.
 
     Raises:
       ValueError: `input_shape` is not `(batch, max_length, features)` of positive ints.
@@ -352,19 +362,55 @@ class MultiHeadAttention(nnx.Module):
       raise ValueError(f"decode expects keys of shape ({b}, <= {max_length}, {hkv}, {d}) to fit"
                        f" the cache, got {k.shape}; call init_cache with this batch size.")
 
+  def _decode_layout(self, b: int, t: int, segment_ids, positions):
+    """Segment ids and positions `[B, T]` of T new tokens, defaults filled in (see `__call__`)."""
+    i = self.cache_index[...]
+    empty = i == 0
+    last = jnp.maximum(i - 1, 0)
+    last_seg_B1 = lax.dynamic_slice_in_dim(self.cached_segment_ids[...], last, 1, axis=1)
+    last_pos_B1 = lax.dynamic_slice_in_dim(self.cached_positions[...], last, 1, axis=1)
+    if segment_ids is None:
+      checks.raise_if(
+          ~empty & jnp.any(last_seg_B1 == 0),
+          lambda i: ValueError(
+              f"segment_ids expects the new tokens' segment ids in decode when the cache ends in"
+              f" padding (segment id 0 at cache index {i - 1}): there is no document to"
+              " continue. Pass segment_ids (and positions)."),
+          i)
+      segment_ids = jnp.broadcast_to(jnp.where(empty, 1, last_seg_B1), (b, t))
+    if positions is None:
+      iota_T = jnp.arange(t, dtype=jnp.int32)
+      prev_BT = jnp.concatenate([last_seg_B1, segment_ids[:, :-1]], axis=1)
+      starts_BT = (segment_ids != prev_BT) | (empty & (iota_T == 0))
+      run_start_BT = lax.cummax(jnp.where(starts_BT, iota_T, 0), axis=1)
+      continued_BT = (run_start_BT == 0) & ~starts_BT[:, :1]
+      positions = iota_T - run_start_BT + jnp.where(continued_BT, last_pos_B1 + 1, 0)
+    return segment_ids, positions
+
   def _update_cache(self, k, v, segment_ids, positions):
-    """Writes the new tokens at `cache_index`; returns the whole cache for attention."""
+    """Writes the new tokens at `cache_index`; returns the whole cache for attention.
+
+    Raises (from inside the program when the index is traced) if they do not fit."""
     for arg, ids in (("segment_ids", segment_ids), ("positions", positions)):
       if ids.shape != k.shape[:2]:
         raise ValueError(f"{arg} expects shape {k.shape[:2]} [batch, new tokens] in decode, got"
                          f" {ids.shape}.")
     i = self.cache_index[...]
+    max_length = self.cached_key.shape[1]
+    t = k.shape[1]
+    checks.raise_if(
+        i + t > max_length,
+        lambda i: ValueError(
+            f"decode expects the new tokens to fit the KV cache: writing {t} token(s) at cache"
+            f" index {i} needs {i + t} slots, the cache has max_length {max_length}. Nothing was"
+            " written; call init_cache with a larger max_length."),
+        i)
     zero = jnp.zeros((), jnp.int32)
     for cache, new in ((self.cached_key, k), (self.cached_value, v)):
       cache[...] = lax.dynamic_update_slice(cache[...], new.astype(cache.dtype), (zero, i, zero, zero))
     for cache, new in ((self.cached_segment_ids, segment_ids), (self.cached_positions, positions)):
-      cache[...] = lax.dynamic_update_slice(cache[...], new.astype(jnp.int32), (zero, i))
-    self.cache_index[...] = i + k.shape[1]
+      cache[...] = lax.dynamic_update_slice(cache[...], new, (zero, i))
+    self.cache_index[...] = i + t
     return (self.cached_key[...].astype(k.dtype), self.cached_value[...].astype(v.dtype),
             self.cached_segment_ids[...], self.cached_positions[...])
 

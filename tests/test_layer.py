@@ -199,3 +199,80 @@ def test_decode_cache_mismatch_error():
   m.init_cache((B, T, E))
   with pytest.raises(ValueError, match=r"decode expects keys of shape \(2, <= 8, 4, 4\)"):
     m(_x((3, 1, E)), decode=True)
+
+
+def test_drop_in_defaults_behave_as_nnx():
+  """Same arguments, same answer: no mask by default, in self and cross attention."""
+  theirs = nnx.MultiHeadAttention(4, E, decode=False, rngs=nnx.Rngs(0))
+  ours = MultiHeadAttention(4, E, rngs=nnx.Rngs(1))
+  nnx.update(ours, nnx.state(theirs, nnx.Param))
+  xq, xkv = _x((B, T, E)), _x((B, 5, E), 1)
+  np.testing.assert_allclose(run(ours, xq), run_nnx(theirs, xq), atol=1e-5)
+  np.testing.assert_allclose(run(ours, xq, xkv), run_nnx(theirs, xq, xkv), atol=1e-5)
+  # Causal stays one argument away.
+  causal = run_nnx(theirs, xq, mask=nnx.make_causal_mask(jnp.ones((B, T))))
+  np.testing.assert_allclose(run(ours, xq, is_causal=True), causal, atol=1e-5)
+
+
+def _decoder(max_length):
+  m = MultiHeadAttention(2, E, rope=RoPE(), mask=Causal(), backend="reference", rngs=nnx.Rngs(0))
+  m.init_cache((1, max_length, E))
+  return m
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_decode_past_the_cache_raises_and_writes_nothing(jit):
+  call = run if jit else (lambda m, x, **kw: m(x, **kw))
+  # A traced index fails inside the program: JAX wraps the message in its runtime error.
+  error = Exception if jit else ValueError
+  m = _decoder(4)
+  for i in range(4):
+    call(m, _x((1, 1, E), i), decode=True)
+  with pytest.raises(error, match=r"writing 1 token\(s\) at cache index 4 needs 5 slots, the"
+                                  r" cache has max_length 4"):
+    jax.block_until_ready(call(m, _x((1, 1, E), 9), decode=True))
+  m = _decoder(4)
+  call(m, _x((1, 3, E)), decode=True)
+  with pytest.raises(error, match=r"writing 2 token\(s\) at cache index 3 needs 5 slots"):
+    jax.block_until_ready(call(m, _x((1, 2, E), 1), decode=True))
+  if not jit:  # eager: checked before anything is written
+    assert int(m.cache_index[...]) == 3
+    np.testing.assert_array_equal(np.asarray(m.cached_key[...])[:, 3:], 0.0)
+
+
+def test_decode_defaults_continue_the_cached_document():
+  """After a prefill of two packed documents, default ids/positions continue the second."""
+  m = _decoder(8)
+  x = _x((1, 6, E))
+  seg = jnp.array([[1, 1, 2, 2, 2, 2]], jnp.int32)
+  pos = jnp.array([[0, 1, 0, 1, 2, 3]], jnp.int32)
+  run(m, x[:, :5], decode=True, segment_ids=seg[:, :5], positions=pos[:, :5])
+  got = run(m, x[:, 5:], decode=True)
+  want = run(m, x[:, 2:], decode=False)[:, -1:]  # document 2 alone
+  np.testing.assert_allclose(got, want, atol=1e-5)
+  np.testing.assert_array_equal(m.cached_segment_ids[...][0, :6], seg[0])
+  np.testing.assert_array_equal(m.cached_positions[...][0, :6], pos[0])
+  # Explicit ids without positions: positions count inside each run, the first run
+  # continuing the cached document 2 (position 4), the new document 3 from 0.
+  run(m, _x((1, 2, E), 1), decode=True, segment_ids=jnp.array([[2, 3]], jnp.int32))
+  np.testing.assert_array_equal(m.cached_positions[...][0, 6:8], [4, 0])
+
+
+def test_decode_defaults_after_padding_raise():
+  m = _decoder(8)
+  m(_x((1, 3, E)), decode=True, segment_ids=jnp.array([[1, 1, 0]], jnp.int32),
+    positions=jnp.array([[0, 1, 0]], jnp.int32))
+  with pytest.raises(ValueError, match=r"cache ends in padding \(segment id 0 at cache index 2\)"):
+    m(_x((1, 1, E)), decode=True)
+
+
+@pytest.mark.parametrize("arg", ["segment_ids", "positions"])
+def test_ids_wider_than_int32_raise_instead_of_narrowing(arg):
+  m = MultiHeadAttention(2, E, mask=Causal(), backend="reference", rngs=nnx.Rngs(0))
+  ids = np.array([[1] * 4 + [2**32 + 1] * 4], np.int64)  # narrowed, 2**32 + 1 would become 1
+  with pytest.raises(ValueError, match=rf"{arg} expects values that fit in int32 .* got int64"
+                                       r" values in \[1, 4294967297\]"):
+    m(_x((1, 8, E)), **{arg: ids})
+  fits = MultiHeadAttention(2, E, mask=Causal(), backend="reference", rngs=nnx.Rngs(0))(
+      _x((1, 8, E)), **{arg: ids % 7})
+  assert fits.shape == (1, 8, E)
