@@ -27,7 +27,8 @@ def main():
 
   def make(backend):
     return flaxattn.MultiHeadAttention(heads, features, num_kv_heads=kv_heads, backend=backend,
-                                       rope=flaxattn.RoPE(), rngs=nnx.Rngs(0))
+                                       mask=flaxattn.Causal(), rope=flaxattn.RoPE(),
+                                       rngs=nnx.Rngs(0))
 
   @nnx.jit
   def loss_and_grad(layer):

@@ -303,7 +303,7 @@ def index_check(mask: Mask, layout: Layout, q_index, kv_index):
   positions that were not given)."""
   if not needs_index_check(mask, layout.q_positions is not None or layout.kv_positions is not None):
     return None
-  (b, t), s = q_index.shape, kv_index.shape[1]
+  b, t = q_index.shape
   q_seg = jnp.ones((b, t), jnp.int32) if layout.q_segment_ids is None else layout.q_segment_ids
   kv_seg = q_seg if layout.kv_segment_ids is None else layout.kv_segment_ids
   q_pos = q_index if layout.q_positions is None else layout.q_positions

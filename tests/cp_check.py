@@ -20,7 +20,7 @@ import zlib
 import numpy as np
 
 import flaxattn
-from packing import random_packing
+from packing import legal_layout, random_packing
 
 MASKS = {"causal": flaxattn.Causal(), "local": flaxattn.Local(3), "chunked": flaxattn.Chunked(24),
          "full": flaxattn.Full()}
@@ -29,7 +29,8 @@ MASKS = {"causal": flaxattn.Causal(), "local": flaxattn.Local(3), "chunked": fla
 def case(mesh, strategy="ring", lb=True, mask="causal", hkv=2, packed=True, pipeline=False, t=64,
          backend="auto"):
   name = "-".join(([] if backend == "auto" else [backend])
-                  + [strategy, "lb" if lb else "nolb", mask, f"hkv{hkv}", "packed" if packed else "default",
+                  + [strategy, "lb" if lb else "nolb", mask, f"hkv{hkv}",
+                     {True: "packed", False: "default"}.get(packed, packed),
                      "x".join(f"{a}{s}" for a, s in mesh.items())] + (["pipeline"] if pipeline else []))
   return dict(name=name, mesh=mesh, strategy=strategy, lb=lb, mask=mask, hkv=hkv, packed=packed,
               pipeline=pipeline, t=t, backend=backend)
@@ -40,18 +41,24 @@ def cases(n: int) -> list[dict]:
   and load balancing, each strategy x load balancing, GQA with 2 and 1 KV heads for 4 query
   heads, a Local window smaller than cp, 2-D and 3-D (heads over tensor) meshes, and the
   unpermute pipeline. Splash (Pallas interpret mode: slow, so few cases, T = 128 per shard)
-  with the ring and all-gather strategies, every mask, packed and default layouts."""
+  with the ring and all-gather strategies, every mask, packed and default layouts. `packed=
+  "legal"`: random legal layouts no pipeline produces (`packing.legal_layout`), on which
+  splash must take its exact path."""
   c2, c4, c8, dc2, dc4 = (dict(context=2), dict(context=4), dict(context=8), dict(data=2, context=2),
                           dict(data=2, context=4))
   return {
       2: [case(c2, mask="full", hkv=2), case(c2, "all_gather", lb=False, mask="causal", hkv=1, packed=False),
           case(c2, mask="causal", hkv=2, t=256, backend="splash"),
-          case(c2, "all_gather", mask="local", hkv=1, t=256, backend="splash")],
+          case(c2, "all_gather", mask="local", hkv=1, t=256, backend="splash"),
+          case(c2, mask="local", hkv=1, packed="legal", t=256, backend="splash"),
+          case(c2, "all_gather", mask="chunked", hkv=2, packed="legal", t=256, backend="splash")],
       4: [case(c4, mask="causal", hkv=2), case(c4, "all_gather", mask="causal", hkv=2),
           case(c4, lb=False, mask="causal", hkv=1, packed=False),
           case(c4, mask="local", hkv=1, pipeline=True), case(dc2, mask="causal", hkv=1, packed=False),
           case(c4, mask="chunked", hkv=1, packed=False, t=512, backend="splash"),
-          case(c4, lb=False, mask="local", hkv=2, t=512, backend="splash")],
+          case(c4, lb=False, mask="local", hkv=2, t=512, backend="splash"),
+          case(c4, mask="causal", hkv=2, packed="legal"),
+          case(c4, "all_gather", mask="local", hkv=1, packed="legal")],
       8: [case(c8, mask="causal", hkv=2, t=128), case(dc4, mask="chunked", hkv=1, packed=False, pipeline=True),
           case(dc4, "all_gather", lb=False, mask="local", hkv=2),
           case(dict(data=2, tensor=2, context=2), mask="causal", hkv=2),
@@ -110,7 +117,9 @@ def run_case(jax, jnp, c) -> dict:
   q = jax.random.normal(ks[0], (b, t, h, d))
   k, v = (jax.random.normal(x, (b, t, c["hkv"], d)) for x in ks[1:])
   seg = pos = None
-  if c["packed"]:
+  if c["packed"] == "legal":
+    seg, pos = legal_layout(np.random.default_rng(seed), b, t)
+  elif c["packed"]:
     seg, pos = _packing(b, t, cp, seed)
   mask = MASKS[c["mask"]]
   if c["backend"] == "splash" and c["mask"] == "local":
