@@ -48,7 +48,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import flaxattn  # noqa: E402
 from flaxattn import blockwise  # noqa: E402
-from flaxattn.context_parallel import ring_block  # noqa: E402
+from flaxattn.blockwise import ring_block  # noqa: E402
 from attention import B, D, H, best_time, causal_pairs, qkv, useful_gflops  # noqa: E402
 
 AXIS = "context"

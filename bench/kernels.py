@@ -75,6 +75,7 @@ def _measure(kind: str, t: int) -> dict:
 
   import flaxattn
   from flaxattn import splash
+  from flaxattn.layout import Layout
 
   q = jax.ShapeDtypeStruct((1, t, H, D), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((1, t, HKV, D), jnp.bfloat16)
@@ -91,7 +92,7 @@ def _measure(kind: str, t: int) -> dict:
     cp = flaxattn.ContextParallel()
     splash.Splash(block_q=BLOCK, block_kv=BLOCK).context_parallel_local(
         strategy="ring", axis=cp.axis, shards=8, load_balance=True, mask=flaxattn.Causal(),
-        scale=D ** -0.5, q_shape=q.shape, kv_shape=kv.shape)
+        scale=D ** -0.5, q_shape=q.shape, kv_shape=kv.shape, layout=Layout(shards=8))
     mesh = jax.make_mesh((8,), (cp.axis,), axis_types=(AxisType.Auto,))
     attn = lambda q, k, v: flaxattn.attention(q, k, v, backend="splash", context_parallel=cp)
   else:

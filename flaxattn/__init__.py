@@ -26,3 +26,11 @@ __all__ = [
     "ContextParallel", "load_balance", "unload_balance",
     "MultiHeadAttention", "RoPE", "sharding",
 ]
+
+
+def __getattr__(name):
+  # Kernel modules that use JAX private APIs load on first use (`flaxattn.splash.Splash`).
+  if name in ("blockwise", "cudnn", "reference", "splash"):
+    import importlib  # pylint: disable=import-outside-toplevel
+    return importlib.import_module(f"flaxattn.{name}")
+  raise AttributeError(f"module 'flaxattn' has no attribute {name!r}")

@@ -16,18 +16,20 @@ group folds into the matmul's rows.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flaxattn import registry
 from flaxattn.layout import Layout
 from flaxattn.masks import Mask
 
 SKIP, FULL, PARTIAL = 0, 1, 2
 DEFAULT_BLOCK_Q = 512
-DEFAULT_BLOCK_K = 512
+DEFAULT_BLOCK_KV = 512
 
 
 def _round_up(x: int, m: int) -> int:
@@ -253,10 +255,10 @@ def _rows_out(x, t: int):
   return jnp.moveaxis(x, 1, 2).reshape((b, t_pad, hkv * g) + x.shape[4:])[:, :t]
 
 
-def _prepare(q, k, v, layout, mask, scale, block_q, block_k):
+def _prepare(q, k, v, layout, mask, scale, block_q, block_kv):
   b, t, _, _ = q.shape
   s, hkv = k.shape[1], k.shape[2]
-  bq, bk = _block_size(t, block_q), _block_size(s, block_k)
+  bq, bk = _block_size(t, block_q), _block_size(s, block_kv)
   t_pad, s_pad = _round_up(t, bq), _round_up(s, bk)
   arrays, kinds = _schedule(mask, layout, b, t_pad, s_pad, t, s, bq, bk)
   # Scale q once instead of every score block.
@@ -265,22 +267,22 @@ def _prepare(q, k, v, layout, mask, scale, block_q, block_k):
   return q5, kv_in(k), kv_in(v), arrays, kinds, bq, bk
 
 
-def attention_forward(q, k, v, layout: Layout, *, mask: Mask, scale: float,
-                      block_q: int = DEFAULT_BLOCK_Q, block_k: int = DEFAULT_BLOCK_K):
+def forward(q, k, v, layout: Layout, *, mask: Mask, scale: float,
+                      block_q: int = DEFAULT_BLOCK_Q, block_kv: int = DEFAULT_BLOCK_KV):
   """Forward pass without autodiff rules: out `[B, T, H, D]` (q dtype), lse `[B, T, H]` f32."""
-  q5, k4, v4, arrays, kinds, bq, bk = _prepare(q, k, v, layout, mask, scale, block_q, block_k)
+  q5, k4, v4, arrays, kinds, bq, bk = _prepare(q, k, v, layout, mask, scale, block_q, block_kv)
   lo, hi = _visit_bounds(jnp, kinds, axis=2)
   out, lse = _blockwise_fwd(q5, k4, v4, arrays, kinds, lo, hi, mask=mask, bq=bq, bk=bk)
   t = q.shape[1]
   return _rows_out(out, t), _rows_out(lse, t)
 
 
-def attention_backward(q, k, v, layout: Layout, out, lse, dout, dlse, *, mask: Mask, scale: float,
-                       block_q: int = DEFAULT_BLOCK_Q, block_k: int = DEFAULT_BLOCK_K):
+def backward(q, k, v, layout: Layout, out, lse, dout, dlse, *, mask: Mask, scale: float,
+                       block_q: int = DEFAULT_BLOCK_Q, block_kv: int = DEFAULT_BLOCK_KV):
   """Gradients (dq, dk, dv) of the attention of q against k/v, given the output `out` and
   log-sum-exp `lse` of the rows (which may cover more keys than k/v: ring attention passes the
   merged result of every key block) and their cotangents `dout`, `dlse` (float32 `[B, T, H]`)."""
-  q5, k4, v4, arrays, kinds, bq, bk = _prepare(q, k, v, layout, mask, scale, block_q, block_k)
+  q5, k4, v4, arrays, kinds, bq, bk = _prepare(q, k, v, layout, mask, scale, block_q, block_kv)
   lo_t, hi_t = _visit_bounds(jnp, kinds, axis=1)
   t_pad, hkv = q5.shape[2], k.shape[2]
   dq, dk, dv = _blockwise_bwd(
@@ -292,20 +294,20 @@ def attention_backward(q, k, v, layout: Layout, out, lse, dout, dlse, *, mask: M
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _attention(q, k, v, layout, mask, scale, block_q, block_k):
-  return attention_forward(q, k, v, layout, mask=mask, scale=scale, block_q=block_q, block_k=block_k)
+def _attention(q, k, v, layout, mask, scale, block_q, block_kv):
+  return forward(q, k, v, layout, mask=mask, scale=scale, block_q=block_q, block_kv=block_kv)
 
 
-def _attention_fwd(q, k, v, layout, mask, scale, block_q, block_k):
-  out, lse = _attention(q, k, v, layout, mask, scale, block_q, block_k)
+def _attention_fwd(q, k, v, layout, mask, scale, block_q, block_kv):
+  out, lse = _attention(q, k, v, layout, mask, scale, block_q, block_kv)
   return (out, lse), (q, k, v, layout, out, lse)
 
 
-def _attention_bwd(mask, scale, block_q, block_k, residuals, cotangents):
+def _attention_bwd(mask, scale, block_q, block_kv, residuals, cotangents):
   q, k, v, layout, out, lse = residuals
   dout, dlse = cotangents
-  dq, dk, dv = attention_backward(q, k, v, layout, out, lse, dout, dlse, mask=mask, scale=scale,
-                                  block_q=block_q, block_k=block_k)
+  dq, dk, dv = backward(q, k, v, layout, out, lse, dout, dlse, mask=mask, scale=scale,
+                        block_q=block_q, block_kv=block_kv)
   return dq, dk, dv, None
 
 
@@ -313,17 +315,67 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def blockwise_attention(q, k, v, layout: Layout, *, mask: Mask, scale: float, return_lse: bool,
-                        block_q: int = DEFAULT_BLOCK_Q, block_k: int = DEFAULT_BLOCK_K):
+                        block_q: int = DEFAULT_BLOCK_Q, block_kv: int = DEFAULT_BLOCK_KV):
   """Flash attention with block skipping.
 
   Args:
     q: `[B, T, H, D]`; k, v: `[B, S, Hkv, D]` (H a multiple of Hkv), any float dtype;
       scores, softmax and accumulation are float32.
     layout: segment ids / positions (None fields are defaults; all-None gives a static schedule).
-    block_q, block_k: block sizes (clipped to the padded lengths). T and S need not divide.
+    block_q, block_kv: block sizes (clipped to the padded lengths). T and S need not divide.
   Returns:
     `[B, T, H, D]` in q's dtype; with `return_lse` also lse `[B, T, H]` float32
     (-inf where a query has nothing to attend to; its output and gradients are zero).
   """
-  out, lse = _attention(q, k, v, layout, mask, float(scale), block_q, block_k)
+  out, lse = _attention(q, k, v, layout, mask, float(scale), block_q, block_kv)
   return (out, lse) if return_lse else out
+
+
+def ring_block(t: int, n: int, load_balance: bool) -> int:
+  """Block size of the ring's passes for T = t over n devices. A block must not straddle the
+  two load-balanced chunks of a shard: its position range would cover both and nothing in
+  it could be skipped."""
+  return min(DEFAULT_BLOCK_Q, t // (2 * n)) if load_balance else DEFAULT_BLOCK_Q
+
+
+@dataclasses.dataclass(frozen=True)
+class RingStep:
+  """The blockwise passes as the ring's per-device computation (a `lax.scan` over steps:
+  the same computation at every step, its block schedule from the visiting positions)."""
+
+  mask: Mask
+  scale: float
+  block: int
+  unrolled: bool = False
+
+  def forward(self, step, data, q, k, v, layout):
+    return forward(q, k, v, layout, mask=self.mask, scale=self.scale, block_q=self.block,
+                   block_kv=self.block)
+
+  def backward(self, step, data, q, k, v, layout, out, lse, dout, dlse):
+    return backward(q, k, v, layout, out, lse, dout, dlse, mask=self.mask, scale=self.scale,
+                    block_q=self.block, block_kv=self.block)
+
+
+@dataclasses.dataclass(frozen=True)
+class Blockwise(registry.Kernel):
+  """`backend="blockwise"`: serves every call, every platform, and the ring."""
+
+  block_q: int = DEFAULT_BLOCK_Q
+  block_kv: int = DEFAULT_BLOCK_KV
+  name: str = "blockwise"
+  ring: bool = True
+
+  def __call__(self, q, k, v, layout: Layout, *, mask: Mask, scale: float, return_lse: bool):
+    return blockwise_attention(q, k, v, layout, mask=mask, scale=scale, return_lse=return_lse,
+                               block_q=self.block_q, block_kv=self.block_kv)
+
+  def context_parallel_local(self, *, strategy: str, mask: Mask, scale: float, **call):
+    if strategy != "ring":
+      return super().context_parallel_local(strategy=strategy, mask=mask, scale=scale, **call)
+    return ring_step(mask, scale, call["q_shape"][1], call["shards"], call["load_balance"]), None, None
+
+
+def ring_step(mask: Mask, scale: float, t: int, shards: int, load_balance: bool) -> RingStep:
+  """The blockwise ring step for T = t over `shards` devices (also splash's exact path)."""
+  return RingStep(mask, scale, ring_block(t, shards, load_balance))

@@ -12,22 +12,23 @@ Strategies:
   - "all_gather": K/V gathered once, the local kernel on the device's own queries. The
     baseline; memory O(T) per device for K/V.
 
-The shard_map is manual over the context axis and over the batch and head axes that divide
-their dimensions (default data/fsdp and tensor), so batch and heads stay sharded inside.
+Each kernel provides its per-device computation (`LocalAttention`, from the kernel's
+`context_parallel_local`). The shard_map is manual over the context axis and over the batch
+and head axes that divide their dimensions (default data/fsdp and tensor), so batch and
+heads stay sharded inside.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from flaxattn import balance, sharding
-from flaxattn.blockwise import (DEFAULT_BLOCK_Q, attention_backward, attention_forward,
-                                blockwise_attention)
+from flaxattn import sharding
 from flaxattn.layout import Layout
 from flaxattn.masks import Mask
 
@@ -63,6 +64,10 @@ class ContextParallel:
     if self.strategy not in STRATEGIES:
       raise ValueError(f"ContextParallel(strategy=...) expects one of {STRATEGIES}, got {self.strategy!r}.")
 
+  def balanced_shards(self) -> int:
+    """Shards the tokens are load-balanced over (1 without load balancing). Needs the mesh."""
+    return axis_size(self) if self.load_balance else 1
+
 
 def axis_size(cp: ContextParallel) -> int:
   """The size of `cp.axis` in the current mesh (raises if there is no mesh or no such axis)."""
@@ -88,28 +93,26 @@ def _shift(x, axis: str, n: int):
   return jax.lax.ppermute(x, axis, [(i, (i + 1) % n) for i in range(n)])
 
 
-@dataclasses.dataclass(frozen=True)
-class _BlockwiseLocal:
-  """The blockwise kernel's forward and backward passes as the ring's local computation.
-  (A local computation may return None for a step that has nothing to compute.)"""
+class LocalAttention(Protocol):
+  """A kernel's per-device computation under context parallelism (`data` is what the
+  kernel's `context_parallel_local` returned with it, passed into the shard_map)."""
 
-  mask: Mask
-  scale: float
-  block: int
-  unrolled: bool = False  # the same computation at every step: a scan
+  unrolled: bool  # the ring runs its steps unrolled (the step is a Python int), else a scan
 
-  def forward(self, step, data, q, k, v, layout):
-    return attention_forward(q, k, v, layout, mask=self.mask, scale=self.scale,
-                             block_q=self.block, block_k=self.block)
+  def forward(self, step, data, q, k, v, layout: Layout):
+    """Ring step `step`: (out, lse) of the local queries against the visiting keys, or None
+    when nothing is computed."""
 
-  def backward(self, step, data, q, k, v, layout, out, lse, dout, dlse):
-    return attention_backward(q, k, v, layout, out, lse, dout, dlse, mask=self.mask,
-                              scale=self.scale, block_q=self.block, block_k=self.block)
+  def backward(self, step, data, q, k, v, layout: Layout, out, lse, dout, dlse):
+    """Ring step `step`: (dq, dk, dv) given the merged out/lse and their cotangents, or None."""
+
+  def gathered(self, data, q, k, v, layout: Layout):
+    """All-gather strategy: (out, lse) of the local queries against all keys."""
 
 
 @dataclasses.dataclass(frozen=True)
-class _KernelLocal:
-  """Any registry kernel on the gathered keys (the all-gather strategy)."""
+class Gathered:
+  """Any kernel on the gathered keys: the all-gather strategy's default computation."""
 
   kernel: object
   mask: Mask
@@ -195,52 +198,13 @@ def _all_gather(axis, local, data, q, k, v, layout):
   return local.gathered(data, q, gather(k), gather(v), full)
 
 
-def _local(kernel, cp: ContextParallel, n: int, mask: Mask, scale: float, q_shape, kv_shape,
-           layout: Layout, index):
-  """The per-device computation for `kernel`: (local, data, data_specs). Kernels with their
-  own context-parallel form (splash) provide it, with the blockwise ring step as the exact
-  path for batches they cannot serve; otherwise the ring runs the blockwise passes and the
-  all-gather strategy calls the kernel on the gathered keys."""
-  blockwise_step = _BlockwiseLocal(mask, scale, ring_block(q_shape[1], n, cp.load_balance))
-  if hasattr(kernel, "context_parallel_local"):
-    return kernel.context_parallel_local(strategy=cp.strategy, axis=cp.axis, shards=n,
-                                         load_balance=cp.load_balance, mask=mask, scale=scale,
-                                         q_shape=q_shape, kv_shape=kv_shape, layout=layout,
-                                         index=index, fallback=blockwise_step)
-  if kernel.name == "fused":
-    # Blockwise even on GPU: cuDNN masks by token index, which load balancing permutes.
-    if cp.strategy == "all_gather":
-      return _KernelLocal(blockwise_attention, mask, scale), None, None
-    return blockwise_step, None, None
-  if cp.strategy == "all_gather":
-    return _KernelLocal(kernel, mask, scale), None, None
-  raise ValueError(f"context_parallel strategy 'ring' runs the 'fused' or 'splash' kernel's"
-                   f" forward and backward passes per block; the backend selected"
-                   f" {kernel.name!r}. Pass backend='auto', 'fused' or 'splash', or"
-                   " strategy='all_gather'.")
-
-
-def ring_block(t: int, n: int, load_balance: bool) -> int:
-  """Kernel block size of the ring for T = t over n devices. A block must not straddle the
-  two load-balanced chunks of a shard: its position range would cover both and nothing in
-  it could be skipped."""
-  return min(DEFAULT_BLOCK_Q, t // (2 * n)) if load_balance else DEFAULT_BLOCK_Q
-
-
-def default_positions(cp: ContextParallel, batch: int, length: int) -> jax.Array:
-  """Positions `[batch, length]` int32 of tokens whose positions were not given: the token
-  index, in `load_balance` order when `cp.load_balance` (so RoPE and masks agree with a
-  pipeline that permuted only the token arrays). Needs the mesh (see `ContextParallel`)."""
-  index = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
-  return balance.load_balance(index, axis_size(cp)) if cp.load_balance else index
-
-
 def context_parallel_attention(q, k, v, layout: Layout, *, mask: Mask, scale: float,
                                cp: ContextParallel, kernel, return_lse: bool):
   """Attention of q `[B, T, H, D]` over k/v `[B, T, Hkv, D]` sharded over `cp.axis` on dim 1.
 
-  `kernel` is the registry's kernel: splash runs its own per-device kernels; the ring
-  otherwise runs the blockwise kernel's forward and backward passes directly.
+  `kernel` is the registry's kernel; its `context_parallel_local` gives the per-device
+  computation. `layout` comes from `flaxattn.layout.resolve` (default positions in
+  load-balanced order when `cp.load_balance`).
 
   Raises:
     ValueError: no mesh set, axis not in the mesh, keys and queries of different lengths,
@@ -255,13 +219,10 @@ def context_parallel_attention(q, k, v, layout: Layout, *, mask: Mask, scale: fl
   if t % parts:
     raise ValueError(f"context_parallel over {cp.axis!r} (size {n}) expects the sequence length"
                      f" ({t}) divisible by {parts}{' (2 x axis size, load balancing)' if cp.load_balance else ''}.")
-  index = default_positions(cp, b, t)
-  local, data, data_specs = _local(kernel, cp, n, mask, scale, q.shape, k.shape, layout, index)
-  full = layout.materialize(b, t, t)
-  layout = Layout(
-      full.q_segment_ids, full.kv_segment_ids,
-      index if layout.q_positions is None else layout.q_positions,
-      index if layout.kv_positions is None else layout.kv_positions)
+  local, data, data_specs = kernel.context_parallel_local(
+      strategy=cp.strategy, mask=mask, scale=scale, shards=n, axis=cp.axis,
+      load_balance=cp.load_balance, q_shape=q.shape, kv_shape=k.shape, layout=layout)
+  layout = layout.materialize(b, t, t)
 
   # Batch and head axes are manual too: left to automatic sharding, the compiler would
   # gather the batch inside the ring's loops.
@@ -275,7 +236,7 @@ def context_parallel_attention(q, k, v, layout: Layout, *, mask: Mask, scale: fl
   else:
     body = functools.partial(_all_gather, cp.axis, local)
   manual = frozenset({cp.axis, *(batch or ()), *(heads or ())})
-  out, lse = jax.shard_map(body, in_specs=(data_specs, qkv, qkv, qkv, Layout(seq, seq, seq, seq)),
+  out, lse = jax.shard_map(body, in_specs=(data_specs, qkv, qkv, qkv, jax.tree.map(lambda _: seq, layout)),
                            out_specs=(qkv, qkv), axis_names=manual,
                            check_vma=False)(data, q, k, v, layout)
   return (out, lse) if return_lse else out

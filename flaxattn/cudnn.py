@@ -54,7 +54,7 @@ JAX 0.10 scales THD key offsets by the QUERY heads (jax-ml/jax#39521 fixes it); 
 such a version the packed path runs one cuDNN call per group of query heads (each an MHA
 call against the shared K/V), which a probe of JAX's offset code decides once.
 
-`cudnn_forward` / `cudnn_backward` are the two passes on the public layout (`[B, T, H]`
+`forward` / `backward` are the two passes on the public layout (`[B, T, H]`
 lse), for ring attention: the backward takes the output and lse of the whole row, which
 may cover more keys than the K/V block it is given.
 """
@@ -72,7 +72,7 @@ from jax._src.cudnn import fused_attention_stablehlo as fsa
 
 from flaxattn import blockwise, registry
 from flaxattn.layout import Layout
-from flaxattn.masks import And, Causal, Chunked, Full, Local, Mask
+from flaxattn.masks import Mask, NoBand, band
 from flaxattn.segments import SeqlensOffsets, seqlens_and_offsets
 
 DTYPES = ("bfloat16", "float16")
@@ -85,25 +85,17 @@ HOPPER = (9, 0)
 # What cuDNN can serve
 
 
-def mask_band(mask: Mask) -> tuple[bool, int | None] | str:
-  """`(causal, window)` of the cuDNN diagonal band equal to `mask`, or why there is none."""
-  causal, windows = False, []
-  parts = list(mask.masks) if isinstance(mask, And) else [mask]
-  while parts:
-    m = parts.pop()
-    if isinstance(m, And):
-      parts.extend(m.masks)
-    elif isinstance(m, Local):
-      causal = True
-      windows.append(m.window)
-    elif isinstance(m, Causal):
-      causal = True
-    elif isinstance(m, Chunked):
-      return (f"cuDNN has no chunked mask ({m!r}, Llama 4 chunked attention); the blockwise"
-              " kernel serves it.")
-    elif not isinstance(m, Full):
-      return f"mask {m!r} has no cuDNN equivalent (causal/sliding window); use the blockwise kernel."
-  return causal, (min(windows) if windows else None)
+def mask_band(mask: Mask) -> tuple[bool, int | None]:
+  """`(causal, window)` of the cuDNN diagonal band equal to `mask`.
+
+  Raises:
+    NoBand: a mask cuDNN has no band for (Chunked), with the reason.
+  """
+  normal = band(mask)
+  if normal.chunk is not None:
+    raise NoBand(f"cuDNN has no chunked mask ({mask!r}, Llama 4 chunked attention); the"
+                 " blockwise kernel serves it.")
+  return normal.causal, normal.window
 
 
 @functools.lru_cache(maxsize=1)
@@ -144,7 +136,7 @@ def _device_reason(head_dim: int, packed: bool) -> str | None:
   return None
 
 
-def cudnn_unsupported_reason(call: registry.Call) -> str | None:
+def _reason(call: registry.Call) -> str | None:
   """None if cuDNN serves `call` exactly (see the module docstring), else one sentence why not.
 
   A pure function of `call`; the GPU itself (compute capability, cuDNN version) is
@@ -160,10 +152,11 @@ def cudnn_unsupported_reason(call: registry.Call) -> str | None:
   if d % 8 or d > MAX_HEAD_DIM:
     return (f"cuDNN fused attention needs head_dim a multiple of 8 and at most {MAX_HEAD_DIM}"
             f" (128 before Hopper), got {d}; pad the head dimension or use the blockwise kernel.")
-  band = mask_band(call.mask)
-  if isinstance(band, str):
-    return band
-  if call.has_positions and band != (False, None) and not call.has_segment_ids:
+  try:
+    causal, window = mask_band(call.mask)
+  except NoBand as e:
+    return str(e)
+  if call.has_positions and (causal or window) and not call.has_segment_ids:
     return ("explicit positions without segment_ids: cuDNN masks on the token index within"
             " each document, which matches the positions only for packed documents"
             " (segment_ids given) whose positions restart at 0 and increase by one; permuted"
@@ -216,9 +209,7 @@ def _kv_offsets_per_key_head() -> bool:
 
 
 def _config(q, k, layout: Layout, mask: Mask, scale: float, max_segments: int | None) -> _Config:
-  band = mask_band(mask)
-  if isinstance(band, str):
-    raise ValueError(f"cuDNN attention cannot serve mask={mask!r}: {band}")
+  causal, window = mask_band(mask)
   t, s = q.shape[1], k.shape[1]
   self_attention = layout.kv_segment_ids is layout.q_segment_ids and t == s
   m = DEFAULT_MAX_SEGMENTS if max_segments is None else int(max_segments)
@@ -227,7 +218,7 @@ def _config(q, k, layout: Layout, mask: Mask, scale: float, max_segments: int | 
   m = max(2, min(m, t if self_attention else t + s))
   h, hkv = q.shape[2], k.shape[2]
   groups = 1 if h == hkv or layout.q_segment_ids is None or _kv_offsets_per_key_head() else h // hkv
-  return _Config(mask=mask, scale=float(scale), causal=band[0], window=band[1], max_segments=m,
+  return _Config(mask=mask, scale=float(scale), causal=causal, window=window, max_segments=m,
                  self_attention=self_attention,
                  same_positions=layout.kv_positions is layout.q_positions,
                  head_groups=groups)
@@ -439,7 +430,7 @@ def _forward(q, k, v, layout: Layout, cfg: _Config):
   packing = _packing(layout, q.shape[1], k.shape[1], cfg)
   return jax.lax.cond(
       packing.exact, lambda: _cudnn_forward(q, k, v, packing, cfg),
-      lambda: blockwise.attention_forward(q, k, v, layout, mask=cfg.mask, scale=cfg.scale))
+      lambda: blockwise.forward(q, k, v, layout, mask=cfg.mask, scale=cfg.scale))
 
 
 def _backward(q, k, v, layout: Layout, out, lse, dout, dlse, cfg: _Config):
@@ -449,7 +440,7 @@ def _backward(q, k, v, layout: Layout, out, lse, dout, dlse, cfg: _Config):
   zero_dlse = jnp.zeros(lse.shape, jnp.float32) if dlse is None else dlse
 
   def fallback():
-    dq, dk, dv = blockwise.attention_backward(q, k, v, layout, out, lse, dout, zero_dlse,
+    dq, dk, dv = blockwise.backward(q, k, v, layout, out, lse, dout, zero_dlse,
                                               mask=cfg.mask, scale=cfg.scale)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
@@ -457,7 +448,7 @@ def _backward(q, k, v, layout: Layout, out, lse, dout, dlse, cfg: _Config):
       packing.exact, lambda: _cudnn_backward(q, k, v, out, lse, dout, dlse, packing, cfg), fallback)
 
 
-def cudnn_forward(q, k, v, layout: Layout, *, mask: Mask, scale: float,
+def forward(q, k, v, layout: Layout, *, mask: Mask, scale: float,
                   max_segments: int | None = None):
   """Forward pass without autodiff rules: out `[B, T, H, D]` (q dtype), lse `[B, T, H]` f32.
 
@@ -467,7 +458,7 @@ def cudnn_forward(q, k, v, layout: Layout, *, mask: Mask, scale: float,
   return _forward(q, k, v, layout, _config(q, k, layout, mask, scale, max_segments))
 
 
-def cudnn_backward(q, k, v, layout: Layout, out, lse, dout, dlse, *, mask: Mask, scale: float,
+def backward(q, k, v, layout: Layout, out, lse, dout, dlse, *, mask: Mask, scale: float,
                    max_segments: int | None = None):
   """Gradients (dq, dk, dv) of the attention of q against k/v, given the output `out` and
   lse `[B, T, H]` of the rows (which may cover more keys than k/v, as in ring attention:
@@ -536,8 +527,34 @@ def cudnn_attention(q, k, v, layout: Layout, *, mask: Mask, scale: float, return
     `[B, T, H, D]` in q's dtype; with `return_lse` also the natural-log lse `[B, T, H]`
     float32. Queries with nothing to attend to get zeros, lse -inf and zero gradients.
   Raises:
-    ValueError: a mask cuDNN has no equivalent for (Chunked).
+    NoBand (a ValueError): a mask cuDNN has no equivalent for (Chunked).
   """
   layout = _with_kv_ids(layout)
   out, lse = _attention(q, k, v, layout, _config(q, k, layout, mask, scale, max_segments))
   return (out, lse) if return_lse else out
+
+
+CP_REASON = ("cuDNN masks by token index within each document, which context parallelism's"
+             " shards (and load balancing's permutation) change; the blockwise kernel serves"
+             " context parallelism.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Cudnn(registry.Kernel):
+  """`backend="cudnn"`: cuDNN fused attention on NVIDIA GPUs (see the module docstring)."""
+
+  max_segments: int | None = None
+  name: str = "cudnn"
+
+  def reason(self, call: registry.Call) -> str | None:
+    return CP_REASON if call.cp_strategy else _reason(call)
+
+  def describe(self, call: registry.Call) -> str | None:
+    if call.has_segment_ids:
+      return ("packed rows checked per batch at run time, a batch cuDNN cannot mask exactly"
+              " runs the blockwise kernel")
+    return None
+
+  def __call__(self, q, k, v, layout: Layout, *, mask: Mask, scale: float, return_lse: bool):
+    return cudnn_attention(q, k, v, layout, mask=mask, scale=scale, return_lse=return_lse,
+                           max_segments=self.max_segments)

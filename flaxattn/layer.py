@@ -17,6 +17,7 @@ Additions: `num_kv_heads` (GQA), `backend`, `context_parallel`, `rope`, and call
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from types import MappingProxyType
 from typing import Any, Callable, Mapping
@@ -29,8 +30,8 @@ from flax.nnx.nn.linear import default_kernel_init
 from jax import lax
 
 from flaxattn import checks
-from flaxattn.attention import attention, check_ids
-from flaxattn.context_parallel import default_positions
+from flaxattn.attention import attention
+from flaxattn.layout import Layout, resolve
 from flaxattn.masks import Causal, Full, Mask, check_mask
 from flaxattn.rope import RoPE
 from flaxattn.sharding import constrain, param_metadata
@@ -58,10 +59,6 @@ def _check_input(arg: str, x, features: int, features_arg: str) -> None:
   if x.shape[-1] != features:
     raise ValueError(f"{arg} expects {features} features ({features_arg}={features}), got shape"
                      f" {x.shape}.")
-
-
-def _index_BT(batch: int, length: int) -> jax.Array:
-  return jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
 
 
 class MultiHeadAttention(nnx.Module):
@@ -281,37 +278,31 @@ class MultiHeadAttention(nnx.Module):
     if self.normalize_qk:
       q, k = self.query_ln(q), self.key_ln(k)
 
-    b, t, s = q.shape[0], q.shape[1], k.shape[1]
-    segment_ids = check_ids("segment_ids", segment_ids, b, t, "inputs_q")
-    positions = check_ids("positions", positions, b, t, "inputs_q")
-    kv_segment_ids = check_ids("kv_segment_ids", kv_segment_ids, b, s, "inputs_k")
-    kv_positions = check_ids("kv_positions", kv_positions, b, s, "inputs_k")
+    if decode and (kv_segment_ids is not None or kv_positions is not None):
+      raise ValueError("kv_segment_ids and kv_positions expect None in decode: the cache holds"
+                       " the keys' segments and positions; pass segment_ids/positions of the"
+                       " new tokens instead.")
+    # The same resolution as flaxattn.attention's, so RoPE rotates by the positions the
+    # kernel masks with (under load balancing, default positions are the permuted index).
+    layout = resolve(q.shape, k.shape, segment_ids, positions, kv_segment_ids, kv_positions,
+                     self.context_parallel)
     if decode:
-      if kv_segment_ids is not None or kv_positions is not None:
-        raise ValueError("kv_segment_ids and kv_positions expect None in decode: the cache holds"
-                         " the keys' segments and positions; pass segment_ids/positions of the"
-                         " new tokens instead.")
       self._check_cache(k)
-      segment_ids, positions = self._decode_layout(b, t, segment_ids, positions)
-      kv_segment_ids, kv_positions = segment_ids, positions
+      new = self._decode_layout(q.shape[0], q.shape[1], layout.q_segment_ids, layout.q_positions)
+      layout = Layout(new[0], new[0], new[1], new[1])
     if self.rope is not None:
-      if positions is None and self.context_parallel is not None and s == t:
-        # As flaxattn.attention: default positions follow the load-balance permutation.
-        positions = default_positions(self.context_parallel, b, t)
-      q_pos = _index_BT(b, t) if positions is None else positions
-      if kv_positions is not None:
-        k_pos = kv_positions
-      else:  # As flaxattn.attention: keys share the query positions when lengths agree.
-        k_pos = positions if positions is not None and s == t else _index_BT(b, s)
+      q_pos, k_pos = layout.positions(q.shape[0], q.shape[1], k.shape[1])
       q, k = self.rope(q, q_pos), self.rope(k, k_pos)
     if decode:
-      k, v, kv_segment_ids, kv_positions = self._update_cache(k, v, segment_ids, positions)
+      k, v, kv_segment_ids, kv_positions = self._update_cache(k, v, layout.q_segment_ids,
+                                                              layout.q_positions)
+      layout = dataclasses.replace(layout, kv_segment_ids=kv_segment_ids, kv_positions=kv_positions)
 
     q, k, v = dtypes.promote_dtype((q, k, v), dtype=self.dtype)
     x = self.attention_fn(
-        q, k, v, mask=mask, segment_ids=segment_ids, positions=positions,
-        kv_segment_ids=kv_segment_ids, kv_positions=kv_positions, backend=self.backend,
-        context_parallel=self.context_parallel)
+        q, k, v, mask=mask, segment_ids=layout.q_segment_ids, positions=layout.q_positions,
+        kv_segment_ids=layout.kv_segment_ids, kv_positions=layout.kv_positions,
+        backend=self.backend, context_parallel=self.context_parallel)
     x = constrain(x, Q_NAMES)
     return constrain(self.out(x, out_sharding=out_sharding), X_NAMES)
 

@@ -1,8 +1,10 @@
-"""The packed layout of an attention call: segment ids and positions of queries and keys.
+"""The packed layout of an attention call: segment ids and positions of queries and keys,
+and `resolve`, the one place their defaults are decided.
 
 `None` means the default: one document per row (segment id 1 everywhere) and positions
-equal to the token index. Kernels keep the distinction, because a call whose layout is
-all defaults has a block structure known at trace time (a static schedule).
+equal to the token index (under load-balanced context parallelism, the permuted index).
+Kernels keep the distinction, because a call whose layout is all defaults has a block
+structure known at trace time (a static schedule).
 """
 
 from __future__ import annotations
@@ -12,44 +14,119 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from flaxattn import balance, checks
+
+_INT32 = np.iinfo(np.int32)
 
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-  """Segment ids `[B, T]`/`[B, S]` and positions, int32, or None for the defaults."""
+  """Segment ids `[B, T]`/`[B, S]` and positions, int32, or None for the defaults.
+
+  `shards` > 1: the tokens are in `flaxattn.load_balance` order over that many context
+  shards, so default positions are the permuted token index.
+  """
 
   q_segment_ids: jax.Array | None = None
   kv_segment_ids: jax.Array | None = None
   q_positions: jax.Array | None = None
   kv_positions: jax.Array | None = None
+  shards: int = 1
 
   @property
   def is_default(self) -> bool:
-    return all(x is None for x in dataclasses.astuple(self))
+    return all(x is None for x in (self.q_segment_ids, self.kv_segment_ids, self.q_positions,
+                                   self.kv_positions))
+
+  def index(self, batch: int, length: int) -> jax.Array:
+    """The default positions `[batch, length]` int32: each token's original index."""
+    index_BT = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+    return balance.load_balance(index_BT, self.shards) if self.shards > 1 else index_BT
+
+  def positions(self, batch: int, q_len: int, kv_len: int) -> tuple[jax.Array, jax.Array]:
+    """Positions of queries `[B, T]` and keys `[B, S]`, defaults filled in (e.g. for RoPE)."""
+    full = self.materialize(batch, q_len, kv_len)
+    return full.q_positions, full.kv_positions
 
   def materialize(self, batch: int, q_len: int, kv_len: int) -> Layout:
     """Returns a Layout with every field an int32 array (defaults filled in)."""
-    return Layout(
-        q_segment_ids=_or_default(self.q_segment_ids, batch, q_len, ones=True),
-        kv_segment_ids=_or_default(self.kv_segment_ids, batch, kv_len, ones=True),
-        q_positions=_or_default(self.q_positions, batch, q_len, ones=False),
-        kv_positions=_or_default(self.kv_positions, batch, kv_len, ones=False),
-    )
-
-
-def _or_default(x, batch: int, length: int, *, ones: bool) -> jax.Array:
-  if x is not None:
-    return x
-  if ones:
-    return jnp.ones((batch, length), jnp.int32)
-  return jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+    ones = lambda length: jnp.ones((batch, length), jnp.int32)
+    q_index = self.index(batch, q_len)
+    kv_index = q_index if kv_len == q_len else self.index(batch, kv_len)
+    pick = lambda x, default: default if x is None else x
+    return Layout(pick(self.q_segment_ids, ones(q_len)), pick(self.kv_segment_ids, ones(kv_len)),
+                  pick(self.q_positions, q_index), pick(self.kv_positions, kv_index), self.shards)
 
 
 jax.tree_util.register_dataclass(
     Layout,
     data_fields=["q_segment_ids", "kv_segment_ids", "q_positions", "kv_positions"],
-    meta_fields=[],
+    meta_fields=["shards"],
 )
+
+
+def shape_error(arg: str, value, expected: str) -> ValueError:
+  shape = getattr(value, "shape", None)
+  dtype = getattr(value, "dtype", None)
+  return ValueError(f"{arg} expects {expected}, got shape {shape} dtype {dtype}.")
+
+
+def check_ids(arg: str, x, batch: int, length: int, ref: str):
+  """`x` `[batch, length]` as int32, or None. Integers wider than int32 are checked to fit
+  (on the host, or at run time when traced): narrowing them would merge documents.
+
+  Raises:
+    ValueError: not an integer array of that shape, or values outside int32.
+  """
+  if x is None:
+    return None
+  if getattr(x, "shape", None) != (batch, length) or not jnp.issubdtype(x.dtype, jnp.integer):
+    raise shape_error(arg, x, f"an integer array of shape {(batch, length)} ([batch, seq] of {ref})")
+  if x.dtype == jnp.int32:
+    return x
+  info = jnp.iinfo(x.dtype)
+  if info.min < _INT32.min or info.max > _INT32.max:
+    xp = np if isinstance(x, np.ndarray) else jnp  # jnp would narrow numpy int64 first
+    lo, hi = xp.min(x), xp.max(x)
+    checks.raise_if(
+        (lo < _INT32.min) | (hi > _INT32.max),
+        lambda lo, hi: ValueError(
+            f"{arg} expects values that fit in int32 [{_INT32.min}, {_INT32.max}], got {x.dtype}"
+            f" values in [{lo}, {hi}]; renumber them (segment ids only need to differ between"
+            " documents of a row, positions to count within one)."),
+        lo, hi)
+  return x.astype(jnp.int32)
+
+
+def resolve(q_shape, kv_shape, segment_ids=None, positions=None, kv_segment_ids=None,
+            kv_positions=None, context_parallel=None) -> Layout:
+  """The layout of a call on q `[B, T, ...]` and k `[B, S, ...]`: ids checked and made int32;
+  keys take the queries' segment ids (and positions, when S == T) unless given; default
+  positions follow `context_parallel`'s load balancing. `flaxattn.attention` and the layer
+  both resolve here, so RoPE sees exactly the positions the kernel masks with.
+
+  Raises:
+    ValueError: an argument of the wrong shape or dtype (naming it), kv_segment_ids without
+      segment_ids, or segment_ids without kv_segment_ids when S != T.
+  """
+  b, t, s = q_shape[0], q_shape[1], kv_shape[1]
+  segment_ids = check_ids("segment_ids", segment_ids, b, t, "q")
+  positions = check_ids("positions", positions, b, t, "q")
+  kv_segment_ids = check_ids("kv_segment_ids", kv_segment_ids, b, s, "k/v")
+  kv_positions = check_ids("kv_positions", kv_positions, b, s, "k/v")
+  if kv_segment_ids is None and segment_ids is not None:
+    if s != t:
+      raise ValueError(f"kv_segment_ids is required when keys ({s}) and queries ({t}) differ in length"
+                       " and segment_ids is given.")
+    kv_segment_ids = segment_ids
+  if kv_positions is None and positions is not None and s == t:
+    kv_positions = positions
+  if segment_ids is None and kv_segment_ids is not None:
+    raise ValueError("segment_ids is required when kv_segment_ids is given (got only kv_segment_ids).")
+  shards = 1 if context_parallel is None else context_parallel.balanced_shards()
+  return Layout(segment_ids, kv_segment_ids, positions, kv_positions, shards)
 
 
 def follows_index(layout: Layout, q_index, kv_index, chunk: int | None = None) -> jax.Array:

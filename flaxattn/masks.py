@@ -13,7 +13,8 @@ arrays alike:
     or certainly dense (`full`)? Kernels use it to skip work; it must be
     conservative (never `skip` when a pair is allowed, never `full` when one is not).
 
-Masks combine with `&`: `Causal() & Local(128)` allows what both allow.
+Masks combine with `&`: `Causal() & Local(128)` allows what both allow. Kernels that
+build masks of their own (splash, cuDNN) read one normal form, `band(mask)`.
 """
 
 from __future__ import annotations
@@ -167,3 +168,51 @@ def check_mask(mask) -> Mask:
         f" or a combination with &), got {mask!r} ({type(mask).__name__})."
     )
   return mask
+
+
+class NoBand(ValueError):
+  """A mask with no normal form; the message says why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Band:
+  """The normal form of a mask: causal or not, the smallest window, one chunk size.
+
+  Local and Chunked are causal, so `window` or `chunk` imply `causal`. Hashable, so a kernel
+  built for a mask is cached by its band.
+  """
+
+  causal: bool = False
+  window: int | None = None
+  chunk: int | None = None
+
+  @property
+  def mask(self) -> Mask:
+    """The mask this band is the normal form of (its `allows` is the one rule)."""
+    parts = [m for m in (Local(self.window) if self.window else None,
+                         Chunked(self.chunk) if self.chunk else None) if m is not None]
+    if not parts:
+      return Causal() if self.causal else Full()
+    return parts[0] if len(parts) == 1 else And(tuple(parts))
+
+
+def band(mask: Mask) -> Band:
+  """`mask` in normal form.
+
+  Raises:
+    NoBand: Chunked masks of different sizes combined (no single chunk size), or a mask
+      type other than Full, Causal, Local, Chunked.
+  """
+  causal, windows, chunks = False, set(), set()
+  for m in (mask.masks if isinstance(mask, And) else (mask,)):
+    causal |= m.is_causal
+    if isinstance(m, Local):
+      windows.add(m.window)
+    elif isinstance(m, Chunked):
+      chunks.add(m.size)
+    elif not isinstance(m, (Full, Causal)):
+      raise NoBand(f"mask {m!r} has no normal form (causal, sliding window, chunks).")
+  if len(chunks) > 1:
+    raise NoBand(f"Chunked masks of different sizes {sorted(chunks)} combined have no single"
+                 " chunk size.")
+  return Band(causal, min(windows, default=None), min(chunks, default=None))

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
+from flaxattn import registry
 from flaxattn.layout import Layout
 from flaxattn.masks import Mask
 
@@ -45,3 +48,14 @@ def reference_attention(q, k, v, layout: Layout, *, mask: Mask, scale: float, re
     return out
   lse_BTH = lse_BKGT.transpose(0, 3, 1, 2).reshape(b, t, h)
   return out, lse_BTH
+
+
+@dataclasses.dataclass(frozen=True)
+class Reference(registry.Kernel):
+  """`backend="reference"`: every call on one device or gathered keys; never chosen by
+  "auto" (O(T * S) memory)."""
+
+  name: str = "reference"
+
+  def __call__(self, q, k, v, layout: Layout, *, mask: Mask, scale: float, return_lse: bool):
+    return reference_attention(q, k, v, layout, mask=mask, scale=scale, return_lse=return_lse)

@@ -1,20 +1,43 @@
-"""Kernel registry: which attention kernels exist, on which platforms, in which order.
+"""Which attention kernels exist, in which order each platform prefers them, and who serves a call.
 
-Each kernel states whether it can serve a call and, if not, why. `backend="auto"` takes
-the first kernel of the platform's list that accepts the call; an explicit backend that
-declines raises an error naming its reason and the kernels that would accept.
+Every kernel subclasses `Kernel` and says whether it serves a call (`unsupported_reason`,
+context parallelism included). `backend="auto"` takes the first kernel of the platform's
+row of `BACKENDS` that accepts; a name of `ALIASES` the first of its kernels that accepts;
+an explicit kernel that declines raises with its reason and the kernels that would accept.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Protocol
+import importlib
 
 import jax
 import numpy as np
 
+from flaxattn.context_parallel import Gathered
 from flaxattn.layout import Layout
 from flaxattn.masks import Mask
+
+# Per platform, fastest first. Kernel modules load when first consulted, so `import
+# flaxattn` touches no JAX private API and a change to one breaks one backend.
+BACKENDS: dict[str, list[str]] = {
+    "tpu": ["splash",      # Pallas TPU kernel with lazy masks; exact by a run-time check
+            "blockwise"],  # whatever splash declines
+    "gpu": ["cudnn",       # cuDNN fused THD attention, where it is exact
+            "blockwise"],  # whatever cuDNN declines (Chunked, float32, context parallelism)
+    "cpu": ["blockwise"],  # flash attention in JAX: serves every call
+}
+# Names that stand for "the first of these kernels that accepts".
+ALIASES = {"fused": ("cudnn", "blockwise")}
+# Where each built-in kernel lives ("module:class"); `register` adds kernel objects.
+_BUILTIN = {
+    "blockwise": "flaxattn.blockwise:Blockwise",
+    "cudnn": "flaxattn.cudnn:Cudnn",
+    "reference": "flaxattn.reference:Reference",
+    "splash": "flaxattn.splash:Splash",
+}
+_KERNELS: dict[str, Kernel] = {}
+PLATFORMS = ("cpu", "gpu", "tpu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,105 +53,142 @@ class Call:
   has_positions: bool
   return_lse: bool
   cp_size: int = 1  # devices the sequence is split over (context parallelism)
+  cp_strategy: str | None = None  # "ring", "all_gather" or None
 
   @classmethod
-  def of(cls, q, k, mask: Mask, layout: Layout, return_lse: bool, cp_size: int = 1) -> Call:
+  def of(cls, q, k, mask: Mask, layout: Layout, return_lse: bool, cp_size: int = 1,
+         cp_strategy: str | None = None) -> Call:
     """The call of `flaxattn.attention` on the current platform for these arguments."""
-    return cls(platform=current_platform(), q_shape=tuple(q.shape), kv_shape=tuple(k.shape),
+    return cls(platform=jax.default_backend(), q_shape=tuple(q.shape), kv_shape=tuple(k.shape),
                dtype=str(np.dtype(q.dtype)), mask=mask,
                has_segment_ids=layout.q_segment_ids is not None,
                has_positions=layout.q_positions is not None or layout.kv_positions is not None,
-               return_lse=return_lse, cp_size=cp_size)
+               return_lse=return_lse, cp_size=cp_size, cp_strategy=cp_strategy)
 
 
-class Kernel(Protocol):
-  name: str
+class Kernel:
+  """An attention kernel. Subclasses set `name` and implement `reason` and `__call__`;
+  those with per-block passes for the ring strategy set `ring = True` and implement
+  `context_parallel_local` for it (see `flaxattn.context_parallel.LocalAttention`)."""
+
+  name: str = ""
+  ring: bool = False
 
   def unsupported_reason(self, call: Call) -> str | None:
-    """None if the kernel serves `call`, else a sentence saying why not."""
+    """None if the kernel serves `call` (with its context parallelism), else why not."""
+    reason = self.reason(call)
+    if reason is None and call.cp_strategy == "ring" and not self.ring:
+      able = [n for n in names() if get(n).ring]
+      reason = (f"{self.name} has no per-block passes for the ring strategy; use"
+                f" strategy='all_gather' or one of {able}.")
+    return reason
 
-  def __call__(self, q, k, v, layout, *, mask: Mask, scale: float, return_lse: bool):
+  def reason(self, call: Call) -> str | None:
+    """The kernel's own limits: None, or a sentence saying what it cannot serve and why."""
+    return None
+
+  def describe(self, call: Call) -> str | None:
+    """What `explain` adds after the kernel's name (e.g. a run-time check), or None."""
+    return None
+
+  def __call__(self, q, k, v, layout: Layout, *, mask: Mask, scale: float, return_lse: bool):
     """Attention `[B, T, H, D]` (and log-sum-exp `[B, T, H]` float32 with `return_lse`)."""
+    raise NotImplementedError
+
+  def context_parallel_local(self, *, strategy: str, mask: Mask, scale: float, **call):
+    """The per-device computation of context-parallel attention: (local, data, data_specs)
+    (see `flaxattn.context_parallel.LocalAttention`; `call` holds the shapes, mesh axis
+    and layout). The default serves "all_gather", the one strategy `unsupported_reason`
+    lets through without `ring`, by calling the kernel on the gathered keys."""
+    return Gathered(self, mask, scale), None, None
 
 
-@dataclasses.dataclass(frozen=True)
-class FunctionKernel:
-  """A kernel made of a function and a support predicate."""
+def register(kernel: Kernel, *, platforms=(), before: str | None = None,
+             after: str | None = None) -> None:
+  """Adds `kernel` (replacing one of the same name) and places it in each platform's row of
+  `BACKENDS`: before or after the named kernel, else last.
 
-  name: str
-  fn: Callable
-  reason_fn: Callable[[Call], str | None] = lambda call: None
-
-  def unsupported_reason(self, call: Call) -> str | None:
-    return self.reason_fn(call)
-
-  def __call__(self, q, k, v, layout, *, mask, scale, return_lse):
-    return self.fn(q, k, v, layout, mask=mask, scale=scale, return_lse=return_lse)
-
-
-_KERNELS: dict[str, Kernel] = {}
-# Preference per platform, fastest first. Platforms not listed use "default".
-_ORDER: dict[str, list[str]] = {"default": []}
-
-
-def register(kernel: Kernel, *, platforms: dict[str, int] | None = None) -> None:
-  """Adds `kernel`; `platforms` maps platform name ("cpu", "gpu", "tpu", "default")
-  to its rank in that platform's list (lower is preferred)."""
+  Raises:
+    ValueError: not a `Kernel`, both `before` and `after`, or a platform's row without them.
+  """
+  if not isinstance(kernel, Kernel) or not kernel.name:
+    raise ValueError(f"register expects a named flaxattn.registry.Kernel, got {kernel!r}.")
+  if before is not None and after is not None:
+    raise ValueError(f"register expects before= or after=, not both (got {before!r}, {after!r}).")
+  for platform in platforms:
+    row = BACKENDS.setdefault(platform, [])
+    if kernel.name in row:
+      row.remove(kernel.name)
+    anchor = before or after
+    if anchor is None:
+      row.append(kernel.name)
+    elif anchor not in row:
+      raise ValueError(f"register(..., {'before' if before else 'after'}={anchor!r}) expects a"
+                       f" kernel of the {platform} row {row}.")
+    else:
+      row.insert(row.index(anchor) + (after is not None), kernel.name)
   _KERNELS[kernel.name] = kernel
-  for platform, rank in (platforms or {"default": 100}).items():
-    order = _ORDER.setdefault(platform, [])
-    if kernel.name in order:
-      order.remove(kernel.name)
-    order.insert(min(rank, len(order)), kernel.name)
 
 
 def names() -> list[str]:
-  return sorted(_KERNELS)
+  """The registered kernels' names."""
+  return sorted(set(_BUILTIN) | set(_KERNELS))
+
+
+def backend_names() -> list[str]:
+  """Every string `backend=` takes: "auto", the aliases and the kernel names."""
+  return ["auto", *ALIASES, *names()]
+
+
+def get(name: str) -> Kernel:
+  """The kernel called `name`, its module imported on first use."""
+  if name not in _KERNELS:
+    module, cls = _BUILTIN[name].split(":")
+    _KERNELS[name] = getattr(importlib.import_module(module), cls)()
+  return _KERNELS[name]
 
 
 def order(platform: str) -> list[str]:
-  return _ORDER.get(platform, _ORDER["default"]) or _ORDER["default"]
+  return BACKENDS.get(platform, BACKENDS["cpu"])
 
 
-def current_platform() -> str:
-  return jax.default_backend()
+def reasons(call: Call, kernels=None) -> dict[str, str | None]:
+  """Each kernel's answer for `call` (every registered one by default): None or why not."""
+  return {name: get(name).unsupported_reason(call) for name in (kernels or names())}
 
 
-def reasons(call: Call) -> dict[str, str | None]:
-  """Every registered kernel's answer for `call`: None (accepts) or why not."""
-  return {name: _KERNELS[name].unsupported_reason(call) for name in names()}
+def _first(candidates, call: Call, backend) -> Kernel:
+  for name in candidates:
+    if get(name).unsupported_reason(call) is None:
+      return get(name)
+  raise ValueError(f"backend={backend!r}: no kernel serves this call on {call.platform}:\n"
+                   + _format_reasons(reasons(call, candidates)))
 
 
 def select(backend, call: Call) -> Kernel:
-  """The kernel that serves `call` for `backend` ("auto", a kernel name or a kernel object,
-  which is how a kernel's options such as splash block sizes are set).
+  """The kernel that serves `call` for `backend`: "auto", an alias ("fused"), a kernel name,
+  or a kernel object (how a kernel's options, e.g. splash block sizes, are set).
 
   Raises:
     ValueError: unknown backend, or an explicit backend that cannot serve the call.
   """
-  if not isinstance(backend, str):
-    if not hasattr(backend, "unsupported_reason"):
-      raise ValueError(f"backend expects 'auto', a kernel name in {names()} or a kernel object"
-                       f" (e.g. flaxattn.splash.Splash(block_q=256)), got {backend!r}.")
-    reason = backend.unsupported_reason(call)
-    if reason is not None:
-      raise ValueError(f"backend={backend!r} cannot serve this call: {reason}")
-    return backend
-  if backend == "auto":
-    for name in order(call.platform):
-      if _KERNELS[name].unsupported_reason(call) is None:
-        return _KERNELS[name]
-    raise ValueError(f"backend='auto': no kernel serves this call on {call.platform}:\n"
-                     + _format_reasons(reasons(call)))
-  if backend not in _KERNELS:
-    raise ValueError(f"backend expects 'auto' or one of {names()}, got {backend!r}.")
-  reason = _KERNELS[backend].unsupported_reason(call)
+  if isinstance(backend, Kernel):
+    kernel = backend
+  elif backend == "auto":
+    return _first(order(call.platform), call, backend)
+  elif backend in ALIASES:
+    return _first(ALIASES[backend], call, backend)
+  elif isinstance(backend, str) and backend in names():
+    kernel = get(backend)
+  else:
+    raise ValueError(f"backend expects one of {backend_names()} or a kernel"
+                     f" object (e.g. flaxattn.splash.Splash(block_q=256)), got {backend!r}.")
+  reason = kernel.unsupported_reason(call)
   if reason is not None:
     able = [n for n, r in reasons(call).items() if r is None]
-    raise ValueError(
-        f"backend={backend!r} cannot serve this call: {reason} "
-        f"Kernels that can: {able or 'none'}; or pass backend='auto'.")
-  return _KERNELS[backend]
+    raise ValueError(f"backend={backend!r} cannot serve this call: {reason} Kernels that can:"
+                     f" {able or 'none'}; or pass backend='auto'.")
+  return kernel
 
 
 def _format_reasons(answers: dict[str, str | None]) -> str:
@@ -136,30 +196,33 @@ def _format_reasons(answers: dict[str, str | None]) -> str:
                    for n, r in answers.items())
 
 
-PLATFORMS = ("cpu", "gpu", "tpu")
-
-
 def _resolve(backend, call: Call) -> str:
-  """What `backend` runs for `call`: a kernel name, with the kernel's own account of which
-  implementation it uses where it has several (e.g. "fused (cudnn)")."""
+  """What `backend` runs for `call`: the kernel's name, what it adds (`describe`), and for
+  "auto" or an alias why the kernels before it declined."""
   try:
     kernel = select(backend, call)
   except ValueError as e:
     return f"error: {e}"
-  detail = kernel.describe(call) if hasattr(kernel, "describe") else None
-  return kernel.name if detail is None else f"{kernel.name} ({detail})"
+  notes = [kernel.describe(call)]
+  if isinstance(backend, str) and (backend == "auto" or backend in ALIASES):
+    candidates = order(call.platform) if backend == "auto" else ALIASES[backend]
+    notes += [f"{n} declines: {get(n).unsupported_reason(call)}"
+              for n in candidates[:candidates.index(kernel.name)]]
+  notes = [n for n in notes if n]
+  return kernel.name + (f" ({'; '.join(notes)})" if notes else "")
 
 
 def describe(backend, call: Call) -> str:
   """Human-readable account of how `backend` resolves for `call` on its platform (every
   kernel's answer), then what it would run on each platform."""
+  cp = (f"; context parallel ({call.cp_strategy}) over {call.cp_size} devices"
+        if call.cp_strategy else "")
   lines = [f"platform: {call.platform}; q {call.q_shape}, k/v {call.kv_shape}, {call.dtype};"
            f" mask {call.mask}; segment_ids: {call.has_segment_ids};"
-           f" positions: {call.has_positions}"
-           + (f"; context parallel over {call.cp_size} devices" if call.cp_size > 1 else ""),
-           f"order on {call.platform}: {order(call.platform)}"]
-  lines.append(_format_reasons(reasons(call)))
-  lines.append(f"backend={backend!r} -> {_resolve(backend, call)}")
-  lines.append(f"per platform, backend={backend!r}:")
+           f" positions: {call.has_positions}{cp}",
+           f"order on {call.platform}: {order(call.platform)}",
+           _format_reasons(reasons(call)),
+           f"backend={backend!r} -> {_resolve(backend, call)}",
+           f"per platform, backend={backend!r}:"]
   lines += [f"  {p}: {_resolve(backend, dataclasses.replace(call, platform=p))}" for p in PLATFORMS]
   return "\n".join(lines)

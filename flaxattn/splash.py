@@ -47,7 +47,7 @@ from jax.sharding import PartitionSpec as P
 
 from flaxattn import blockwise, registry, sharding
 from flaxattn.layout import Layout, follows_index
-from flaxattn.masks import And, Causal, Chunked, Full, Local, Mask
+from flaxattn.masks import Band, Mask, NoBand, band
 
 LANES = 128  # splash's blocks are multiples of the TPU lane width
 # Rows whose lse is below this saw no key: splash leaves them at its mask value (finite
@@ -55,44 +55,6 @@ LANES = 128  # splash's blocks are multiples of the TPU lane width
 _EMPTY_LSE = sk.DEFAULT_MASK_VALUE / 2
 # Stands in for lse = -inf in the backward pass: exp(score - this) = 0 for every score.
 _NO_KEYS_LSE = 1e30
-
-# A mask as lazy parts: () is Full; otherwise ("causal",), ("local", window), ("chunked", size).
-Parts = tuple[tuple, ...]
-
-
-def lazy_parts(mask: Mask) -> Parts | str:
-  """`mask` as the splash lazy masks whose intersection it is, or a reason it has none.
-
-  Causal is absorbed by Local/Chunked (both are causal), windows intersect to the smallest.
-  """
-  causal, windows, sizes = False, set(), set()
-  for m in (mask.masks if isinstance(mask, And) else (mask,)):
-    if isinstance(m, Full):
-      continue
-    if isinstance(m, Causal):
-      causal = True
-    elif isinstance(m, Local):
-      windows.add(m.window)
-    elif isinstance(m, Chunked):
-      sizes.add(m.size)
-    else:
-      return f"mask {m!r} has no lazy splash equivalent."
-  if len(sizes) > 1:
-    return f"splash has no lazy mask for Chunked masks of different sizes {sorted(sizes)} combined."
-  parts = tuple([("local", min(windows))] if windows else []) + tuple(("chunked", s) for s in sizes)
-  return parts or ((("causal",),) if causal else ())
-
-
-def _allows(parts: Parts, q, k):
-  """The mask on original indices, with operators that work on numpy and inside the kernel."""
-  allowed = k <= q
-  for kind, *args in parts:
-    if kind == "local":
-      allowed = allowed & (q - args[0] < k)
-    elif kind == "chunked":
-      allowed = allowed & (q // args[0] == k // args[0])
-  return allowed
-
 
 @dataclasses.dataclass(frozen=True)
 class TokenOrder:
@@ -145,8 +107,8 @@ class TokenOrder:
 class _OrderedMask(sm._ComputableMask):  # pylint: disable=protected-access
   """A lazy mask on original indices for a kernel whose rows/columns are in `order`."""
 
-  def __init__(self, parts: Parts, shape: tuple[int, int], order: TokenOrder):
-    self.parts, self.order = parts, order
+  def __init__(self, normal: Band, shape: tuple[int, int], order: TokenOrder):
+    self.normal, self.order = normal, order
     self.shard_len = shape[0] // order.shards
     super().__init__(shape, self._mask_function)
     rows = np.arange(shape[0], dtype=np.int32)
@@ -154,26 +116,29 @@ class _OrderedMask(sm._ComputableMask):  # pylint: disable=protected-access
                                      self.shard_len).astype(np.int32)
 
   def _mask_function(self, q_index, col):
-    return _allows(self.parts, q_index, self.order.key_original(q_index, col, self.shard_len))
+    # The mask's own rule, on indices: numpy on the host, jax inside the kernel.
+    return self.normal.mask.allows(q_index, self.order.key_original(q_index, col, self.shard_len))
 
   def __eq__(self, other):
-    return (isinstance(other, _OrderedMask) and (self.parts, self.shape, self.order)
-            == (other.parts, other.shape, other.order))
+    return (isinstance(other, _OrderedMask) and (self.normal, self.shape, self.order)
+            == (other.normal, other.shape, other.order))
 
   def __hash__(self):
-    return hash((self.parts, self.shape, self.order))
+    return hash((self.normal, self.shape, self.order))
 
 
-def _splash_mask(parts: Parts, shape: tuple[int, int], order: TokenOrder) -> sm.Mask:
-  if not parts:
+def _splash_mask(normal: Band, shape: tuple[int, int], order: TokenOrder) -> sm.Mask:
+  if normal == Band():
     return sm.FullMask(shape)
   if order.shards > 1:
-    return _OrderedMask(parts, shape, order)
-  build = {"causal": lambda: sm.CausalMask(shape),
-           # ours: p - w < k <= p, i.e. w - 1 keys to the left and none to the right.
-           "local": lambda w: sm.LocalMask(shape, window_size=(w - 1, 0), offset=0),
-           "chunked": lambda s: sm.ChunkedCausalMask(shape, chunk_size=s)}
-  return functools.reduce(lambda a, b: a & b, [build[kind](*args) for kind, *args in parts])
+    return _OrderedMask(normal, shape, order)
+  # Splash's own lazy masks where the kernel's rows and columns are the token index.
+  parts = [sm.CausalMask(shape)] if normal == Band(causal=True) else []
+  if normal.window is not None:  # ours: p - w < k <= p, i.e. w - 1 keys to the left
+    parts.append(sm.LocalMask(shape, window_size=(normal.window - 1, 0), offset=0))
+  if normal.chunk is not None:
+    parts.append(sm.ChunkedCausalMask(shape, chunk_size=normal.chunk))
+  return functools.reduce(lambda a, b: a & b, parts)
 
 
 def block_size(length: int, requested: int) -> int:
@@ -192,14 +157,14 @@ def default_block(head_dim: int) -> int:
 
 
 @functools.lru_cache(maxsize=64)
-def _kernel(parts: Parts, order: TokenOrder, q_len: int, kv_len: int, groups: int, bq: int,
+def _kernel(normal: Band, order: TokenOrder, q_len: int, kv_len: int, groups: int, bq: int,
             bkv: int, interpret: bool) -> sk.SplashAttentionKernel | None:
   """The MQA splash kernel for `groups` query heads per KV head (cached: built once per
   shape, mask and block sizes, so retracing costs nothing). None when the mask allows
   nothing (a ring step whose keys no query may see)."""
   sizes = sk.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq,
                         block_kv_dkv=bkv, block_kv_dkv_compute=bkv, use_fused_bwd_kernel=True)
-  mask = sm.MultiHeadMask([_splash_mask(parts, (q_len, kv_len), order)] * groups)
+  mask = sm.MultiHeadMask([_splash_mask(normal, (q_len, kv_len), order)] * groups)
   # Mask infos must be concrete constants even when first built inside a jit trace.
   with jax.ensure_compile_time_eval():
     if order.shards == 1:
@@ -294,7 +259,7 @@ def backward(kernel, q, k, v, q_seg, kv_seg, out, lse, dout, dlse, *, scale: flo
 def needs_index_check(mask: Mask, has_positions: bool) -> bool:
   """Whether splash's exactness depends on the data: explicit positions and a mask that
   reads them (`Full` does not; default positions are the index itself)."""
-  return has_positions and lazy_parts(mask) != ()
+  return has_positions and band(mask) != Band()
 
 
 def index_check(mask: Mask, layout: Layout, q_index, kv_index):
@@ -308,9 +273,7 @@ def index_check(mask: Mask, layout: Layout, q_index, kv_index):
   kv_seg = q_seg if layout.kv_segment_ids is None else layout.kv_segment_ids
   q_pos = q_index if layout.q_positions is None else layout.q_positions
   kv_pos = kv_index if layout.kv_positions is None else layout.kv_positions
-  chunks = [size for kind, *size in lazy_parts(mask) if kind == "chunked"]
-  return follows_index(Layout(q_seg, kv_seg, q_pos, kv_pos), q_index, kv_index,
-                       chunks[0][0] if chunks else None)
+  return follows_index(Layout(q_seg, kv_seg, q_pos, kv_pos), q_index, kv_index, band(mask).chunk)
 
 
 def _index_masked_or_blockwise(exact, index_masked, blockwise_fn):
@@ -328,7 +291,7 @@ def _attend_fwd(scale, mask, kernel, exact, q, k, v, layout):
   out, lse = _index_masked_or_blockwise(
       exact,
       lambda: forward(kernel, q, k, v, layout.q_segment_ids, layout.kv_segment_ids, scale=scale),
-      lambda: blockwise.attention_forward(q, k, v, layout, mask=mask, scale=scale))
+      lambda: blockwise.forward(q, k, v, layout, mask=mask, scale=scale))
   return (out, lse), (kernel, exact, q, k, v, layout, out, lse)
 
 
@@ -339,7 +302,7 @@ def _attend_bwd(scale, mask, residuals, cotangents):
       exact,
       lambda: backward(kernel, q, k, v, layout.q_segment_ids, layout.kv_segment_ids, out, lse,
                        dout, dlse, scale=scale),
-      lambda: blockwise.attention_backward(q, k, v, layout, out, lse, dout, dlse, mask=mask,
+      lambda: blockwise.backward(q, k, v, layout, out, lse, dout, dlse, mask=mask,
                                            scale=scale))
   return None, None, dq, dk, dv, None
 
@@ -348,13 +311,14 @@ _attend.defvjp(_attend_fwd, _attend_bwd)
 
 
 @dataclasses.dataclass(frozen=True)
-class Splash:
+class Splash(registry.Kernel):
   """The "splash" kernel. Block sizes default to `default_block(head_dim)` fitted to the
   sequence; pass `Splash(block_q=..., block_kv=...)` as `backend=` to override them."""
 
   block_q: int | None = None
   block_kv: int | None = None
   name: str = "splash"
+  ring: bool = True
 
   def __post_init__(self):
     for arg in ("block_q", "block_kv"):
@@ -363,7 +327,7 @@ class Splash:
         raise ValueError(f"Splash({arg}=...) expects a positive multiple of {LANES} or None,"
                          f" got {value!r}.")
 
-  def unsupported_reason(self, call: registry.Call) -> str | None:
+  def reason(self, call: registry.Call) -> str | None:
     """None if splash serves `call` exactly (see the module docstring), else why not."""
     t, s = call.q_shape[1], call.kv_shape[1]
     if t != s:
@@ -374,8 +338,11 @@ class Splash:
       return (f"splash needs a sequence length{per} that is a multiple of {LANES}, got"
               f" {t // call.cp_size if t % call.cp_size == 0 else t / call.cp_size}; pad the"
               " sequence (padding as segment 0) or use 'fused'.")
-    parts = lazy_parts(call.mask)
-    return parts if isinstance(parts, str) else None
+    try:
+      band(call.mask)
+    except NoBand as e:
+      return f"splash has no lazy mask for {call.mask!r}: {e}"
+    return None
 
   def describe(self, call: registry.Call) -> str | None:
     """What runs: splash, and the run-time check where explicit positions meet a mask."""
@@ -391,9 +358,7 @@ class Splash:
   def kernel(self, mask: Mask, order: TokenOrder, q_shape, kv_shape):
     """The cached kernel for global shapes q `[B, T, H, D]`, k `[B, S, Hkv, D]` whose
     queries are split over `order.shards` devices."""
-    parts = lazy_parts(mask)
-    if isinstance(parts, str):
-      raise ValueError(f"splash cannot serve mask={mask!r}: {parts}")
+    normal = band(mask)
     t, s = q_shape[1], kv_shape[1]
     shard_len = t // order.shards
     # A block straddling the two load-balanced chunks of a shard covers distant tokens and
@@ -401,8 +366,8 @@ class Splash:
     chunk = shard_len // 2
     unit = chunk if order.load_balance and order.shards > 1 and chunk % LANES == 0 else shard_len
     bq, bkv = self.blocks(unit, s if order.shards == 1 else min(s, unit), q_shape[3])
-    return _kernel(parts, order, t, s, q_shape[2] // kv_shape[2], bq, bkv,
-                   registry.current_platform() != "tpu")
+    return _kernel(normal, order, t, s, q_shape[2] // kv_shape[2], bq, bkv,
+                   jax.default_backend() != "tpu")
 
   def __call__(self, q, k, v, layout: Layout, *, mask: Mask, scale: float, return_lse: bool):
     """Splash attention over packed sequences (self attention, T a multiple of 128).
@@ -420,7 +385,7 @@ class Splash:
     if k.shape[1] != q.shape[1]:
       raise ValueError(f"splash serves self attention only, got q {q.shape} and k {k.shape}.")
     kernel = self.kernel(mask, TokenOrder(), q.shape, k.shape)
-    index = jnp.broadcast_to(jnp.arange(q.shape[1], dtype=jnp.int32), q.shape[:2])
+    index = layout.index(*q.shape[:2])
     exact = index_check(mask, layout, index, index)
     attend = functools.partial(_attend, float(scale), mask)
     mesh = jax.sharding.get_abstract_mesh()
@@ -437,15 +402,11 @@ class Splash:
     out, lse = attend(kernel, exact, q, k, v, layout)
     return (out, lse) if return_lse else out
 
-  def context_parallel_local(self, *, strategy: str, axis: str, shards: int, load_balance: bool,
-                             mask: Mask, scale: float, q_shape, kv_shape, layout: Layout, index,
-                             fallback):
+  def context_parallel_local(self, *, strategy: str, mask: Mask, scale: float, shards: int,
+                             axis: str, load_balance: bool, q_shape, kv_shape, layout: Layout):
     """The local computation of context-parallel attention (see `context_parallel`): one
     kernel per ring step (or one for the gathered keys), with mask infos sharded over `axis`.
-
-    `layout` is the call's (global, positions None where not given), `index` `[B, T]` the
-    original token index of each position in the sequence; a batch that fails
-    `index_check` runs `fallback`, the ring's blockwise step, instead."""
+    A batch that fails `index_check` (on the global `layout`) runs the blockwise passes."""
     t = q_shape[1]
     if strategy == "ring":
       kernels = tuple(self.kernel(mask, TokenOrder(shards, load_balance, step), q_shape,
@@ -453,8 +414,10 @@ class Splash:
                       for step in range(shards))
     else:
       kernels = (self.kernel(mask, TokenOrder(shards, load_balance, None), q_shape, kv_shape),)
+    index = layout.index(q_shape[0], t)
     exact = index_check(mask, layout, index, index)
     specs = tuple(_kernel_spec(k, axis) for k in kernels)
+    fallback = blockwise.ring_step(mask, scale, t, shards, load_balance)
     return _SplashLocal(float(scale), mask, fallback), (kernels, exact), (specs, P())
 
 

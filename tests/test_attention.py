@@ -52,7 +52,7 @@ def _compare(kernel, layout, mask, q, k, v, dtype):
 def _small_blocks(q, k, v, layout, *, mask, scale, return_lse):
   # Blocks of 16 queries x 32 keys so documents and T=100 cross many block edges.
   return blockwise_attention(q, k, v, layout, mask=mask, scale=scale, return_lse=return_lse,
-                             block_q=16, block_k=32)
+                             block_q=16, block_kv=32)
 
 
 # Each mask with and without packing; GQA ratios 1, 2, 4 cycle through the cases so every

@@ -5,6 +5,7 @@ On CPU, the `fake_cudnn` fixture (conftest.py) gives JAX's cuDNN primitives a CP
 that models cuDNN; everything above it is JAX's real code.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -49,7 +50,7 @@ def _call(platform="gpu", dtype="bfloat16", d=128, mask=flaxattn.Causal(), segme
     _call(positions=True, segments=False, mask=flaxattn.Full()), _call(t=100, s=300)],
     ids=lambda c: f"{c.dtype}-d{c.q_shape[-1]}-{c.mask}-seg{c.has_segment_ids}-pos{c.has_positions}")
 def test_accepts(call):
-  assert cudnn.cudnn_unsupported_reason(call) is None
+  assert cudnn.Cudnn().unsupported_reason(call) is None
 
 
 @pytest.mark.parametrize("call,words", [
@@ -64,7 +65,15 @@ def test_accepts(call):
     (_call(positions=True, segments=False, mask=flaxattn.Local(8)), "load-balanced"),
 ])
 def test_declines_with_reason(call, words):
-  assert words in cudnn.cudnn_unsupported_reason(call)
+  assert words in cudnn.Cudnn().unsupported_reason(call)
+
+
+def test_declines_context_parallelism_which_blockwise_serves():
+  for strategy in ("ring", "all_gather"):
+    call = dataclasses.replace(_call(), cp_size=2, cp_strategy=strategy)
+    assert "the blockwise kernel serves context parallelism" in cudnn.Cudnn().unsupported_reason(call)
+    assert registry.select("fused", call).name == "blockwise"
+    assert registry.select("auto", call).name == "blockwise"
 
 
 def test_mask_band():
@@ -72,6 +81,8 @@ def test_mask_band():
   assert cudnn.mask_band(flaxattn.Causal()) == (True, None)
   assert cudnn.mask_band(flaxattn.Local(9) & flaxattn.Full()) == (True, 9)
   assert cudnn.mask_band(flaxattn.Local(9) & flaxattn.Causal() & flaxattn.Local(4)) == (True, 4)
+  with pytest.raises(ValueError, match="no chunked mask"):
+    cudnn.mask_band(flaxattn.Chunked(4) & flaxattn.Causal())
   x = jnp.zeros((1, 16, 2, 8), jnp.bfloat16)
   with pytest.raises(ValueError, match="chunked"):
     cudnn.cudnn_attention(x, x, x, Layout(), mask=flaxattn.Chunked(4), scale=1.0, return_lse=False)
@@ -89,8 +100,8 @@ def reference_fallback(monkeypatch):
     _, vjp = jax.vjp(lambda q, k, v: forward(q, k, v, layout, mask=mask, scale=scale), q, k, v)
     return vjp((dout, dlse))
 
-  monkeypatch.setattr(cudnn.blockwise, "attention_forward", forward)
-  monkeypatch.setattr(cudnn.blockwise, "attention_backward", backward)
+  monkeypatch.setattr(cudnn.blockwise, "forward", forward)
+  monkeypatch.setattr(cudnn.blockwise, "backward", backward)
 
 
 def _kernel(max_segments):
@@ -167,10 +178,10 @@ def test_fake_dense_rows_without_lse_cotangent(fake_cudnn):
 def _ring_style(q, k, v, dout, dlse):
   mask, scale, half = flaxattn.Full(), 0.3, k.shape[1] // 2
   blocks = [(k[:, :half], v[:, :half]), (k[:, half:], v[:, half:])]
-  parts = [cudnn.cudnn_forward(q, kb, vb, Layout(), mask=mask, scale=scale) for kb, vb in blocks]
+  parts = [cudnn.forward(q, kb, vb, Layout(), mask=mask, scale=scale) for kb, vb in blocks]
   lse = jnp.logaddexp(parts[0][1], parts[1][1])
   out = sum(jnp.exp(l - lse)[..., None] * o.astype(jnp.float32) for o, l in parts)
-  grads = [cudnn.cudnn_backward(q, kb, vb, Layout(), out.astype(q.dtype), lse, dout, dlse,
+  grads = [cudnn.backward(q, kb, vb, Layout(), out.astype(q.dtype), lse, dout, dlse,
                                 mask=mask, scale=scale) for kb, vb in blocks]
   dq = sum(g[0].astype(jnp.float32) for g in grads)
   dk = jnp.concatenate([g[1] for g in grads], axis=1)
@@ -184,7 +195,7 @@ def _ring_style(q, k, v, dout, dlse):
 
 
 def test_fake_ring_style_passes(fake_cudnn):
-  """cudnn_forward on two key blocks merged by lse, then cudnn_backward per block with the
+  """cudnn.forward on two key blocks merged by lse, then cudnn.backward per block with the
   merged output and lse (and an lse cotangent), equals attention over all keys."""
   q, k, v = _inputs(10, B, T, T, 4, 2, D, jnp.bfloat16)
   rng = np.random.default_rng(11)
@@ -236,7 +247,7 @@ def test_exactness_check_and_fallback(fake_cudnn):
 
 def _served(q, k, mask, packed):
   """Skips (with cuDNN's reason) what this GPU cannot run, e.g. THD before Hopper."""
-  reason = cudnn.cudnn_unsupported_reason(registry.Call(
+  reason = cudnn.Cudnn().unsupported_reason(registry.Call(
       platform="gpu", q_shape=q.shape, kv_shape=k.shape, dtype=str(q.dtype), mask=mask,
       has_segment_ids=packed, has_positions=packed, return_lse=True))
   if reason is not None:

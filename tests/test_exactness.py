@@ -35,7 +35,7 @@ def test_blockwise(seed):
   mask = MASKS[seed % len(MASKS)]
   s = None if seed % 2 else 76
   q, k, v = _inputs(seed, 2, 100, s or 100, 4, (1, 2, 4)[seed % 3], 8, jnp.float32)
-  small = functools.partial(blockwise_attention, block_q=16, block_k=32)
+  small = functools.partial(blockwise_attention, block_q=16, block_kv=32)
   _compare(small, _layout(seed, 2, 100, s), mask, q, k, v, jnp.float32)
 
 

@@ -1,6 +1,9 @@
 """Bad input raises an error naming the argument, what was received and what was expected;
 the registry explains and refuses what it cannot serve."""
 
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,7 +28,7 @@ K = jnp.zeros((2, 16, 2, 8))
     (dict(positions=jnp.ones((16,), jnp.int32)), r"positions expects an integer array of shape \(2, 16\)"),
     (dict(kv_positions=jnp.ones((2, 8), jnp.int32)), r"kv_positions expects .*\(2, 16\)"),
     (dict(kv_segment_ids=jnp.ones((2, 16), jnp.int32)), r"segment_ids is required"),
-    (dict(backend="nope"), r"backend expects 'auto' or one of \['fused', 'reference'"),
+    (dict(backend="nope"), r"backend expects one of \['auto', 'fused', 'blockwise', 'cudnn', 'reference', 'splash'\]"),
 ])
 def test_bad_input_names_the_argument(kwargs, match):
   args = dict(q=Q, k=K, v=K)
@@ -44,19 +47,74 @@ def test_cross_attention_needs_kv_segments():
     flaxattn.attention(Q, K[:, :9], K[:, :9], segment_ids=jnp.ones((2, 16), jnp.int32))
 
 
-def test_explicit_backend_that_declines_names_reason_and_alternatives(monkeypatch):
-  picky = registry.FunctionKernel("picky", lambda *a, **kw: None,
-                                  lambda call: None if call.dtype == "bfloat16" else "needs bfloat16.")
-  monkeypatch.setitem(registry._KERNELS, "picky", picky)
-  monkeypatch.setitem(registry._ORDER, "cpu", ["picky"] + registry.order("cpu"))
+class _Picky(registry.Kernel):
+  name = "picky"
+
+  def reason(self, call):
+    return None if call.dtype == "bfloat16" else "needs bfloat16."
+
+  def __call__(self, q, k, v, layout, *, mask, scale, return_lse):
+    return q
+
+
+@pytest.fixture
+def picky(monkeypatch):
+  """A registered kernel first on cpu, undone after the test."""
+  monkeypatch.setattr(registry, "_KERNELS", dict(registry._KERNELS))
+  monkeypatch.setattr(registry, "BACKENDS", {p: list(r) for p, r in registry.BACKENDS.items()})
+  registry.register(_Picky(), platforms=("cpu",), before="blockwise")
+
+
+def test_explicit_backend_that_declines_names_reason_and_alternatives(picky):
   with pytest.raises(ValueError, match=r"backend='picky' cannot serve this call: needs bfloat16\..*"
-                                       r"Kernels that can: \['fused', 'reference'\]"):
+                                       r"Kernels that can: \['blockwise', 'reference'\]"):
     flaxattn.attention(Q, K, K, backend="picky")
   text = flaxattn.explain(Q, K, K, print_fn=None)
-  assert "picky: declines: needs bfloat16." in text and "backend='auto' -> fused" in text
+  assert "picky: declines: needs bfloat16." in text
+  assert "backend='auto' -> blockwise (picky declines: needs bfloat16.)" in text
   text = flaxattn.explain(Q.astype(jnp.bfloat16), K.astype(jnp.bfloat16), K.astype(jnp.bfloat16),
                           print_fn=None)
   assert "backend='auto' -> picky" in text
+
+
+def test_registry_order_is_pinned_and_extended_by_name(picky):
+  assert registry.order("cpu") == ["picky", "blockwise"]
+  assert registry.order("tpu") == ["splash", "blockwise"]
+  assert registry.order("gpu") == ["cudnn", "blockwise"]
+  assert registry.ALIASES == {"fused": ("cudnn", "blockwise")}
+  registry.register(_Picky(), platforms=("cpu", "gpu"), after="blockwise")
+  assert registry.order("cpu") == ["blockwise", "picky"]
+  assert registry.order("gpu") == ["cudnn", "blockwise", "picky"]
+  registry.register(_Picky(), platforms=("tpu",), before="splash")
+  assert registry.order("tpu") == ["picky", "splash", "blockwise"]
+  with pytest.raises(ValueError, match=r"after='nope'\) expects a kernel of the cpu row"):
+    registry.register(_Picky(), platforms=("cpu",), after="nope")
+  with pytest.raises(ValueError, match="not both"):
+    registry.register(_Picky(), platforms=("cpu",), before="blockwise", after="blockwise")
+
+
+def test_explain_and_call_agree_under_context_parallelism():
+  mesh = jax.make_mesh((1,), ("context",), axis_types=(jax.sharding.AxisType.Auto,))
+  ring = flaxattn.ContextParallel(strategy="ring")
+  with jax.set_mesh(mesh):
+    text = flaxattn.explain(Q, K, K, backend="reference", context_parallel=ring, print_fn=None)
+    assert "backend='reference' -> error: backend='reference' cannot serve this call:" in text
+    with pytest.raises(ValueError, match=r"reference has no per-block passes for the ring"
+                                         r" strategy; use strategy='all_gather'"):
+      flaxattn.attention(Q, K, K, backend="reference", context_parallel=ring)
+    gather = flaxattn.ContextParallel(strategy="all_gather")
+    text = flaxattn.explain(Q, K, K, backend="reference", context_parallel=gather, print_fn=None)
+    assert "backend='reference' -> reference" in text
+    assert flaxattn.attention(Q, K, K, backend="reference", context_parallel=gather).shape == Q.shape
+
+
+def test_import_loads_no_kernel_that_uses_private_jax():
+  code = ("import sys, flaxattn; loaded = [m for m in sys.modules if m in ('flaxattn.cudnn',"
+          " 'flaxattn.splash') or m.startswith('jax.experimental.pallas')]; print(loaded)")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+  assert out.stdout.strip() == "[]", out.stdout + out.stderr
+  # They load when first consulted, e.g. by explain or as flaxattn.splash.
+  assert flaxattn.splash.Splash(block_q=256).block_q == 256
 
 
 def test_explain_takes_shapes_only(capsys):
@@ -64,21 +122,25 @@ def test_explain_takes_shapes_only(capsys):
   flaxattn.explain(shape(1, 4096, 8, 64), shape(1, 4096, 2, 64), shape(1, 4096, 2, 64),
                    mask=flaxattn.Local(128))
   out = capsys.readouterr().out
-  assert "mask Local(window=128)" in out and "-> fused" in out
+  assert "mask Local(window=128)" in out and "backend='auto' -> blockwise" in out
 
 
 def test_explain_shows_each_platform():
   shape = lambda *s, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(s, dtype)
   q, kv = shape(1, 4096, 8, 128), shape(1, 4096, 2, 128)
   text = flaxattn.explain(q, kv, kv, segment_ids=shape(1, 4096, dtype=jnp.int32), print_fn=None)
-  assert "  cpu: fused (blockwise)\n  gpu: fused (cudnn)\n  tpu: splash" in text
+  assert "  cpu: blockwise\n  gpu: cudnn (packed rows checked per batch" in text
+  assert "\n  tpu: splash\n" in text + "\n"
   # Chunked: no cuDNN mask, so GPU falls back and says why; splash chunks lazily on TPU.
   text = flaxattn.explain(q, kv, kv, mask=flaxattn.Chunked(1024), print_fn=None)
-  assert "gpu: fused (blockwise; cuDNN declines: cuDNN has no chunked mask" in text
+  assert "gpu: blockwise (cudnn declines: cuDNN has no chunked mask" in text
   assert "tpu: splash" in text
+  text = flaxattn.explain(q, kv, kv, mask=flaxattn.Chunked(1024), backend="fused", print_fn=None)
+  assert "gpu: blockwise (cudnn declines: cuDNN has no chunked mask" in text
   # 4000 tokens: not a multiple of splash's 128-token blocks, so TPU takes the blockwise kernel.
   q, kv = shape(1, 4000, 8, 128, dtype=jnp.float32), shape(1, 4000, 2, 128, dtype=jnp.float32)
   text = flaxattn.explain(q, kv, kv, print_fn=None)
-  assert "tpu: fused (blockwise)" in text and "gpu: fused (blockwise; cuDNN declines:" in text
+  assert "tpu: blockwise (splash declines: splash needs a sequence length" in text
+  assert "gpu: blockwise (cudnn declines:" in text
   text = flaxattn.explain(q, kv, kv, backend="splash", print_fn=None)
   assert "  tpu: error: backend='splash' cannot serve this call: splash needs a sequence length" in text

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import flaxattn
-from flaxattn.masks import And
+from flaxattn.masks import And, Band, NoBand, band
 
 MASKS = [flaxattn.Full(), flaxattn.Causal(), flaxattn.Local(5), flaxattn.Chunked(4),
          flaxattn.Causal() & flaxattn.Local(3), flaxattn.Chunked(8) & flaxattn.Local(6)]
@@ -51,3 +51,18 @@ def test_block_kinds_are_conservative(mask):
     assert not (full and not allowed.all()), (q_lo, q_hi, k_lo, k_hi)
     if not allowed.any() and isinstance(mask, (flaxattn.Causal, flaxattn.Local)):
       assert skip  # exact for single masks of one interval: no wasted blocks
+
+
+def test_band_is_the_one_normal_form():
+  C, L, K = flaxattn.Causal(), flaxattn.Local, flaxattn.Chunked
+  assert band(flaxattn.Full()) == Band()
+  assert band(flaxattn.Full() & C) == Band(causal=True)
+  assert band(C & L(8) & L(4)) == Band(True, window=4)
+  assert band(K(16) & C) == Band(True, chunk=16)
+  assert band(L(5) & K(16)) == Band(True, 5, 16)
+  with pytest.raises(NoBand, match=r"different sizes \[16, 32\]"):
+    band(K(16) & K(32))
+  # The band's mask is the same rule as the mask it came from.
+  q, k = np.arange(64)[:, None], np.arange(64)[None, :]
+  for mask in (flaxattn.Full(), C, C & L(8) & L(4), L(5) & K(16) & C):
+    np.testing.assert_array_equal(band(mask).mask.allows(q, k), mask.allows(q, k))

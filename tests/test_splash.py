@@ -15,6 +15,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ma
 import flaxattn
 from flaxattn import splash
 from flaxattn.layout import Layout
+from flaxattn.masks import Band
 from packing import random_packing
 from test_attention import _compare, _inputs
 
@@ -91,19 +92,10 @@ def test_decline_reasons():
   flaxattn.attention(q, k, v, mask=flaxattn.Full(), positions=pos, backend="splash")
 
 
-def test_auto_on_cpu_prefers_fused():
+def test_auto_on_cpu_prefers_blockwise():
   q, k, v = _inputs(6, 1, T, T, 2, 2, D, jnp.float32)
   text = flaxattn.explain(q, k, v, print_fn=None)
-  assert "splash: accepts" in text and "backend='auto' -> fused" in text
-
-
-def test_lazy_parts():
-  C, L, K = flaxattn.Causal(), flaxattn.Local, flaxattn.Chunked
-  assert splash.lazy_parts(flaxattn.Full()) == ()
-  assert splash.lazy_parts(flaxattn.Full() & C) == (("causal",),)
-  assert splash.lazy_parts(C & L(8) & L(4)) == (("local", 4),)
-  assert splash.lazy_parts(K(16) & C) == (("chunked", 16),)
-  assert splash.lazy_parts(L(5) & K(16)) == (("local", 5), ("chunked", 16))
+  assert "splash: accepts" in text and "backend='auto' -> blockwise" in text
 
 
 def test_long_causal_kernel_builds_without_dense_mask(monkeypatch):
@@ -115,7 +107,7 @@ def test_long_causal_kernel_builds_without_dense_mask(monkeypatch):
   t = 32768
   tracemalloc.start()
   try:
-    splash._kernel.__wrapped__((("causal",),), splash.TokenOrder(), t, t, 4, 512, 512, True)  # uncached
+    splash._kernel.__wrapped__(Band(causal=True), splash.TokenOrder(), t, t, 4, 512, 512, True)  # uncached
     peak = tracemalloc.get_traced_memory()[1]
   finally:
     tracemalloc.stop()
@@ -127,8 +119,7 @@ def _ring_blocks(mask, load_balance, n=4, t=4096):
   number of steps with nothing to compute anywhere (no kernel at all)."""
   _, (kernels, exact), _ = splash.Splash().context_parallel_local(
       strategy="ring", axis="context", shards=n, load_balance=load_balance, mask=mask,
-      scale=1.0, q_shape=(1, t, 2, 128), kv_shape=(1, t, 2, 128), layout=Layout(),
-      index=jnp.arange(t)[None], fallback=None)
+      scale=1.0, q_shape=(1, t, 2, 128), kv_shape=(1, t, 2, 128), layout=Layout())
   assert exact is None  # default positions: exact for any data
   per_device = np.zeros(n, int)
   for kernel in kernels:
