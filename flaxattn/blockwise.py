@@ -1,17 +1,8 @@
-"""Blockwise (flash) attention written in JAX, with a custom VJP. O(T) memory.
+"""Blockwise (flash) attention in JAX with a custom VJP, O(T) memory: the `blockwise` kernel.
 
-Queries and keys are cut into blocks. A block schedule, `kinds [B, nq, nk]`, says for
-each (query block, key block) pair whether it is empty (skipped: no work at all),
-dense (no mask computed) or partial (mask computed from segment ids and positions).
-When the layout is all defaults the schedule is computed with numpy at trace time (a
-static schedule); otherwise from per-block ranges of segment ids and positions.
-
-Loops run over batch rows and blocks explicitly (`lax.map`/`fori_loop` with `lax.switch`),
-never `vmap`, because a vmapped branch would evaluate every block.
-
-Internal layout: q as `[B, Hkv, T, G, D]` so that one query block of all G heads sharing
-a KV head is a contiguous `[Hkv, bq * G, D]` matrix: GQA costs no repeated K/V and the
-group folds into the matmul's rows.
+Owns the block schedule (which (query block, key block) pairs are skipped, dense or
+masked), the forward and backward passes, and their use as the ring's per-device step.
+Internally q is `[B, K, T, G, D]` so GQA folds into the matmul rows (docs/design.md).
 """
 
 from __future__ import annotations
@@ -117,6 +108,17 @@ def _at(x, *idx):
   return jax.lax.dynamic_slice(x, idx, (1,) * len(idx)).reshape(())
 
 
+def _tokens(x_BL, bi, start, size):
+  """`x_BL[bi, start:start + size]` of ids or positions, as a dynamic slice."""
+  return jax.lax.dynamic_slice(x_BL, (bi, start), (1, size))[0]
+
+
+def _block(x, bi, start, size):
+  """Row `bi`, tokens `start:start + size` (axis 2) of a `[B, K, L, ...]` array: `[K, size, ...]`."""
+  return jax.lax.dynamic_slice(x, (bi, 0, start) + (0,) * (x.ndim - 3),
+                               (1, x.shape[1], size) + x.shape[3:])[0]
+
+
 def _allowed(mask, q_seg, kv_seg, q_pos, kv_pos, g: int):
   """Mask of one block `[bq * G, bk]` for rows ordered (query, group)."""
   ok = (q_seg[:, None] == kv_seg[None, :]) & (q_seg[:, None] != 0)
@@ -133,9 +135,9 @@ def _scores(q_blk, k_blk, masked: bool, allowed_fn):
 
 
 def _blockwise_fwd(q, k, v, arrays, kinds, lo, hi, *, mask, bq, bk):
-  """q `[B, Hkv, Tp, G, D]` (already scaled), k/v `[B, Hkv, Sp, D]`.
+  """q `[B, K, T, G, D]` (already scaled), k/v `[B, K, S, D]`.
 
-  Returns out `[B, Hkv, Tp, G, D]` (q dtype) and lse `[B, Hkv, Tp, G]` float32.
+  Returns out `[B, K, T, G, D]` (q dtype) and lse `[B, K, T, G]` float32 (T padded to blocks).
   """
   b, hkv, t_pad, g, d = q.shape
   nq = t_pad // bq
@@ -143,17 +145,14 @@ def _blockwise_fwd(q, k, v, arrays, kinds, lo, hi, *, mask, bq, bk):
 
   def one_query_block(n):
     bi, i = n // nq, n % nq
-    q_blk = jax.lax.dynamic_slice(q, (bi, 0, i * bq, 0, 0), (1, hkv, bq, g, d)).reshape(hkv, bq * g, d)
-    qs = jax.lax.dynamic_slice(q_seg, (bi, i * bq), (1, bq))[0]
-    qp = jax.lax.dynamic_slice(q_pos, (bi, i * bq), (1, bq))[0]
+    q_blk = _block(q, bi, i * bq, bq).reshape(hkv, bq * g, d)
+    qs, qp = _tokens(q_seg, bi, i * bq, bq), _tokens(q_pos, bi, i * bq, bq)
 
     def update(masked, j, carry):
       m, l, acc = carry
-      k_blk = jax.lax.dynamic_slice(k, (bi, 0, j * bk, 0), (1, hkv, bk, d))[0]
-      v_blk = jax.lax.dynamic_slice(v, (bi, 0, j * bk, 0), (1, hkv, bk, d))[0]
-      allowed = lambda: _allowed(
-          mask, qs, jax.lax.dynamic_slice(kv_seg, (bi, j * bk), (1, bk))[0],
-          qp, jax.lax.dynamic_slice(kv_pos, (bi, j * bk), (1, bk))[0], g)
+      k_blk, v_blk = _block(k, bi, j * bk, bk), _block(v, bi, j * bk, bk)
+      allowed = lambda: _allowed(mask, qs, _tokens(kv_seg, bi, j * bk, bk), qp,
+                                 _tokens(kv_pos, bi, j * bk, bk), g)
       s = _scores(q_blk, k_blk, masked, allowed)
       m_new = jnp.maximum(m, s.max(-1))
       # A row that has seen no allowed key keeps m = -inf; shift by 0 so exp gives 0, not NaN.
@@ -196,22 +195,17 @@ def _blockwise_bwd(q, k, v, out, lse, dout, dlse, arrays, kinds, lo_t, hi_t, *, 
 
   def one_key_block(dq, n):
     bi, j = n // nk, n % nk
-    k_blk = jax.lax.dynamic_slice(k, (bi, 0, j * bk, 0), (1, hkv, bk, d))[0]
-    v_blk = jax.lax.dynamic_slice(v, (bi, 0, j * bk, 0), (1, hkv, bk, d))[0]
-    ks = jax.lax.dynamic_slice(kv_seg, (bi, j * bk), (1, bk))[0]
-    kp = jax.lax.dynamic_slice(kv_pos, (bi, j * bk), (1, bk))[0]
+    k_blk, v_blk = _block(k, bi, j * bk, bk), _block(v, bi, j * bk, bk)
+    ks, kp = _tokens(kv_seg, bi, j * bk, bk), _tokens(kv_pos, bi, j * bk, bk)
 
-    def rows(x, i):
-      shape = (1, hkv, bq) + x.shape[3:]
-      blk = jax.lax.dynamic_slice(x, (bi, 0, i * bq) + (0,) * (x.ndim - 3), shape)
-      return blk.reshape((hkv, bq * g) + x.shape[4:])
+    def rows(x, i):  # query block i of a `[B, K, T, G, ...]` array as `[K, bq * G, ...]`
+      return _block(x, bi, i * bq, bq).reshape((hkv, bq * g) + x.shape[4:])
 
     def update(masked, i, carry):
       dq, dk, dv = carry
       q_blk, do_blk = rows(q, i), rows(dout, i)
-      allowed = lambda: _allowed(
-          mask, jax.lax.dynamic_slice(q_seg, (bi, i * bq), (1, bq))[0], ks,
-          jax.lax.dynamic_slice(q_pos, (bi, i * bq), (1, bq))[0], kp, g)
+      allowed = lambda: _allowed(mask, _tokens(q_seg, bi, i * bq, bq), ks,
+                                 _tokens(q_pos, bi, i * bq, bq), kp, g)
       s = _scores(q_blk, k_blk, masked, allowed)
       p = jnp.exp(s - rows(lse_safe, i)[..., None])
       dv = dv + jnp.einsum("hmk,hmd->hkd", p.astype(dout.dtype), do_blk,
@@ -243,14 +237,14 @@ def _blockwise_bwd(q, k, v, out, lse, dout, dlse, arrays, kinds, lo_t, hi_t, *, 
 
 
 def _rows_in(x, t_pad: int, hkv: int, fill=0.0):
-  """`[B, T, H, ...]` -> `[B, Hkv, Tp, G, ...]`, padding T with `fill`."""
+  """`[B, T, H, ...]` -> `[B, K, T, G, ...]`, padding T with `fill`."""
   b, _, h = x.shape[:3]
   x = _pad_axis1(x, t_pad, fill).reshape((b, t_pad, hkv, h // hkv) + x.shape[3:])
   return jnp.moveaxis(x, 2, 1)
 
 
 def _rows_out(x, t: int):
-  """`[B, Hkv, Tp, G, ...]` -> `[B, T, H, ...]`."""
+  """`[B, K, T, G, ...]` -> `[B, T, H, ...]`."""
   b, hkv, t_pad, g = x.shape[:4]
   return jnp.moveaxis(x, 1, 2).reshape((b, t_pad, hkv * g) + x.shape[4:])[:, :t]
 
@@ -262,17 +256,17 @@ def _prepare(q, k, v, layout, mask, scale, block_q, block_kv):
   t_pad, s_pad = _round_up(t, bq), _round_up(s, bk)
   arrays, kinds = _schedule(mask, layout, b, t_pad, s_pad, t, s, bq, bk)
   # Scale q once instead of every score block.
-  q5 = _rows_in(q * jnp.asarray(scale, q.dtype), t_pad, hkv)
+  q_BKTGD = _rows_in(q * jnp.asarray(scale, q.dtype), t_pad, hkv)
   kv_in = lambda x: _pad_axis1(x, s_pad).transpose(0, 2, 1, 3)
-  return q5, kv_in(k), kv_in(v), arrays, kinds, bq, bk
+  return q_BKTGD, kv_in(k), kv_in(v), arrays, kinds, bq, bk
 
 
 def forward(q, k, v, layout: Layout, *, mask: Mask, scale: float,
                       block_q: int = DEFAULT_BLOCK_Q, block_kv: int = DEFAULT_BLOCK_KV):
   """Forward pass without autodiff rules: out `[B, T, H, D]` (q dtype), lse `[B, T, H]` f32."""
-  q5, k4, v4, arrays, kinds, bq, bk = _prepare(q, k, v, layout, mask, scale, block_q, block_kv)
+  q_BKTGD, k_BKSD, v_BKSD, arrays, kinds, bq, bk = _prepare(q, k, v, layout, mask, scale, block_q, block_kv)
   lo, hi = _visit_bounds(jnp, kinds, axis=2)
-  out, lse = _blockwise_fwd(q5, k4, v4, arrays, kinds, lo, hi, mask=mask, bq=bq, bk=bk)
+  out, lse = _blockwise_fwd(q_BKTGD, k_BKSD, v_BKSD, arrays, kinds, lo, hi, mask=mask, bq=bq, bk=bk)
   t = q.shape[1]
   return _rows_out(out, t), _rows_out(lse, t)
 
@@ -282,11 +276,11 @@ def backward(q, k, v, layout: Layout, out, lse, dout, dlse, *, mask: Mask, scale
   """Gradients (dq, dk, dv) of the attention of q against k/v, given the output `out` and
   log-sum-exp `lse` of the rows (which may cover more keys than k/v: ring attention passes the
   merged result of every key block) and their cotangents `dout`, `dlse` (float32 `[B, T, H]`)."""
-  q5, k4, v4, arrays, kinds, bq, bk = _prepare(q, k, v, layout, mask, scale, block_q, block_kv)
+  q_BKTGD, k_BKSD, v_BKSD, arrays, kinds, bq, bk = _prepare(q, k, v, layout, mask, scale, block_q, block_kv)
   lo_t, hi_t = _visit_bounds(jnp, kinds, axis=1)
-  t_pad, hkv = q5.shape[2], k.shape[2]
+  t_pad, hkv = q_BKTGD.shape[2], k.shape[2]
   dq, dk, dv = _blockwise_bwd(
-      q5, k4, v4, _rows_in(out, t_pad, hkv), _rows_in(lse, t_pad, hkv, -jnp.inf),
+      q_BKTGD, k_BKSD, v_BKSD, _rows_in(out, t_pad, hkv), _rows_in(lse, t_pad, hkv, -jnp.inf),
       _rows_in(dout, t_pad, hkv), _rows_in(dlse.astype(jnp.float32), t_pad, hkv), arrays, kinds,
       lo_t, hi_t, mask=mask, bq=bq, bk=bk)
   kv_out = lambda x: x.transpose(0, 2, 1, 3)[:, :k.shape[1]].astype(k.dtype)

@@ -1,21 +1,8 @@
 """Context parallelism: attention with the sequence axis sharded over a mesh axis.
 
-Strategies:
-  - "ring": K, V and their segment ids / positions travel around the devices of the axis
-    with `ppermute`; each step runs the local kernel on the device's queries against the
-    visiting key block and merges by log-sum-exp in float32. With the blockwise kernel the
-    steps are a `lax.scan` and the kernel's block schedule skips what the mask and the
-    positions rule out; splash (TPU) runs one kernel per step (unrolled) whose lazy mask
-    knows the load-balanced order, so its block skipping is static. Under load balancing
-    off-diagonal steps cost full, half or no blocks. The backward pass is a second ring in
-    which dK/dV travel with K/V: per-device memory stays O(T / cp).
-  - "all_gather": K/V gathered once, the local kernel on the device's own queries. The
-    baseline; memory O(T) per device for K/V.
-
-Each kernel provides its per-device computation (`LocalAttention`, from the kernel's
-`context_parallel_local`). The shard_map is manual over the context axis and over the batch
-and head axes that divide their dimensions (default data/fsdp and tensor), so batch and
-heads stay sharded inside.
+Owns `ContextParallel`, the ring (K/V passed with `ppermute`, partial results merged by
+lse; backward a second ring carrying dK/dV) and all-gather strategies, and the protocol of
+a kernel's per-device computation (`LocalAttention`). Derivations: docs/design.md.
 """
 
 from __future__ import annotations

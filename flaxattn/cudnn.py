@@ -1,62 +1,9 @@
-"""cuDNN fused attention (NVIDIA GPUs) behind the flaxattn kernel interface.
+"""cuDNN fused attention on NVIDIA GPUs: the `cudnn` kernel.
 
-Calls go through JAX's cuDNN SDPA, `jax._src.cudnn.fused_attention_stablehlo` (private,
-jax 0.10): rows without segment ids as plain `BTNH` attention, packed rows in cuDNN's
-THD layout, described by `flaxattn.seqlens_and_offsets` (per-document lengths and offsets,
-O(T + M) memory, never a `[T, T]` mask). GQA/MQA run natively: K/V are never repeated.
-
-Masks. cuDNN masks on the token INDEX inside each document, with the diagonal at the
-top left (query i sees key j <= i even when the two sides differ in length):
-`Full` -> no mask (the padding mask of THD), `Causal` -> causal, `Local(w)` -> causal with
-`sliding_window_length=w`, which keeps keys i - w < j <= i, exactly `Local(w)` (an `&` of
-these takes the smallest window). There is no chunked mask: `Chunked` declines.
-
-Exactness. flaxattn masks on POSITIONS and pairs tokens by segment id, so cuDNN's result is
-exact only if, in every row: the documents fit in the M slots of the descriptor; no segment
-id labels two separate runs (cuDNN would see two documents where flaxattn sees one); and,
-unless the mask is `Full`, positions step by one inside each document and the paired query
-and key documents start at the same position (then position differences are index
-differences). Default positions in self attention satisfy the last two by construction.
-Explicit positions without segment ids decline statically for causal and window masks, as
-in splash (that is what load-balanced, permuted rows look like). Every other condition is
-data: it is checked at run time in O(T + M log M), and a batch that fails any of them runs
-the blockwise kernel instead (`lax.cond`, one branch executed), so results are always
-exact; a packing pipeline (positions restarting at 0, one run per id, at most M documents
-per row) always takes the cuDNN branch. `served_by_cudnn` tells which branch a batch takes.
-
-M (slots per row). A row of T tokens can hold T documents (and T + S in cross
-attention), so only M = T is safe without looking at the data. But XLA hands cuDNN the
-batch as B * M sequences of up to T tokens: the softmax statistics are a dense
-[B * M, H, T] float32 array (4 * H bytes per token per slot), and cuDNN documents that its
-THD backward, not told the true token total (XLA does not tell it), sizes its workspace
-for B * M * T tokens, which for an fp32 dQ accumulator is 4 * H * D bytes per token per
-slot. M = T would be O(T^2) memory. So M defaults to `DEFAULT_MAX_SEGMENTS` (capped by
-the runs a row can hold), exact anyway thanks to the run-time check: a batch with a row of
-more documents runs the blockwise kernel. Pass `max_segments` for rows with more
-documents; bench/kernels.py reports the compiled temporary memory this costs.
-
-Padding tokens (segment 0) and queries whose document has no key (one-sided documents in
-cross attention) get zeros, lse -inf and zero gradients; cuDNN leaves those rows
-undefined, so they are selected away with per-token masks computed in O(T + M).
-
-Log-sum-exp. cuDNN's softmax statistics are the natural-log lse of the scaled scores
-(max + ln sum exp); for packed rows it is laid out per document, [B * M, H, T] with row i
-of document n at [n, :, i], and is gathered here into `[B, T, H]` float32 (and scattered
-back for the backward pass). JAX's VJP drops a cotangent on it; here a `custom_vjp` adds
-it exactly: d lse_i / d s_ij = p_ij, so the lse term is dS_ij = g_i p_ij. cuDNN's backward
-computes dS = P * (dP - D) with dP = dO V^T and D_i = dO_i . O_i, O entering only
-through D; one extra backward call with V = 0 (so dP = 0), O_i = -(e_0 + e_1) and
-dO_i = g_hi e_0 + g_lo e_1 (g split into two bfloat16/float16 parts) gives D_i = -g_i,
-dS = g_i p_ij and returns the dQ and dK terms. It is skipped when the lse cotangent is a
-symbolic zero (`return_lse=False`, or an lse that no loss uses).
-
-JAX 0.10 scales THD key offsets by the QUERY heads (jax-ml/jax#39521 fixes it); with GQA on
-such a version the packed path runs one cuDNN call per group of query heads (each an MHA
-call against the shared K/V), which a probe of JAX's offset code decides once.
-
-`forward` / `backward` are the two passes on the public layout (`[B, T, H]`
-lse), for ring attention: the backward takes the output and lse of the whole row, which
-may cover more keys than the K/V block it is given.
+Owns the call into JAX's cuDNN SDPA (plain BTNH rows, or packed rows in the THD layout from
+`seqlens_and_offsets`), the run-time check that cuDNN's index masks equal flaxattn's
+position masks for a batch (else the blockwise kernel runs it), the exact lse and its
+cotangent, and the zeros of padding and one-sided documents. Derivations: docs/design.md.
 """
 
 from __future__ import annotations
@@ -137,7 +84,7 @@ def _device_reason(head_dim: int, packed: bool) -> str | None:
 
 
 def _reason(call: registry.Call) -> str | None:
-  """None if cuDNN serves `call` exactly (see the module docstring), else one sentence why not.
+  """None if cuDNN serves `call` exactly (docs/design.md), else one sentence why not.
 
   A pure function of `call`; the GPU itself (compute capability, cuDNN version) is
   consulted only when the call is for "gpu" and this process runs on a GPU, so asking
@@ -265,7 +212,7 @@ class _Packing(NamedTuple):
   q_index: jax.Array  # [B, T] int32: the query's index inside its document
   q_live: jax.Array  # [B, T] bool: a real query whose document has keys
   kv_live: jax.Array  # [B, S] bool: a real key whose document has queries
-  exact: jax.Array  # [] bool: cuDNN's masks equal flaxattn's in every row (module docstring)
+  exact: jax.Array  # [] bool: cuDNN's masks equal flaxattn's in every row (docs/design.md)
 
 
 def _run_starts(ids):
@@ -289,42 +236,48 @@ def _steps_by_one(ids, positions):
   return jnp.all((ids == 0) | _run_starts(ids) | (positions == prev + 1))
 
 
-def _packing(layout: Layout, t: int, s: int, cfg: _Config) -> _Packing:
-  q_ids = layout.q_segment_ids
-  kv_ids = q_ids if cfg.self_attention else layout.kv_segment_ids
-  m = cfg.max_segments
-  desc = seqlens_and_offsets(q_ids, m, None if cfg.self_attention else kv_ids)
-  b = q_ids.shape[0]
-  rows = jnp.arange(b)[:, None]
-
-  # Query slots are the query runs in order (self and cross attention alike).
-  first = _run_starts(q_ids)
-  iota = jnp.arange(t, dtype=jnp.int32)
-  slot = jnp.cumsum(first, axis=1, dtype=jnp.int32) - 1
-  q_index = iota - jax.lax.cummax(jnp.where(first, iota, 0), axis=1)
-  has_keys = jnp.take_along_axis(desc.kv_seqlens, jnp.clip(slot, 0, m - 1), axis=1) > 0
-  q_live = (q_ids != 0) & (slot < m) & has_keys
+def _query_slots(q_ids_BT, desc: SeqlensOffsets, m: int):
+  """Each query's cuDNN sequence (B * M: none), index inside it, and whether it is live (a
+  real token whose document fits the M slots and has keys). Query slots are the query runs
+  in order, in self and cross attention alike."""
+  b, t = q_ids_BT.shape
+  first_BT = _run_starts(q_ids_BT)
+  iota_T = jnp.arange(t, dtype=jnp.int32)
+  slot_BT = jnp.cumsum(first_BT, axis=1, dtype=jnp.int32) - 1
+  index_BT = iota_T - jax.lax.cummax(jnp.where(first_BT, iota_T, 0), axis=1)
+  has_keys_BT = jnp.take_along_axis(desc.kv_seqlens, jnp.clip(slot_BT, 0, m - 1), axis=1) > 0
+  live_BT = (q_ids_BT != 0) & (slot_BT < m) & has_keys_BT
   # JAX packs every row's used slots to the left before cuDNN sees them.
-  used = jnp.sum(desc.q_seqlens >= 0, axis=1, dtype=jnp.int32)
-  row_base = jnp.cumsum(used) - used
-  q_sequence = jnp.where(q_live, row_base[:, None] + slot, b * m)
+  used_B = jnp.sum(desc.q_seqlens >= 0, axis=1, dtype=jnp.int32)
+  row_base_B = jnp.cumsum(used_B) - used_B
+  sequence_BT = jnp.where(live_BT, row_base_B[:, None] + slot_BT, b * m)
+  return sequence_BT, index_BT, live_BT
 
-  both = (desc.q_seqlens > 0) & (desc.kv_seqlens > 0)
-  if cfg.self_attention:
-    kv_live = q_live
-  else:
-    # +1 where a key document with queries starts, -1 where it ends, then a running sum.
-    start = jnp.where(both, desc.kv_offsets[:, :m], s + 1)
-    marks = jnp.zeros((b, s + 1), jnp.int32).at[rows, start].add(1, mode="drop")
-    marks = marks.at[rows, jnp.where(both, start + desc.kv_seqlens, s + 1)].add(-1, mode="drop")
-    kv_live = jnp.cumsum(marks, axis=1)[:, :s] > 0
 
+def _live_keys(desc: SeqlensOffsets, both_BM, s: int):
+  """`[B, S]`: keys inside a key document that has queries (cross attention)."""
+  b, m = both_BM.shape
+  rows_B1 = jnp.arange(b)[:, None]
+  # +1 where a key document with queries starts, -1 where it ends, then a running sum.
+  start_BM = jnp.where(both_BM, desc.kv_offsets[:, :m], s + 1)
+  marks = jnp.zeros((b, s + 1), jnp.int32).at[rows_B1, start_BM].add(1, mode="drop")
+  marks = marks.at[rows_B1, jnp.where(both_BM, start_BM + desc.kv_seqlens, s + 1)].add(-1, mode="drop")
+  return jnp.cumsum(marks, axis=1)[:, :s] > 0
+
+
+def _index_masks_exact(layout: Layout, desc: SeqlensOffsets, both_BM, t: int, s: int,
+                       cfg: _Config):
+  """Scalar bool: cuDNN's index masks equal flaxattn's position masks in every row (the
+  documents fit M slots, one run per id, and for causal masks positions step by one from
+  paired document starts; docs/design.md)."""
+  m = cfg.max_segments
+  q_ids, kv_ids = layout.q_segment_ids, layout.kv_segment_ids
   exact = jnp.all(desc.valid) & _unique_run_ids(q_ids, desc.q_offsets, desc.q_seqlens)
   if not cfg.self_attention:
     exact &= _unique_run_ids(kv_ids, desc.kv_offsets, desc.kv_seqlens)
   default_positions = layout.q_positions is None and layout.kv_positions is None
   if cfg.causal and not (cfg.self_attention and default_positions):
-    full = layout.materialize(b, t, s)
+    full = layout.materialize(q_ids.shape[0], t, s)
     if layout.q_positions is not None:
       exact &= _steps_by_one(q_ids, full.q_positions)
     if not (cfg.self_attention and cfg.same_positions):
@@ -332,7 +285,18 @@ def _packing(layout: Layout, t: int, s: int, cfg: _Config) -> _Packing:
         exact &= _steps_by_one(kv_ids, full.kv_positions)
       q_first = jnp.take_along_axis(full.q_positions, jnp.clip(desc.q_offsets[:, :m], 0, t - 1), 1)
       kv_first = jnp.take_along_axis(full.kv_positions, jnp.clip(desc.kv_offsets[:, :m], 0, s - 1), 1)
-      exact &= jnp.all(~both | (q_first == kv_first))
+      exact &= jnp.all(~both_BM | (q_first == kv_first))
+  return exact
+
+
+def _packing(layout: Layout, t: int, s: int, cfg: _Config) -> _Packing:
+  q_ids = layout.q_segment_ids
+  desc = seqlens_and_offsets(q_ids, cfg.max_segments,
+                             None if cfg.self_attention else layout.kv_segment_ids)
+  q_sequence, q_index, q_live = _query_slots(q_ids, desc, cfg.max_segments)
+  both_BM = (desc.q_seqlens > 0) & (desc.kv_seqlens > 0)
+  kv_live = q_live if cfg.self_attention else _live_keys(desc, both_BM, s)
+  exact = _index_masks_exact(layout, desc, both_BM, t, s, cfg)
   return _Packing(desc, q_sequence, q_index, q_live, kv_live, exact)
 
 
@@ -471,7 +435,7 @@ def backward(q, k, v, layout: Layout, out, lse, dout, dlse, *, mask: Mask, scale
 
 def served_by_cudnn(q, k, layout: Layout, *, mask: Mask, max_segments: int | None = None):
   """Scalar bool array: whether `cudnn_attention` runs these rows on cuDNN (True), or on the
-  blockwise kernel because a run-time condition of the module docstring fails (too many
+  blockwise kernel because a run-time condition (docs/design.md) fails (too many
   documents for `max_segments`, an id on two runs, positions that differ from indices).
 
   Only shapes of q `[B, T, H, D]` and k `[B, S, Hkv, D]` are used; O(T + M log M).
@@ -512,7 +476,7 @@ _attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
 
 def cudnn_attention(q, k, v, layout: Layout, *, mask: Mask, scale: float, return_lse: bool,
                     max_segments: int | None = None):
-  """cuDNN fused attention over packed sequences (GPU; see the module docstring).
+  """cuDNN fused attention over packed sequences (GPU; docs/design.md).
 
   Args:
     q: `[B, T, H, D]`; k, v: `[B, S, Hkv, D]`, H a multiple of Hkv; bfloat16 or float16,
@@ -541,7 +505,7 @@ CP_REASON = ("cuDNN masks by token index within each document, which context par
 
 @dataclasses.dataclass(frozen=True)
 class Cudnn(registry.Kernel):
-  """`backend="cudnn"`: cuDNN fused attention on NVIDIA GPUs (see the module docstring)."""
+  """`backend="cudnn"`: cuDNN fused attention on NVIDIA GPUs (docs/design.md)."""
 
   max_segments: int | None = None
   name: str = "cudnn"

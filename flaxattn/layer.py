@@ -61,6 +61,32 @@ def _check_input(arg: str, x, features: int, features_arg: str) -> None:
                      f" {x.shape}.")
 
 
+def _check_config(num_heads, in_features, qkv_features, out_features, num_kv_heads,
+                  in_kv_features, dropout_rate, rope) -> None:
+  _check_size("num_heads", num_heads)
+  _check_size("in_features", in_features)
+  for arg, value in (("qkv_features", qkv_features), ("out_features", out_features),
+                     ("num_kv_heads", num_kv_heads), ("in_kv_features", in_kv_features)):
+    _check_size(arg, value, optional=True)
+  qkv_features = qkv_features or in_features
+  num_kv_heads = num_kv_heads or num_heads
+  if qkv_features % num_heads:
+    raise ValueError(f"qkv_features ({qkv_features}) expects a multiple of num_heads"
+                     f" ({num_heads}): head_dim = qkv_features // num_heads.")
+  if num_heads % num_kv_heads:
+    raise ValueError(f"num_kv_heads ({num_kv_heads}) expects a divisor of num_heads"
+                     f" ({num_heads}): each KV head serves num_heads // num_kv_heads query heads.")
+  if dropout_rate != 0.0:
+    raise ValueError(f"dropout_rate expects 0.0, got {dropout_rate!r}: flaxattn kernels never"
+                     " form the attention probabilities to drop; apply nnx.Dropout to the output.")
+  if rope is not None and not isinstance(rope, RoPE):
+    raise TypeError(f"rope expects a flaxattn.RoPE or None, got {rope!r} ({type(rope).__name__}).")
+  head_dim = qkv_features // num_heads
+  if rope is not None and head_dim % 2:
+    raise ValueError(f"rope expects an even head_dim, got head_dim {head_dim}"
+                     f" (qkv_features {qkv_features} / num_heads {num_heads}).")
+
+
 class MultiHeadAttention(nnx.Module):
   """Multi-head (and grouped-query) attention over packed sequences.
 
@@ -127,32 +153,15 @@ class MultiHeadAttention(nnx.Module):
       context_parallel=None,
       rope: RoPE | None = None,
   ):
-    _check_size("num_heads", num_heads)
-    _check_size("in_features", in_features)
-    for arg, value in (("qkv_features", qkv_features), ("out_features", out_features),
-                       ("num_kv_heads", num_kv_heads), ("in_kv_features", in_kv_features)):
-      _check_size(arg, value, optional=True)
+    _check_config(num_heads, in_features, qkv_features, out_features, num_kv_heads,
+                  in_kv_features, dropout_rate, rope)
     self.num_heads = num_heads
     self.in_features = in_features
     self.qkv_features = qkv_features or in_features
     self.out_features = out_features or in_features
     self.num_kv_heads = num_kv_heads or num_heads
     self.in_kv_features = in_kv_features or in_features
-    if self.qkv_features % num_heads:
-      raise ValueError(f"qkv_features ({self.qkv_features}) expects a multiple of num_heads"
-                       f" ({num_heads}): head_dim = qkv_features // num_heads.")
-    if num_heads % self.num_kv_heads:
-      raise ValueError(f"num_kv_heads ({self.num_kv_heads}) expects a divisor of num_heads"
-                       f" ({num_heads}): each KV head serves num_heads // num_kv_heads query heads.")
-    if dropout_rate != 0.0:
-      raise ValueError(f"dropout_rate expects 0.0, got {dropout_rate!r}: flaxattn kernels never"
-                       " form the attention probabilities to drop; apply nnx.Dropout to the output.")
-    if rope is not None and not isinstance(rope, RoPE):
-      raise TypeError(f"rope expects a flaxattn.RoPE or None, got {rope!r} ({type(rope).__name__}).")
     self.head_dim = self.qkv_features // num_heads
-    if rope is not None and self.head_dim % 2:
-      raise ValueError(f"rope expects an even head_dim, got head_dim {self.head_dim}"
-                       f" (qkv_features {self.qkv_features} / num_heads {num_heads}).")
     self.mask = check_mask(mask)
     self.backend = backend
     self.context_parallel = context_parallel
@@ -256,6 +265,46 @@ class MultiHeadAttention(nnx.Module):
         cache, or default segment ids in decode after a cache that ends in padding. Checks
         on traced values raise from inside the compiled program.
     """
+    inputs_k, inputs_v = self._check_inputs(inputs_q, inputs_k, inputs_v)
+    mask = self._call_mask(mask, is_causal)
+    if sow_weights:
+      raise ValueError("sow_weights expects False: flaxattn never materializes the [T, S]"
+                       " attention weights; use nnx.MultiHeadAttention to inspect them.")
+    decode = bool(self.decode if decode is None else decode)
+    if decode and (kv_segment_ids is not None or kv_positions is not None):
+      raise ValueError("kv_segment_ids and kv_positions expect None in decode: the cache holds"
+                       " the keys' segments and positions; pass segment_ids/positions of the"
+                       " new tokens instead.")
+
+    q_BTHD, k_BSKD, v_BSKD = self._project(inputs_q, inputs_k, inputs_v, qkv_sharding)
+    # The same resolution as flaxattn.attention's, so RoPE rotates by the positions the
+    # kernel masks with (under load balancing, default positions are the permuted index).
+    layout = resolve(q_BTHD.shape, k_BSKD.shape, segment_ids, positions, kv_segment_ids,
+                     kv_positions, self.context_parallel)
+    if decode:
+      self._check_cache(k_BSKD)
+      ids_BT, pos_BT = self._decode_layout(*q_BTHD.shape[:2], layout.q_segment_ids,
+                                           layout.q_positions)
+      layout = Layout(ids_BT, ids_BT, pos_BT, pos_BT)
+    if self.rope is not None:
+      q_pos_BT, k_pos_BS = layout.positions(*q_BTHD.shape[:2], k_BSKD.shape[1])
+      q_BTHD, k_BSKD = self.rope(q_BTHD, q_pos_BT), self.rope(k_BSKD, k_pos_BS)
+    if decode:  # attend to the whole cache, the new tokens included
+      k_BSKD, v_BSKD, kv_ids_BS, kv_pos_BS = self._update_cache(
+          k_BSKD, v_BSKD, layout.q_segment_ids, layout.q_positions)
+      layout = dataclasses.replace(layout, kv_segment_ids=kv_ids_BS, kv_positions=kv_pos_BS)
+
+    q_BTHD, k_BSKD, v_BSKD = dtypes.promote_dtype((q_BTHD, k_BSKD, v_BSKD), dtype=self.dtype)
+    x_BTHD = self.attention_fn(
+        q_BTHD, k_BSKD, v_BSKD, mask=mask, segment_ids=layout.q_segment_ids,
+        positions=layout.q_positions, kv_segment_ids=layout.kv_segment_ids,
+        kv_positions=layout.kv_positions, backend=self.backend,
+        context_parallel=self.context_parallel)
+    x_BTHD = constrain(x_BTHD, Q_NAMES)
+    return constrain(self.out(x_BTHD, out_sharding=out_sharding), X_NAMES)
+
+  def _check_inputs(self, inputs_q, inputs_k, inputs_v):
+    """`inputs_k` and `inputs_v` with nnx's defaults, all three checked."""
     if inputs_k is None:
       if inputs_v is not None:
         raise ValueError("inputs_k expects an array when inputs_v is given; to use one array for"
@@ -266,45 +315,16 @@ class MultiHeadAttention(nnx.Module):
     _check_input("inputs_q", inputs_q, self.in_features, "in_features")
     _check_input("inputs_k", inputs_k, self.in_kv_features, "in_kv_features")
     _check_input("inputs_v", inputs_v, self.in_kv_features, "in_kv_features")
-    mask = self._call_mask(mask, is_causal)
-    if sow_weights:
-      raise ValueError("sow_weights expects False: flaxattn never materializes the [T, S]"
-                       " attention weights; use nnx.MultiHeadAttention to inspect them.")
-    decode = bool(self.decode if decode is None else decode)
+    return inputs_k, inputs_v
 
-    q = constrain(self.query(inputs_q, out_sharding=qkv_sharding), Q_NAMES)
-    k = constrain(self.key(inputs_k, out_sharding=qkv_sharding), KV_NAMES)
-    v = constrain(self.value(inputs_v, out_sharding=qkv_sharding), KV_NAMES)
+  def _project(self, inputs_q, inputs_k, inputs_v, qkv_sharding):
+    """q `[B, T, H, D]`, k and v `[B, S, K, D]`, QK-normalized if asked."""
+    q_BTHD = constrain(self.query(inputs_q, out_sharding=qkv_sharding), Q_NAMES)
+    k_BSKD = constrain(self.key(inputs_k, out_sharding=qkv_sharding), KV_NAMES)
+    v_BSKD = constrain(self.value(inputs_v, out_sharding=qkv_sharding), KV_NAMES)
     if self.normalize_qk:
-      q, k = self.query_ln(q), self.key_ln(k)
-
-    if decode and (kv_segment_ids is not None or kv_positions is not None):
-      raise ValueError("kv_segment_ids and kv_positions expect None in decode: the cache holds"
-                       " the keys' segments and positions; pass segment_ids/positions of the"
-                       " new tokens instead.")
-    # The same resolution as flaxattn.attention's, so RoPE rotates by the positions the
-    # kernel masks with (under load balancing, default positions are the permuted index).
-    layout = resolve(q.shape, k.shape, segment_ids, positions, kv_segment_ids, kv_positions,
-                     self.context_parallel)
-    if decode:
-      self._check_cache(k)
-      new = self._decode_layout(q.shape[0], q.shape[1], layout.q_segment_ids, layout.q_positions)
-      layout = Layout(new[0], new[0], new[1], new[1])
-    if self.rope is not None:
-      q_pos, k_pos = layout.positions(q.shape[0], q.shape[1], k.shape[1])
-      q, k = self.rope(q, q_pos), self.rope(k, k_pos)
-    if decode:
-      k, v, kv_segment_ids, kv_positions = self._update_cache(k, v, layout.q_segment_ids,
-                                                              layout.q_positions)
-      layout = dataclasses.replace(layout, kv_segment_ids=kv_segment_ids, kv_positions=kv_positions)
-
-    q, k, v = dtypes.promote_dtype((q, k, v), dtype=self.dtype)
-    x = self.attention_fn(
-        q, k, v, mask=mask, segment_ids=layout.q_segment_ids, positions=layout.q_positions,
-        kv_segment_ids=layout.kv_segment_ids, kv_positions=layout.kv_positions,
-        backend=self.backend, context_parallel=self.context_parallel)
-    x = constrain(x, Q_NAMES)
-    return constrain(self.out(x, out_sharding=out_sharding), X_NAMES)
+      q_BTHD, k_BSKD = self.query_ln(q_BTHD), self.key_ln(k_BSKD)
+    return q_BTHD, k_BSKD, v_BSKD
 
   def _call_mask(self, mask, is_causal: bool) -> Mask:
     if mask is None:

@@ -1,20 +1,8 @@
-"""Attention masks as data.
+"""Attention masks as data: small hashable values on positions, never on array indices.
 
-A mask is a small frozen value that says which key positions a query position may
-see. It is defined on positions (the index of a token inside its document), never
-on array indices, so it stays right for packed rows and for load-balanced
-(permuted) sequences. Masks are hashable and usable as static arguments of `jit`.
-
-Every mask answers two questions, both elementwise and valid for numpy and jax
-arrays alike:
-  - `allows(q_pos, k_pos)`: may this query see this key?
-  - `block_kinds(q_lo, q_hi, k_lo, k_hi)`: for a block of queries whose positions lie
-    in [q_lo, q_hi] and keys in [k_lo, k_hi], is the block certainly empty (`skip`)
-    or certainly dense (`full`)? Kernels use it to skip work; it must be
-    conservative (never `skip` when a pair is allowed, never `full` when one is not).
-
-Masks combine with `&`: `Causal() & Local(128)` allows what both allow. Kernels that
-build masks of their own (splash, cuDNN) read one normal form, `band(mask)`.
+Every mask answers `allows(q_pos, k_pos)` and, for a block of positions, `block_kinds`
+(certainly empty / certainly dense; conservative), both on numpy and jax arrays. Masks
+combine with `&`. `band(mask)` is the one normal form that splash and cuDNN read.
 """
 
 from __future__ import annotations

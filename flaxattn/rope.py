@@ -37,9 +37,9 @@ class RoPE:
     if positions_BT.shape != (b, t):
       raise ValueError(f"RoPE expects positions of shape {(b, t)}, got {positions_BT.shape}.")
     half = d // 2
-    inv_freq_F = self.theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angle_BTF = positions_BT.astype(jnp.float32)[..., None] * inv_freq_F
-    sin_BT1F, cos_BT1F = jnp.sin(angle_BTF)[:, :, None], jnp.cos(angle_BTF)[:, :, None]
+    inv_freq_R = self.theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angle_BTR = positions_BT.astype(jnp.float32)[..., None] * inv_freq_R
+    sin_BT1R, cos_BT1R = jnp.sin(angle_BTR)[:, :, None], jnp.cos(angle_BTR)[:, :, None]
     x1, x2 = jnp.split(x_BTHD.astype(jnp.float32), 2, axis=-1)
-    out = jnp.concatenate([x1 * cos_BT1F - x2 * sin_BT1F, x2 * cos_BT1F + x1 * sin_BT1F], axis=-1)
+    out = jnp.concatenate([x1 * cos_BT1R - x2 * sin_BT1R, x2 * cos_BT1R + x1 * sin_BT1R], axis=-1)
     return out.astype(x_BTHD.dtype)

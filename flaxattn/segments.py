@@ -1,18 +1,9 @@
 """Per-document lengths and offsets (cuDNN's THD descriptor) from segment ids.
 
-cuDNN's packed (THD) attention does not take segment ids: it takes, for each row, the
-start and the length of every document. Deriving them through a `[T, T]` same-segment
-mask (as older TransformerEngine did) costs O(T^2) memory, 64 GiB of booleans at
-T = 256k. Here everything is run boundaries, a cumulative sum and scatters into
-`max_segments` bins, walked along the row in blocks of tokens, so temporaries are
-O(block + max_segments) per row (about 0.3 MiB at T = 128k, max_segments = 256).
-
-Conventions follow `jax._src.cudnn.fused_attention_stablehlo.dot_product_attention`
-(the only JAX entry point that takes `q_offsets`/`kv_offsets`): seqlens `[B, M]` and
-offsets `[B, M + 1]`, int32, every unused slot -1. That function packs the
-non-negative entries of all rows to the left, so a slot must be -1 in seqlens exactly
-when it is -1 in offsets, on both sides; that is why unused seqlens are -1, not 0, and
-why the last offsets column (which cuDNN fills itself) is always -1.
+`seqlens_and_offsets` walks run boundaries with a cumulative sum and scatters into
+`max_segments` bins, O(block + max_segments) temporaries per row, never a `[T, T]` mask.
+Conventions follow JAX's THD `dot_product_attention`: seqlens `[B, M]`, offsets
+`[B, M + 1]`, unused slots -1 on both (docs/design.md).
 """
 
 from __future__ import annotations
@@ -105,14 +96,14 @@ def seqlens_and_offsets(segment_ids, max_segments: int, kv_segment_ids=None, *,
     raise ValueError(f"max_segments must be > 0, got {max_segments}. Pass the most"
                      " documents a row may hold.")
   m = int(max_segments)
-  ids_BxT = jnp.asarray(segment_ids)
+  ids_BT = jnp.asarray(segment_ids)
 
   if kv_segment_ids is None:
-    start_BxM, len_BxM, _, n_B = _runs(ids_BxT, m, with_ids=False)
-    used_BxM = jnp.arange(m) < n_B[:, None]
-    seqlens_BxM = jnp.where(used_BxM, len_BxM, -1)
-    offsets_BxM1 = _offsets(jnp.where(used_BxM, start_BxM, -1))
-    out = SeqlensOffsets(seqlens_BxM, offsets_BxM1, seqlens_BxM, offsets_BxM1, n_B)
+    start_BM, len_BM, _, n_B = _runs(ids_BT, m, with_ids=False)
+    used_BM = jnp.arange(m) < n_B[:, None]
+    seqlens_BM = jnp.where(used_BM, len_BM, -1)
+    offsets_BMp1 = _offsets(jnp.where(used_BM, start_BM, -1))
+    out = SeqlensOffsets(seqlens_BM, offsets_BMp1, seqlens_BM, offsets_BMp1, n_B)
   else:
     _check_ids("kv_segment_ids", kv_segment_ids)
     if np.shape(kv_segment_ids)[0] != np.shape(segment_ids)[0]:
@@ -120,7 +111,7 @@ def seqlens_and_offsets(segment_ids, max_segments: int, kv_segment_ids=None, *,
                        f" {np.shape(kv_segment_ids)}) but segment_ids has batch"
                        f" {np.shape(segment_ids)[0]} (shape {np.shape(segment_ids)});"
                        " both must be [B, ...] with the same B.")
-    out = _cross(ids_BxT, jnp.asarray(kv_segment_ids), m)
+    out = _cross(ids_BT, jnp.asarray(kv_segment_ids), m)
 
   if check:
     worst = jnp.argmax(out.num_segments)
@@ -143,51 +134,51 @@ def _check_ids(name: str, ids) -> None:
                      " Add a batch axis for a single row: ids[None].")
 
 
-def _runs(ids_BxT, m: int, *, with_ids: bool):
+def _runs(ids_BT, m: int, *, with_ids: bool):
   """The first `m` runs of each row: start, length, id (or None), and the row's run count.
 
   Slots past a row's count hold junk; callers mask them with the count. The row is
   walked in blocks of `_BLOCK` tokens so that temporaries are O(block + m), not O(T):
   XLA keeps several T-long buffers alive for a whole-row cumsum and scatter.
   """
-  b, t = ids_BxT.shape
+  b, t = ids_BT.shape
   blk = max(1, min(_BLOCK, t))
   rows_B1 = jnp.arange(b)[:, None]
-  iota_k = jnp.arange(blk, dtype=jnp.int32)
+  iota_L = jnp.arange(blk, dtype=jnp.int32)
 
   def step(i, carry):
-    start_BxM, len_BxM, id_BxM, n_B = carry
+    start_BM, len_BM, id_BM, n_B = carry
     # The last block is clamped to end at t; tokens an earlier block saw are masked.
     lo = jnp.minimum(i * blk, t - blk)
-    ids_Bxk = jax.lax.dynamic_slice_in_dim(ids_BxT, lo, blk, axis=1)
-    before_B1 = jax.lax.dynamic_slice_in_dim(ids_BxT, jnp.maximum(lo - 1, 0), 1, axis=1)
+    ids_BL = jax.lax.dynamic_slice_in_dim(ids_BT, lo, blk, axis=1)
+    before_B1 = jax.lax.dynamic_slice_in_dim(ids_BT, jnp.maximum(lo - 1, 0), 1, axis=1)
     before_B1 = jnp.where(lo > 0, before_B1, 0)  # 0 before the row: a row may open with a run
-    prev_Bxk = jnp.concatenate([before_B1, ids_Bxk[:, :-1]], axis=1)
-    nz_Bxk = (ids_Bxk != 0) & (lo + iota_k >= i * blk)
+    prev_BL = jnp.concatenate([before_B1, ids_BL[:, :-1]], axis=1)
+    nz_BL = (ids_BL != 0) & (lo + iota_L >= i * blk)
     # A run starts where a non-zero id differs from its left neighbour.
-    first_Bxk = nz_Bxk & (ids_Bxk != prev_Bxk)
-    rank_Bxk = n_B[:, None] + jnp.cumsum(first_Bxk, axis=1, dtype=jnp.int32) - 1
+    first_BL = nz_BL & (ids_BL != prev_BL)
+    rank_BL = n_B[:, None] + jnp.cumsum(first_BL, axis=1, dtype=jnp.int32) - 1
     # Slot m is out of range: scatters drop it, so runs past m never spill anywhere.
-    slot_Bxk = jnp.where(nz_Bxk, rank_Bxk, m)
-    len_BxM = len_BxM.at[rows_B1, slot_Bxk].add(1, mode="drop")
-    first_slot_Bxk = jnp.where(first_Bxk, rank_Bxk, m)
-    start_BxM = start_BxM.at[rows_B1, first_slot_Bxk].set(lo + iota_k, mode="drop")
+    slot_BL = jnp.where(nz_BL, rank_BL, m)
+    len_BM = len_BM.at[rows_B1, slot_BL].add(1, mode="drop")
+    first_slot_BL = jnp.where(first_BL, rank_BL, m)
+    start_BM = start_BM.at[rows_B1, first_slot_BL].set(lo + iota_L, mode="drop")
     if with_ids:
-      id_BxM = id_BxM.at[rows_B1, first_slot_Bxk].set(ids_Bxk, mode="drop")
-    n_B = n_B + jnp.sum(first_Bxk, axis=1, dtype=jnp.int32)
-    return start_BxM, len_BxM, id_BxM, n_B
+      id_BM = id_BM.at[rows_B1, first_slot_BL].set(ids_BL, mode="drop")
+    n_B = n_B + jnp.sum(first_BL, axis=1, dtype=jnp.int32)
+    return start_BM, len_BM, id_BM, n_B
 
-  zeros_BxM = jnp.zeros((b, m), jnp.int32)
-  init = (zeros_BxM, zeros_BxM, jnp.zeros((b, m), ids_BxT.dtype) if with_ids else None,
+  zeros_BM = jnp.zeros((b, m), jnp.int32)
+  init = (zeros_BM, zeros_BM, jnp.zeros((b, m), ids_BT.dtype) if with_ids else None,
           jnp.zeros((b,), jnp.int32))
-  start_BxM, len_BxM, id_BxM, n_B = jax.lax.fori_loop(0, -(-t // blk), step, init)
-  return start_BxM, len_BxM, id_BxM, n_B
+  start_BM, len_BM, id_BM, n_B = jax.lax.fori_loop(0, -(-t // blk), step, init)
+  return start_BM, len_BM, id_BM, n_B
 
 
-def _cross(q_ids_BxT, kv_ids_BxS, m: int) -> SeqlensOffsets:
+def _cross(q_ids_BT, kv_ids_BS, m: int) -> SeqlensOffsets:
   """Descriptor for queries and keys with different segment ids, paired by id."""
-  q_start, q_len, q_id, n_q = _runs(q_ids_BxT, m, with_ids=True)
-  kv_start, kv_len, kv_id, n_kv = _runs(kv_ids_BxS, m, with_ids=True)
+  q_start, q_len, q_id, n_q = _runs(q_ids_BT, m, with_ids=True)
+  kv_start, kv_len, kv_id, n_kv = _runs(kv_ids_BS, m, with_ids=True)
   b = q_id.shape[0]
   slot_M = jnp.arange(m)
 
@@ -195,10 +186,10 @@ def _cross(q_ids_BxT, kv_ids_BxS, m: int) -> SeqlensOffsets:
   # (O(m log m), no [m, m] compare): sorting by (invalid, id, index) puts each id's q
   # runs, then its kv runs, side by side, each in order of appearance.
   dtype = jnp.promote_types(q_id.dtype, kv_id.dtype)
-  ids_Bx2M = jnp.concatenate([q_id.astype(dtype), kv_id.astype(dtype)], axis=1)
-  invalid_Bx2M = jnp.concatenate([slot_M >= n_q[:, None], slot_M >= n_kv[:, None]], axis=1)
-  idx_Bx2M = jnp.broadcast_to(jnp.arange(2 * m, dtype=jnp.int32), (b, 2 * m))
-  inv_s, id_s, idx_s = jax.lax.sort((invalid_Bx2M.astype(jnp.int32), ids_Bx2M, idx_Bx2M),
+  ids_B2M = jnp.concatenate([q_id.astype(dtype), kv_id.astype(dtype)], axis=1)
+  invalid_B2M = jnp.concatenate([slot_M >= n_q[:, None], slot_M >= n_kv[:, None]], axis=1)
+  idx_B2M = jnp.broadcast_to(jnp.arange(2 * m, dtype=jnp.int32), (b, 2 * m))
+  inv_s, id_s, idx_s = jax.lax.sort((invalid_B2M.astype(jnp.int32), ids_B2M, idx_B2M),
                                     dimension=1, num_keys=3)
   i_2M = jnp.arange(2 * m, dtype=jnp.int32)
   is_kv = idx_s >= m
@@ -211,28 +202,28 @@ def _cross(q_ids_BxT, kv_ids_BxS, m: int) -> SeqlensOffsets:
   matched = is_kv & (inv_s == 0) & (k < side - group)
   partner = jnp.take_along_axis(idx_s, jnp.minimum(group + k, 2 * m - 1), axis=1)
   rows_B1 = jnp.arange(b)[:, None]
-  kv_partner_BxM = jnp.full((b, m), -1, jnp.int32).at[
+  kv_partner_BM = jnp.full((b, m), -1, jnp.int32).at[
       rows_B1, jnp.where(is_kv, idx_s - m, m)].set(jnp.where(matched, partner, -1), mode="drop")
 
   # q runs keep their rank as slot; unpaired kv runs follow all q runs in kv order.
-  kv_alone_BxM = (slot_M < n_kv[:, None]) & (kv_partner_BxM < 0)
-  kv_slot_BxM = jnp.where(kv_partner_BxM >= 0, kv_partner_BxM,
-                          n_q[:, None] + jnp.cumsum(kv_alone_BxM, axis=1, dtype=jnp.int32) - 1)
-  kv_slot_BxM = jnp.where(slot_M < n_kv[:, None], kv_slot_BxM, m)  # junk runs: dropped
+  kv_alone_BM = (slot_M < n_kv[:, None]) & (kv_partner_BM < 0)
+  kv_slot_BM = jnp.where(kv_partner_BM >= 0, kv_partner_BM,
+                          n_q[:, None] + jnp.cumsum(kv_alone_BM, axis=1, dtype=jnp.int32) - 1)
+  kv_slot_BM = jnp.where(slot_M < n_kv[:, None], kv_slot_BM, m)  # junk runs: dropped
   # Exact unless a side has more than m runs; then matches past m are missed and this
   # over-counts, but stays >= that side's run count > m, so overflow is still reported.
   n_B = n_q + n_kv - jnp.sum(matched, axis=1, dtype=jnp.int32)
 
-  used_BxM = slot_M < n_B[:, None]
-  empty_BxM = jnp.where(used_BxM, 0, -1).astype(jnp.int32)  # a used slot the side lacks: empty pair
+  used_BM = slot_M < n_B[:, None]
+  empty_BM = jnp.where(used_BM, 0, -1).astype(jnp.int32)  # a used slot the side lacks: empty pair
   q_has = slot_M < n_q[:, None]
-  q_seqlens = jnp.where(q_has, q_len, empty_BxM)
-  q_offsets = jnp.where(q_has, q_start, empty_BxM)
-  kv_seqlens = empty_BxM.at[rows_B1, kv_slot_BxM].set(kv_len, mode="drop")
-  kv_offsets = empty_BxM.at[rows_B1, kv_slot_BxM].set(kv_start, mode="drop")
+  q_seqlens = jnp.where(q_has, q_len, empty_BM)
+  q_offsets = jnp.where(q_has, q_start, empty_BM)
+  kv_seqlens = empty_BM.at[rows_B1, kv_slot_BM].set(kv_len, mode="drop")
+  kv_offsets = empty_BM.at[rows_B1, kv_slot_BM].set(kv_start, mode="drop")
   return SeqlensOffsets(q_seqlens, _offsets(q_offsets), kv_seqlens, _offsets(kv_offsets), n_B)
 
 
-def _offsets(start_BxM):
+def _offsets(start_BM):
   # cuDNN takes M + 1 offsets; JAX fills the last itself after packing rows, so it is -1.
-  return jnp.pad(start_BxM, ((0, 0), (0, 1)), constant_values=-1)
+  return jnp.pad(start_BM, ((0, 0), (0, 1)), constant_values=-1)

@@ -1,20 +1,13 @@
 """Logical axis names and the default rules that map them to mesh axes.
 
-Model code names array axes logically (`batch`, `seq`, `embed`, `heads`, `kv_heads`,
-`head_dim`, `mlp`, `vocab`) and never holds a mesh. The caller picks the mesh and rules:
+Model code names axes logically (`batch`, `seq`, `embed`, `heads`, `kv_heads`, `head_dim`,
+`mlp`, `vocab`) and never holds a mesh; the caller sets one:
 
   mesh = jax.make_mesh((2, 4), ("data", "tensor"), axis_types=(AxisType.Auto,) * 2)
   with jax.set_mesh(mesh), nnx.logical_axis_rules(sharding.rules(mesh, kv_heads=2)):
     model = nnx.jit(make_model)()   # parameters are sharded as they are created
 
-The mesh axes are `data`, `fsdp`, `tensor` and `context`; a mesh may have any subset. Make
-its axes `AxisType.Auto` (GSPMD): constraints here are `jax.lax.with_sharding_constraint`.
-`rules(mesh, ...)` fits `DEFAULT_RULES` to one mesh: it drops mesh axes the mesh lacks
-(flax would otherwise pass the name to `NamedSharding`, which rejects it) and, for the
-logical dimensions whose sizes you give, mesh axes that do not divide them. The latter is
-how GQA with fewer KV heads than the tensor axis works: `rules(mesh, kv_heads=2)` on
-`tensor=4` replicates K/V heads over `tensor` (each tensor shard projects all KV heads,
-which are few) while query heads stay sharded.
+`rules(mesh, ...)` fits `DEFAULT_RULES` to the mesh (docs/design.md, "Sharding").
 """
 
 from __future__ import annotations

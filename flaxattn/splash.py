@@ -1,35 +1,10 @@
-"""Splash attention (JAX's Pallas TPU kernel) behind the flaxattn kernel interface.
+"""Splash attention (JAX's Pallas TPU kernel): the `splash` kernel.
 
-Masks are lazy splash masks (`CausalMask`, `LocalMask`, `ChunkedCausalMask`, `FullMask`,
-combined with `&`): the kernel evaluates them inside each block, so building a kernel holds
-O(T + (T / block)^2) host memory (the per-block MaskInfo; its host time still visits every
-block once); a `NumpyMask` of the whole sequence (O(T^2) host memory and compile time) is
-never built. Packed documents go through `SegmentIds`. Off TPU the kernel runs in Pallas
-interpret mode, which is how it is tested on CPU.
-
-Splash masks on token INDEX, flaxattn on POSITIONS. The two agree when each document has
-one shift, position - index (and, for `Chunked`, chunks aligned the same way): always for
-default positions and for `Full`, and for what a packing pipeline produces (positions
-restarting at 0 and counting up by one inside each document). Explicit positions are data,
-so with a mask that reads them each call checks `layout.follows_index` at run time (a
-sort of the tokens, O(T log T), no `[T, T]` array) and a batch that fails runs the
-blockwise kernel instead (`lax.cond`, one branch executed, forward and backward alike):
-results always equal the reference. `flaxattn.explain` says when a call carries the check.
-
-Context parallelism: with the sequence sharded over n devices (and permuted by
-`flaxattn.load_balance`), the kernel's rows and columns are no longer token indices. A
-`TokenOrder` maps them back to original indices with integer arithmetic (no table), and an
-`_OrderedMask` applies the lazy mask to the original indices: its `q_sequence` holds the
-original index of every query row (sharded with the queries, as splash's MaskInfo is), and
-the key's original index follows from the query's shard and the ring step. The ring thus
-runs one kernel per step (the step is static), each skipping exactly the blocks the
-permuted causal structure rules out.
-
-GQA runs the MQA kernel once per KV head (vmapped) with that head's group of query heads,
-so K/V are never repeated. The log-sum-exp comes from the kernel's residuals; gradients run
-splash's fused dK/dV/dQ kernel with the lse cotangent folded into its row term `di`.
-Under a mesh the kernel runs inside `shard_map` over the batch and head axes (a Pallas
-call cannot be partitioned automatically).
+Owns lazy splash masks built from a mask's normal form (never a `NumpyMask`), the
+`TokenOrder` that maps context-parallel shards back to original token indices, GQA through
+the MQA kernel, the lse and gradients with its cotangent, and the run-time check that index
+masking is exact for a batch (else the blockwise kernel runs it). Off TPU it runs in Pallas
+interpret mode. Derivations: docs/design.md.
 """
 
 from __future__ import annotations
@@ -328,7 +303,7 @@ class Splash(registry.Kernel):
                          f" got {value!r}.")
 
   def reason(self, call: registry.Call) -> str | None:
-    """None if splash serves `call` exactly (see the module docstring), else why not."""
+    """None if splash serves `call` exactly (docs/design.md), else why not."""
     t, s = call.q_shape[1], call.kv_shape[1]
     if t != s:
       return (f"splash serves self attention only (masks on token index): query length {t} !="
@@ -374,7 +349,7 @@ class Splash(registry.Kernel):
 
     Args:
       q: `[B, T, H, D]`; k, v: `[B, T, Hkv, D]`, H a multiple of Hkv; float32/bfloat16.
-      layout: segment ids (0 = padding) and positions; see the module docstring for which
+      layout: segment ids (0 = padding) and positions; see docs/design.md for which
         positions are exact. Padding queries get zeros, lse -inf and zero gradients.
     Returns:
       `[B, T, H, D]` in q's dtype; with `return_lse` also lse `[B, T, H]` float32.

@@ -154,8 +154,8 @@ class RMSNorm(nnx.Module):
     self.dtype = dtype
     self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), **param_metadata(("embed",), {}))
 
-  def __call__(self, x_BTD: jax.Array) -> jax.Array:
-    x = x_BTD.astype(jnp.float32)
+  def __call__(self, x_BTE: jax.Array) -> jax.Array:
+    x = x_BTE.astype(jnp.float32)
     x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
     return (x * self.scale[...]).astype(self.dtype)
 
@@ -172,8 +172,8 @@ class MLP(nnx.Module):
     self.w2 = linear(config.ffn_dim, config.dim,
                      kernel_metadata=param_metadata(("mlp", "embed"), {}))
 
-  def __call__(self, x_BTD: jax.Array) -> jax.Array:
-    h_BTF = constrain(nnx.silu(self.w1(x_BTD)) * self.w3(x_BTD), HIDDEN_NAMES)
+  def __call__(self, x_BTE: jax.Array) -> jax.Array:
+    h_BTF = constrain(nnx.silu(self.w1(x_BTE)) * self.w3(x_BTE), HIDDEN_NAMES)
     return constrain(self.w2(h_BTF), X_NAMES)
 
 
@@ -192,10 +192,10 @@ class Block(nnx.Module):
     self.mlp_norm = RMSNorm(config.dim, eps=config.norm_eps, dtype=dtype)
     self.mlp = MLP(config, rngs=rngs)
 
-  def __call__(self, x_BTD, segment_ids, positions):
-    x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), segment_ids=segment_ids,
+  def __call__(self, x_BTE, segment_ids, positions):
+    x_BTE = x_BTE + self.attn(self.attn_norm(x_BTE), segment_ids=segment_ids,
                               positions=positions)
-    return x_BTD + self.mlp(self.mlp_norm(x_BTD))
+    return x_BTE + self.mlp(self.mlp_norm(x_BTE))
 
 
 class LayerGroup(nnx.Module):
@@ -207,8 +207,8 @@ class LayerGroup(nnx.Module):
                             for m in masks])
 
 
-def _call_block(block: Block, x_BTD, segment_ids, positions):
-  return block(x_BTD, segment_ids, positions)
+def _call_block(block: Block, x_BTE, segment_ids, positions):
+  return block(x_BTE, segment_ids, positions)
 
 
 class Llama(nnx.Module):
@@ -268,38 +268,38 @@ class Llama(nnx.Module):
     """
     if getattr(tokens, "ndim", None) != 2:
       raise ValueError(f"tokens expects shape [batch, seq], got {getattr(tokens, 'shape', None)}.")
-    x_BTD = constrain(self.embed(tokens), X_NAMES)
-    return self.from_embeddings(x_BTD, segment_ids=segment_ids, positions=positions)
+    x_BTE = constrain(self.embed(tokens), X_NAMES)
+    return self.from_embeddings(x_BTE, segment_ids=segment_ids, positions=positions)
 
-  def from_embeddings(self, x_BTD: jax.Array, *, segment_ids: jax.Array | None = None,
+  def from_embeddings(self, x_BTE: jax.Array, *, segment_ids: jax.Array | None = None,
                       positions: jax.Array | None = None) -> jax.Array:
-    """Logits `[B, T, vocab_size]` float32 of token embeddings `x_BTD` `[B, T, dim]`.
+    """Logits `[B, T, vocab_size]` float32 of token embeddings `x_BTE` `[B, T, dim]`.
 
     The decoder after the embedding lookup, so that gradients with respect to the inputs
     exist (causality tests) and callers may feed their own embeddings. Arguments and
     errors as `__call__`.
     """
     cfg = self.config
-    t = x_BTD.shape[1]
+    t = x_BTE.shape[1]
     if t > cfg.max_seq_len:
       raise ValueError(f"tokens expects at most max_seq_len={cfg.max_seq_len} positions, got a"
                        f" sequence of {t}; raise LlamaConfig.max_seq_len.")
-    x_BTD = x_BTD.astype(DTYPES[cfg.dtype])
+    x_BTE = x_BTE.astype(DTYPES[cfg.dtype])
     policy = REMAT_POLICIES[cfg.remat]
     block = _call_block if cfg.remat == "none" else nnx.remat(_call_block, policy=policy)
     if cfg.scan_layers:
-      def run_group(group: LayerGroup, x_BTD):
+      def run_group(group: LayerGroup, x_BTE):
         for b in group.blocks:
-          x_BTD = block(b, x_BTD, segment_ids, positions)
-        return x_BTD
+          x_BTE = block(b, x_BTE, segment_ids, positions)
+        return x_BTE
 
-      x_BTD = nnx.scan(run_group, in_axes=(0, nnx.Carry), out_axes=nnx.Carry,
-                       transform_metadata={nnx.PARTITION_NAME: LAYERS_AXIS})(self.layers, x_BTD)
+      x_BTE = nnx.scan(run_group, in_axes=(0, nnx.Carry), out_axes=nnx.Carry,
+                       transform_metadata={nnx.PARTITION_NAME: LAYERS_AXIS})(self.layers, x_BTE)
     else:
       for b in self.layers:
-        x_BTD = block(b, x_BTD, segment_ids, positions)
-    x_BTD = self.norm(x_BTD)
-    logits_BTV = self.embed.attend(x_BTD) if cfg.tie_embeddings else self.lm_head(x_BTD)
+        x_BTE = block(b, x_BTE, segment_ids, positions)
+    x_BTE = self.norm(x_BTE)
+    logits_BTV = self.embed.attend(x_BTE) if cfg.tie_embeddings else self.lm_head(x_BTE)
     return constrain(logits_BTV.astype(jnp.float32), LOGITS_NAMES)
 
 
