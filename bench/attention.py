@@ -1,6 +1,6 @@
 """Attention benchmark on this machine, every number from the same run.
 
-  python bench/attention.py [--json results.json] [--quick]
+  python -m bench.attention [--json results.json] [--quick]
 
 Forward+backward (gradient of sum(out**2) w.r.t. q, k, v), B=1, H=4, D=64, float32:
   1. causal T=4096: flaxattn fused vs jax.nn.dot_product_attention(implementation="xla")
@@ -27,7 +27,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ke
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 
 import flaxattn
-import seqlens as seqlens_bench
+from bench import seqlens as seqlens_bench
 
 B, H, D = 1, 4, 64
 

@@ -1,6 +1,6 @@
 """Context-parallel attention benchmark on simulated CPU devices, every number from the same run.
 
-  python bench/context_parallel.py [--json bench/results/context_parallel_cpu.json] [--quick]
+  python -m bench.context_parallel [--json bench/results/context_parallel_cpu.json] [--quick]
 
 Sets XLA_FLAGS=--xla_force_host_platform_device_count=8 before importing jax, so the host
 CPU shows up as 8 devices. Everything is causal, forward+backward (gradient of sum(out**2)
@@ -49,7 +49,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import flaxattn  # noqa: E402
 from flaxattn import blockwise  # noqa: E402
 from flaxattn.blockwise import ring_block  # noqa: E402
-from attention import B, D, H, best_time, causal_pairs, qkv, useful_gflops  # noqa: E402
+from bench.attention import B, D, H, best_time, causal_pairs, qkv, useful_gflops  # noqa: E402
 
 AXIS = "context"
 MIB = 2**20

@@ -3,7 +3,7 @@
 Part 1 measures splash's lazy masks against a NumpyMask of the whole sequence; part 2, on an
 NVIDIA GPU only, attention kernel throughput (cuDNN THD, jax.nn cuDNN, blockwise).
 
-  python bench/kernels.py [--json results.json] [--lengths 8192 16384] [--long 32768]
+  python -m bench.kernels [--json results.json] [--lengths 8192 16384] [--long 32768]
                           [--gpu-only] [--gpu-lengths 8192 32768] [--repeats 10]
 
 Causal attention, B=1, H=8 query heads on 2 KV heads, D=128, bfloat16, forward+backward
@@ -124,7 +124,7 @@ def _measure(kind: str, t: int) -> dict:
 
 
 def _run_case(kind: str, t: int, timeout: int) -> dict:
-  cmd = [sys.executable, os.path.abspath(__file__), "--one", kind, str(t)]
+  cmd = [sys.executable, "-m", "bench.kernels", "--one", kind, str(t)]
   env = dict(os.environ)
   if kind == "ring8" and "JAX_PLATFORMS" not in env:
     env.update(XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
@@ -138,7 +138,7 @@ def _run_case(kind: str, t: int, timeout: int) -> dict:
 
 
 def _median_time(fn, args, repeats: int) -> float:
-  from attention import run_times  # imports jax: only where the GPU section runs
+  from bench.attention import run_times  # imports jax: only where the GPU section runs
   return statistics.median(run_times(fn, args, repeats, warmup=2))
 
 
@@ -204,7 +204,7 @@ def _gpu_row(name: str, attn, t: int, case: str, matmul: float, repeats: int) ->
   q = jax.random.normal(keys[0], (1, t, GPU_H, D), jnp.bfloat16)
   k = jax.random.normal(keys[1], (1, t, GPU_HKV, D), jnp.bfloat16)
   v = jax.random.normal(keys[2], (1, t, GPU_HKV, D), jnp.bfloat16)
-  from attention import causal_pairs
+  from bench.attention import causal_pairs
 
   docs = 1 if case == "causal" else GPU_DOCS
   fwd_flops = 4 * D * GPU_H * docs * causal_pairs(t // docs)

@@ -4,7 +4,7 @@ Compares compiled temporary memory (`memory_analysis().temp_size_in_bytes`; comp
 allocates nothing, so the [T, T] version can be measured at any T) and wall time. The
 mask version is timed only at a small T, where its mask fits in memory.
 
-  python bench/seqlens.py [--t 131072] [--max-segments 256] [--batch 1] [--json PATH]
+  python -m bench.seqlens [--t 131072] [--max-segments 256] [--batch 1] [--json PATH]
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Training-step throughput of the demo model on 4 simulated CPU devices, every number from
 the same run.
 
-  python bench/train.py [--json bench/results/train_cpu.json] [--steps N] [--config PATH]
+  python -m bench.training [--json bench/results/train_cpu.json] [--steps N] [--config PATH]
 
 The demo model (`configs/demo.yaml`: its model config, seq_len and global batch_size) is
 trained with the trainer's own pieces: `train.loop._make_state` (Llama + AdamW from
@@ -45,7 +45,7 @@ each time one step of every variant in turn (interleaved, so that load from othe
 the machine hits the variants alike), each to `jax.block_until_ready` of the step's outputs.
 tokens/s = batch_size x seq_len (padding included, as the trainer's tokens_per_s) / the
 median step time (the best is also shown). MFU = `models.llama.flops_per_token(model,
-seq_len)` x tokens/s / this CPU's float32 matmul FLOP/s (2048^3, `bench/attention.py`'s
+seq_len)` x tokens/s / this CPU's float32 matmul FLOP/s (2048^3, `bench.attention`'s
 `matmul_gflops` on the default device), measured before and after the steps, the higher
 taken. flops_per_token counts each row as one causal document, so for packed rows its
 attention term is an upper bound of the work needed. The loss of the first step (same
@@ -55,7 +55,6 @@ initial parameters and batch) is printed per variant as a consistency check.
 from __future__ import annotations
 
 import os
-import pathlib
 import sys
 
 _flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
@@ -66,17 +65,8 @@ if not any(f.startswith("--xla_cpu_multi_thread_eigen") for f in _flags):
 os.environ["XLA_FLAGS"] = " ".join(_flags)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-# This file is bench/train.py: with bench/ first on sys.path, `import train` would import
-# this file instead of the trainer package. Put the repo root first and bench/ last (for
-# bench/attention.py and the seqlens module it imports).
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-BENCH = ROOT / "bench"
-sys.path[:] = ([str(ROOT)] + [p for p in sys.path if pathlib.Path(p or ".").resolve() != BENCH]
-               + [str(BENCH)])
-
 import argparse  # noqa: E402
 import gc  # noqa: E402
-import importlib.util  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
 import statistics  # noqa: E402
@@ -96,15 +86,7 @@ from train import mesh as mesh_lib  # noqa: E402
 from train import tokenizer as tokenizer_lib  # noqa: E402
 
 
-def _load_attention_bench():
-  spec = importlib.util.spec_from_file_location("bench_attention", BENCH / "attention.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
-attention_bench = _load_attention_bench()
-best_time, matmul_gflops = attention_bench.best_time, attention_bench.matmul_gflops
+from bench.attention import matmul_gflops  # noqa: E402
 
 
 def dense_mask_attention(q, k, v, *, mask, segment_ids=None, positions=None,
@@ -226,7 +208,7 @@ def main():
                       help="pipeline batch to use (default: the first with >= --min-docs"
                            " documents per row)")
   parser.add_argument("--min-docs", type=int, default=3)
-  parser.add_argument("--config", default=str(ROOT / "configs" / "demo.yaml"))
+  parser.add_argument("--config", default="configs/demo.yaml")
   args = parser.parse_args()
   if args.steps < 1 or args.warmup < 1:
     parser.error("--steps and --warmup expect >= 1")
@@ -292,7 +274,7 @@ def main():
       json.dump(dict(devices=jax.device_count(), cpu_cores=os.cpu_count(),
                      machine=platform.machine(), jax=jax.__version__,
                      xla_flags=os.environ["XLA_FLAGS"], config=args.config,
-                     command=" ".join(["python"] + sys.argv),
+                     command=" ".join(["python -m bench.training"] + sys.argv[1:]),
                      model=config_lib.to_dict(cfg0)["model"], seq_len=cfg0.seq_len,
                      batch_size=cfg0.batch_size, steps=args.steps, warmup=args.warmup,
                      batch_source=f"train.data.pipeline (stdlib .py files, bytes tokenizer,"
