@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from flaxattn import registry
@@ -76,11 +77,23 @@ def attention(q, k, v, *, mask: Mask = Causal(), segment_ids=None, positions=Non
                          context_parallel)
   if scale is None:
     scale = q.shape[-1] ** -0.5
-  kernel = registry.select(backend, _call(q, k, mask, layout, return_lse, context_parallel))
-  if context_parallel is None:
-    return kernel(q, k, v, layout, mask=mask, scale=float(scale), return_lse=return_lse)
-  return context_parallel_attention(q, k, v, layout, mask=mask, scale=float(scale),
-                                    cp=context_parallel, kernel=kernel, return_lse=return_lse)
+  call = _call(q, k, mask, layout, return_lse, context_parallel)
+  kernels = registry.per_platform(backend, call)
+  here = kernels[registry.lowering_name(call.platform)]
+
+  def run(kernel):
+    if context_parallel is None:
+      return lambda q, k, v, layout: kernel(q, k, v, layout, mask=mask, scale=float(scale),
+                                            return_lse=return_lse)
+    return lambda q, k, v, layout: context_parallel_attention(
+        q, k, v, layout, mask=mask, scale=float(scale), cp=context_parallel, kernel=kernel,
+        return_lse=return_lse)
+
+  # One traced program, each platform's kernel: the lowering keeps the one it is for.
+  others = {p: run(kernel) for p, kernel in kernels.items() if kernel != here}
+  if not others:
+    return run(here)(q, k, v, layout)
+  return jax.lax.platform_dependent(q, k, v, layout, default=run(here), **others)
 
 
 def explain(q, k, v, *, mask: Mask = Causal(), segment_ids=None, positions=None,

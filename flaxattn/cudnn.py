@@ -509,6 +509,7 @@ class Cudnn(registry.Kernel):
 
   max_segments: int | None = None
   name: str = "cudnn"
+  traces_anywhere: bool = False  # JAX checks for cuDNN while tracing
 
   def reason(self, call: registry.Call) -> str | None:
     return CP_REASON if call.cp_strategy else _reason(call)

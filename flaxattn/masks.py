@@ -10,6 +10,10 @@ from __future__ import annotations
 import dataclasses
 import numbers
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
 
 def _check_positive_int(cls_name: str, arg: str, value) -> None:
   if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
@@ -17,6 +21,15 @@ def _check_positive_int(cls_name: str, arg: str, value) -> None:
         f"{cls_name}({arg}=...) expects a positive int, got {value!r}"
         f" ({type(value).__name__}). Pass the {arg} in tokens, e.g. {cls_name}(128)."
     )
+
+
+def floor_div(x, n: int):
+  """`x // n` for int arrays, numpy or jax. For jax it avoids `sign` (what `//` lowers
+  through), which Mosaic cannot lower for TPU from another host, so masks evaluated inside
+  a splash kernel lower anywhere."""
+  if isinstance(x, (int, np.ndarray, np.integer)):
+    return x // n
+  return jax.lax.div(jnp.where(x < 0, x - (n - 1), x), jnp.asarray(n, x.dtype))
 
 
 class Mask:
@@ -106,12 +119,12 @@ class Chunked(Mask):
     _check_positive_int("Chunked", "size", self.size)
 
   def allows(self, q_pos, k_pos):
-    return (k_pos <= q_pos) & (k_pos // self.size == q_pos // self.size)
+    return (k_pos <= q_pos) & (floor_div(k_pos, self.size) == floor_div(q_pos, self.size))
 
   def block_kinds(self, q_lo, q_hi, k_lo, k_hi):
-    s = self.size
-    skip = (k_lo > q_hi) | (k_hi // s < q_lo // s) | (k_lo // s > q_hi // s)
-    one_chunk = (q_lo // s == q_hi // s) & (k_lo // s == k_hi // s) & (k_lo // s == q_lo // s)
+    q_lo_c, q_hi_c, k_lo_c, k_hi_c = (floor_div(x, self.size) for x in (q_lo, q_hi, k_lo, k_hi))
+    skip = (k_lo > q_hi) | (k_hi_c < q_lo_c) | (k_lo_c > q_hi_c)
+    one_chunk = (q_lo_c == q_hi_c) & (k_lo_c == k_hi_c) & (k_lo_c == q_lo_c)
     full = (k_hi <= q_lo) & one_chunk
     return skip, full
 

@@ -38,6 +38,8 @@ _BUILTIN = {
 }
 _KERNELS: dict[str, Kernel] = {}
 PLATFORMS = ("cpu", "gpu", "tpu")
+# `jax.lax.platform_dependent`'s names of the platforms a program may be lowered for.
+LOWERING = {"cpu": "cpu", "cuda": "gpu", "tpu": "tpu"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +75,9 @@ class Kernel:
 
   name: str = ""
   ring: bool = False
+  # False: tracing needs the platform's own libraries (cuDNN), so a program traced on
+  # another platform's host cannot hold this kernel for it.
+  traces_anywhere: bool = True
 
   def unsupported_reason(self, call: Call) -> str | None:
     """None if the kernel serves `call` (with its context parallelism), else why not."""
@@ -90,6 +95,11 @@ class Kernel:
   def describe(self, call: Call) -> str | None:
     """What `explain` adds after the kernel's name (e.g. a run-time check), or None."""
     return None
+
+  def on(self, platform: str) -> Kernel:
+    """This kernel with its options resolved for lowering on `platform` (e.g. splash's
+    interpret mode off TPU)."""
+    return self
 
   def __call__(self, q, k, v, layout: Layout, *, mask: Mask, scale: float, return_lse: bool):
     """Attention `[B, T, H, D]` (and log-sum-exp `[B, T, H]` float32 with `return_lse`)."""
@@ -157,17 +167,20 @@ def reasons(call: Call, kernels=None) -> dict[str, str | None]:
   return {name: get(name).unsupported_reason(call) for name in (kernels or names())}
 
 
-def _first(candidates, call: Call, backend) -> Kernel:
+def _first(candidates, call: Call, backend, traced_here: bool = False) -> Kernel:
   for name in candidates:
-    if get(name).unsupported_reason(call) is None:
-      return get(name)
+    kernel = get(name)
+    if kernel.unsupported_reason(call) is None and (kernel.traces_anywhere or not traced_here):
+      return kernel
   raise ValueError(f"backend={backend!r}: no kernel serves this call on {call.platform}:\n"
                    + _format_reasons(reasons(call, candidates)))
 
 
-def select(backend, call: Call) -> Kernel:
+def select(backend, call: Call, traced_here: bool = False) -> Kernel:
   """The kernel that serves `call` for `backend`: "auto", an alias ("fused"), a kernel name,
   or a kernel object (how a kernel's options, e.g. splash block sizes, are set).
+  `traced_here`: the call's platform is not this process's, so "auto" and aliases skip
+  kernels that cannot be traced here.
 
   Raises:
     ValueError: unknown backend, or an explicit backend that cannot serve the call.
@@ -175,9 +188,9 @@ def select(backend, call: Call) -> Kernel:
   if isinstance(backend, Kernel):
     kernel = backend
   elif backend == "auto":
-    return _first(order(call.platform), call, backend)
+    return _first(order(call.platform), call, backend, traced_here)
   elif backend in ALIASES:
-    return _first(ALIASES[backend], call, backend)
+    return _first(ALIASES[backend], call, backend, traced_here)
   elif isinstance(backend, str) and backend in names():
     kernel = get(backend)
   else:
@@ -189,6 +202,34 @@ def select(backend, call: Call) -> Kernel:
     raise ValueError(f"backend={backend!r} cannot serve this call: {reason} Kernels that can:"
                      f" {able or 'none'}; or pass backend='auto'.")
   return kernel
+
+
+def per_platform(backend, call: Call) -> dict[str, Kernel]:
+  """The kernel each platform runs, keyed by `LOWERING` name, resolved for that platform
+  (`Kernel.on`): one traced program holds them all and `jax.lax.platform_dependent` keeps
+  the one of the platform it is lowered for. The call's own platform is always present
+  (and raises as `select` does); another platform is left out when no kernel that can be
+  traced here serves it (its lowering then takes the call's own platform's kernel).
+  """
+  here = call.platform
+  kernels = {}
+  for lowering, platform in LOWERING.items():
+    on = dataclasses.replace(call, platform=platform)
+    if platform == here:
+      kernels[lowering] = select(backend, on).on(platform)
+      continue
+    try:
+      kernel = select(backend, on, traced_here=True)
+    except ValueError:
+      continue
+    if kernel.traces_anywhere:
+      kernels[lowering] = kernel.on(platform)
+  return kernels
+
+
+def lowering_name(platform: str) -> str:
+  """The `LOWERING` name of a registry platform ("gpu" -> "cuda")."""
+  return {v: k for k, v in LOWERING.items()}[platform]
 
 
 def _format_reasons(answers: dict[str, str | None]) -> str:
@@ -225,4 +266,20 @@ def describe(backend, call: Call) -> str:
            f"backend={backend!r} -> {_resolve(backend, call)}",
            f"per platform, backend={backend!r}:"]
   lines += [f"  {p}: {_resolve(backend, dataclasses.replace(call, platform=p))}" for p in PLATFORMS]
+  try:
+    traced = per_platform(backend, call)
+  except ValueError:
+    return "\n".join(lines)
+  here = traced[lowering_name(call.platform)]
+  held = {p: traced.get(p, here).name for p in LOWERING}
+  lines.append(f"a program traced here ({call.platform}) holds, per lowering platform: "
+               + ", ".join(f"{p}: {name}" for p, name in held.items()))
+  for p, name in held.items():
+    try:
+      wanted = select(backend, dataclasses.replace(call, platform=LOWERING[p])).name
+    except ValueError:
+      continue
+    if wanted != name:
+      lines.append(f"  ({p} runs {wanted} only in a program traced on a {p} host: {wanted}"
+                   " needs its platform's libraries while tracing)")
   return "\n".join(lines)

@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from flaxattn import blockwise, registry, sharding
 from flaxattn.layout import Layout, follows_index
-from flaxattn.masks import Band, Mask, NoBand, band
+from flaxattn.masks import Band, Mask, NoBand, band, floor_div
 
 LANES = 128  # splash's blocks are multiples of the TPU lane width
 # Rows whose lse is below this saw no key: splash leaves them at its mask value (finite
@@ -50,16 +50,16 @@ class TokenOrder:
     if not self.load_balance:
       return shard * shard_len + local
     chunk_len = shard_len // 2
-    second = local // chunk_len  # 0: chunk `shard`, 1: chunk 2n-1-shard
+    second = floor_div(local, chunk_len)  # 0: chunk `shard`, 1: chunk 2n-1-shard
     chunk = shard + second * (2 * self.shards - 1 - 2 * shard)
     return chunk * chunk_len + local - second * chunk_len
 
   def shard_of(self, index, shard_len: int):
     """The shard holding the token of original index `index`."""
     if not self.load_balance:
-      return index // shard_len
-    chunk = index // (shard_len // 2)
-    return chunk + (chunk // self.shards) * (2 * self.shards - 1 - 2 * chunk)
+      return floor_div(index, shard_len)
+    chunk = floor_div(index, shard_len // 2)
+    return chunk + floor_div(chunk, self.shards) * (2 * self.shards - 1 - 2 * chunk)
 
   def key_original(self, q_index, col, shard_len: int):
     """Original index of key column `col` for a query of original index `q_index`.
@@ -68,12 +68,14 @@ class TokenOrder:
     arranged so that as much as possible stays on one of the two vectors (the host visits
     every block of T x T when the kernel is built)."""
     if self.step is None:
-      return self.original(col // shard_len, col % shard_len, shard_len)
-    source = (self.shard_of(q_index, shard_len) + (self.shards - self.step)) % self.shards
+      shard = floor_div(col, shard_len)
+      return self.original(shard, col - shard * shard_len, shard_len)
+    source = self.shard_of(q_index, shard_len) + (self.shards - self.step)
+    source = source - self.shards * floor_div(source, self.shards)  # mod
     if not self.load_balance:
       return source * shard_len + col
     chunk_len = shard_len // 2
-    second = col // chunk_len
+    second = floor_div(col, chunk_len)
     first_start = source * chunk_len
     second_start = (2 * self.shards - 1 - source) * chunk_len
     return first_start + second * (second_start - first_start) + (col - second * chunk_len)
@@ -105,15 +107,14 @@ class _OrderedMask(sm._ComputableMask):  # pylint: disable=protected-access
 def _splash_mask(normal: Band, shape: tuple[int, int], order: TokenOrder) -> sm.Mask:
   if normal == Band():
     return sm.FullMask(shape)
-  if order.shards > 1:
+  if order.shards > 1 or normal.chunk is not None:
+    # Our rule on original indices (splash's own chunked mask divides with an op Mosaic
+    # cannot lower for TPU from another host).
     return _OrderedMask(normal, shape, order)
-  # Splash's own lazy masks where the kernel's rows and columns are the token index.
-  parts = [sm.CausalMask(shape)] if normal == Band(causal=True) else []
-  if normal.window is not None:  # ours: p - w < k <= p, i.e. w - 1 keys to the left
-    parts.append(sm.LocalMask(shape, window_size=(normal.window - 1, 0), offset=0))
-  if normal.chunk is not None:
-    parts.append(sm.ChunkedCausalMask(shape, chunk_size=normal.chunk))
-  return functools.reduce(lambda a, b: a & b, parts)
+  if normal.window is None:
+    return sm.CausalMask(shape)
+  # ours: p - w < k <= p, i.e. w - 1 keys to the left
+  return sm.LocalMask(shape, window_size=(normal.window - 1, 0), offset=0)
 
 
 def block_size(length: int, requested: int) -> int:
@@ -288,12 +289,18 @@ _attend.defvjp(_attend_fwd, _attend_bwd)
 @dataclasses.dataclass(frozen=True)
 class Splash(registry.Kernel):
   """The "splash" kernel. Block sizes default to `default_block(head_dim)` fitted to the
-  sequence; pass `Splash(block_q=..., block_kv=...)` as `backend=` to override them."""
+  sequence; pass `Splash(block_q=..., block_kv=...)` as `backend=` to override them.
+  `interpret`: Pallas interpret mode; None decides by the platform the program is lowered
+  for (compiled Mosaic on TPU, interpret mode elsewhere)."""
 
   block_q: int | None = None
   block_kv: int | None = None
+  interpret: bool | None = None
   name: str = "splash"
   ring: bool = True
+
+  def on(self, platform: str) -> Splash:
+    return dataclasses.replace(self, interpret=platform != "tpu")
 
   def __post_init__(self):
     for arg in ("block_q", "block_kv"):
@@ -341,8 +348,8 @@ class Splash(registry.Kernel):
     chunk = shard_len // 2
     unit = chunk if order.load_balance and order.shards > 1 and chunk % LANES == 0 else shard_len
     bq, bkv = self.blocks(unit, s if order.shards == 1 else min(s, unit), q_shape[3])
-    return _kernel(normal, order, t, s, q_shape[2] // kv_shape[2], bq, bkv,
-                   jax.default_backend() != "tpu")
+    interpret = jax.default_backend() != "tpu" if self.interpret is None else self.interpret
+    return _kernel(normal, order, t, s, q_shape[2] // kv_shape[2], bq, bkv, interpret)
 
   def __call__(self, q, k, v, layout: Layout, *, mask: Mask, scale: float, return_lse: bool):
     """Splash attention over packed sequences (self attention, T a multiple of 128).
