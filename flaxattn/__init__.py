@@ -8,6 +8,7 @@ Public API:
   ContextParallel, load_balance,         ring / all-gather attention over a sharded sequence axis
     unload_balance                       and the dual-chunk load-balancing permutation
   sharding                               default logical-axis rules for (data, fsdp, tensor, context)
+  selftest                               every kernel against the reference on this machine, and timings
 """
 
 from flaxattn import sharding
@@ -24,13 +25,14 @@ __all__ = [
     "Mask", "Full", "Causal", "Local", "Chunked",
     "seqlens_and_offsets", "SeqlensOffsets",
     "ContextParallel", "load_balance", "unload_balance",
-    "MultiHeadAttention", "RoPE", "sharding",
+    "MultiHeadAttention", "RoPE", "sharding", "selftest",
 ]
 
 
 def __getattr__(name):
-  # Kernel modules that use JAX private APIs load on first use (`flaxattn.splash.Splash`).
-  if name in ("blockwise", "cudnn", "reference", "splash"):
+  # Kernel modules that use JAX private APIs load on first use (`flaxattn.splash.Splash`),
+  # and so does `flaxattn.selftest` (callable: `flaxattn.selftest(quick=True)`).
+  if name in ("blockwise", "cudnn", "reference", "splash", "selftest"):
     import importlib  # pylint: disable=import-outside-toplevel
     return importlib.import_module(f"flaxattn.{name}")
   raise AttributeError(f"module 'flaxattn' has no attribute {name!r}")
