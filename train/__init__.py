@@ -1,8 +1,10 @@
 """The trainer: `python -m train CONFIG.yaml [key=value ...]`.
 
-Modules, one per concept: `config` (the schema, YAML and overrides), `distributed`
-(platform, simulated devices, multi-host init), `mesh`, `tokenizer`, `data` (grain
-pipeline and global batches), `optimizer`, `checkpoint` (orbax), `metrics` (JSONL,
-TensorBoard, loss plot) and `loop` (the training loop). Nothing is imported here, so
+Modules, one per concept: `config` (the schema, YAML and overrides), `run_dir` (what a
+run keeps there; which config changes a resume refuses; starting over), `distributed`
+(platform, simulated devices, multi-host init, agreement between processes), `mesh`,
+`tokenizer`, `data` (corpus checks, grain pipeline and global batches), `optimizer`,
+`checkpoint` (orbax; damaged versus unusable), `metrics` (JSONL, TensorBoard, loss plot),
+`stop` (SIGTERM) and `loop` (the training loop). Nothing is imported here, so
 `python -m train` can set up devices before jax starts.
 """

@@ -4,13 +4,16 @@
   python -m train configs/demo.yaml steps=20 model.dim=128 run_dir=runs/small
 
 Overrides use dotted keys of `train.config.TrainConfig`; `python -m train --help` lists
-them. Exit status 0 after the last step or after a SIGTERM-triggered save; 2 for a config
-error (reported before any compilation).
+them. Exit status 0 after the last step or after a SIGTERM (saved if a step was done since
+the last checkpoint); 2 for a config error (reported before anything is written to the
+run_dir or compiled); 1 when checkpoints exist but the run cannot resume from them
+(`train.checkpoint.CheckpointError`, nothing deleted).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 
@@ -20,23 +23,31 @@ def main(argv: list[str]) -> int:
   if not argv or argv[0] in ("-h", "--help"):
     print(__doc__ + "\nKeys:\n  " + "\n  ".join(config.valid_keys()))
     return 0 if argv else 2
+  from train import checkpoint, distributed, loop, run_dir  # imports start no jax backend
+
+  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                      force=True)  # importing grain installed a root handler of its own
+  for noisy in ("absl", "orbax", "jax"):
+    logging.getLogger(noisy).setLevel(logging.WARNING)
   path, overrides = (None, argv) if "=" in argv[0] else (argv[0], argv[1:])
   try:
     cfg = config.load(path, overrides)
-    from train import distributed
+    run_dir.check(cfg)
     distributed.setup(cfg)  # before anything starts a jax backend
+    _, stopped = loop.run(cfg)
   except config.ConfigError as e:
     print(f"config error: {e}", file=sys.stderr)
     return 2
-  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-  for noisy in ("absl", "orbax", "jax"):
-    logging.getLogger(noisy).setLevel(logging.WARNING)
-  from train import loop
-  try:
-    loop.run(cfg)
-  except config.ConfigError as e:
-    print(f"config error: {e}", file=sys.stderr)
-    return 2
+  except checkpoint.CheckpointError as e:
+    print(f"checkpoint error: {e}", file=sys.stderr)
+    return 1
+  if stopped:
+    # The state is saved. A data read blocked in a pipeline thread would hold up the
+    # interpreter's exit (it joins thread pools), and a SIGTERM is followed by a SIGKILL.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
   return 0
 
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import yaml
 
+from flaxattn import registry
 from models.llama import LlamaConfig
 
 
@@ -34,6 +35,10 @@ class DataConfig:
     directory of `.txt` files (one document each) and `.jsonl` files (one document per
     line, its "text" field), read recursively in sorted order.
   tokenizer: "bytes" (UTF-8 bytes, ids 0..255) or the path of a SentencePiece `.model`.
+  bad_records: what listing the corpus does with a record it cannot train on (a `.jsonl`
+    line that is not UTF-8 JSON with a string "text", a `.txt` file that is binary or
+    mostly not UTF-8): "skip" leaves it out and counts it in a warning; "error" stops
+    with a config error that lists them.
   eval_fraction: the share of documents held out for eval, chosen by a hash of their name.
   eval_batches: batches of held-out rows in each eval.
   packing_bins: rows the packer fills at once (more bins, less padding).
@@ -42,6 +47,7 @@ class DataConfig:
 
   source: str = "stdlib"
   tokenizer: str = "bytes"
+  bad_records: str = "skip"
   eval_fraction: float = 0.02
   eval_batches: int = 2
   packing_bins: int = 16
@@ -97,6 +103,7 @@ class MeshConfig:
 
 
 MESH_AXES = ("data", "fsdp", "tensor", "context")
+PLATFORMS = ("cpu", "gpu", "cuda", "rocm", "tpu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,13 +126,17 @@ class CheckpointConfig:
 class TrainConfig:
   """A training run.
 
-  run_dir: checkpoints, metrics.jsonl, TensorBoard events and loss.png go here; a rerun
-    with the same run_dir resumes from its latest good checkpoint.
+  run_dir: checkpoints, config.json (the config they were saved with), metrics.jsonl,
+    TensorBoard events and loss.png go here; a rerun with the same run_dir resumes from
+    its latest good checkpoint (see `train.run_dir`).
+  resume: true: continue from run_dir's checkpoints, refusing a config that changes the
+    saved state's structure; false: start over at step 0 after moving the previous run's
+    files to `{run_dir}/archive/<time>/` (nothing is deleted).
   steps: total optimizer steps (also the cosine schedule's length).
   seq_len: tokens per row; batch_size: rows per step, global (over all processes).
   checkpoint_every / eval_every: in steps; 0 = never (a checkpoint is still written at
     the end and on SIGTERM).
-  platform: "" (JAX's default) or a JAX platform name ("cpu", "gpu", "tpu").
+  platform: "" (JAX's default) or a JAX platform name (`PLATFORMS`).
   num_devices: with platform "cpu", the number of simulated CPU devices; elsewhere 0 or
     the number of devices (checked). 0 = whatever is there.
   distributed: "auto", "on" or "off": whether to call `jax.distributed.initialize()`
@@ -133,6 +144,7 @@ class TrainConfig:
   """
 
   run_dir: str = "runs/default"
+  resume: bool = True
   steps: int = 100
   seed: int = 0
   seq_len: int = 4096
@@ -161,13 +173,26 @@ class TrainConfig:
     if self.seq_len > self.model.max_seq_len:
       raise ConfigError(f"seq_len ({self.seq_len}) expects at most model.max_seq_len"
                         f" ({self.model.max_seq_len}); raise model.max_seq_len.")
-    if self.distributed not in ("auto", "on", "off"):
-      raise ConfigError(f"distributed expects 'auto', 'on' or 'off', got {self.distributed!r}.")
-    if self.context_parallel.strategy not in ("ring", "all_gather"):
-      raise ConfigError("context_parallel.strategy expects 'ring' or 'all_gather', got"
-                        f" {self.context_parallel.strategy!r}.")
+    for key, choices in (("distributed", ("auto", "on", "off")),
+                         ("context_parallel.strategy", ("ring", "all_gather")),
+                         ("platform", ("",) + PLATFORMS),
+                         ("model.attention_backend", tuple(registry.backend_names())),
+                         ("data.bad_records", ("skip", "error"))):
+      _check_choice(key, _get(self, key), choices)
     if not 0 <= self.data.eval_fraction < 1:
       raise ConfigError(f"data.eval_fraction expects a value in [0, 1), got {self.data.eval_fraction}.")
+
+
+def _get(cfg, key: str):
+  for part in key.split("."):
+    cfg = getattr(cfg, part)
+  return cfg
+
+
+def _check_choice(key: str, value, choices: tuple) -> None:
+  if value not in choices:
+    raise ConfigError(f"config key {key!r} expects one of {', '.join(map(repr, choices))};"
+                      f" got {value!r}.")
 
 
 def valid_keys(cls=TrainConfig, prefix: str = "") -> list[str]:

@@ -1,11 +1,11 @@
 """Documents -> packed rows -> global batches, through grain.
 
 Per process:
-  documents (sorted; the held-out ones by a hash of their name) -> this process's shard
-  -> shuffled each epoch, repeated -> read + tokenize -> split into pieces of <= seq_len
-  -> first-fit packed into rows of seq_len (`segment_ids` 1, 2, ... and `positions`
-  restarting at 0; 0 = padding) -> batched -> next-token targets and weights
-  (`models.llama.make_targets`, in the original token order).
+  documents (sorted; bad records left out; the held-out ones by a hash of their name)
+  -> this process's shard -> shuffled each epoch, repeated -> read + tokenize -> split into
+  pieces of <= seq_len -> first-fit packed into rows of seq_len (`segment_ids` 1, 2, ...
+  and `positions` restarting at 0; 0 = padding) -> batched -> next-token targets and
+  weights (`models.llama.make_targets`, in the original token order).
 Then `GlobalBatches` permutes every per-token array with `flaxattn.load_balance` (under
 load-balanced context parallelism) and assembles global arrays with
 `jax.make_array_from_process_local_data`: batch over (data, fsdp), sequence over context.
@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import pathlib
+import re
 import sysconfig
 import zlib
 
@@ -29,8 +31,44 @@ import flaxattn
 from models.llama import make_targets
 from train.config import ConfigError, DataConfig
 
+log = logging.getLogger(__name__)
+
 BATCH_SPEC = P(("data", "fsdp"), "context")
 KEYS = ("tokens", "targets", "weights", "segment_ids", "positions")
+MIN_TOKENS = 2  # a piece needs a token and its next-token target
+# A text file with more undecodable bytes than this share is not UTF-8 text (binary, or
+# another encoding); fewer are a few damaged characters, read as U+FFFD.
+MAX_UNDECODABLE = 0.01
+_UNDECODABLE = re.compile("[\udc80-\udcff]")  # bytes that `surrogateescape` kept
+
+
+class BadRecord(ValueError):
+  """A record that cannot be trained on; the message says why."""
+
+
+def _record_text(line: bytes) -> str:
+  """The "text" of a `.jsonl` line, or BadRecord."""
+  try:
+    record = json.loads(line)
+  except UnicodeDecodeError:
+    raise BadRecord("not UTF-8") from None
+  except json.JSONDecodeError as e:
+    raise BadRecord(f"not JSON ({e.msg})") from None
+  if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+    raise BadRecord('not a JSON object with a string "text"')
+  return record["text"]
+
+
+def _check_text(raw: bytes) -> None:
+  """BadRecord if the bytes of a text file are binary or mostly not UTF-8."""
+  if b"\0" in raw:
+    raise BadRecord("binary (holds NUL bytes)")
+  try:
+    raw.decode("utf-8")
+  except UnicodeDecodeError:
+    bad = len(_UNDECODABLE.findall(raw.decode("utf-8", errors="surrogateescape")))
+    if bad > MAX_UNDECODABLE * len(raw):
+      raise BadRecord(f"not UTF-8 text ({bad} of {len(raw)} bytes undecodable)") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,11 +82,20 @@ class Document:
   offset: int = 0
 
   def read(self) -> str:
+    """The document's text (listing checked it; a few undecodable bytes read as U+FFFD).
+
+    Raises:
+      BadRecord: the `.jsonl` line is no longer valid (its file changed since listing).
+    """
     if self.line < 0:
-      return pathlib.Path(self.path).read_text(encoding="utf-8", errors="replace")
+      return pathlib.Path(self.path).read_bytes().decode("utf-8", errors="replace")
     with open(self.path, "rb") as f:
       f.seek(self.offset)
-      return json.loads(f.readline())["text"]
+      line = f.readline()
+    try:
+      return _record_text(line)
+    except BadRecord as e:
+      raise BadRecord(f"{self.name}: {e}; the file changed after the corpus was listed.") from None
 
 
 def _stdlib_files() -> tuple[pathlib.Path, list[pathlib.Path]]:
@@ -57,21 +104,37 @@ def _stdlib_files() -> tuple[pathlib.Path, list[pathlib.Path]]:
   return root, [p for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts)]
 
 
-def _jsonl_documents(path: pathlib.Path, name: str) -> list[Document]:
-  docs, offset = [], 0
+def _file_documents(path: pathlib.Path, name: str) -> tuple[list[Document], list[str]]:
+  """(documents, problems) of one file: its lines for `.jsonl`, else the whole file."""
+  if path.suffix != ".jsonl":
+    try:
+      _check_text(path.read_bytes())
+    except BadRecord as e:
+      return [], [f"{name}: {e}"]
+    return [Document(name, str(path))], []
+  docs, problems, offset = [], [], 0
   with open(path, "rb") as f:
     for i, line in enumerate(f):
       if line.strip():
-        docs.append(Document(f"{name}:{i}", str(path), i, offset))
+        try:
+          _record_text(line)
+          docs.append(Document(f"{name}:{i}", str(path), i, offset))
+        except BadRecord as e:
+          problems.append(f"{name} line {i + 1}: {e}")
       offset += len(line)
-  return docs
+  return docs, problems
 
 
-def list_documents(source: str) -> list[Document]:
+def list_documents(source: str, bad_records: str = "skip") -> list[Document]:
   """All documents of `source` ("stdlib" or a directory), in a deterministic order.
 
+  Every record is checked here, so that a bad one cannot stop training when the pipeline
+  reaches it (and again at each resume): with `bad_records` "skip" (see
+  `DataConfig.bad_records`) bad records are left out and counted in a warning.
+
   Raises:
-    ConfigError: the directory does not exist or holds no `.txt`/`.jsonl` documents.
+    ConfigError: the directory does not exist or holds no usable `.txt`/`.jsonl`
+      documents; bad records with `bad_records` "error".
   """
   if source == "stdlib":
     root, files = _stdlib_files()
@@ -81,10 +144,19 @@ def list_documents(source: str) -> list[Document]:
       raise ConfigError(f"data.source expects 'stdlib' or a directory, got {source!r}"
                         " (not a directory).")
     files = [p for p in root.rglob("*") if p.suffix in (".txt", ".jsonl") and p.is_file()]
-  docs = []
+  docs, problems = [], []
   for path in sorted(files):
-    name = path.relative_to(root).as_posix()
-    docs += _jsonl_documents(path, name) if path.suffix == ".jsonl" else [Document(name, str(path))]
+    file_docs, file_problems = _file_documents(path, path.relative_to(root).as_posix())
+    docs += file_docs
+    problems += file_problems
+  if problems:
+    shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+    if bad_records == "error":
+      raise ConfigError(f"data.source {source!r} has {len(problems)} records that cannot be"
+                        f" trained on: {shown}. Fix or remove them, or set"
+                        " data.bad_records=skip to leave them out.")
+    log.warning("data.source %r: skipped %d bad records of %d (data.bad_records=skip): %s",
+                source, len(problems), len(problems) + len(docs), shown)
   if not docs:
     raise ConfigError(f"data.source {source!r} holds no documents (.txt files, .jsonl lines"
                       " with a 'text' field).")
@@ -107,9 +179,35 @@ def split_documents(docs: list[Document], eval_fraction: float) -> tuple[list, l
   return train, [d for d, h in zip(docs, held) if h]
 
 
+def shard(docs: list[Document], index: int, count: int) -> list[Document]:
+  """Shard `index` of `count` of `docs` (every count-th document).
+
+  Raises:
+    ConfigError: the shard holds no documents.
+  """
+  part = docs[index::count]
+  if not part:
+    raise ConfigError(f"data shard {index} of {count} holds no documents; use more"
+                      " documents or fewer data-parallel processes.")
+  return part
+
+
+def check_usable(docs: list[Document], tokenizer, what: str, fix: str) -> None:
+  """Raises ConfigError naming `what` and `fix` unless a document of `docs` has
+  `MIN_TOKENS` tokens. The pipeline repeats its documents forever, so one such document
+  keeps it from running dry, and with none it would search forever. Reads documents in
+  order until one qualifies (usually the first)."""
+  for doc in docs:
+    if len(tokenizer.encode(doc.read())) >= MIN_TOKENS:
+      return
+  raise ConfigError(f"{what}: none of its {len(docs)} documents has the {MIN_TOKENS} tokens"
+                    f" a training piece needs (all are empty or shorter); {fix}.")
+
+
 class _SplitPieces(grain.experimental.FlatMapTransform):
   """A tokenized document -> pieces of at most `seq_len` tokens (the packer refuses longer
-  ones); pieces with fewer than 2 tokens have no next-token target and are dropped."""
+  ones); pieces with fewer than `MIN_TOKENS` tokens have no next-token target and are
+  dropped."""
 
   def __init__(self, seq_len: int):
     self.seq_len = seq_len
@@ -117,7 +215,7 @@ class _SplitPieces(grain.experimental.FlatMapTransform):
 
   def flat_map(self, ids):
     pieces = [ids[i:i + self.seq_len] for i in range(0, len(ids), self.seq_len)]
-    return [{"tokens": p} for p in pieces if len(p) >= 2]
+    return [{"tokens": p} for p in pieces if len(p) >= MIN_TOKENS]
 
 
 def _with_targets(packed: dict) -> dict:
@@ -130,15 +228,12 @@ def _with_targets(packed: dict) -> dict:
 def pipeline(docs: list[Document], tokenizer, cfg: DataConfig, *, seq_len: int, batch: int,
              seed: int, shard_index: int, shard_count: int, shuffle: bool) -> grain.IterDataset:
   """Endless packed batches (dicts of `[batch, seq_len]` numpy arrays, keys `KEYS`) of
-  shard `shard_index` of `shard_count` of `docs`.
+  shard `shard_index` of `shard_count` of `docs`; `check_usable` tells whether any come.
 
   Raises:
     ConfigError: the shard holds no documents.
   """
-  source = grain.MapDataset.source(docs)[shard_index::shard_count]
-  if len(source) == 0:
-    raise ConfigError(f"data shard {shard_index} of {shard_count} holds no documents; use more"
-                      " documents or fewer data-parallel processes.")
+  source = grain.MapDataset.source(shard(docs, shard_index, shard_count))
   if shuffle:
     source = source.shuffle(seed)
   ds = source.repeat(None).map(lambda d: tokenizer.encode(d.read()))

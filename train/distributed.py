@@ -1,5 +1,7 @@
-"""Process-level setup before the first jax computation: the platform, simulated CPU
-devices, and `jax.distributed.initialize` for multi-host jobs.
+"""Process-level setup before the first jax computation (the platform, simulated CPU
+devices, `jax.distributed.initialize` for multi-host jobs), and the agreements between the
+processes of a job: decisions that each process makes from what it sees (a SIGTERM, a
+checkpoint that fails to restore) are combined, so that all take the same branch.
 
 `jax.distributed.initialize()` is called when `distributed` is "on", or when it is "auto"
 and the environment describes a multi-process job:
@@ -14,6 +16,8 @@ and the environment describes a multi-process job:
 from __future__ import annotations
 
 import os
+
+import numpy as np
 
 from train.config import ConfigError, TrainConfig
 
@@ -63,3 +67,21 @@ def setup(cfg: TrainConfig) -> None:
   if cfg.num_devices and cfg.platform != "cpu" and jax.device_count() != cfg.num_devices:
     raise ConfigError(f"num_devices={cfg.num_devices} but jax sees {jax.device_count()}"
                       " devices; set num_devices=0 (use all) or platform=cpu to simulate.")
+
+
+def process_max(value: int) -> int:
+  """The largest `value` over the job's processes. A collective: every process calls it
+  at the same point."""
+  import jax
+  if jax.process_count() == 1:
+    return value
+  from jax.experimental import multihost_utils
+  return int(multihost_utils.process_allgather(np.int32(value)).max())
+
+
+def barrier(name: str) -> None:
+  """Returns on each process once every process has reached `barrier(name)`."""
+  import jax
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+    multihost_utils.sync_global_devices(name)

@@ -5,19 +5,47 @@ Lines are `{"step": s, "loss": ..., "grad_norm": ..., "lr": ..., "tokens": ...,
 "tokens_per_s": ..., "step_time": ...}` for training steps and `{"step": s, "eval_loss":
 ..., "eval_tokens": ...}` for evals. `step` counts optimizer steps done (1 after the first).
 Only process 0 writes.
+
+The file is only ever appended to. A run resumed from a checkpoint older than its last
+lines (killed between two checkpoints) redoes those steps and appends their lines again:
+`read` takes the last line of each step as current, and the earlier ones stay in the file.
+A run that starts over at step 0 finds no metrics.jsonl (`train.run_dir` archives it).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import pathlib
 
 import jax
 
+log = logging.getLogger(__name__)
+
+
+def _rows(text: str) -> list[dict]:
+  rows = []
+  for line in text.splitlines():
+    try:
+      row = json.loads(line)
+    except ValueError:
+      continue  # a line cut short by a kill
+    if isinstance(row, dict) and isinstance(row.get("step"), int):
+      rows.append(row)
+  return rows
+
+
+def read(run_dir: str) -> list[dict]:
+  """The current metrics of a run in step order: for each step and kind (training or
+  eval line), the last line written."""
+  current = {}
+  for row in _rows((pathlib.Path(run_dir) / "metrics.jsonl").read_text()):
+    current[row["step"], "eval_loss" in row] = row
+  return [current[k] for k in sorted(current)]
+
 
 class MetricsWriter:
-  """Appends metrics of a run, resuming at `start_step`: lines of later steps (written
-  after the checkpoint being resumed) are dropped, so the file reads as one run.
+  """Appends metrics of a run that has done `start_step` steps.
 
   Args:
     run_dir: the run directory.
@@ -29,16 +57,15 @@ class MetricsWriter:
     self.enabled = jax.process_index() == 0
     if not self.enabled:
       return
-    kept = []
-    if self.path.exists():
-      for line in self.path.read_text().splitlines():
-        try:
-          if json.loads(line)["step"] <= start_step:
-            kept.append(line + "\n")
-        except (ValueError, KeyError, TypeError):
-          pass  # a line cut short by a kill
-    self.path.write_text("".join(kept))
+    text = self.path.read_text() if self.path.exists() else ""
+    redone = sorted({r["step"] for r in _rows(text) if r["step"] > start_step})
+    if redone:
+      log.warning("%s has lines for steps %d..%d, past the checkpoint at step %d: they stay,"
+                  " and the redone steps are appended after them (the last line of a step"
+                  " is current).", self.path, redone[0], redone[-1], start_step)
     self._file = self.path.open("a")
+    if text and not text.endswith("\n"):
+      self._file.write("\n")  # ends a line cut short by a kill
     from tensorboardX import SummaryWriter
     self._tb = SummaryWriter(str(pathlib.Path(run_dir) / "tensorboard"),
                              purge_step=start_step + 1)
@@ -66,7 +93,7 @@ def plot_loss(run_dir: str) -> pathlib.Path:
   import matplotlib.pyplot as plt
 
   run = pathlib.Path(run_dir)
-  rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+  rows = read(run_dir)
   fig, ax = plt.subplots(figsize=(7, 4))
   for key, style in (("loss", "-"), ("eval_loss", "o-")):
     points = [(r["step"], r[key]) for r in rows if key in r]

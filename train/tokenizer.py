@@ -7,7 +7,11 @@ downloaded. A SentencePiece model is the option for real runs.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
+
+from train.config import ConfigError
 
 
 class ByteTokenizer:
@@ -48,5 +52,14 @@ class SentencePieceTokenizer:
 
 
 def make(name: str):
-  """`ByteTokenizer` for "bytes", else a `SentencePieceTokenizer` of the model at `name`."""
-  return ByteTokenizer() if name == "bytes" else SentencePieceTokenizer(name)
+  """`ByteTokenizer` for "bytes", else a `SentencePieceTokenizer` of the model at `name`.
+
+  Raises:
+    ConfigError: `name` is neither "bytes" nor an existing file.
+  """
+  if name == "bytes":
+    return ByteTokenizer()
+  if not os.path.isfile(name):
+    raise ConfigError(f"config key 'data.tokenizer' expects 'bytes' or the path of a"
+                      f" SentencePiece .model file; got {name!r}, which is not a file.")
+  return SentencePieceTokenizer(name)

@@ -1,0 +1,122 @@
+"""Runs of the trainer (`python -m train`) for tests, in subprocesses on simulated CPU devices.
+
+A tiny model (dim 32, one layer) on 256-token rows, 4 simulated CPU devices with ring
+context parallelism over a context axis of 4 (configs/demo.yaml with the `TINY`
+overrides), so each run compiles and trains in seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TIMEOUT = 240  # per trainer run: a hang fails instead of blocking CI
+STEPS = 12
+TINY = [f"steps={STEPS}", "seq_len=256", "checkpoint_every=2", "eval_every=4",
+        "model.dim=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1",
+        "model.ffn_dim=64", "optimizer.warmup_steps=2", "num_devices=4", "mesh.context=4",
+        "context_parallel.strategy=ring"]
+# Not inherited from the machine running the tests: variables that make `distributed: auto`
+# start a multi-process job, and a compilation cache (runs compile afresh unless a test
+# passes one).
+STRIPPED_ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID",
+                "MEGASCALE_COORDINATOR_ADDRESS", "TPU_WORKER_HOSTNAMES", "SLURM_NTASKS",
+                "OMPI_COMM_WORLD_SIZE", "JAX_COMPILATION_CACHE_DIR")
+
+
+def clean_env(**extra) -> dict:
+  out = {k: v for k, v in os.environ.items() if k not in STRIPPED_ENV}
+  out.update(PYTHONUNBUFFERED="1", **extra)
+  return out
+
+
+def command(run_dir, *overrides) -> list[str]:
+  return [sys.executable, "-m", "train", "configs/demo.yaml", f"run_dir={run_dir}", *TINY,
+          *overrides]
+
+
+def start(run_dir, *overrides, log: pathlib.Path, env=None, cmd=None) -> subprocess.Popen:
+  """The trainer (or `cmd`) in its own process group (so a kill takes all of it), output
+  to `log`."""
+  with open(log, "w") as f:
+    return subprocess.Popen(cmd or command(run_dir, *overrides), cwd=ROOT,
+                            env=env or clean_env(), stdout=f, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def wait(proc: subprocess.Popen, log: pathlib.Path, timeout=TIMEOUT) -> str:
+  """`proc`'s exit, then its output; kills its process group on timeout (and fails)."""
+  try:
+    proc.wait(timeout=timeout)
+  except subprocess.TimeoutExpired:
+    kill_group(proc)
+    pytest.fail(f"trainer timed out after {timeout} s:\n{log.read_text()[-4000:]}")
+  return log.read_text()
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+  try:
+    os.killpg(proc.pid, signal.SIGKILL)
+  except ProcessLookupError:
+    pass
+  proc.wait()
+
+
+def train(run_dir, *overrides, log: pathlib.Path, env=None) -> str:
+  """A run to completion; asserts exit 0 and returns its output."""
+  proc = start(run_dir, *overrides, log=log, env=env)
+  out = wait(proc, log)
+  assert proc.returncode == 0, f"exit {proc.returncode}:\n{out[-4000:]}"
+  return out
+
+
+def run(cmd: list[str], timeout=120) -> subprocess.CompletedProcess:
+  """`cmd` (e.g. a trainer run expected to fail fast) to completion, output captured."""
+  return subprocess.run(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True,
+                        timeout=timeout)
+
+
+def metrics(run_dir) -> list[dict]:
+  """Every complete line of metrics.jsonl, in file order (a line being written may be cut
+  short; a resumed run appends lines for steps it redoes)."""
+  path = pathlib.Path(run_dir) / "metrics.jsonl"
+  rows = []
+  if path.exists():
+    for line in path.read_text().splitlines():
+      try:
+        rows.append(json.loads(line))
+      except ValueError:
+        pass
+  return rows
+
+
+def losses(run_dir, key="loss") -> dict[int, float]:
+  """step -> value of `key` in the step's last line (the current one)."""
+  return {r["step"]: r[key] for r in metrics(run_dir) if key in r}
+
+
+def checkpoints(run_dir) -> list[int]:
+  """Steps of finished checkpoints (orbax renames a step's temporary directory into
+  `checkpoints/<step>` when the save is complete)."""
+  d = pathlib.Path(run_dir) / "checkpoints"
+  return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.is_dir() else []
+
+
+def poll(proc, log, condition, what: str, timeout=TIMEOUT) -> None:
+  """Waits until `condition()` holds while `proc` runs; fails if it exits or times out."""
+  deadline = time.monotonic() + timeout
+  while not condition():
+    if proc.poll() is not None:
+      pytest.fail(f"trainer exited ({proc.returncode}) before {what}:\n{log.read_text()[-4000:]}")
+    if time.monotonic() > deadline:
+      kill_group(proc)
+      pytest.fail(f"timed out waiting for {what}:\n{log.read_text()[-4000:]}")
+    time.sleep(0.02)

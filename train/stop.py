@@ -1,0 +1,82 @@
+"""SIGTERM: the loop stops at the next step boundary, saves if a step was done since the
+last checkpoint, and exits 0.
+
+The handler only sets a flag. Everything that waits on the data pipeline goes through
+`StopRequest.call`, which runs the wait in a helper thread and watches the flag while it
+waits, so a read that never returns (a stalled file system) cannot keep SIGTERM waiting.
+The processes of a job agree at each such call: a stop on any of them stops all at the
+same step. A step or compilation in progress finishes first.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from typing import Callable, TypeVar
+
+from train import distributed
+from train.config import ConfigError
+
+T = TypeVar("T")
+_POLL_S = 0.1  # how often a wait looks at the flag
+
+
+class Stopped(Exception):
+  """SIGTERM arrived (on this process or another) before the awaited value."""
+
+
+class StopRequest:
+  """Installs the SIGTERM handler; `requested` is set once a SIGTERM arrives."""
+
+  def __init__(self):
+    self.requested = False
+    signal.signal(signal.SIGTERM, self._handle)
+
+  def _handle(self, signum, frame):
+    del signum, frame
+    self.requested = True
+
+  def _wait(self, fn: Callable[[], T]) -> T:
+    if self.requested:
+      raise Stopped
+    result = {}
+
+    def target():
+      try:
+        result["value"] = fn()
+      except BaseException as e:  # handed to the waiting thread
+        result["error"] = e
+
+    # A daemon thread: one left blocked after a stop does not keep the process alive.
+    thread = threading.Thread(target=target, name="train-wait", daemon=True)
+    thread.start()
+    while thread.is_alive():
+      thread.join(_POLL_S)
+      if self.requested and thread.is_alive():
+        raise Stopped
+    if "error" in result:
+      raise result["error"]
+    return result["value"]
+
+  def call(self, fn: Callable[[], T]) -> T:
+    """`fn()`, unless SIGTERM arrives first. Every process calls it at the same point and
+    gets the same outcome.
+
+    Raises:
+      Stopped: a SIGTERM arrived on any process (before or while waiting).
+      ConfigError: `fn` raised one on any process (its own, or one naming no details on
+        the others).
+    """
+    value, error, outcome = None, None, 0
+    try:
+      value = self._wait(fn)
+    except Stopped:
+      outcome = 2
+    except ConfigError as e:
+      error, outcome = e, 1
+    outcome = distributed.process_max(outcome)
+    if outcome == 2:
+      raise Stopped
+    if outcome == 1:
+      raise error or ConfigError("the data check failed on another process; see its log.")
+    return value
