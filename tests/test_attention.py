@@ -1,7 +1,5 @@
 """Every kernel against the dense reference: forward, log-sum-exp and gradients."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,43 +8,10 @@ import pytest
 import flaxattn
 from flaxattn.blockwise import blockwise_attention
 from flaxattn.layout import Layout
-from flaxattn.reference import reference_attention
-from packing import random_packing
+from helpers import as_layout, compare, qkv, random_packing
 
 MASKS = [flaxattn.Full(), flaxattn.Causal(), flaxattn.Local(7), flaxattn.Chunked(16),
          flaxattn.Causal() & flaxattn.Local(40)]
-# float32 matches to rounding; bfloat16 inputs round q/k/v and p before the matmuls.
-TOL = {jnp.float32: dict(atol=2e-5, rtol=2e-5), jnp.bfloat16: dict(atol=3e-2, rtol=3e-2)}
-
-
-def _inputs(seed, b, t, s, h, hkv, d, dtype):
-  ks = jax.random.split(jax.random.key(seed), 3)
-  q = jax.random.normal(ks[0], (b, t, h, d), jnp.float32).astype(dtype)
-  k = jax.random.normal(ks[1], (b, s, hkv, d), jnp.float32).astype(dtype)
-  v = jax.random.normal(ks[2], (b, s, hkv, d), jnp.float32).astype(dtype)
-  return q, k, v
-
-
-def _loss(kernel, layout, mask, q, k, v):
-  """A scalar touching every output and the lse, so gradients test both cotangents."""
-  out, lse = kernel(q, k, v, layout, mask=mask, scale=0.3, return_lse=True)
-  out = out.astype(jnp.float32)
-  finite_lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
-  return jnp.sum(out * jnp.cos(out)) + 0.5 * jnp.sum(jnp.sin(finite_lse)), (out, lse)
-
-
-def _compare(kernel, layout, mask, q, k, v, dtype):
-  grad = lambda kern: jax.grad(functools.partial(_loss, kern, layout, mask), (0, 1, 2), has_aux=True)
-  want_g, (want_o, want_l) = jax.jit(grad(reference_attention))(q, k, v)
-  got_g, (got_o, got_l) = jax.jit(grad(kernel))(q, k, v)
-  tol = TOL[dtype]
-  np.testing.assert_allclose(got_o, want_o, **tol)
-  np.testing.assert_array_equal(np.isinf(got_l), np.isinf(want_l))
-  np.testing.assert_allclose(np.where(np.isinf(got_l), 0, got_l), np.where(np.isinf(want_l), 0, want_l), **tol)
-  for name, got, want in zip("qkv", got_g, want_g):
-    scale = max(1.0, float(jnp.abs(want.astype(jnp.float32)).max()))
-    np.testing.assert_allclose(np.asarray(got, np.float32) / scale, np.asarray(want, np.float32) / scale,
-                               err_msg=f"d{name}", **tol)
 
 
 def _small_blocks(q, k, v, layout, *, mask, scale, return_lse):
@@ -63,20 +28,16 @@ CASES = [(m, packed, (1, 2, 4)[(2 * i + packed) % 3]) for i, m in enumerate(MASK
 @pytest.mark.parametrize("mask,packed,groups", CASES, ids=lambda x: str(x))
 def test_blockwise_matches_reference(mask, packed, groups):
   b, t, hkv, d = 2, 100, 2, 16
-  q, k, v = _inputs(groups, b, t, t, hkv * groups, hkv, d, jnp.float32)
-  layout = Layout()
-  if packed:
-    seg, pos = random_packing(np.random.default_rng(groups), b, t, max_docs=7, pad_tail=9)
-    layout = Layout(jnp.asarray(seg), jnp.asarray(seg), jnp.asarray(pos), jnp.asarray(pos))
-  _compare(_small_blocks, layout, mask, q, k, v, jnp.float32)
+  q, k, v = qkv(groups, b, t, t, hkv * groups, hkv, d, jnp.float32)
+  layout = as_layout(*random_packing(groups, b, t, max_docs=7, pad_tail=9)) if packed else Layout()
+  compare(_small_blocks, layout, mask, q, k, v, jnp.float32)
 
 
 @pytest.mark.parametrize("mask", [flaxattn.Causal(), flaxattn.Local(9), flaxattn.Chunked(8)], ids=str)
 def test_blockwise_bfloat16(mask):
-  q, k, v = _inputs(5, 2, 72, 72, 4, 2, 32, jnp.bfloat16)
-  seg, pos = random_packing(np.random.default_rng(5), 2, 72, pad_tail=5)
-  layout = Layout(jnp.asarray(seg), jnp.asarray(seg), jnp.asarray(pos), jnp.asarray(pos))
-  _compare(_small_blocks, layout, mask, q, k, v, jnp.bfloat16)
+  q, k, v = qkv(5, 2, 72, 72, 4, 2, 32, jnp.bfloat16)
+  layout = as_layout(*random_packing(5, 2, 72, pad_tail=5))
+  compare(_small_blocks, layout, mask, q, k, v, jnp.bfloat16)
   out = _small_blocks(q, k, v, layout, mask=mask, scale=0.3, return_lse=False)
   assert out.dtype == jnp.bfloat16
 
@@ -84,19 +45,18 @@ def test_blockwise_bfloat16(mask):
 def test_cross_attention_different_lengths():
   """Queries and keys of different lengths, each with their own packing."""
   b, t, s = 2, 40, 90
-  q, k, v = _inputs(7, b, t, s, 4, 1, 16, jnp.float32)
-  rng = np.random.default_rng(7)
-  q_seg, q_pos = random_packing(rng, b, t, max_docs=3, pad_tail=3)
-  kv_seg, kv_pos = random_packing(rng, b, s, max_docs=3, pad_tail=0)
+  q, k, v = qkv(7, b, t, s, 4, 1, 16, jnp.float32)
+  q_seg, q_pos = random_packing(7, b, t, max_docs=3, pad_tail=3)
+  kv_seg, kv_pos = random_packing(8, b, s, max_docs=3, pad_tail=0)
   kv_pos = kv_pos * 0 + np.arange(s)  # keys indexed globally: a Full mask ignores them
-  layout = Layout(*(jnp.asarray(x) for x in (q_seg, kv_seg, q_pos, kv_pos)))
-  _compare(_small_blocks, layout, flaxattn.Full(), q, k, v, jnp.float32)
+  layout = as_layout(q_seg, q_pos, kv_seg=kv_seg, kv_pos=kv_pos)
+  compare(_small_blocks, layout, flaxattn.Full(), q, k, v, jnp.float32)
 
 
 @pytest.mark.parametrize("backend", ["fused", "reference"])
 def test_public_entry_point(backend):
   """flaxattn.attention routes to the kernel and matches jax.nn.dot_product_attention."""
-  q, k, v = _inputs(3, 2, 50, 50, 4, 2, 16, jnp.float32)
+  q, k, v = qkv(3, 2, 50, 50, 4, 2, 16, jnp.float32)
   got = flaxattn.attention(q, k, v, backend=backend)
   want = jax.nn.dot_product_attention(q, k, v, is_causal=True)
   np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
@@ -106,8 +66,8 @@ def test_public_entry_point(backend):
 
 def test_public_packed_segments_default_kv():
   """kv_segment_ids / kv_positions default to the query ones for self attention."""
-  q, k, v = _inputs(4, 1, 64, 64, 2, 2, 8, jnp.float32)
-  seg, pos = random_packing(np.random.default_rng(4), 1, 64, pad_tail=4)
+  q, k, v = qkv(4, 1, 64, 64, 2, 2, 8, jnp.float32)
+  seg, pos = random_packing(4, 1, 64, pad_tail=4)
   got = flaxattn.attention(q, k, v, segment_ids=seg, positions=pos, backend="fused")
   want = flaxattn.attention(q, k, v, segment_ids=seg, positions=pos, kv_segment_ids=seg,
                             kv_positions=pos, backend="reference")
@@ -120,7 +80,7 @@ def test_public_packed_segments_default_kv():
 
 @pytest.mark.parametrize("backend", ["fused", "reference"])
 def test_fully_masked_rows_are_zero_with_finite_gradients(backend):
-  q, k, v = _inputs(8, 1, 40, 40, 2, 2, 8, jnp.float32)
+  q, k, v = qkv(8, 1, 40, 40, 2, 2, 8, jnp.float32)
   seg = np.ones((1, 40), np.int32)
   seg[0, 30:] = 0  # padding queries see nothing
   pos = np.arange(40, dtype=np.int32)[None]

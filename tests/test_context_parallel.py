@@ -20,8 +20,7 @@ import pytest
 from jax.sharding import AbstractMesh, AxisType, Mesh
 
 import flaxattn
-import cp_check
-from packing import random_packing
+from helpers import cp_cases, grads_of, normal, qkv, random_packing, rel_error
 
 TOL = 1e-5  # float32, relative to the largest reference magnitude
 SCRIPT = os.path.join(os.path.dirname(__file__), "cp_check.py")
@@ -71,7 +70,7 @@ def _errors(r) -> dict:
   return {k: r[k] for k in ("out", "lse", "dq", "dk", "dv")}
 
 
-@pytest.mark.parametrize("n,name", [(n, c["name"]) for n in (2, 4, 8) for c in cp_check.cases(n)])
+@pytest.mark.parametrize("n,name", [(n, c["name"]) for n in (2, 4, 8) for c in cp_cases(n)])
 def test_matches_reference_forward_and_gradients(procs, n, name):
   r = _case(procs, n, name)
   errors = _errors(r)
@@ -128,7 +127,7 @@ def test_load_balance_layout(cp):
 
 @pytest.mark.parametrize("shape,axis", [((2, 24), 1), ((2, 24, 3, 4), 1), ((24, 5), 0), ((2, 3, 24), -1)])
 def test_load_balance_round_trip(shape, axis):
-  x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+  x = np.asarray(normal(shape))
   y = flaxattn.load_balance(x, 3, axis=axis)
   assert y.shape == x.shape and not np.array_equal(y, x)
   np.testing.assert_array_equal(flaxattn.unload_balance(y, 3, axis=axis), x)
@@ -190,22 +189,19 @@ def test_errors():
 
 def test_context_axis_of_size_one_is_plain_attention():
   t = 48
-  ks = jax.random.split(jax.random.key(0), 3)
-  q, k, v = (jax.random.normal(x, (2, t, 4 if i == 0 else 2, 8)) for i, x in enumerate(ks))
-  seg, pos = random_packing(np.random.default_rng(0), 2, t, pad_tail=2)
+  q, k, v = qkv(0, 2, t, t, 4, 2, 8)
+  seg, pos = random_packing(0, 2, t, pad_tail=2)
 
   def grads(**kw):
-    def loss(q, k, v):
-      out, lse = flaxattn.attention(q, k, v, segment_ids=seg, positions=pos, return_lse=True, **kw)
-      return jnp.sum(out * jnp.cos(out)) + jnp.sum(jnp.sin(jnp.where(jnp.isfinite(lse), lse, 0))), (out, lse)
-    return jax.jit(jax.grad(loss, (0, 1, 2), has_aux=True))(q, k, v)
+    return grads_of(lambda q, k, v: flaxattn.attention(
+        q, k, v, segment_ids=seg, positions=pos, return_lse=True, **kw))(q, k, v)
 
   want = grads()
   mesh = Mesh(np.array(jax.devices()[:1]), ("context",), axis_types=(AxisType.Auto,))
   with jax.set_mesh(mesh):
     got = grads(context_parallel=flaxattn.ContextParallel())  # ring: a scan of length 0
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-    assert cp_check._rel(g, w) < TOL
+    assert rel_error(g, w) < TOL
 
 
 def test_splash_runs_per_batch_and_head_shard(procs):

@@ -17,19 +17,10 @@ import flaxattn
 from flaxattn import cudnn, registry
 from flaxattn.layout import Layout
 from flaxattn.reference import reference_attention
-from packing import random_packing
-from test_attention import TOL, _compare
+from helpers import TOL, as_layout, compare, normal, qkv, random_packing
 
 ON_GPU = jax.default_backend() == "gpu"
 needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA GPU with cuDNN; none present")
-
-
-def _inputs(seed, b, t, s, h, hkv, d, dtype):
-  """q `[b, t, h, d]`, k/v `[b, s, hkv, d]`, standard normal; made on the host, so that each
-  shape costs no compiled random-number program (these tests are compile-bound on CPU)."""
-  rng = np.random.default_rng(seed)
-  return tuple(jnp.asarray(rng.standard_normal(shape, np.float32).astype(dtype))
-               for shape in ((b, t, h, d), (b, s, hkv, d), (b, s, hkv, d)))
 
 
 def _call(platform="gpu", dtype="bfloat16", d=128, mask=flaxattn.Causal(), segments=True,
@@ -115,12 +106,6 @@ def _takes_cudnn_branch(layout, mask, q, k, max_segments):
                                                     max_segments=max_segments))())
 
 
-def _packed_layout(seed, b, t, pad_tail=5, max_docs=6):
-  seg, pos = random_packing(np.random.default_rng(seed), b, t, max_docs=max_docs, pad_tail=pad_tail)
-  seg, pos = jnp.asarray(seg), jnp.asarray(pos)
-  return Layout(seg, seg, pos, pos)
-
-
 def _doc_positions(seg):
   """Index of each token inside its run of equal ids."""
   pos = np.zeros_like(seg)
@@ -136,10 +121,10 @@ def test_fake_packed_matches_reference(fake_cudnn, reference_fallback):
   """Packed rows with a padding tail and documents of 1+ tokens, GQA (one cuDNN call per
   query-head group on a JAX that scales key offsets by the query heads): forward, lse and
   gradients (with a cotangent on the lse)."""
-  q, k, v = _inputs(1, B, T, T, 4, 2, D, jnp.bfloat16)
-  layout = _packed_layout(1, B, T)
+  q, k, v = qkv(1, B, T, T, 4, 2, D, jnp.bfloat16)
+  layout = as_layout(*random_packing(1, B, T, pad_tail=5))
   assert _takes_cudnn_branch(layout, flaxattn.Causal(), q, k, 8)
-  _compare(_kernel(8), layout, flaxattn.Causal(), q, k, v, jnp.bfloat16)
+  compare(_kernel(8), layout, flaxattn.Causal(), q, k, v, jnp.bfloat16)
 
 
 def test_fake_cross_attention_one_sided_documents(fake_cudnn, reference_fallback):
@@ -148,19 +133,19 @@ def test_fake_cross_attention_one_sided_documents(fake_cudnn, reference_fallback
   q_seg = np.array([[1] * 10 + [2] * 14 + [3] * 8 + [0] * 8, [4] * 30 + [5] * 10], np.int32)
   kv_seg = np.array([[2] * 20 + [1] * 12 + [6] * 16, [5] * 6 + [7] * 12 + [4] * 26 + [0] * 4],
                     np.int32)
-  layout = Layout(*map(jnp.asarray, (q_seg, kv_seg, _doc_positions(q_seg), _doc_positions(kv_seg))))
-  q, k, v = _inputs(8, 2, 40, 48, 2, 2, D, jnp.bfloat16)
+  layout = as_layout(q_seg, _doc_positions(q_seg), kv_seg=kv_seg, kv_pos=_doc_positions(kv_seg))
+  q, k, v = qkv(8, 2, 40, 48, 2, 2, D, jnp.bfloat16)
   mask = flaxattn.Causal() & flaxattn.Local(9)
   assert _takes_cudnn_branch(layout, mask, q, k, 8)
-  # _compare also checks that exactly the documents 3 (no keys) and 0 (padding) get lse -inf;
+  # compare also checks that exactly the documents 3 (no keys) and 0 (padding) get lse -inf;
   # their outputs are selected to zero by the same per-token mask.
-  _compare(_kernel(8), layout, mask, q, k, v, jnp.bfloat16)
+  compare(_kernel(8), layout, mask, q, k, v, jnp.bfloat16)
 
 
 def test_fake_dense_rows_without_lse_cotangent(fake_cudnn):
   """No segment ids: the plain BTNH call, top-left causal (and window) when T != S; with
   return_lse=False the lse cotangent is a symbolic zero and its cuDNN call is skipped."""
-  q, k, v = _inputs(7, B, 40, T, 4, 2, D, jnp.bfloat16)
+  q, k, v = qkv(7, B, 40, T, 4, 2, D, jnp.bfloat16)
   mask = flaxattn.Causal() & flaxattn.Local(20)
   loss = lambda kernel: lambda q, k, v: jnp.sum(kernel(
       q, k, v, Layout(), mask=mask, scale=0.3, return_lse=False).astype(jnp.float32) ** 2)
@@ -197,10 +182,8 @@ def _ring_style(q, k, v, dout, dlse):
 def test_fake_ring_style_passes(fake_cudnn):
   """cudnn.forward on two key blocks merged by lse, then cudnn.backward per block with the
   merged output and lse (and an lse cotangent), equals attention over all keys."""
-  q, k, v = _inputs(10, B, T, T, 4, 2, D, jnp.bfloat16)
-  rng = np.random.default_rng(11)
-  dout = jnp.asarray(rng.standard_normal(q.shape, np.float32).astype(jnp.bfloat16))
-  dlse = jnp.asarray(rng.standard_normal(q.shape[:3], np.float32))
+  q, k, v = qkv(10, B, T, T, 4, 2, D, jnp.bfloat16)
+  dout, dlse = normal(q.shape, 11, jnp.bfloat16), normal(q.shape[:3], 12)
 
   got, want = _ring_style(q, k, v, dout, dlse)
   for name, g, w in zip("qkv", got, want):
@@ -211,7 +194,7 @@ def test_fake_ring_style_passes(fake_cudnn):
 def test_exactness_check_and_fallback(fake_cudnn):
   """Layouts cuDNN would get wrong fail the run-time check, and then still match (blockwise)."""
   mask = flaxattn.Causal()
-  q, k, v = _inputs(13, 1, T, T, 2, 2, D, jnp.bfloat16)
+  q, k, v = qkv(13, 1, T, T, 2, 2, D, jnp.bfloat16)
 
   many = jnp.asarray(np.repeat(np.arange(1, 17, dtype=np.int32), 4)[None])  # 16 documents
   pos = jnp.asarray(np.tile(np.arange(4, dtype=np.int32), 16)[None])
@@ -261,12 +244,12 @@ def _served(q, k, mask, packed):
 def test_gpu_matches_reference(mask, groups, packed):
   """Random packed rows (up to 9 documents, a padding tail) or plain rows, MHA and GQA."""
   b, t, hkv, d = 2, 512, 2, 128
-  q, k, v = _inputs(20 + groups, b, t, t, hkv * groups, hkv, d, jnp.bfloat16)
+  q, k, v = qkv(20 + groups, b, t, t, hkv * groups, hkv, d, jnp.bfloat16)
   _served(q, k, mask, packed)
-  layout = _packed_layout(21, b, t, pad_tail=37, max_docs=9) if packed else Layout()
+  layout = as_layout(*random_packing(21, b, t, max_docs=9, pad_tail=37)) if packed else Layout()
   if packed:
     assert _takes_cudnn_branch(layout, mask, q, k, None)
-  _compare(cudnn.cudnn_attention, layout, mask, q, k, v, jnp.bfloat16)
+  compare(cudnn.cudnn_attention, layout, mask, q, k, v, jnp.bfloat16)
 
 
 @needs_gpu
@@ -274,12 +257,12 @@ def test_gpu_cross_attention_one_sided_documents():
   """Document 2 has no keys, 3 no queries; positions restart at 0 in each document."""
   q_seg = np.array([[1] * 100 + [2] * 60 + [0] * 96] * 2, np.int32)
   kv_seg = np.array([[3] * 64 + [1] * 128 + [0] * 128] * 2, np.int32)
-  q, k, v = _inputs(30, 2, 256, 320, 8, 2, 64, jnp.bfloat16)
-  layout = Layout(*map(jnp.asarray, (q_seg, kv_seg, _doc_positions(q_seg), _doc_positions(kv_seg))))
+  q, k, v = qkv(30, 2, 256, 320, 8, 2, 64, jnp.bfloat16)
+  layout = as_layout(q_seg, _doc_positions(q_seg), kv_seg=kv_seg, kv_pos=_doc_positions(kv_seg))
   for mask in (flaxattn.Causal(), flaxattn.Full()):
     _served(q, k, mask, True)
     assert _takes_cudnn_branch(layout, mask, q, k, None)
-    _compare(cudnn.cudnn_attention, layout, mask, q, k, v, jnp.bfloat16)
+    compare(cudnn.cudnn_attention, layout, mask, q, k, v, jnp.bfloat16)
   out, lse = cudnn.cudnn_attention(q, k, v, layout, mask=flaxattn.Full(), scale=0.3,
                                    return_lse=True)
   np.testing.assert_array_equal(np.asarray(out[:, 100:], np.float32), 0.0)
@@ -288,17 +271,17 @@ def test_gpu_cross_attention_one_sided_documents():
 
 @needs_gpu
 def test_gpu_float16_dense_cross_lengths():
-  q, k, v = _inputs(31, 2, 200, 328, 4, 4, 64, jnp.float16)
+  q, k, v = qkv(31, 2, 200, 328, 4, 4, 64, jnp.float16)
   _served(q, k, flaxattn.Causal(), False)
-  _compare(cudnn.cudnn_attention, Layout(), flaxattn.Causal(), q, k, v, jnp.bfloat16)
+  compare(cudnn.cudnn_attention, Layout(), flaxattn.Causal(), q, k, v, jnp.bfloat16)
 
 
 @needs_gpu
 def test_gpu_fused_backend_reaches_cudnn():
   """flaxattn.attention(backend="fused") on a GPU runs cuDNN (its compiled HLO calls it),
   as does cudnn_attention itself, and both match the reference."""
-  q, k, v = _inputs(32, 1, 256, 256, 4, 2, 128, jnp.bfloat16)
-  seg = _packed_layout(33, 1, 256).q_segment_ids
+  q, k, v = qkv(32, 1, 256, 256, 4, 2, 128, jnp.bfloat16)
+  seg = jnp.asarray(random_packing(33, 1, 256, pad_tail=5)[0])
   for kwargs in ({}, dict(segment_ids=seg)):
     _served(q, k, flaxattn.Causal(), bool(kwargs))
     loss = lambda backend: lambda q: jnp.sum(flaxattn.attention(
@@ -309,5 +292,5 @@ def test_gpu_fused_backend_reaches_cudnn():
                                np.asarray(jax.grad(loss("reference"))(q), np.float32),
                                **TOL[jnp.bfloat16])
   direct = jax.jit(lambda q: cudnn.cudnn_attention(
-      q, k, v, Layout(seg, seg), mask=flaxattn.Causal(), scale=0.1, return_lse=False))
+      q, k, v, as_layout(seg), mask=flaxattn.Causal(), scale=0.1, return_lse=False))
   assert "__cudnn$fmha" in direct.lower(q).compile().as_text()

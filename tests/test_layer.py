@@ -9,6 +9,7 @@ from flax import nnx
 from flaxattn.layer import MultiHeadAttention
 from flaxattn.masks import Causal, Full, Local
 from flaxattn.rope import RoPE
+from helpers import normal
 
 B, T, E = 2, 8, 16
 
@@ -23,10 +24,6 @@ def run(model, *inputs, **kw):
 def run_nnx(model, *inputs, mask=None):
   """`run` for nnx.MultiHeadAttention, whose mask is an array."""
   return model(*inputs, mask=mask)
-
-
-def _x(shape, seed=0):
-  return jax.random.normal(jax.random.key(seed), shape, jnp.float32)
 
 
 def _pair(mask, **kw):
@@ -53,14 +50,14 @@ def test_drop_in_same_parameters_and_full_output(kw):
   assert shapes(ours) == shapes(theirs)
   nnx.update(ours, nnx.state(theirs, nnx.Param))
   s = 6 if "in_kv_features" in kw else T  # cross attention with a different length
-  xq, xkv = _x((B, T, E)), _x((B, s, kw.get("in_kv_features", E)), 1)
+  xq, xkv = normal((B, T, E)), normal((B, s, kw.get("in_kv_features", E)), 1)
   np.testing.assert_allclose(run(ours, xq, xkv), run_nnx(theirs, xq, xkv), atol=1e-5)
 
 
 def test_drop_in_causal_output_and_param_gradient():
   kw = dict(num_heads=4, in_features=E, num_kv_heads=2)
   ours, theirs = _pair(Causal(), **kw)
-  x = _x((B, T, E))
+  x = normal((B, T, E))
   causal = nnx.make_causal_mask(x[..., 0])
   np.testing.assert_allclose(run(ours, x), run_nnx(theirs, x, mask=causal), atol=1e-5)
 
@@ -75,7 +72,7 @@ def test_drop_in_causal_output_and_param_gradient():
 
 def test_call_mask_overrides_and_is_causal():
   ours, theirs = _pair(Full(), num_heads=4, in_features=E)
-  x = _x((B, T, E))
+  x = normal((B, T, E))
   want = run_nnx(theirs, x, mask=nnx.make_causal_mask(x[..., 0]))
   np.testing.assert_allclose(run(ours, x, mask=Causal()), want, atol=1e-5)
   np.testing.assert_allclose(run(ours, x, is_causal=True), want, atol=1e-5)
@@ -87,7 +84,7 @@ def test_default_backend_matches_reference_on_packed_rows():
   ref = MultiHeadAttention(**kw, backend="reference", rngs=nnx.Rngs(0))
   seg = jnp.array([[1] * 3 + [2] * 4 + [0]] * B, jnp.int32)
   pos = jnp.array([[0, 1, 2, 0, 1, 2, 3, 0]] * B, jnp.int32)
-  x = _x((B, T, E))
+  x = normal((B, T, E))
   np.testing.assert_allclose(run(auto, x, segment_ids=seg, positions=pos),
                              run(ref, x, segment_ids=seg, positions=pos), atol=1e-5)
 
@@ -102,7 +99,7 @@ def test_gqa_shapes_and_logical_names_without_mesh():
   assert m.key.kernel.get_metadata()["out_sharding"] == ("embed", "kv_heads", "head_dim")
   assert m.value.bias.get_metadata()["out_sharding"] == ("kv_heads", "head_dim")
   assert m.out.kernel.get_metadata()["out_sharding"] == ("heads", "head_dim", "embed")
-  assert run(m, _x((B, T, 32))).shape == (B, T, 24)
+  assert run(m, normal((B, T, 32))).shape == (B, T, 24)
 
 
 def test_update_from_pure_dict_keeps_logical_names():
@@ -115,7 +112,7 @@ def test_update_from_pure_dict_keeps_logical_names():
 
 def test_rope_positions_restart_per_document():
   m = MultiHeadAttention(4, E, num_kv_heads=2, rope=RoPE(), backend="reference", rngs=nnx.Rngs(0))
-  x = _x((1, 12, E))
+  x = normal((1, 12, E))
   seg = jnp.array([[1] * 5 + [2] * 7], jnp.int32)
   pos = jnp.array([list(range(5)) + list(range(7))], jnp.int32)
   packed = run(m, x, segment_ids=seg, positions=pos)
@@ -133,7 +130,7 @@ def test_rope_positions_restart_per_document():
 def test_decode_token_by_token_matches_full_forward(mask):
   m = MultiHeadAttention(4, E, num_kv_heads=2, rope=RoPE(), mask=mask, normalize_qk=True,
                          backend="reference", rngs=nnx.Rngs(0))
-  x = _x((B, T, E))
+  x = normal((B, T, E))
   full = run(m, x)
   m.init_cache((B, T, E))
   outs = [run(m, x[:, :3], decode=True)]  # prefill three tokens, then one at a time
@@ -144,15 +141,15 @@ def test_decode_token_by_token_matches_full_forward(mask):
 
 def test_decode_skips_padding_slots():
   m = MultiHeadAttention(2, E, rope=RoPE(), backend="reference", rngs=nnx.Rngs(0))
-  x = _x((1, 6, E))
+  x = normal((1, 6, E))
   m.init_cache((1, 8, E))
   # Two padding tokens first (segment 0) are cached but never attended to.
   seg = jnp.array([[0, 0, 1, 1, 1, 1]], jnp.int32)
   pos = jnp.array([[0, 0, 0, 1, 2, 3]], jnp.int32)
   out = run(m, x, decode=True, segment_ids=seg, positions=pos)
   np.testing.assert_allclose(out[:, 2:], run(m, x[:, 2:]), atol=1e-5)
-  nxt = run(m, _x((1, 1, E), 3), decode=True, positions=jnp.array([[4]], jnp.int32))
-  want = m(jnp.concatenate([x[:, 2:], _x((1, 1, E), 3)], axis=1))[:, -1:]
+  nxt = run(m, normal((1, 1, E), 3), decode=True, positions=jnp.array([[4]], jnp.int32))
+  want = m(jnp.concatenate([x[:, 2:], normal((1, 1, E), 3)], axis=1))[:, -1:]
   np.testing.assert_allclose(nxt, want, atol=1e-5)
 
 
@@ -180,13 +177,13 @@ def test_constructor_errors(make, match):
 
 
 @pytest.mark.parametrize("call, match", [
-    (lambda m: m(_x((B, T, E))[0]), r"inputs_q expects a 3-D array .* got shape \(8, 16\)"),
-    (lambda m: m(_x((B, T, 12))), r"inputs_q expects 16 features \(in_features=16\), got shape"),
-    (lambda m: m(_x((B, T, E)), mask=nnx.make_causal_mask(jnp.ones((B, T)))),
+    (lambda m: m(normal((B, T, E))[0]), r"inputs_q expects a 3-D array .* got shape \(8, 16\)"),
+    (lambda m: m(normal((B, T, 12))), r"inputs_q expects 16 features \(in_features=16\), got shape"),
+    (lambda m: m(normal((B, T, E)), mask=nnx.make_causal_mask(jnp.ones((B, T)))),
      r"mask expects a flaxattn mask .* got ArrayImpl of shape \(2, 1, 8, 8\).*segment_ids"),
-    (lambda m: m(_x((B, T, E)), sow_weights=True), r"sow_weights expects False"),
-    (lambda m: m(_x((B, 1, E)), decode=True), r"decode=True expects a KV cache: call init_cache"),
-    (lambda m: m(_x((B, T, E)), None, _x((B, T, E))), r"inputs_k expects an array when inputs_v"),
+    (lambda m: m(normal((B, T, E)), sow_weights=True), r"sow_weights expects False"),
+    (lambda m: m(normal((B, 1, E)), decode=True), r"decode=True expects a KV cache: call init_cache"),
+    (lambda m: m(normal((B, T, E)), None, normal((B, T, E))), r"inputs_k expects an array when inputs_v"),
 ])
 def test_call_errors(call, match):
   m = MultiHeadAttention(4, E, rngs=nnx.Rngs(0))
@@ -198,7 +195,7 @@ def test_decode_cache_mismatch_error():
   m = MultiHeadAttention(4, E, rngs=nnx.Rngs(0))
   m.init_cache((B, T, E))
   with pytest.raises(ValueError, match=r"decode expects keys of shape \(2, <= 8, 4, 4\)"):
-    m(_x((3, 1, E)), decode=True)
+    m(normal((3, 1, E)), decode=True)
 
 
 def test_drop_in_defaults_behave_as_nnx():
@@ -206,7 +203,7 @@ def test_drop_in_defaults_behave_as_nnx():
   theirs = nnx.MultiHeadAttention(4, E, decode=False, rngs=nnx.Rngs(0))
   ours = MultiHeadAttention(4, E, rngs=nnx.Rngs(1))
   nnx.update(ours, nnx.state(theirs, nnx.Param))
-  xq, xkv = _x((B, T, E)), _x((B, 5, E), 1)
+  xq, xkv = normal((B, T, E)), normal((B, 5, E), 1)
   np.testing.assert_allclose(run(ours, xq), run_nnx(theirs, xq), atol=1e-5)
   np.testing.assert_allclose(run(ours, xq, xkv), run_nnx(theirs, xq, xkv), atol=1e-5)
   # Causal stays one argument away.
@@ -227,14 +224,14 @@ def test_decode_past_the_cache_raises_and_writes_nothing(jit):
   error = Exception if jit else ValueError
   m = _decoder(4)
   for i in range(4):
-    call(m, _x((1, 1, E), i), decode=True)
+    call(m, normal((1, 1, E), i), decode=True)
   with pytest.raises(error, match=r"writing 1 token\(s\) at cache index 4 needs 5 slots, the"
                                   r" cache has max_length 4"):
-    jax.block_until_ready(call(m, _x((1, 1, E), 9), decode=True))
+    jax.block_until_ready(call(m, normal((1, 1, E), 9), decode=True))
   m = _decoder(4)
-  call(m, _x((1, 3, E)), decode=True)
+  call(m, normal((1, 3, E)), decode=True)
   with pytest.raises(error, match=r"writing 2 token\(s\) at cache index 3 needs 5 slots"):
-    jax.block_until_ready(call(m, _x((1, 2, E), 1), decode=True))
+    jax.block_until_ready(call(m, normal((1, 2, E), 1), decode=True))
   if not jit:  # eager: checked before anything is written
     assert int(m.cache_index[...]) == 3
     np.testing.assert_array_equal(np.asarray(m.cached_key[...])[:, 3:], 0.0)
@@ -243,7 +240,7 @@ def test_decode_past_the_cache_raises_and_writes_nothing(jit):
 def test_decode_defaults_continue_the_cached_document():
   """After a prefill of two packed documents, default ids/positions continue the second."""
   m = _decoder(8)
-  x = _x((1, 6, E))
+  x = normal((1, 6, E))
   seg = jnp.array([[1, 1, 2, 2, 2, 2]], jnp.int32)
   pos = jnp.array([[0, 1, 0, 1, 2, 3]], jnp.int32)
   run(m, x[:, :5], decode=True, segment_ids=seg[:, :5], positions=pos[:, :5])
@@ -254,16 +251,16 @@ def test_decode_defaults_continue_the_cached_document():
   np.testing.assert_array_equal(m.cached_positions[...][0, :6], pos[0])
   # Explicit ids without positions: positions count inside each run, the first run
   # continuing the cached document 2 (position 4), the new document 3 from 0.
-  run(m, _x((1, 2, E), 1), decode=True, segment_ids=jnp.array([[2, 3]], jnp.int32))
+  run(m, normal((1, 2, E), 1), decode=True, segment_ids=jnp.array([[2, 3]], jnp.int32))
   np.testing.assert_array_equal(m.cached_positions[...][0, 6:8], [4, 0])
 
 
 def test_decode_defaults_after_padding_raise():
   m = _decoder(8)
-  m(_x((1, 3, E)), decode=True, segment_ids=jnp.array([[1, 1, 0]], jnp.int32),
+  m(normal((1, 3, E)), decode=True, segment_ids=jnp.array([[1, 1, 0]], jnp.int32),
     positions=jnp.array([[0, 1, 0]], jnp.int32))
   with pytest.raises(ValueError, match=r"cache ends in padding \(segment id 0 at cache index 2\)"):
-    m(_x((1, 1, E)), decode=True)
+    m(normal((1, 1, E)), decode=True)
 
 
 @pytest.mark.parametrize("arg", ["segment_ids", "positions"])
@@ -272,7 +269,7 @@ def test_ids_wider_than_int32_raise_instead_of_narrowing(arg):
   ids = np.array([[1] * 4 + [2**32 + 1] * 4], np.int64)  # narrowed, 2**32 + 1 would become 1
   with pytest.raises(ValueError, match=rf"{arg} expects values that fit in int32 .* got int64"
                                        r" values in \[1, 4294967297\]"):
-    m(_x((1, 8, E)), **{arg: ids})
+    m(normal((1, 8, E)), **{arg: ids})
   fits = MultiHeadAttention(2, E, mask=Causal(), backend="reference", rngs=nnx.Rngs(0))(
-      _x((1, 8, E)), **{arg: ids % 7})
+      normal((1, 8, E)), **{arg: ids % 7})
   assert fits.shape == (1, 8, E)

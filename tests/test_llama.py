@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 import flaxattn
+from helpers import normal
 from models.llama import (Llama, LlamaConfig, flops_per_token, layer_masks, loss_fn,
                           make_targets, num_params)
 
@@ -100,8 +101,8 @@ def test_flops_per_token_counts_matmuls_and_causal_attention():
 
 def _dependence(model, seg, pos):
   """`dep[b, t, c, s]`: |d logits[b, t] . r / d x[c, s]| summed over features."""
-  x = jax.random.normal(jax.random.key(1), (B, T, model.config.dim))
-  r = jax.random.normal(jax.random.key(2), (model.config.vocab_size,))
+  x = normal((B, T, model.config.dim), 1)
+  r = normal((model.config.vocab_size,), 2)
 
   @nnx.jit
   def jacobian(model, x):

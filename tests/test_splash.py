@@ -16,8 +16,7 @@ import flaxattn
 from flaxattn import splash
 from flaxattn.layout import Layout
 from flaxattn.masks import Band
-from packing import random_packing
-from test_attention import _compare, _inputs
+from helpers import as_layout, compare, qkv, random_packing
 
 B, T, H, HKV, D = 2, 256, 4, 2, 64
 
@@ -26,30 +25,30 @@ _splash_128 = splash.Splash(block_q=128, block_kv=128)
 
 
 def _packed(seed, pad_tail=0):
-  seg, pos = random_packing(np.random.default_rng(seed), B, T, max_docs=5, pad_tail=pad_tail)
-  seg, pos = jnp.asarray(seg), jnp.asarray(pos)
-  return seg, pos, Layout(seg, seg, pos, pos)
+  """Segment ids and positions `[B, T]` (numpy) and their Layout."""
+  seg, pos = random_packing(seed, B, T, max_docs=5, pad_tail=pad_tail)
+  return seg, pos, as_layout(seg, pos)
 
 
 @pytest.mark.parametrize("mask", [flaxattn.Causal(), flaxattn.Local(40), flaxattn.Full(),
                                   flaxattn.Chunked(64), flaxattn.Chunked(96) & flaxattn.Local(50)],
                          ids=str)
 def test_default_positions_match_reference(mask):
-  q, k, v = _inputs(1, B, T, T, H, HKV, D, jnp.float32)
-  _compare(_splash_128, Layout(), mask, q, k, v, jnp.float32)
+  q, k, v = qkv(1, B, T, T, H, HKV, D, jnp.float32)
+  compare(_splash_128, Layout(), mask, q, k, v, jnp.float32)
 
 
 @pytest.mark.parametrize("mask", [flaxattn.Causal(), flaxattn.Causal() & flaxattn.Local(30),
                                   flaxattn.Full()], ids=str)
 def test_packed_documents_match_reference(mask):
   """Documents (positions restarting at 0) crossing block edges, and a padding tail."""
-  q, k, v = _inputs(2, B, T, T, H, HKV, D, jnp.float32)
+  q, k, v = qkv(2, B, T, T, H, HKV, D, jnp.float32)
   _, _, layout = _packed(2, pad_tail=20)
-  _compare(_splash_128, layout, mask, q, k, v, jnp.float32)
+  compare(_splash_128, layout, mask, q, k, v, jnp.float32)
 
 
 def test_public_entry_point_bfloat16_default_blocks():
-  q, k, v = _inputs(3, 1, T, T, H, HKV, D, jnp.bfloat16)
+  q, k, v = qkv(3, 1, T, T, H, HKV, D, jnp.bfloat16)
   seg, pos, _ = _packed(3)
   got = flaxattn.attention(q, k, v, segment_ids=seg[:1], positions=pos[:1], backend="splash")
   want = flaxattn.attention(q, k, v, segment_ids=seg[:1], positions=pos[:1], backend="reference")
@@ -59,7 +58,7 @@ def test_public_entry_point_bfloat16_default_blocks():
 
 
 def test_padding_rows_are_zero_with_finite_gradients():
-  q, k, v = _inputs(4, 1, T, T, 2, 1, D, jnp.float32)
+  q, k, v = qkv(4, 1, T, T, 2, 1, D, jnp.float32)
   seg = np.ones((1, T), np.int32)
   seg[0, 200:] = 0
 
@@ -82,7 +81,7 @@ def _declines(match, q, k, v, **kwargs):
 
 
 def test_decline_reasons():
-  q, k, v = _inputs(5, 1, T, T, 2, 2, D, jnp.float32)
+  q, k, v = qkv(5, 1, T, T, 2, 2, D, jnp.float32)
   seg, pos, _ = _packed(5)
   seg, pos = seg[:1], pos[:1]
   _declines("multiple of 128, got 200", q[:, :200], k[:, :200], v[:, :200])
@@ -93,7 +92,7 @@ def test_decline_reasons():
 
 
 def test_auto_on_cpu_prefers_blockwise():
-  q, k, v = _inputs(6, 1, T, T, 2, 2, D, jnp.float32)
+  q, k, v = qkv(6, 1, T, T, 2, 2, D, jnp.float32)
   text = flaxattn.explain(q, k, v, print_fn=None)
   assert "splash: accepts" in text and "backend='auto' -> blockwise" in text
 
@@ -146,7 +145,7 @@ def test_block_sizes_from_head_dim_and_overridable():
   assert splash.Splash(block_q=256).blocks(1536, 1536, 64) == (256, 512)
   with pytest.raises(ValueError, match=r"Splash\(block_q=...\) expects a positive multiple of 128.*got 100"):
     splash.Splash(block_q=100)
-  q, k, v = _inputs(8, 1, T, T, H, HKV, D, jnp.float32)
+  q, k, v = qkv(8, 1, T, T, H, HKV, D, jnp.float32)
   got = flaxattn.attention(q, k, v, backend=splash.Splash(block_q=128, block_kv=256))
   want = flaxattn.attention(q, k, v, backend="reference")
   np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
@@ -161,7 +160,7 @@ def test_context_parallel_needs_128_tokens_per_device():
 
 
 def test_kernels_are_cached_across_traces():
-  q, k, v = _inputs(9, 1, T, T, H, HKV, D, jnp.float32)
+  q, k, v = qkv(9, 1, T, T, H, HKV, D, jnp.float32)
   attend = lambda q, k, v: flaxattn.attention(q, k, v, backend=splash.Splash(block_q=128))
   jax.jit(attend).lower(q, k, v)
   before = splash._kernel.cache_info()
@@ -185,7 +184,7 @@ def _two_runs_of_one_id():
 def test_positions_that_are_not_index_shifts_take_the_exact_path(mask, layout):
   """Layouts on which index masking differs from position masking (by up to 2.5 before the
   run-time check): the batch runs the blockwise kernel, forward and gradients."""
-  q, k, v = _inputs(11, 1, 128, 128, 2, 1, 16, jnp.float32)
+  q, k, v = qkv(11, 1, 128, 128, 2, 1, 16, jnp.float32)
   seg, pos = _two_runs_of_one_id()
   if layout == "step_two":
     seg, pos = np.ones_like(seg), (2 * np.arange(128, dtype=np.int32))[None]
@@ -194,10 +193,10 @@ def test_positions_that_are_not_index_shifts_take_the_exact_path(mask, layout):
     pos = np.concatenate([np.arange(50), np.arange(78)])[None].astype(np.int32)
   elif layout == "no_segment_ids":
     seg, pos = None, pos + 5
-  lay = Layout(*(None if x is None else jnp.asarray(x) for x in (seg, seg, pos, pos)))
+  lay = as_layout(seg, pos)
   index = jnp.arange(128, dtype=jnp.int32)[None]
   assert not bool(splash.index_check(mask, lay, index, index))
-  _compare(_splash_128, lay, mask, q, k, v, jnp.float32)
+  compare(_splash_128, lay, mask, q, k, v, jnp.float32)
 
 
 def test_index_check_passes_packed_pipelines_and_load_balanced_order():
@@ -206,7 +205,7 @@ def test_index_check_passes_packed_pipelines_and_load_balanced_order():
   for mask in (flaxattn.Causal(), flaxattn.Local(30)):
     assert bool(splash.index_check(mask, lay, index, index))
   assert splash.index_check(flaxattn.Full(), lay, index, index) is None  # positions unread
-  assert splash.index_check(flaxattn.Causal(), Layout(seg, seg), index, index) is None
+  assert splash.index_check(flaxattn.Causal(), as_layout(seg), index, index) is None
   # Documents aligned to the chunk pass the chunked check, unaligned ones do not.
   aligned = jnp.asarray(np.repeat(np.arange(1, 5), 64)[None], jnp.int32)
   in_doc = jnp.asarray(np.tile(np.arange(64), 4)[None], jnp.int32)
@@ -216,10 +215,8 @@ def test_index_check_passes_packed_pipelines_and_load_balanced_order():
                                      index[:1], index[:1]))
   # Load-balanced order: the kernel's index is the permuted original index.
   lb = lambda x: flaxattn.load_balance(x, 4)
-  assert bool(splash.index_check(flaxattn.Causal(), Layout(lb(seg), lb(seg), lb(pos), lb(pos)),
-                                 lb(index), lb(index)))
-  assert not bool(splash.index_check(flaxattn.Causal(), Layout(lb(seg), lb(seg), lb(pos), lb(pos)),
-                                     index, index))
+  assert bool(splash.index_check(flaxattn.Causal(), as_layout(lb(seg), lb(pos)), lb(index), lb(index)))
+  assert not bool(splash.index_check(flaxattn.Causal(), as_layout(lb(seg), lb(pos)), index, index))
 
 
 def test_explain_says_when_splash_checks_at_run_time():

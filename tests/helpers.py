@@ -1,0 +1,205 @@
+"""What every test shares: q/k/v, packed layouts, the comparison with the reference, and the
+context-parallel cases that cp_check.py runs and test_context_parallel.py reads.
+
+Data is made on the host with numpy, so that each shape costs no compiled random-number
+program (the tests are compile-bound on CPU).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import flaxattn
+from flaxattn.layout import Layout
+from flaxattn.reference import reference_attention
+
+# float32 matches to rounding; bfloat16 inputs round q/k/v and p before the matmuls.
+TOL = {jnp.float32: dict(atol=2e-5, rtol=2e-5), jnp.bfloat16: dict(atol=3e-2, rtol=3e-2)}
+
+
+def normal(shape, seed=0, dtype=jnp.float32) -> jax.Array:
+  """A standard normal array of `shape` in `dtype`, drawn in float32 on the host; `seed` an
+  int or a tuple of ints."""
+  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape, np.float32).astype(dtype))
+
+
+def qkv(seed, b, t, s, h, hkv, d, dtype=jnp.float32):
+  """q `[b, t, h, d]`, k and v `[b, s, hkv, d]`, standard normal in `dtype`."""
+  shapes = (b, t, h, d), (b, s, hkv, d), (b, s, hkv, d)
+  return tuple(normal(shape, (seed, i), dtype) for i, shape in enumerate(shapes))
+
+
+def random_packing(seed: int, batch: int, length: int, *, max_docs: int = 6, pad_tail: int = 0,
+                   min_len: int = 1, cp: int | None = None):
+  """Segment ids and positions `[batch, length]` int32 (numpy).
+
+  Each row holds up to `max_docs` documents of random lengths (some as short as `min_len`)
+  followed by `pad_tail` padding tokens (segment 0). Document ids count up from 1; positions
+  restart at 0 in each document.
+
+  With `cp` (context shards): the first seed from `seed` on which every row has a document
+  crossing an edge of the 2 * cp load-balancing chunks (so of a shard, too) and some document
+  is shorter than 2 * cp tokens. Raises AssertionError if none of 1000 seeds has them.
+  """
+  for s in range(seed, seed + (1 if cp is None else 1000)):
+    seg, pos = _pack(np.random.default_rng(s), batch, length, max_docs, pad_tail, min_len)
+    if cp is None:
+      return seg, pos
+    chunk = length // (2 * cp)
+    lengths = [np.sum(row == d) for row in seg for d in np.unique(row[row > 0])]
+    crosses = all(np.any(row[chunk - 1::chunk][:-1] == row[chunk::chunk]) for row in seg)
+    if min(lengths) < 2 * cp and crosses:
+      return seg, pos
+  raise AssertionError(f"no packing of {batch} x {length} tokens crosses the chunks of cp={cp}")
+
+
+def _pack(rng, batch, length, max_docs, pad_tail, min_len):
+  """One draw of `random_packing`."""
+  seg = np.zeros((batch, length), np.int32)
+  pos = np.zeros((batch, length), np.int32)
+  used = length - pad_tail
+  for b in range(batch):
+    n_docs = int(rng.integers(1, max_docs + 1))
+    cuts = np.sort(rng.choice(np.arange(min_len, used), size=min(n_docs - 1, used - min_len),
+                              replace=False)) if n_docs > 1 else np.array([], int)
+    starts = np.concatenate([[0], cuts])
+    ends = np.concatenate([cuts, [used]])
+    for n, (s, e) in enumerate(zip(starts, ends)):
+      seg[b, s:e] = n + 1
+      pos[b, s:e] = np.arange(e - s)
+  return seg, pos
+
+
+# Ids a legal layout may use besides small positive ones: negative, the largest int32, and a
+# few reused on separate runs of a row (one document to the mask, however far apart).
+ODD_IDS = (1, 2, 3, -5, 2**31 - 1, 77)
+
+
+def legal_layout(seed: int, batch: int, length: int, kv_length: int | None = None):
+  """Segment ids and positions that `flaxattn.attention` accepts but no packing pipeline
+  produces: ids from `ODD_IDS` (repeated on separate runs, negative, huge), padding runs
+  anywhere, documents of one token, positions with gaps, restarts and offsets.
+
+  Returns `(seg, pos)` `[batch, length]` int32 (numpy), or with `kv_length` also the keys'
+  `(kv_seg, kv_pos)` `[batch, kv_length]`, whose ids only partly overlap the queries' (some
+  documents have queries but no keys, others keys but no queries).
+  """
+  rng = np.random.default_rng(seed)
+
+  def side(n, ids):
+    seg = np.zeros((batch, n), np.int32)
+    pos = np.zeros((batch, n), np.int32)
+    for b in range(batch):
+      i = 0
+      while i < n:
+        run = min(n - i, int(rng.choice([1, rng.integers(1, 9), rng.integers(8, 48)])))
+        seg[b, i:i + run] = 0 if rng.random() < 0.15 else rng.choice(ids)
+        steps = rng.integers(1, 4, run) if rng.random() < 0.3 else np.ones(run, np.int64)
+        start = rng.integers(0, 40) if rng.random() < 0.3 else 0
+        pos[b, i:i + run] = start + np.cumsum(steps) - steps[0]
+        i += run
+    return seg, pos
+
+  if kv_length is None:
+    return side(length, ODD_IDS)
+  return side(length, ODD_IDS[:4]) + side(kv_length, ODD_IDS[2:])
+
+
+def as_layout(seg, pos=None, kv_seg=None, kv_pos=None) -> Layout:
+  """A Layout of these arrays (None: the default). Keys default to the queries' arrays, the
+  same objects, as self attention passes them (kernels see that they are shared)."""
+  arr = lambda x: None if x is None else jnp.asarray(x)
+  seg, pos = arr(seg), arr(pos)
+  return Layout(seg, seg if kv_seg is None else arr(kv_seg), pos,
+                pos if kv_pos is None else arr(kv_pos))
+
+
+def loss(out, lse):
+  """A scalar touching every output and the lse, so gradients test both cotangents."""
+  finite_lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
+  return jnp.sum(out * jnp.cos(out)) + 0.5 * jnp.sum(jnp.sin(finite_lse))
+
+
+def grads_of(attend):
+  """Jitted `(q, k, v) -> ((dq, dk, dv), (out, lse))`: the gradients of `loss` for
+  `attend(q, k, v) -> (out, lse)`, and its out (as float32) and lse."""
+  def f(q, k, v):
+    out, lse = attend(q, k, v)
+    out = out.astype(jnp.float32)
+    return loss(out, lse), (out, lse)
+  return jax.jit(jax.grad(f, (0, 1, 2), has_aux=True))
+
+
+def compare(kernel, layout, mask, q, k, v, dtype):
+  """`kernel` against `reference_attention` on out, lse and the gradients of `loss`, within
+  `TOL[dtype]`; gradients relative to their largest magnitude (at least 1)."""
+  attend = lambda kern: lambda q, k, v: kern(q, k, v, layout, mask=mask, scale=0.3, return_lse=True)
+  want_g, (want_o, want_l) = grads_of(attend(reference_attention))(q, k, v)
+  got_g, (got_o, got_l) = grads_of(attend(kernel))(q, k, v)
+  tol = TOL[dtype]
+  np.testing.assert_allclose(got_o, want_o, **tol)
+  np.testing.assert_array_equal(np.isinf(got_l), np.isinf(want_l))
+  np.testing.assert_allclose(np.where(np.isinf(got_l), 0, got_l), np.where(np.isinf(want_l), 0, want_l), **tol)
+  for name, got, want in zip("qkv", got_g, want_g):
+    scale = max(1.0, float(jnp.abs(want.astype(jnp.float32)).max()))
+    np.testing.assert_allclose(np.asarray(got, np.float32) / scale, np.asarray(want, np.float32) / scale,
+                               err_msg=f"d{name}", **tol)
+
+
+def rel_error(got, want) -> float:
+  """Largest |got - want| relative to the largest |want|; inf where they differ in which
+  entries are finite."""
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  fin = np.isfinite(want)
+  if not np.array_equal(np.isfinite(got), fin):
+    return float("inf")
+  got, want = np.where(fin, got, 0), np.where(fin, want, 0)
+  return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
+
+
+# Context parallelism: the cases cp_check.py runs on N simulated devices, one process per N,
+# and test_context_parallel.py collects by name.
+
+CP_MASKS = {"causal": flaxattn.Causal(), "local": flaxattn.Local(3), "chunked": flaxattn.Chunked(24),
+            "full": flaxattn.Full()}
+
+
+def cp_cases(n: int) -> list[dict]:
+  """A covering set, not the product (each ring compile costs seconds): every mask with ring
+  and load balancing, each strategy x load balancing, GQA with 2 and 1 KV heads for 4 query
+  heads, a Local window smaller than cp, 2-D and 3-D (heads over tensor) meshes, and the
+  unpermute pipeline. Splash (Pallas interpret mode: slow, so few cases, T = 128 per shard)
+  with the ring and all-gather strategies, every mask, packed and default layouts. `packed=
+  "legal"`: random legal layouts no pipeline produces (`legal_layout`), on which splash must
+  take its exact path."""
+  def case(mesh, strategy="ring", lb=True, mask="causal", hkv=2, packed=True, pipeline=False, t=64,
+           backend="auto"):  # a case's name says all of its parameters
+    name = "-".join(([] if backend == "auto" else [backend])
+                    + [strategy, "lb" if lb else "nolb", mask, f"hkv{hkv}",
+                       {True: "packed", False: "default"}.get(packed, packed),
+                       "x".join(f"{a}{s}" for a, s in mesh.items())] + (["pipeline"] if pipeline else []))
+    return dict(name=name, mesh=mesh, strategy=strategy, lb=lb, mask=mask, hkv=hkv, packed=packed,
+                pipeline=pipeline, t=t, backend=backend)
+
+  c2, c4, c8, dc2, dc4 = (dict(context=2), dict(context=4), dict(context=8), dict(data=2, context=2),
+                          dict(data=2, context=4))
+  return {
+      2: [case(c2, mask="full", hkv=2), case(c2, "all_gather", lb=False, mask="causal", hkv=1, packed=False),
+          case(c2, mask="causal", hkv=2, t=256, backend="splash"),
+          case(c2, "all_gather", mask="local", hkv=1, t=256, backend="splash"),
+          case(c2, mask="local", hkv=1, packed="legal", t=256, backend="splash"),
+          case(c2, "all_gather", mask="chunked", hkv=2, packed="legal", t=256, backend="splash")],
+      4: [case(c4, mask="causal", hkv=2), case(c4, "all_gather", mask="causal", hkv=2),
+          case(c4, lb=False, mask="causal", hkv=1, packed=False),
+          case(c4, mask="local", hkv=1, pipeline=True), case(dc2, mask="causal", hkv=1, packed=False),
+          case(c4, mask="chunked", hkv=1, packed=False, t=512, backend="splash"),
+          case(c4, lb=False, mask="local", hkv=2, t=512, backend="splash"),
+          case(c4, mask="causal", hkv=2, packed="legal"),
+          case(c4, "all_gather", mask="local", hkv=1, packed="legal")],
+      8: [case(c8, mask="causal", hkv=2, t=128), case(dc4, mask="chunked", hkv=1, packed=False, pipeline=True),
+          case(dc4, "all_gather", lb=False, mask="local", hkv=2),
+          case(dict(data=2, tensor=2, context=2), mask="causal", hkv=2),
+          case(dict(data=2, tensor=2, context=2), mask="causal", hkv=2, t=256, backend="splash")],
+  }[n]
