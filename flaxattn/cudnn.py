@@ -16,10 +16,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax._src.cudnn import fused_attention_stablehlo as fsa
+from jax.sharding import PartitionSpec as P
 
 from flaxattn import blockwise, registry
-from flaxattn.layout import Layout
-from flaxattn.masks import Mask, NoBand, band
+from flaxattn.layout import Layout, index_check
+from flaxattn.masks import Band, Full, Mask, NoBand, band
 from flaxattn.segments import SeqlensOffsets, seqlens_and_offsets
 
 DTYPES = ("bfloat16", "float16")
@@ -230,10 +231,12 @@ def _unique_run_ids(ids, offsets, lengths):
   return ~jnp.any(run_ids[:, 1:] == run_ids[:, :-1])
 
 
-def _steps_by_one(ids, positions):
-  """Positions increase by one from token to token inside every run."""
+def _steps_by_one(ids, positions, *, increasing: bool = False):
+  """Positions increase by one (`increasing`: by at least one) from token to token inside
+  every run."""
   prev = jnp.pad(positions[:, :-1], ((0, 0), (1, 0)))
-  return jnp.all((ids == 0) | _run_starts(ids) | (positions == prev + 1))
+  step = (positions > prev) if increasing else (positions == prev + 1)
+  return jnp.all((ids == 0) | _run_starts(ids) | step)
 
 
 def _query_slots(q_ids_BT, desc: SeqlensOffsets, m: int):
@@ -279,7 +282,10 @@ def _index_masks_exact(layout: Layout, desc: SeqlensOffsets, both_BM, t: int, s:
   if cfg.causal and not (cfg.self_attention and default_positions):
     full = layout.materialize(q_ids.shape[0], t, s)
     if layout.q_positions is not None:
-      exact &= _steps_by_one(q_ids, full.q_positions)
+      # Causal without a window compares positions only inside one run of one array, where
+      # any increasing positions order pairs as their indices do; windows need differences.
+      monotone = cfg.window is None and cfg.self_attention and cfg.same_positions
+      exact &= _steps_by_one(q_ids, full.q_positions, increasing=monotone)
     if not (cfg.self_attention and cfg.same_positions):
       if layout.kv_positions is not None:
         exact &= _steps_by_one(kv_ids, full.kv_positions)
@@ -498,9 +504,119 @@ def cudnn_attention(q, k, v, layout: Layout, *, mask: Mask, scale: float, return
   return (out, lse) if return_lse else out
 
 
-CP_REASON = ("cuDNN masks by token index within each document, which context parallelism's"
-             " shards (and load balancing's permutation) change; the blockwise kernel serves"
-             " context parallelism.")
+def _ring_reason(call: registry.Call) -> str | None:
+  """Why cuDNN cannot run the ring's steps of `call`, or None (docs/design.md, "cuDNN in
+  the ring"): with positions that follow the token index, every step is one causal call on
+  the device's own tokens or unmasked calls on halves of them."""
+  if call.cp_strategy != "ring":
+    return ("cuDNN masks by token index, which the gathered keys' order (load-balanced or"
+            " offset by the shard) does not follow; the blockwise kernel serves all_gather.")
+  causal, window = mask_band(call.mask)
+  if window is not None:
+    return ("a sliding window straddles the ring's chunks, which cuDNN's index masks cannot"
+            " express per step; the blockwise kernel serves it.")
+  return None
+
+
+@dataclasses.dataclass(frozen=True)
+class RingStep:
+  """cuDNN calls as the ring's per-device step. Device r holds query shard r; at step s the
+  keys of shard (r - s) mod n visit. Step 0 is one call on the device's own tokens with the
+  call's mask (their index order is their original order). Later steps, causal: without
+  load balancing all queries see an earlier shard unmasked and nothing of a later one; with
+  it, an earlier shard's first chunk is seen by all local queries and a later shard by the
+  local second chunk, unmasked. Each call checks its documents at run time (cudnn's own
+  check); `data` is the global `index_check` (positions must follow the token index inside
+  each document), and a batch that fails it runs `fallback`, the blockwise step."""
+
+  mask: Mask
+  scale: float
+  axis: str
+  shards: int
+  load_balance: bool
+  packed: bool
+  max_segments: int | None
+  fallback: object
+  unrolled: bool = True
+
+  def _call(self, q, k, v, layout, mask):
+    lay = layout if self.packed else Layout()
+    return forward(q, k, v, lay, mask=mask, scale=self.scale, max_segments=self.max_segments)
+
+  def _grads(self, q, k, v, layout, out, lse, dout, dlse, mask):
+    lay = layout if self.packed else Layout()
+    return backward(q, k, v, lay, out, lse, dout, dlse, mask=mask, scale=self.scale,
+                    max_segments=self.max_segments)
+
+  def _earlier(self, step):
+    """Whether the visiting shard precedes this device's (dynamic: the device index)."""
+    r = jax.lax.axis_index(self.axis)
+    return (r - step) % self.shards < r
+
+  def forward(self, step, data, q, k, v, layout: Layout):
+    def by_cudnn():
+      if step == 0:  # the device's own tokens: queries and keys are one array
+        own = Layout(layout.q_segment_ids, layout.q_segment_ids, layout.q_positions, layout.q_positions)
+        return self._call(q, k, v, own, self.mask)
+      if band(self.mask) == Band() or not self.load_balance:
+        everything = lambda: self._call(q, k, v, layout, Full())
+        if band(self.mask) == Band():
+          return everything()
+        return jax.lax.cond(self._earlier(step), everything, lambda: _no_keys(q))
+      c = q.shape[1] // 2
+      first = lambda: self._call(q, k[:, :c], v[:, :c], _cut(layout, kv=slice(None, c)), Full())
+
+      def second():
+        out, lse = self._call(q[:, c:], k, v, _cut(layout, q=slice(c, None)), Full())
+        none_out, none_lse = _no_keys(q[:, :c])
+        return jnp.concatenate([none_out, out], 1), jnp.concatenate([none_lse, lse], 1)
+      return jax.lax.cond(self._earlier(step), first, second)
+
+    if data is None:
+      return by_cudnn()
+    return jax.lax.cond(data, by_cudnn, lambda: self.fallback.forward(step, None, q, k, v, layout))
+
+  def backward(self, step, data, q, k, v, layout: Layout, out, lse, dout, dlse):
+    def by_cudnn():
+      if step == 0:
+        own = Layout(layout.q_segment_ids, layout.q_segment_ids, layout.q_positions, layout.q_positions)
+        return self._grads(q, k, v, own, out, lse, dout, dlse, self.mask)
+      everything = lambda: self._grads(q, k, v, layout, out, lse, dout, dlse, Full())
+      if band(self.mask) == Band():
+        return everything()
+      zeros = lambda: (jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v))
+      if not self.load_balance:
+        return jax.lax.cond(self._earlier(step), everything, zeros)
+      c = q.shape[1] // 2
+
+      def first():
+        dq, dk, dv = self._grads(q, k[:, :c], v[:, :c], _cut(layout, kv=slice(None, c)), out,
+                                 lse, dout, dlse, Full())
+        pad = lambda x: jnp.concatenate([x, jnp.zeros_like(x)], 1)
+        return dq, pad(dk), pad(dv)
+
+      def second():
+        half = slice(c, None)
+        dq, dk, dv = self._grads(q[:, half], k, v, _cut(layout, q=half), out[:, half],
+                                 lse[:, half], dout[:, half], dlse[:, half], Full())
+        return jnp.concatenate([jnp.zeros_like(dq), dq], 1), dk, dv
+      return jax.lax.cond(self._earlier(step), first, second)
+
+    if data is None:
+      return by_cudnn()
+    return jax.lax.cond(data, by_cudnn, lambda: self.fallback.backward(
+        step, None, q, k, v, layout, out, lse, dout, dlse))
+
+
+def _cut(layout: Layout, q=slice(None), kv=slice(None)) -> Layout:
+  """The layout of a piece of the queries (`q`) and keys (`kv`), along the sequence."""
+  return Layout(layout.q_segment_ids[:, q], layout.kv_segment_ids[:, kv],
+                layout.q_positions[:, q], layout.kv_positions[:, kv])
+
+
+def _no_keys(q):
+  b, t, h, _ = q.shape
+  return jnp.zeros_like(q), jnp.full((b, t, h), -jnp.inf, jnp.float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -509,12 +625,20 @@ class Cudnn(registry.Kernel):
 
   max_segments: int | None = None
   name: str = "cudnn"
+  ring: bool = True
   traces_anywhere: bool = False  # JAX checks for cuDNN while tracing
 
   def reason(self, call: registry.Call) -> str | None:
-    return CP_REASON if call.cp_strategy else _reason(call)
+    reason = _reason(call)
+    if reason is None and call.cp_strategy is not None:
+      reason = _ring_reason(call)
+    return reason
 
   def describe(self, call: registry.Call) -> str | None:
+    if call.cp_strategy == "ring":
+      return ("per ring step: causal on the device's own tokens, unmasked on earlier chunks;"
+              " positions checked per batch at run time" if call.has_positions else
+              "per ring step: causal on the device's own tokens, unmasked on earlier chunks")
     if call.has_segment_ids:
       return ("packed rows checked per batch at run time, a batch cuDNN cannot mask exactly"
               " runs the blockwise kernel")
@@ -523,3 +647,13 @@ class Cudnn(registry.Kernel):
   def __call__(self, q, k, v, layout: Layout, *, mask: Mask, scale: float, return_lse: bool):
     return cudnn_attention(q, k, v, layout, mask=mask, scale=scale, return_lse=return_lse,
                            max_segments=self.max_segments)
+
+  def context_parallel_local(self, *, strategy: str, mask: Mask, scale: float, shards: int,
+                             axis: str, load_balance: bool, q_shape, kv_shape, layout: Layout):
+    _kv_offsets_per_key_head()  # probed here, outside the shard_map (it evaluates eagerly)
+    index = layout.index(q_shape[0], q_shape[1])
+    exact = index_check(mask, layout, index, index)
+    fallback = blockwise.ring_step(mask, scale, q_shape[1], shards, load_balance)
+    step = RingStep(mask, scale, axis, shards, load_balance, layout.q_segment_ids is not None,
+                    self.max_segments, fallback)
+    return step, exact, None if exact is None else P()

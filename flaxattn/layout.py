@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flaxattn import balance, checks
+from flaxattn.masks import Band, Mask, band
 
 _INT32 = np.iinfo(np.int32)
 
@@ -156,3 +157,23 @@ def follows_index(layout: Layout, q_index, kv_index, chunk: int | None = None) -
   same_doc = keys[0][:, 1:] == keys[0][:, :-1]
   return jnp.all(functools.reduce(
       jnp.logical_and, [~same_doc | (x[:, 1:] == x[:, :-1]) for x in keys[1:]]))
+
+
+def needs_index_check(mask: Mask, has_positions: bool) -> bool:
+  """Whether a kernel masking on token index depends on the data for exactness: explicit
+  positions and a mask that reads them (`Full` does not; default positions are the index)."""
+  return has_positions and band(mask) != Band()
+
+
+def index_check(mask: Mask, layout: Layout, q_index, kv_index):
+  """None when masking on token index is exact for any data of `layout`, else the scalar
+  bool array `follows_index` (original token indices `q_index` `[B, T]`, `kv_index`
+  `[B, S]` fill positions that were not given)."""
+  if not needs_index_check(mask, layout.q_positions is not None or layout.kv_positions is not None):
+    return None
+  b, t = q_index.shape
+  q_seg = jnp.ones((b, t), jnp.int32) if layout.q_segment_ids is None else layout.q_segment_ids
+  kv_seg = q_seg if layout.kv_segment_ids is None else layout.kv_segment_ids
+  q_pos = q_index if layout.q_positions is None else layout.q_positions
+  kv_pos = kv_index if layout.kv_positions is None else layout.kv_positions
+  return follows_index(Layout(q_seg, kv_seg, q_pos, kv_pos), q_index, kv_index, band(mask).chunk)

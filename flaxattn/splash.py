@@ -21,7 +21,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ma
 from jax.sharding import PartitionSpec as P
 
 from flaxattn import blockwise, registry, sharding
-from flaxattn.layout import Layout, follows_index
+from flaxattn.layout import Layout, index_check, needs_index_check
 from flaxattn.masks import Band, Mask, NoBand, band, floor_div
 
 LANES = 128  # splash's blocks are multiples of the TPU lane width
@@ -230,26 +230,6 @@ def backward(kernel, q, k, v, q_seg, kv_seg, out, lse, dout, dlse, *, scale: flo
                                     _segment_ids(q_seg, kv_seg), lse_BKGT, dout_BKGTD, di_BKGT)
   dq = dq.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d) * jnp.asarray(scale, dq.dtype)
   return dq.astype(q.dtype), dk.transpose(0, 2, 1, 3).astype(k.dtype), dv.transpose(0, 2, 1, 3).astype(v.dtype)
-
-
-def needs_index_check(mask: Mask, has_positions: bool) -> bool:
-  """Whether splash's exactness depends on the data: explicit positions and a mask that
-  reads them (`Full` does not; default positions are the index itself)."""
-  return has_positions and band(mask) != Band()
-
-
-def index_check(mask: Mask, layout: Layout, q_index, kv_index):
-  """None when splash is exact for any data of `layout`, else the scalar bool array
-  `follows_index` (original token indices `q_index` `[B, T]`, `kv_index` `[B, S]` fill
-  positions that were not given)."""
-  if not needs_index_check(mask, layout.q_positions is not None or layout.kv_positions is not None):
-    return None
-  b, t = q_index.shape
-  q_seg = jnp.ones((b, t), jnp.int32) if layout.q_segment_ids is None else layout.q_segment_ids
-  kv_seg = q_seg if layout.kv_segment_ids is None else layout.kv_segment_ids
-  q_pos = q_index if layout.q_positions is None else layout.q_positions
-  kv_pos = kv_index if layout.kv_positions is None else layout.kv_positions
-  return follows_index(Layout(q_seg, kv_seg, q_pos, kv_pos), q_index, kv_index, band(mask).chunk)
 
 
 def _index_masked_or_blockwise(exact, index_masked, blockwise_fn):

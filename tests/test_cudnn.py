@@ -7,6 +7,10 @@ that models cuDNN; everything above it is JAX's real code.
 
 import dataclasses
 import functools
+import json
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -59,12 +63,35 @@ def test_declines_with_reason(call, words):
   assert words in cudnn.Cudnn().unsupported_reason(call)
 
 
-def test_declines_context_parallelism_which_blockwise_serves():
-  for strategy in ("ring", "all_gather"):
-    call = dataclasses.replace(_call(), cp_size=2, cp_strategy=strategy)
-    assert "the blockwise kernel serves context parallelism" in cudnn.Cudnn().unsupported_reason(call)
-    assert registry.select("fused", call).name == "blockwise"
-    assert registry.select("auto", call).name == "blockwise"
+def test_serves_the_ring_for_causal_and_full_masks_only():
+  ring = lambda mask, strategy="ring": dataclasses.replace(_call(mask=mask), cp_size=4,
+                                                           cp_strategy=strategy)
+  for mask in (flaxattn.Causal(), flaxattn.Full()):
+    assert cudnn.Cudnn().unsupported_reason(ring(mask)) is None
+    assert registry.select("auto", ring(mask)).name == "cudnn"
+  assert "straddles the ring's chunks" in cudnn.Cudnn().unsupported_reason(ring(flaxattn.Local(64)))
+  assert "no chunked mask" in cudnn.Cudnn().unsupported_reason(ring(flaxattn.Chunked(64)))
+  gathered = cudnn.Cudnn().unsupported_reason(ring(flaxattn.Causal(), "all_gather"))
+  assert "the blockwise kernel serves all_gather" in gathered
+  assert registry.select("fused", ring(flaxattn.Causal(), "all_gather")).name == "blockwise"
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_ring_steps_on_cudnn_match_reference(n):
+  """cuDNN (the CPU model) as the ring's kernel on n simulated devices: exact on packings
+  crossing chunk and shard edges, and with the blockwise fallbacks poisoned, so every step
+  of those cases ran cuDNN (causal own tokens, unmasked halves; GQA; with and without load
+  balancing); loss (out and lse) and gradients against the reference."""
+  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={n}",
+             JAX_PLATFORMS="cpu")
+  out = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "cudnn_ring_check.py"),
+                        str(n)], capture_output=True, text=True, env=env, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  results = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+  only_cudnn = sum(r["name"].startswith("only-cudnn") for r in results)
+  assert (len(results), only_cudnn) == ((6, 4) if n < 8 else (2, 1)), results
+  for r in results:
+    assert max(r["errors"]) < 2e-2, r
 
 
 def test_mask_band():

@@ -1,0 +1,100 @@
+"""cuDNN as the ring's per-step kernel, on N simulated CPU devices with the CPU model of
+cuDNN (`cudnn_model.py`); run by test_cudnn.py as `XLA_FLAGS=--xla_force_host_platform_
+device_count=N python tests/cudnn_ring_check.py N`. Prints one JSON line per case: the
+largest errors of the loss (of out and lse) and of dq, dk, dv against the reference,
+relative to its largest magnitude. Cases named "only-cudnn" run after the blockwise
+fallbacks are poisoned with NaN, so they pass only if every step really ran cuDNN."""
+
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType
+
+import flaxattn
+from flaxattn import blockwise, cudnn
+from flaxattn.context_parallel import context_parallel_attention
+from flaxattn.layout import resolve
+from flaxattn.reference import reference_attention
+
+import cudnn_model
+from helpers import random_packing, rel_error
+
+
+def _poison(monkey: bool):
+  """Blockwise fallbacks that return NaN (when `monkey`), else the real ones."""
+  if not monkey:
+    return
+  nan = lambda x: jnp.full_like(x, jnp.nan)
+  forward = lambda q, k, v, layout, **kw: (nan(q), jnp.full(q.shape[:3], jnp.nan, jnp.float32))
+  backward = lambda q, k, v, layout, out, lse, dout, dlse, **kw: (nan(q), nan(k), nan(v))
+  blockwise.forward, blockwise.backward = forward, backward
+  blockwise.RingStep.forward = lambda self, step, data, q, k, v, layout: forward(q, k, v, layout)
+  blockwise.RingStep.backward = lambda self, step, data, q, k, v, layout, *a: backward(q, k, v, layout, *a)
+
+
+def _loss(out, lse):
+  finite = jnp.where(jnp.isfinite(lse), lse, 0.0)
+  out = out.astype(jnp.float32)
+  return jnp.sum(out * jnp.cos(out)) + 0.5 * jnp.sum(jnp.sin(finite))
+
+
+def run(n, name, mask, lb, layout_kind, hkv, mesh):
+  b, t, h, d = 2, 64 * n, 4, 16
+  rng = np.random.default_rng(n)
+  q, k, v = (jnp.asarray(rng.standard_normal(s, np.float32), jnp.bfloat16)
+             for s in ((b, t, h, d), (b, t, hkv, d), (b, t, hkv, d)))
+  seg = pos = None
+  if layout_kind == "packed":  # documents of random lengths, crossing chunk and shard edges
+    seg, pos = random_packing(n, b, t, max_docs=2 * n, pad_tail=3, cp=n)
+  elif layout_kind == "aligned":  # four documents per chunk: cuDNN serves every piece
+    per = t // (8 * n)
+    seg = np.repeat(np.arange(1, 8 * n + 1), per)[None].repeat(b, 0).astype(np.int32)
+    pos = np.tile(np.arange(per), 8 * n)[None].repeat(b, 0).astype(np.int32)
+  cp = flaxattn.ContextParallel(load_balance=lb)
+  perm = (lambda x: flaxattn.load_balance(x, n)) if lb else (lambda x: x)
+  index = perm(np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)))
+  seg_p, pos_p = (None if x is None else perm(x) for x in (seg, pos))
+  q, k, v = perm(q), perm(k), perm(v)
+
+  def reference(q, k, v):
+    lay = resolve(q.shape, k.shape, seg_p, index if pos_p is None else pos_p)
+    return _loss(*reference_attention(q, k, v, lay, mask=mask, scale=0.25, return_lse=True))
+
+  def ring(q, k, v):
+    lay = resolve(q.shape, k.shape, seg_p, pos_p, context_parallel=cp)
+    return _loss(*context_parallel_attention(q, k, v, lay, mask=mask, scale=0.25, cp=cp,
+                                             kernel=cudnn.Cudnn(), return_lse=True))
+
+  want = jax.jit(jax.value_and_grad(reference, (0, 1, 2)))(q, k, v)
+  with jax.set_mesh(mesh):
+    got = jax.jit(jax.value_and_grad(ring, (0, 1, 2)))(q, k, v)
+  errors = [rel_error(g, w) for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want))]
+  print(json.dumps(dict(name=name, errors=errors)), flush=True)
+
+
+CAUSAL, FULL = flaxattn.Causal(), flaxattn.Full()
+# (mask, load balancing, layout, KV heads of 4 query heads): exact with the real fallbacks
+# on packings whose documents cross chunk and shard edges, then every step on cuDNN.
+CASES = [(CAUSAL, True, "packed", 2), (FULL, False, "packed", 1)]
+ONLY_CUDNN = [(CAUSAL, True, "default", 2), (CAUSAL, True, "aligned", 1),
+              (CAUSAL, False, "aligned", 2), (FULL, True, "aligned", 2)]
+
+
+def main(n: int):
+  mesh = jax.make_mesh((n,), ("context",), axis_types=(AxisType.Auto,))
+  # Eight unrolled steps compile slowly: at cp=8 one case of each kind.
+  runs = ((False, CASES), (True, ONLY_CUDNN)) if n < 8 else ((False, CASES[:1]), (True, ONLY_CUDNN[1:2]))
+  with cudnn_model.installed():
+    for only_cudnn, cases in runs:
+      _poison(only_cudnn)
+      for mask, lb, kind, hkv in cases:
+        name = (f"{'only-cudnn-' if only_cudnn else ''}{'causal' if mask == CAUSAL else 'full'}"
+                f"-{'lb' if lb else 'nolb'}-{kind}-hkv{hkv}")
+        run(n, name, mask, lb, kind, hkv, mesh)
+
+
+if __name__ == "__main__":
+  main(int(sys.argv[1]))
