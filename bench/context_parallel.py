@@ -18,7 +18,7 @@ random, so permuting them would change nothing measured: no permutation of data 
   2. compute balance, exact, with numpy: the ring is replayed (device r holds its shard's
      positions, at step s it sees the keys of device (r - s) mod cp) and the (query block,
      key block) pairs the local blockwise kernel computes (kind != SKIP, from
-     `flaxattn.blockwise.block_kinds` with the kernel's block size for length T/cp) are
+     `flaxattn.blockwise.block_schedule` with the kernel's block size for length T/cp) are
      counted per device, with and without load balancing, cp=8, T=16384; and FULL vs PARTIAL
      (masked) blocks per ring step;
   3. ring vs all_gather at T=32768, cp=8: step time, per-device temp memory, and useful
@@ -107,7 +107,7 @@ def ring_schedule(t: int, cp: int, load_balance: bool):
   counts = np.zeros((cp, cp, 3), np.int64)
   for r in range(cp):
     for s in range(cp):
-      kinds = blockwise.block_kinds(np, flaxattn.Causal(), seg, seg, shards[r], shards[(r - s) % cp],
+      kinds = blockwise.block_schedule(np, flaxattn.Causal(), seg, seg, shards[r], shards[(r - s) % cp],
                                     bq, bk)
       counts[r, s] = np.bincount(kinds.ravel(), minlength=3)
   return bq, bk, counts

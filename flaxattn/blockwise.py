@@ -56,7 +56,7 @@ def _block_ranges(xp, seg, pos, block: int):
   return lo(seg), hi(seg), lo(pos), hi(pos), real.all(-1)
 
 
-def block_kinds(xp, mask: Mask, q_seg, kv_seg, q_pos, kv_pos, bq: int, bk: int):
+def block_schedule(xp, mask: Mask, q_seg, kv_seg, q_pos, kv_pos, bq: int, bk: int):
   """The block schedule `[B, nq, nk]` int32 of SKIP/FULL/PARTIAL (numpy or jax by `xp`)."""
   qs_lo, qs_hi, qp_lo, qp_hi, q_dense = (x[:, :, None] for x in _block_ranges(xp, q_seg, q_pos, bq))
   ks_lo, ks_hi, kp_lo, kp_hi, k_dense = (x[:, None, :] for x in _block_ranges(xp, kv_seg, kv_pos, bk))
@@ -91,7 +91,7 @@ def _schedule(mask, layout: Layout, b, t_pad, s_pad, t, s, bq, bk):
   if layout.is_default:
     q_seg, q_pos = default_arrays(np, t, t_pad)
     kv_seg, kv_pos = default_arrays(np, s, s_pad)
-    kinds = block_kinds(np, mask, q_seg, kv_seg, q_pos, kv_pos, bq, bk)
+    kinds = block_schedule(np, mask, q_seg, kv_seg, q_pos, kv_pos, bq, bk)
     arrays = tuple(jnp.asarray(x) for x in (q_seg, kv_seg, q_pos, kv_pos))
     return arrays, jnp.asarray(kinds)
   full = layout.materialize(b, t, s)
@@ -99,7 +99,7 @@ def _schedule(mask, layout: Layout, b, t_pad, s_pad, t, s, bq, bk):
   kv_seg = _pad_axis1(full.kv_segment_ids, s_pad)
   q_pos = _pad_axis1(full.q_positions, t_pad)
   kv_pos = _pad_axis1(full.kv_positions, s_pad)
-  kinds = block_kinds(jnp, mask, q_seg, kv_seg, q_pos, kv_pos, bq, bk)
+  kinds = block_schedule(jnp, mask, q_seg, kv_seg, q_pos, kv_pos, bq, bk)
   return (q_seg, kv_seg, q_pos, kv_pos), kinds
 
 

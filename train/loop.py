@@ -128,6 +128,29 @@ def _archive(cfg: TrainConfig, names: tuple[str, ...], why: str) -> None:
   distributed.barrier("archive")
 
 
+def _parallelism(cfg: TrainConfig):
+  """The mesh, the logical sharding rules, the context parallelism (None without a context
+  axis) and the global batch builder (load-balanced when the context parallelism is)."""
+  mesh = mesh_lib.make(cfg)
+  m = cfg.model
+  rules = flaxattn.sharding.rules(mesh, kv_heads=m.n_kv_heads, heads=m.n_heads, mlp=m.ffn_dim,
+                                  vocab=m.vocab_size, embed=m.dim)
+  cp_size = mesh.shape["context"]
+  cp = None
+  if cp_size > 1:
+    cp = flaxattn.ContextParallel("context", cfg.context_parallel.strategy,
+                                  cfg.context_parallel.load_balance)
+  batches = data.GlobalBatches(mesh, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
+                               cp=cp_size if cp is not None and cp.load_balance else None)
+  return mesh, rules, cp, batches
+
+
+def _step_metrics(out: dict, lr: float, tokens_per_step: int, elapsed: float) -> dict:
+  return {"loss": float(out["loss"]), "grad_norm": float(out["grad_norm"]), "lr": lr,
+          "tokens": float(out["tokens"]), "tokens_per_s": tokens_per_step / elapsed,
+          "step_time": elapsed}
+
+
 def run(cfg: TrainConfig) -> tuple[int, bool]:
   """Trains `cfg` to `cfg.steps` (or until SIGTERM), resuming from `cfg.run_dir`.
 
@@ -144,17 +167,7 @@ def run(cfg: TrainConfig) -> tuple[int, bool]:
     raise ConfigError(f"model.vocab_size ({cfg.model.vocab_size}) expects at least the"
                       f" tokenizer's vocabulary ({tok.vocab_size}, data.tokenizer="
                       f"{cfg.data.tokenizer!r}).")
-  mesh = mesh_lib.make(cfg)
-  m = cfg.model
-  rules = flaxattn.sharding.rules(mesh, kv_heads=m.n_kv_heads, heads=m.n_heads, mlp=m.ffn_dim,
-                                  vocab=m.vocab_size, embed=m.dim)
-  cp_size = mesh.shape["context"]
-  cp = None
-  if cp_size > 1:
-    cp = flaxattn.ContextParallel("context", cfg.context_parallel.strategy,
-                                  cfg.context_parallel.load_balance)
-  batches = data.GlobalBatches(mesh, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
-                               cp=cp_size if cp is not None and cp.load_balance else None)
+  mesh, rules, cp, batches = _parallelism(cfg)
   stop = StopRequest()
   try:
     train_ds, eval_ds = _data(cfg, tok, batches, stop)
@@ -162,7 +175,7 @@ def run(cfg: TrainConfig) -> tuple[int, bool]:
     log.warning("SIGTERM before the first step: nothing to save; exiting.")
     return 0, True
   run_dir.create(cfg)
-  log.info("model: %.2fM parameters; mesh %s", num_params(m) / 1e6, dict(mesh.shape))
+  log.info("model: %.2fM parameters; mesh %s", num_params(cfg.model) / 1e6, dict(mesh.shape))
 
   with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
     init = lambda: _make_state(cfg, cp)
@@ -200,9 +213,7 @@ def run(cfg: TrainConfig) -> tuple[int, bool]:
           step += 1
           position = data_it.get_state()
           if step % cfg.log_every == 0 or step == cfg.steps:
-            writer.write(step, {"loss": float(out["loss"]), "grad_norm": float(out["grad_norm"]),
-                                "lr": float(lr(step - 1)), "tokens": float(out["tokens"]),
-                                "tokens_per_s": tokens_per_step / elapsed, "step_time": elapsed})
+            writer.write(step, _step_metrics(out, float(lr(step - 1)), tokens_per_step, elapsed))
           bar.update(1)
           bar.set_postfix(loss=f"{float(out['loss']):.3f}")
           if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
