@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import jax
 import jax.numpy as jnp
@@ -27,26 +26,10 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ke
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 
 import flaxattn
+from flaxattn.selftest import best_time
 from bench import seqlens as seqlens_bench
 
 B, H, D = 1, 4, 64
-
-
-def run_times(fn, args, repeats: int, warmup: int = 1) -> list[float]:
-  """Seconds of `repeats` calls of `fn(*args)` after `warmup` untimed ones, each ended by
-  block_until_ready."""
-  for _ in range(warmup):
-    jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return times
-
-
-def best_time(fn, args, repeats: int) -> float:
-  return min(run_times(fn, args, repeats))
 
 
 def fwd_bwd(attn):

@@ -138,7 +138,7 @@ def _run_case(kind: str, t: int, timeout: int) -> dict:
 
 
 def _median_time(fn, args, repeats: int) -> float:
-  from bench.attention import run_times  # imports jax: only where the GPU section runs
+  from flaxattn.selftest import run_times  # imports jax: only where the GPU section runs
   return statistics.median(run_times(fn, args, repeats, warmup=2))
 
 

@@ -67,7 +67,9 @@ def _inputs(b, t, h, hkv, d, dtype, seed):
                for shape in ((b, t, h, d), (b, t, hkv, d), (b, t, hkv, d)))
 
 
-def _rel(got, want) -> float:
+def relative_error(got, want) -> float:
+  """Largest |got - want| relative to the largest |want|; inf where they differ in which
+  entries are finite."""
   got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
   finite = np.isfinite(want)
   if not np.array_equal(np.isfinite(got), finite):
@@ -104,7 +106,7 @@ def _check(case: Case, t: int, mesh) -> float:
   else:
     with jax.set_mesh(mesh):
       got = _fwd_bwd(case.kernel, case.mask, seg, pos, ContextParallel(strategy=case.strategy))(q, k, v)
-  return max(_rel(g, w) for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+  return max(relative_error(g, w) for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
 
 
 def _cases(platform: str, quick: bool, t: int):
@@ -131,18 +133,24 @@ def _cp_cases(quick: bool):
 
 def _matmul_flops(dtype, n: int, repeats: int) -> float:
   a = jnp.ones((n, n), dtype)
-  f = jax.jit(lambda a: a @ a)
-  return 2 * n ** 3 / _best(f, (a,), repeats)
+  return 2 * n ** 3 / best_time(jax.jit(lambda a: a @ a), (a,), repeats)
 
 
-def _best(fn, args, repeats: int) -> float:
-  jax.block_until_ready(fn(*args))
+def run_times(fn, args, repeats: int, warmup: int = 1) -> list[float]:
+  """Seconds of `repeats` calls of `fn(*args)` after `warmup` untimed ones, each ended by
+  `block_until_ready`."""
+  for _ in range(warmup):
+    jax.block_until_ready(fn(*args))
   times = []
   for _ in range(repeats):
     start = time.perf_counter()
     jax.block_until_ready(fn(*args))
     times.append(time.perf_counter() - start)
-  return min(times)
+  return times
+
+
+def best_time(fn, args, repeats: int) -> float:
+  return min(run_times(fn, args, repeats))
 
 
 def _timings(lengths, dtype, repeats: int, print_fn):
@@ -160,7 +168,7 @@ def _timings(lengths, dtype, repeats: int, print_fn):
         pos = jnp.asarray(np.tile(np.arange(t // docs), docs)[None], jnp.int32)
       loss = lambda q, k, v: jnp.sum(attention(q, k, v, segment_ids=seg, positions=pos)
                                      .astype(jnp.float32) ** 2)
-      seconds = _best(jax.jit(jax.grad(loss, (0, 1, 2))), (q, k, v), repeats)
+      seconds = best_time(jax.jit(jax.grad(loss, (0, 1, 2))), (q, k, v), repeats)
       per_doc = t // docs
       flops = docs * per_doc * (per_doc + 1) / 2 * h * d * 2 * 6
       print_fn(f"{name:<28}{t:>7}{seconds:>10.4f}{flops / seconds / 1e12:>9.3f}"

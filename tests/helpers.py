@@ -14,6 +14,7 @@ import numpy as np
 import flaxattn
 from flaxattn.layout import Layout
 from flaxattn.reference import reference_attention
+from flaxattn.selftest import relative_error as rel_error  # noqa: F401 (shared)
 
 # float32 matches to rounding; bfloat16 inputs round q/k/v and p before the matmuls.
 TOL = {jnp.float32: dict(atol=2e-5, rtol=2e-5), jnp.bfloat16: dict(atol=3e-2, rtol=3e-2)}
@@ -146,17 +147,6 @@ def compare(kernel, layout, mask, q, k, v, dtype):
     scale = max(1.0, float(jnp.abs(want.astype(jnp.float32)).max()))
     np.testing.assert_allclose(np.asarray(got, np.float32) / scale, np.asarray(want, np.float32) / scale,
                                err_msg=f"d{name}", **tol)
-
-
-def rel_error(got, want) -> float:
-  """Largest |got - want| relative to the largest |want|; inf where they differ in which
-  entries are finite."""
-  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-  fin = np.isfinite(want)
-  if not np.array_equal(np.isfinite(got), fin):
-    return float("inf")
-  got, want = np.where(fin, got, 0), np.where(fin, want, 0)
-  return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
 
 
 # Context parallelism: the cases cp_check.py runs on N simulated devices, one process per N,
