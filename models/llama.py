@@ -32,8 +32,9 @@ from flaxattn.sharding import constrain, param_metadata
 X_NAMES = ("batch", "seq", "embed")
 HIDDEN_NAMES = ("batch", "seq", "mlp")
 LOGITS_NAMES = ("batch", "seq", "vocab")
-# Logical name of the stacked-layers axis under scan_layers; no default rule maps it, so it
-# stays replicated unless the caller's rules name a mesh axis for it.
+# Logical name of the stacked-layers axis under scan_layers. flaxattn's default rules do not
+# name it, and an unnamed logical axis reaches the mesh as is: the caller's rules must map
+# it (to None to replicate it, as the trainer does).
 LAYERS_AXIS = "layers"
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}

@@ -79,3 +79,16 @@ def test_context_parallel_lowers_compiled_splash_for_tpu(n):
   assert ring["tpu_custom_calls"] >= 2 and gather["tpu_custom_calls"] == 2, results
   assert ring["collective_permutes"] > 0 and ring["float_all_gathers"] == 0, ring
   assert ring["while_loops"] == 0 and gather["while_loops"] == 0, results
+
+
+def test_llama_train_step_of_the_tpu_config_lowers_for_tpu():
+  """configs/tpu_v5p_8b.yaml's model and mesh axes scaled down (tests/tpu_train_step.py):
+  the whole train step (scanned layers, remat, ring over context) lowers for TPU with
+  compiled splash kernels and the ring's collective-permutes."""
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+             JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+  out = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "tpu_train_step.py")],
+                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  held = json.loads(out.stdout.splitlines()[-1])
+  assert held["tpu_custom_calls"] >= 8 and held["collective_permutes"] > 0, held

@@ -21,7 +21,7 @@ import optax
 from flax import nnx
 
 import flaxattn
-from models.llama import Llama, loss_fn, num_params
+from models.llama import LAYERS_AXIS, Llama, loss_fn, num_params
 from train import (data, distributed, mesh as mesh_lib, metrics, optimizer, run_dir,
                    tokenizer as tokenizer_lib)
 from train.checkpoint import Checkpoints
@@ -133,8 +133,9 @@ def _parallelism(cfg: TrainConfig):
   axis) and the global batch builder (load-balanced when the context parallelism is)."""
   mesh = mesh_lib.make(cfg)
   m = cfg.model
-  rules = flaxattn.sharding.rules(mesh, kv_heads=m.n_kv_heads, heads=m.n_heads, mlp=m.ffn_dim,
-                                  vocab=m.vocab_size, embed=m.dim)
+  # Stacked layers (scan_layers) are replicated: every device holds its part of each layer.
+  rules = (*flaxattn.sharding.rules(mesh, kv_heads=m.n_kv_heads, heads=m.n_heads, mlp=m.ffn_dim,
+                                    vocab=m.vocab_size, embed=m.dim), (LAYERS_AXIS, None))
   cp_size = mesh.shape["context"]
   cp = None
   if cp_size > 1:
