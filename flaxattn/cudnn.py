@@ -556,8 +556,7 @@ class RingStep:
   def forward(self, step, data, q, k, v, layout: Layout):
     def by_cudnn():
       if step == 0:  # the device's own tokens: queries and keys are one array
-        own = Layout(layout.q_segment_ids, layout.q_segment_ids, layout.q_positions, layout.q_positions)
-        return self._call(q, k, v, own, self.mask)
+        return self._call(q, k, v, _own(layout), self.mask)
       if band(self.mask) == Band() or not self.load_balance:
         everything = lambda: self._call(q, k, v, layout, Full())
         if band(self.mask) == Band():
@@ -579,8 +578,7 @@ class RingStep:
   def backward(self, step, data, q, k, v, layout: Layout, out, lse, dout, dlse):
     def by_cudnn():
       if step == 0:
-        own = Layout(layout.q_segment_ids, layout.q_segment_ids, layout.q_positions, layout.q_positions)
-        return self._grads(q, k, v, own, out, lse, dout, dlse, self.mask)
+        return self._grads(q, k, v, _own(layout), out, lse, dout, dlse, self.mask)
       everything = lambda: self._grads(q, k, v, layout, out, lse, dout, dlse, Full())
       if band(self.mask) == Band():
         return everything()
@@ -606,6 +604,11 @@ class RingStep:
       return by_cudnn()
     return jax.lax.cond(data, by_cudnn, lambda: self.fallback.backward(
         step, None, q, k, v, layout, out, lse, dout, dlse))
+
+
+def _own(layout: Layout) -> Layout:
+  """Step 0's layout: the visiting keys are the device's own tokens, one array for both."""
+  return Layout(layout.q_segment_ids, layout.q_segment_ids, layout.q_positions, layout.q_positions)
 
 
 def _cut(layout: Layout, q=slice(None), kv=slice(None)) -> Layout:
