@@ -178,6 +178,53 @@ def _ring_bwd(axis, n, local, residuals, cotangents):
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def gathered_steps(axis, n, local, data, q, k, v, layout):
+  """The all-gather strategy for a kernel that computes ring steps: the gathered keys split
+  back into the n shards they came from, shard j served as the ring's step (r - j) mod n
+  (r the device index, so the step is traced) and merged by lse; the backward runs each
+  step's backward with the merged result, as the ring does. Returns (out, lse)."""
+  return _gathered_steps_fwd(axis, n, local, data, q, k, v, layout)[0]
+
+
+def _shard_pieces(axis, n, k, v, layout):
+  """(step, k, v, layout) per shard of the gathered keys, in shard order."""
+  r = jax.lax.axis_index(axis)
+  split = lambda x: jnp.split(x, n, axis=1)
+  for j, k_j, v_j, ids, pos in zip(range(n), split(k), split(v), split(layout.kv_segment_ids),
+                                   split(layout.kv_positions)):
+    yield (r - j) % n, k_j, v_j, Layout(layout.q_segment_ids, ids, layout.q_positions, pos)
+
+
+def _gathered_steps_fwd(axis, n, local, data, q, k, v, layout):
+  out = jnp.zeros(q.shape, jnp.float32)
+  lse = jnp.full(q.shape[:3], -jnp.inf, jnp.float32)
+  for step, k_j, v_j, lay in _shard_pieces(axis, n, k, v, layout):
+    partial = local.forward(step, data, q, k_j, v_j, lay)
+    if partial is not None:
+      out, lse = _merge(out, lse, *partial)
+  out = out.astype(q.dtype)
+  return (out, lse), (data, q, k, v, layout, out, lse)
+
+
+def _gathered_steps_bwd(axis, n, local, residuals, cotangents):
+  data, q, k, v, layout, out, lse = residuals
+  dout, dlse = cotangents
+  dq, dks, dvs = jnp.zeros(q.shape, jnp.float32), [], []
+  for step, k_j, v_j, lay in _shard_pieces(axis, n, k, v, layout):
+    grads = local.backward(step, data, q, k_j, v_j, lay, out, lse, dout, dlse)
+    if grads is None:
+      grads = (jnp.zeros_like(q), jnp.zeros_like(k_j), jnp.zeros_like(v_j))
+    dq = dq + grads[0].astype(jnp.float32)
+    dks.append(grads[1])
+    dvs.append(grads[2])
+  dk, dv = jnp.concatenate(dks, 1), jnp.concatenate(dvs, 1)
+  return None, dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+
+
+gathered_steps.defvjp(_gathered_steps_fwd, _gathered_steps_bwd)
+
+
 def _all_gather(axis, local, data, q, k, v, layout):
   gather = lambda x: jax.lax.all_gather(x, axis, axis=1, tiled=True)
   full = Layout(layout.q_segment_ids, gather(layout.kv_segment_ids), layout.q_positions,

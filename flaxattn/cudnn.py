@@ -18,9 +18,9 @@ import numpy as np
 from jax._src.cudnn import fused_attention_stablehlo as fsa
 from jax.sharding import PartitionSpec as P
 
-from flaxattn import blockwise, registry
+from flaxattn import blockwise, context_parallel, registry
 from flaxattn.layout import Layout, index_check
-from flaxattn.masks import Band, Full, Mask, NoBand, band
+from flaxattn.masks import Full, Mask, NoBand, band
 from flaxattn.segments import SeqlensOffsets, seqlens_and_offsets
 
 DTYPES = ("bfloat16", "float16")
@@ -505,29 +505,54 @@ def cudnn_attention(q, k, v, layout: Layout, *, mask: Mask, scale: float, return
 
 
 def _ring_reason(call: registry.Call) -> str | None:
-  """Why cuDNN cannot run the ring's steps of `call`, or None (docs/design.md, "cuDNN in
-  the ring"): with positions that follow the token index, every step is one causal call on
-  the device's own tokens or unmasked calls on halves of them."""
-  if call.cp_strategy != "ring":
-    return ("cuDNN masks by token index, which the gathered keys' order (load-balanced or"
-            " offset by the shard) does not follow; the blockwise kernel serves all_gather.")
+  """Why cuDNN cannot serve `call` under context parallelism, or None (docs/design.md,
+  "cuDNN in the ring"): with positions that follow the token index, each ring step (and
+  each shard of the gathered keys) is one causal call on the device's own tokens or
+  unmasked calls on halves of them."""
   causal, window = mask_band(call.mask)
   if window is not None:
-    return ("a sliding window straddles the ring's chunks, which cuDNN's index masks cannot"
-            " express per step; the blockwise kernel serves it.")
+    return ("a sliding window straddles the context shards' chunks, which cuDNN's index"
+            " masks cannot express per shard; the blockwise kernel serves it.")
   return None
+
+
+# The pieces of a ring step on cuDNN (docs/design.md, "cuDNN in the ring").
+OWN, ALL, FIRST_KEYS, LAST_QUERIES, NOTHING = range(5)
+PIECES = ("own tokens, the call's mask", "all keys, unmasked", "first key chunk, unmasked",
+          "second query chunk, unmasked", "nothing")
+
+
+def ring_plan(mask: Mask, shards: int, load_balance: bool) -> np.ndarray:
+  """`[step, device]` int: the piece (index into `PIECES`) device r computes at ring step s,
+  when the keys of shard (r - s) mod n visit. Step 0 is the device's own tokens with the
+  call's mask (their index order is their original order). Later steps, causal: without
+  load balancing an earlier shard is seen whole and a later one not at all; with it, an
+  earlier shard's first chunk is seen by all local queries and a later shard by the local
+  second chunk. Full: every later step sees all keys.
+
+  Raises:
+    NoBand: a mask cuDNN has no band for (Chunked).
+  """
+  causal, _ = mask_band(mask)
+  plan = np.full((shards, shards), OWN, np.int32)
+  for step in range(1, shards):
+    for r in range(shards):
+      earlier = (r - step) % shards < r
+      if not causal:
+        plan[step, r] = ALL
+      elif load_balance:
+        plan[step, r] = FIRST_KEYS if earlier else LAST_QUERIES
+      else:
+        plan[step, r] = ALL if earlier else NOTHING
+  return plan
 
 
 @dataclasses.dataclass(frozen=True)
 class RingStep:
-  """cuDNN calls as the ring's per-device step. Device r holds query shard r; at step s the
-  keys of shard (r - s) mod n visit. Step 0 is one call on the device's own tokens with the
-  call's mask (their index order is their original order). Later steps, causal: without
-  load balancing all queries see an earlier shard unmasked and nothing of a later one; with
-  it, an earlier shard's first chunk is seen by all local queries and a later shard by the
-  local second chunk, unmasked. Each call checks its documents at run time (cudnn's own
-  check); `data` is the global `index_check` (positions must follow the token index inside
-  each document), and a batch that fails it runs `fallback`, the blockwise step."""
+  """cuDNN calls as the ring's per-device step, one piece of `ring_plan` per step and
+  device. Each call checks its documents at run time (cudnn's own check); `data` is the
+  global `index_check` (positions must follow the token index inside each document), and a
+  batch that fails it runs `fallback`, the blockwise step."""
 
   mask: Mask
   scale: float
@@ -548,73 +573,74 @@ class RingStep:
     return backward(q, k, v, lay, out, lse, dout, dlse, mask=mask, scale=self.scale,
                     max_segments=self.max_segments)
 
-  def _earlier(self, step):
-    """Whether the visiting shard precedes this device's (dynamic: the device index)."""
-    r = jax.lax.axis_index(self.axis)
-    return (r - step) % self.shards < r
+  def _run_piece(self, step, piece_fn):
+    """`piece_fn(piece)` for this device's piece of `step`: a Python int (the ring's
+    unrolled steps) traces only the pieces that step uses; a traced step (the all-gather
+    strategy's, which depends on the device index) traces all the plan uses."""
+    plan = ring_plan(self.mask, self.shards, self.load_balance)
+    used = sorted(set(np.unique(plan[step] if isinstance(step, int) else plan)))
+    if len(used) == 1:
+      return piece_fn(used[0])
+    branch = np.zeros(len(PIECES), np.int32)
+    branch[used] = np.arange(len(used))
+    piece = jnp.asarray(plan)[step, jax.lax.axis_index(self.axis)]
+    return jax.lax.switch(jnp.asarray(branch)[piece], [functools.partial(piece_fn, p) for p in used])
 
   def forward(self, step, data, q, k, v, layout: Layout):
-    def by_cudnn():
-      if step == 0:  # the device's own tokens: queries and keys are one array
-        return self._call(q, k, v, _own(layout), self.mask)
-      if band(self.mask) == Band() or not self.load_balance:
-        everything = lambda: self._call(q, k, v, layout, Full())
-        if band(self.mask) == Band():
-          return everything()
-        return jax.lax.cond(self._earlier(step), everything, lambda: _no_keys(q))
-      c = q.shape[1] // 2
-      first = lambda: self._call(q, k[:, :c], v[:, :c], _cut(layout, kv=slice(None, c)), Full())
+    def piece_fn(piece):
+      if piece == NOTHING:
+        return _no_keys(q)
+      rows, cols, lay, mask = ring_piece(piece, layout, self.mask)
+      out, lse = self._call(q[:, rows], k[:, cols], v[:, cols], lay, mask)
+      return _place(out, rows, q.shape[1], 0), _place(lse, rows, q.shape[1], -jnp.inf)
 
-      def second():
-        out, lse = self._call(q[:, c:], k, v, _cut(layout, q=slice(c, None)), Full())
-        none_out, none_lse = _no_keys(q[:, :c])
-        return jnp.concatenate([none_out, out], 1), jnp.concatenate([none_lse, lse], 1)
-      return jax.lax.cond(self._earlier(step), first, second)
-
+    by_cudnn = lambda: self._run_piece(step, piece_fn)
     if data is None:
       return by_cudnn()
     return jax.lax.cond(data, by_cudnn, lambda: self.fallback.forward(step, None, q, k, v, layout))
 
   def backward(self, step, data, q, k, v, layout: Layout, out, lse, dout, dlse):
-    def by_cudnn():
-      if step == 0:
-        return self._grads(q, k, v, _own(layout), out, lse, dout, dlse, self.mask)
-      everything = lambda: self._grads(q, k, v, layout, out, lse, dout, dlse, Full())
-      if band(self.mask) == Band():
-        return everything()
-      zeros = lambda: (jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v))
-      if not self.load_balance:
-        return jax.lax.cond(self._earlier(step), everything, zeros)
-      c = q.shape[1] // 2
+    def piece_fn(piece):
+      if piece == NOTHING:
+        return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)
+      rows, cols, lay, mask = ring_piece(piece, layout, self.mask)
+      dq, dk, dv = self._grads(q[:, rows], k[:, cols], v[:, cols], lay, out[:, rows],
+                               lse[:, rows], dout[:, rows], None if dlse is None else dlse[:, rows],
+                               mask)
+      s = k.shape[1]
+      return _place(dq, rows, q.shape[1], 0), _place(dk, cols, s, 0), _place(dv, cols, s, 0)
 
-      def first():
-        dq, dk, dv = self._grads(q, k[:, :c], v[:, :c], _cut(layout, kv=slice(None, c)), out,
-                                 lse, dout, dlse, Full())
-        pad = lambda x: jnp.concatenate([x, jnp.zeros_like(x)], 1)
-        return dq, pad(dk), pad(dv)
-
-      def second():
-        half = slice(c, None)
-        dq, dk, dv = self._grads(q[:, half], k, v, _cut(layout, q=half), out[:, half],
-                                 lse[:, half], dout[:, half], dlse[:, half], Full())
-        return jnp.concatenate([jnp.zeros_like(dq), dq], 1), dk, dv
-      return jax.lax.cond(self._earlier(step), first, second)
-
+    by_cudnn = lambda: self._run_piece(step, piece_fn)
     if data is None:
       return by_cudnn()
     return jax.lax.cond(data, by_cudnn, lambda: self.fallback.backward(
         step, None, q, k, v, layout, out, lse, dout, dlse))
 
-
-def _own(layout: Layout) -> Layout:
-  """Step 0's layout: the visiting keys are the device's own tokens, one array for both."""
-  return Layout(layout.q_segment_ids, layout.q_segment_ids, layout.q_positions, layout.q_positions)
+  def gathered(self, data, q, k, v, layout: Layout):
+    return context_parallel.gathered_steps(self.axis, self.shards, self, data, q, k, v, layout)
 
 
-def _cut(layout: Layout, q=slice(None), kv=slice(None)) -> Layout:
-  """The layout of a piece of the queries (`q`) and keys (`kv`), along the sequence."""
-  return Layout(layout.q_segment_ids[:, q], layout.kv_segment_ids[:, kv],
-                layout.q_positions[:, q], layout.kv_positions[:, kv])
+def ring_piece(piece: int, layout: Layout, mask: Mask) -> tuple[slice, slice, Layout, Mask]:
+  """The cuDNN call of a ring piece (not `NOTHING`) on the visiting shard's `layout` (local
+  queries, visiting keys, `[B, T]` each): (query rows, key rows, the call's layout, mask)."""
+  half = layout.q_segment_ids.shape[1] // 2
+  rows, cols = {OWN: (slice(None), slice(None)), ALL: (slice(None), slice(None)),
+                FIRST_KEYS: (slice(None), slice(None, half)),
+                LAST_QUERIES: (slice(half, None), slice(None))}[piece]
+  if piece == OWN:  # the device's own tokens: queries and keys are one array
+    return rows, cols, Layout(layout.q_segment_ids, layout.q_segment_ids, layout.q_positions,
+                              layout.q_positions), mask
+  lay = Layout(layout.q_segment_ids[:, rows], layout.kv_segment_ids[:, cols],
+               layout.q_positions[:, rows], layout.kv_positions[:, cols])
+  return rows, cols, lay, Full()
+
+
+def _place(x, rows: slice, n: int, fill):
+  """`x`, the rows `rows` of a length-`n` sequence axis (axis 1), padded with `fill`."""
+  start, stop, _ = rows.indices(n)
+  pad = [(0, 0)] * x.ndim
+  pad[1] = (start, n - stop)
+  return jnp.pad(x, pad, constant_values=fill)
 
 
 def _no_keys(q):
@@ -638,10 +664,10 @@ class Cudnn(registry.Kernel):
     return reason
 
   def describe(self, call: registry.Call) -> str | None:
-    if call.cp_strategy == "ring":
-      return ("per ring step: causal on the device's own tokens, unmasked on earlier chunks;"
-              " positions checked per batch at run time" if call.has_positions else
-              "per ring step: causal on the device's own tokens, unmasked on earlier chunks")
+    if call.cp_strategy is not None:
+      per = "per ring step" if call.cp_strategy == "ring" else "per gathered shard"
+      what = f"{per}: causal on the device's own tokens, unmasked on earlier chunks"
+      return what + ("; positions checked per batch at run time" if call.has_positions else "")
     if call.has_segment_ids:
       return ("packed rows checked per batch at run time, a batch cuDNN cannot mask exactly"
               " runs the blockwise kernel")

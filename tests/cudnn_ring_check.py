@@ -1,4 +1,4 @@
-"""cuDNN as the ring's per-step kernel, on N simulated CPU devices with the CPU model of
+"""cuDNN as the ring's per-step kernel (and per gathered shard under all_gather), on N simulated CPU devices with the CPU model of
 cuDNN (`cudnn_model.py`); run by test_cudnn.py as `XLA_FLAGS=--xla_force_host_platform_
 device_count=N python tests/cudnn_ring_check.py N`. Prints one JSON line per case: the
 largest errors of the loss (of out and lse) and of dq, dk, dv against the reference,
@@ -41,7 +41,7 @@ def _loss(out, lse):
   return jnp.sum(out * jnp.cos(out)) + 0.5 * jnp.sum(jnp.sin(finite))
 
 
-def run(n, name, mask, lb, layout_kind, hkv, mesh):
+def run(n, name, mask, lb, layout_kind, hkv, strategy, mesh):
   b, t, h, d = 2, 64 * n, 4, 16
   rng = np.random.default_rng(n)
   q, k, v = (jnp.asarray(rng.standard_normal(s, np.float32), jnp.bfloat16)
@@ -53,7 +53,7 @@ def run(n, name, mask, lb, layout_kind, hkv, mesh):
     per = t // (8 * n)
     seg = np.repeat(np.arange(1, 8 * n + 1), per)[None].repeat(b, 0).astype(np.int32)
     pos = np.tile(np.arange(per), 8 * n)[None].repeat(b, 0).astype(np.int32)
-  cp = flaxattn.ContextParallel(load_balance=lb)
+  cp = flaxattn.ContextParallel(strategy=strategy, load_balance=lb)
   perm = (lambda x: flaxattn.load_balance(x, n)) if lb else (lambda x: x)
   index = perm(np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)))
   seg_p, pos_p = (None if x is None else perm(x) for x in (seg, pos))
@@ -76,24 +76,28 @@ def run(n, name, mask, lb, layout_kind, hkv, mesh):
 
 
 CAUSAL, FULL = flaxattn.Causal(), flaxattn.Full()
-# (mask, load balancing, layout, KV heads of 4 query heads): exact with the real fallbacks
-# on packings whose documents cross chunk and shard edges, then every step on cuDNN.
-CASES = [(CAUSAL, True, "packed", 2), (FULL, False, "packed", 1)]
-ONLY_CUDNN = [(CAUSAL, True, "default", 2), (CAUSAL, True, "aligned", 1),
-              (CAUSAL, False, "aligned", 2), (FULL, True, "aligned", 2)]
+# (mask, load balancing, layout, KV heads of 4 query heads, strategy): exact with the real
+# fallbacks on packings whose documents cross chunk and shard edges, then every step (every
+# gathered shard) on cuDNN.
+CASES = [(CAUSAL, True, "packed", 2, "ring"), (FULL, False, "packed", 1, "ring"),
+         (CAUSAL, False, "packed", 2, "all_gather")]
+ONLY_CUDNN = [(CAUSAL, True, "default", 2, "ring"), (CAUSAL, True, "aligned", 1, "ring"),
+              (CAUSAL, False, "aligned", 2, "ring"), (FULL, True, "aligned", 2, "ring"),
+              (CAUSAL, True, "aligned", 2, "all_gather"), (CAUSAL, False, "default", 1, "all_gather")]
 
 
 def main(n: int):
   mesh = jax.make_mesh((n,), ("context",), axis_types=(AxisType.Auto,))
-  # Eight unrolled steps compile slowly: at cp=8 one case of each kind.
-  runs = ((False, CASES), (True, ONLY_CUDNN)) if n < 8 else ((False, CASES[:1]), (True, ONLY_CUDNN[1:2]))
+  # Eight unrolled steps compile slowly: at cp=8 one case of each kind and strategy.
+  runs = (((False, CASES), (True, ONLY_CUDNN)) if n < 8 else
+          ((False, CASES[:1]), (True, [ONLY_CUDNN[1], ONLY_CUDNN[4]])))
   with cudnn_model.installed():
     for only_cudnn, cases in runs:
       _poison(only_cudnn)
-      for mask, lb, kind, hkv in cases:
-        name = (f"{'only-cudnn-' if only_cudnn else ''}{'causal' if mask == CAUSAL else 'full'}"
-                f"-{'lb' if lb else 'nolb'}-{kind}-hkv{hkv}")
-        run(n, name, mask, lb, kind, hkv, mesh)
+      for mask, lb, kind, hkv, strategy in cases:
+        name = (f"{'only-cudnn-' if only_cudnn else ''}{strategy}-"
+                f"{'causal' if mask == CAUSAL else 'full'}-{'lb' if lb else 'nolb'}-{kind}-hkv{hkv}")
+        run(n, name, mask, lb, kind, hkv, strategy, mesh)
 
 
 if __name__ == "__main__":

@@ -63,22 +63,49 @@ def test_declines_with_reason(call, words):
   assert words in cudnn.Cudnn().unsupported_reason(call)
 
 
-def test_serves_the_ring_for_causal_and_full_masks_only():
-  ring = lambda mask, strategy="ring": dataclasses.replace(_call(mask=mask), cp_size=4,
-                                                           cp_strategy=strategy)
-  for mask in (flaxattn.Causal(), flaxattn.Full()):
-    assert cudnn.Cudnn().unsupported_reason(ring(mask)) is None
-    assert registry.select("auto", ring(mask)).name == "cudnn"
-  assert "straddles the ring's chunks" in cudnn.Cudnn().unsupported_reason(ring(flaxattn.Local(64)))
-  assert "no chunked mask" in cudnn.Cudnn().unsupported_reason(ring(flaxattn.Chunked(64)))
-  gathered = cudnn.Cudnn().unsupported_reason(ring(flaxattn.Causal(), "all_gather"))
-  assert "the blockwise kernel serves all_gather" in gathered
-  assert registry.select("fused", ring(flaxattn.Causal(), "all_gather")).name == "blockwise"
+def test_serves_context_parallelism_for_causal_and_full_masks_only():
+  cp = lambda mask, strategy: dataclasses.replace(_call(mask=mask), cp_size=4, cp_strategy=strategy)
+  for strategy in ("ring", "all_gather"):
+    for mask in (flaxattn.Causal(), flaxattn.Full()):
+      assert cudnn.Cudnn().unsupported_reason(cp(mask, strategy)) is None
+      assert registry.select("auto", cp(mask, strategy)).name == "cudnn"
+    local = cudnn.Cudnn().unsupported_reason(cp(flaxattn.Local(64), strategy))
+    assert "straddles the context shards' chunks" in local
+    assert "no chunked mask" in cudnn.Cudnn().unsupported_reason(cp(flaxattn.Chunked(64), strategy))
+    assert registry.select("fused", cp(flaxattn.Local(64), strategy)).name == "blockwise"
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("load_balance", [True, False])
+@pytest.mark.parametrize("causal", [True, False])
+def test_ring_plan_covers_each_visible_chunk_pair_once(n, load_balance, causal):
+  """Over a device's ring steps, the pieces of `ring_plan` cover each (query chunk, key
+  chunk) pair the mask shows exactly once, and pieces other than the own-token call only
+  pairs the mask shows whole (so an unmasked call is exact)."""
+  chunks = (lambda r: (r, 2 * n - 1 - r)) if load_balance else (lambda r: (r,))
+  plan = cudnn.ring_plan(flaxattn.Causal() if causal else flaxattn.Full(), n, load_balance)
+  assert plan.shape == (n, n)
+  for r in range(n):
+    mine, seen = chunks(r), []
+    for step in range(n):
+      theirs = chunks((r - step) % n)
+      pairs = {cudnn.OWN: [(a, b) for a in mine for b in mine if b <= a or not causal],
+               cudnn.ALL: [(a, b) for a in mine for b in theirs],
+               cudnn.FIRST_KEYS: [(a, theirs[0]) for a in mine],
+               cudnn.LAST_QUERIES: [(mine[-1], b) for b in theirs],
+               cudnn.NOTHING: []}[plan[step, r]]
+      assert (plan[step, r] == cudnn.OWN) == (step == 0)
+      if step and causal:
+        assert all(b < a for a, b in pairs), (r, step, pairs)
+      seen += pairs
+    want = [(a, b) for a in mine for b in range(len(mine) * n) if b <= a or not causal]
+    assert sorted(seen) == sorted(want), (r, seen)
 
 
 @pytest.mark.parametrize("n", [2, 4, 8])
 def test_ring_steps_on_cudnn_match_reference(n):
-  """cuDNN (the CPU model) as the ring's kernel on n simulated devices: exact on packings
+  """cuDNN (the CPU model) as the ring's kernel, and per gathered shard under all_gather, on
+  n simulated devices: exact on packings
   crossing chunk and shard edges, and with the blockwise fallbacks poisoned, so every step
   of those cases ran cuDNN (causal own tokens, unmasked halves; GQA; with and without load
   balancing); loss (out and lse) and gradients against the reference."""
@@ -89,7 +116,8 @@ def test_ring_steps_on_cudnn_match_reference(n):
   assert out.returncode == 0, out.stderr[-3000:]
   results = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
   only_cudnn = sum(r["name"].startswith("only-cudnn") for r in results)
-  assert (len(results), only_cudnn) == ((6, 4) if n < 8 else (2, 1)), results
+  assert (len(results), only_cudnn) == ((9, 6) if n < 8 else (3, 2)), results
+  assert {r["name"].split("-")[-5] for r in results} == {"ring", "all_gather"}, results
   for r in results:
     assert max(r["errors"]) < 2e-2, r
 
