@@ -26,6 +26,18 @@ random, so permuting them would change nothing measured: no permutation of data 
      beside single-device `flaxattn.attention(..., backend="fused")` (no mesh) at the same T.
      The 8 simulated devices share this machine's CPU cores, so wall time compares the total
      work done, not parallel speedup.
+  4. the GPU ring's kernel per step, reported on this host: for causal, packed (6 x cp
+     documents of random lengths, crossing shard edges, positions restarting at 0), packed
+     with 48 x cp documents (more than a call's 32 THD slots), packed with positions that
+     step by 2 (not the token index), and Local cases at cp = 4 and 8, what `flaxattn.explain` says
+     the GPU runs, and for cuDNN the piece each device computes at each ring step
+     (`flaxattn.cudnn.ring_plan`; the all-gather strategy computes the same pieces, one per
+     gathered shard), with the run-time checks evaluated on the batch: the global check
+     (positions follow the token index inside documents; a failing batch runs every step
+     blockwise) and each call's own check (`cudnn.served_by_cudnn`).
+  5. GPU only (skipped, saying why, without at least 2 GPUs): ring over all GPUs with cuDNN
+     steps vs blockwise steps, and cuDNN on one GPU, causal T=32768, B=1, H=32, Hkv=8,
+     D=128, bfloat16, forward+backward TFLOP/s (per device for the ring).
 Times are the best of `--repeats` runs after one compile-and-warm-up run.
 """
 
@@ -37,6 +49,7 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8").strip()
 
 import argparse  # noqa: E402
+import functools  # noqa: E402
 import json  # noqa: E402
 import time  # noqa: E402
 
@@ -47,7 +60,8 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import flaxattn  # noqa: E402
-from flaxattn import blockwise  # noqa: E402
+from flaxattn import blockwise, cudnn  # noqa: E402
+from flaxattn.layout import Layout, index_check, resolve  # noqa: E402
 from flaxattn.blockwise import ring_block  # noqa: E402
 from bench.attention import B, D, H, best_time, causal_pairs, qkv, useful_gflops  # noqa: E402
 
@@ -158,6 +172,135 @@ def bench_strategies(t: int, cp: int, repeats: int) -> list[dict]:
   return rows
 
 
+# 4. the GPU ring's kernel per step, from this host ------------------------------------------
+
+PIECE_LETTERS = "OAFL-"  # cudnn.PIECES: Own tokens (call's mask), All keys, First key chunk,
+#                          Last query chunk (unmasked), nothing
+
+
+def _packing(t: int, docs: int, seed: int = 0):
+  """Segment ids and positions `[1, t]` of `docs` documents of random lengths (positions
+  restart at 0 in each)."""
+  rng = np.random.default_rng(seed)
+  cuts = np.sort(rng.choice(np.arange(1, t), docs - 1, replace=False))
+  lengths = np.diff(np.concatenate([[0], cuts, [t]]))
+  seg = np.repeat(np.arange(1, docs + 1, dtype=np.int32), lengths)[None]
+  pos = np.concatenate([np.arange(n, dtype=np.int32) for n in lengths])[None]
+  return seg, pos
+
+
+def gpu_ring_plan(cp: int, case: str, t: int, h: int = 8, hkv: int = 2, d: int = 128) -> dict:
+  """What the GPU ring runs per step for one case (see the module docstring, part 4)."""
+  mask = flaxattn.Local(t // (4 * cp)) if case == "Local" else flaxattn.Causal()
+  seg = pos = None
+  if case.startswith("packed"):
+    seg, pos = _packing(t, (48 if case == "packed, many documents" else 6) * cp)
+    if case == "packed, positions x2":
+      pos = pos * 2
+  strategy = flaxattn.ContextParallel(axis=AXIS)
+  q = jax.ShapeDtypeStruct((1, t, h, d), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((1, t, hkv, d), jnp.bfloat16)
+  with jax.set_mesh(make_mesh(cp)):
+    balanced = lambda x: None if x is None else np.asarray(flaxattn.load_balance(x, cp))
+    seg, pos = balanced(seg), balanced(pos)
+    text = flaxattn.explain(q, k, k, mask=mask, segment_ids=seg, positions=pos,
+                            context_parallel=strategy, print_fn=None)
+    layout = resolve(q.shape, k.shape, seg, pos, context_parallel=strategy)
+  gpu = next(line.strip()[len("gpu: "):] for line in text.splitlines()
+             if line.strip().startswith("gpu: "))
+  row = dict(cp=cp, t=t, case=case, mask=repr(mask), gpu=gpu)
+  if not gpu.startswith("cudnn"):
+    return row
+  index = layout.index(1, t)
+  check = index_check(mask, layout, index, index)
+  row["global_check"] = None if check is None else bool(check)
+  full = layout.materialize(1, t, t)
+  shard = lambda x, r: x[:, r * (t // cp):(r + 1) * (t // cp)]
+  plan = cudnn.ring_plan(mask, cp, True)
+
+  @functools.partial(jax.jit, static_argnums=0)
+  def served(piece, visiting):  # the piece's call runs cuDNN: its own run-time check
+    rows, cols, lay, piece_mask = cudnn.ring_piece(piece, visiting, mask)
+    q_piece = jax.ShapeDtypeStruct((1, lay.q_segment_ids.shape[1], h, d), jnp.bfloat16)
+    k_piece = jax.ShapeDtypeStruct((1, lay.kv_segment_ids.shape[1], hkv, d), jnp.bfloat16)
+    return cudnn.served_by_cudnn(q_piece, k_piece, lay, mask=piece_mask)
+
+  steps = []
+  for step in range(cp):
+    cells = ""
+    for r in range(cp):
+      piece, j = int(plan[step, r]), (r - step) % cp
+      letter = PIECE_LETTERS[piece]
+      if check is not None and not check:
+        letter = "b"
+      elif piece != cudnn.NOTHING and seg is not None:
+        visiting = Layout(shard(full.q_segment_ids, r), shard(full.kv_segment_ids, j),
+                          shard(full.q_positions, r), shard(full.kv_positions, j))
+        letter = letter if bool(served(piece, visiting)) else letter.lower()
+      cells += letter
+    steps.append(cells)
+  row["steps"] = steps
+  return row
+
+
+def print_gpu_ring_plans(rows: list[dict]):
+  print("\n4. what the GPU ring runs per step (reported on this host from flaxattn.explain and"
+        f" cudnn.ring_plan), load balanced,\n   B=1, H=8 on 2 KV heads, D=128, bfloat16, T={rows[0]['t']}; packed ="
+        " 6 x cp (many: 48 x cp) documents of random lengths, positions restarting at 0")
+  print(f"   pieces: {', '.join(f'{l} = {p}' for l, p in zip(PIECE_LETTERS, cudnn.PIECES))};"
+        "\n   lower case: that call's own run-time check fails on this batch and it runs blockwise;"
+        " b = blockwise (the batch failed the global check)")
+  for row in rows:
+    print(f"\ncp={row['cp']} {row['case']} ({row['mask']}): gpu runs {row['gpu']}")
+    if "steps" not in row:
+      continue
+    check = row["global_check"]
+    print("   global check: " + ("not needed (default positions)" if check is None else
+                                  "passes" if check else "FAILS: every step runs blockwise"))
+    print(f"   {'':6}" + " ".join(f"{'r=' + str(r):>4}" for r in range(row["cp"])))
+    for step, cells in enumerate(row["steps"]):
+      print(f"   {'s=' + str(step):6}" + " ".join(f"{c:>4}" for c in cells))
+
+
+# 5. GPU: the ring with cuDNN steps ---------------------------------------------------------
+
+def bench_gpu_ring(t: int, repeats: int) -> list[dict]:
+  """Ring over all GPUs with cuDNN vs blockwise steps, and cuDNN on one GPU (empty, after
+  saying why, without at least 2 GPUs)."""
+  gpus = jax.devices("gpu") if jax.default_backend() == "gpu" else []
+  if len(gpus) < 2:
+    print(f"\n5. GPU ring skipped: needs at least 2 NVIDIA GPUs, this host has {len(gpus)}"
+          f" (jax.default_backend() is {jax.default_backend()!r}).")
+    return []
+  h, hkv, d = 32, 8, 128
+  keys = jax.random.split(jax.random.key(0), 3)
+  host = tuple(jax.random.normal(key, (1, t, n, d), jnp.bfloat16)
+               for key, n in zip(keys, (h, hkv, hkv)))
+  flops = 3.5 * 4 * d * h * causal_pairs(t)  # forward 2 matmuls, backward 5 (2.5 x forward)
+
+  def run(backend: str, cp):
+    loss = lambda q, k, v: jnp.sum(flaxattn.attention(
+        q, k, v, backend=backend, context_parallel=cp).astype(jnp.float32))
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+  rows = []
+  mesh = jax.make_mesh((len(gpus),), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,), devices=gpus)
+  with jax.set_mesh(mesh):
+    args = tuple(jax.device_put(x, NamedSharding(mesh, P(None, AXIS))) for x in host)
+    for backend in ("cudnn", "blockwise"):
+      sec = best_time(run(backend, flaxattn.ContextParallel(axis=AXIS)), args, repeats)
+      rows.append(dict(impl=f"ring cp={len(gpus)}, {backend} steps", devices=len(gpus), seconds=sec))
+  sec = best_time(run("cudnn", None), tuple(jax.device_put(x, gpus[0]) for x in host), repeats)
+  rows.append(dict(impl="cudnn, 1 GPU", devices=1, seconds=sec))
+  print(f"\n5. GPU ({gpus[0].device_kind}) causal T={t}, B=1, H={h} on {hkv} KV heads, D={d},"
+        " bfloat16, forward+backward")
+  print(f"{'impl':<28} {'ms':>9} {'TFLOP/s':>9} {'per GPU':>9}")
+  for r in rows:
+    r.update(t=t, tflops=flops / r["seconds"] / 1e12, tflops_per_device=flops / r["seconds"] / 1e12 / r["devices"])
+    print(f"{r['impl']:<28} {r['seconds'] * 1e3:>9.2f} {r['tflops']:>9.1f} {r['tflops_per_device']:>9.1f}")
+  return rows
+
+
 # -------------------------------------------------------------------------------------------
 
 def main():
@@ -228,6 +371,13 @@ def main():
   print(f"note: the {cp_max} simulated devices share {cores} CPU cores, so these wall times compare"
         " the total work done,\nnot parallel speedup; best of"
         f" {args.repeats} after a warm-up run.")
+  # 4. and 5.
+  t_plan = 1024 if args.quick else 8192
+  plan_rows = [gpu_ring_plan(cp, case, t_plan) for cp in (4, 8)
+               for case in ("causal", "packed", "packed, many documents", "packed, positions x2",
+                            "Local")]
+  print_gpu_ring_plans(plan_rows)
+  gpu_rows = bench_gpu_ring(t_time, args.repeats)
   total = time.perf_counter() - start
   print(f"\nscript time {total:.0f} s")
 
@@ -235,7 +385,8 @@ def main():
     with open(args.json, "w") as f:
       json.dump(dict(devices=len(jax.devices()), cpu_cores=cores, quick=args.quick,
                      memory=mem_rows, temp_ratio_last_over_first=ratios, balance=bal,
-                     strategies=time_rows, script_seconds=total), f, indent=2)
+                     strategies=time_rows, gpu_ring_plans=plan_rows, gpu_ring=gpu_rows,
+                     script_seconds=total), f, indent=2)
 
 
 if __name__ == "__main__":
