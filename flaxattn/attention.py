@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from flaxattn import registry
-from flaxattn.context_parallel import ContextParallel, axis_size, context_parallel_attention
+from flaxattn.context_parallel import ContextParallel, axis_size, communication, context_parallel_attention
 from flaxattn.layout import Layout, resolve, shape_error
 from flaxattn.masks import Causal, Mask, check_mask
 
@@ -108,6 +108,9 @@ def explain(q, k, v, *, mask: Mask = Causal(), segment_ids=None, positions=None,
   mask, layout = _layout(q, k, mask, segment_ids, positions, kv_segment_ids, kv_positions,
                          context_parallel)
   text = registry.describe(backend, _call(q, k, mask, layout, return_lse, context_parallel))
+  if context_parallel is not None:
+    text += "\n" + communication(context_parallel, mask, q.shape[1], axis_size(context_parallel),
+                                  layout.q_positions is not None)
   if print_fn is not None:
     print_fn(text)
   return text

@@ -16,8 +16,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from flaxattn import sharding
-from flaxattn.layout import Layout
-from flaxattn.masks import Mask
+from flaxattn.layout import Layout, index_check
+from flaxattn.masks import Mask, NoBand, band
 
 STRATEGIES = ("ring", "all_gather")
 
@@ -178,6 +178,113 @@ def _ring_bwd(axis, n, local, residuals, cotangents):
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
+def _reach(mask: Mask) -> int | None:
+  """R: a query sees keys at most R - 1 tokens back (the smallest window or chunk size), or
+  None when the mask has no bound."""
+  try:
+    normal = band(mask)
+  except NoBand:
+    return None
+  return min((x for x in (normal.window, normal.chunk) if x), default=None)
+
+
+def ring_fetches(mask: Mask, t: int, n: int, load_balance: bool):
+  """The ring steps a mask with a bounded reach R (`Local`, `Chunked`) needs besides step 0,
+  as `((step, part), ...)`: at step s the keys of shard (r - s) mod n, whole (`part` None) or
+  only their first (0) or second (1) half. None: every step is needed.
+
+  Load balanced (chunks of c = T / 2n, device r holds chunks r and 2n-1-r), R - 1 <= c and
+  n >= 3: chunk r - 1 (first half of device r - 1, step 1) and chunk 2n-2-r (second half of
+  device r + 1, step n - 1). Contiguous (shards of L = T / n): ceil((R - 1) / L) steps back.
+  Exact when positions follow the token index inside documents (docs/design.md)."""
+  reach = _reach(mask)
+  if reach is None:
+    return None
+  if load_balance:
+    return ((1, 0), (n - 1, 1)) if n >= 3 and reach - 1 <= t // (2 * n) else None
+  steps = -(-(reach - 1) // (t // n))
+  return tuple((step, None) for step in range(1, steps + 1)) if steps < n - 1 else None
+
+
+def communication(cp: ContextParallel, mask: Mask, t: int, n: int, has_positions: bool) -> str:
+  """One line for `explain`: which shards' keys each device receives under `cp`."""
+  if cp.strategy != "ring":
+    return f"context parallel ({cp.strategy}): every device gathers all keys."
+  fetches = ring_fetches(mask, t, n, cp.load_balance)
+  if fetches is None:
+    return f"context parallel (ring): keys of every other shard visit, {n - 1} steps."
+  reach = _reach(mask) - 1
+  if cp.load_balance:
+    what = (f"at most one chunk (T/2cp = {t // (2 * n)} tokens), so each device receives only"
+            " the chunk before each of its own: half a shard from each neighbouring device")
+  else:
+    what = (f"{len(fetches)} shard(s) of T/cp = {t // n} tokens, so each device receives only"
+            f" the {len(fetches)} shard(s) before its own ({len(fetches)} of {n - 1} steps)")
+  check = ("; positions checked per batch at run time, a batch whose positions do not follow"
+           " the token index runs every step" if has_positions else "")
+  return f"context parallel (ring): {mask!r} reaches back {reach} tokens, within {what}{check}."
+
+
+def _move(x, axis: str, n: int, step: int, part, back: bool = False):
+  """`x` `[B, T/n, ...]` of device (r - step) mod n (`back`: sent to it instead). With `part`
+  (0 or 1) only that half along the sequence travels; the other half arrives as zeros."""
+  pairs = [(i, (i + step) % n) for i in range(n)]
+  pairs = [(j, i) for i, j in pairs] if back else pairs
+  if part is None:
+    return jax.lax.ppermute(x, axis, pairs)
+  got = jax.lax.ppermute(jnp.split(x, 2, axis=1)[part], axis, pairs)
+  zeros = jnp.zeros_like(got)
+  return jnp.concatenate([got, zeros] if part == 0 else [zeros, got], axis=1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _window_ring(axis, n, local, fetches, data, q, k, v, layout):
+  return _window_ring_fwd(axis, n, local, fetches, data, q, k, v, layout)[0]
+
+
+def _visits(axis, n, fetches, k, v, layout):
+  """(step, k, v, layout) of step 0 and each fetch of `ring_fetches` (ids travel whole)."""
+  yield 0, k, v, layout
+  for step, part in fetches:
+    ids = _move(jnp.stack([layout.kv_segment_ids, layout.kv_positions]), axis, n, step, None)
+    yield (step, _move(k, axis, n, step, part), _move(v, axis, n, step, part),
+           Layout(layout.q_segment_ids, ids[0], layout.q_positions, ids[1]))
+
+
+def _window_ring_fwd(axis, n, local, fetches, data, q, k, v, layout):
+  out = jnp.zeros(q.shape, jnp.float32)
+  lse = jnp.full(q.shape[:3], -jnp.inf, jnp.float32)
+  visits = list(_visits(axis, n, fetches, k, v, layout))
+  for step, k_s, v_s, lay in visits:
+    partial = local.forward(step, data, q, k_s, v_s, lay)
+    if partial is not None:
+      out, lse = _merge(out, lse, *partial)
+  out = out.astype(q.dtype)
+  return (out, lse), (data, q, [visit[1:] for visit in visits], out, lse)
+
+
+def _window_ring_bwd(axis, n, local, fetches, residuals, cotangents):
+  data, q, visits, out, lse = residuals
+  dout, dlse = cotangents
+  dq = jnp.zeros(q.shape, jnp.float32)
+  dk = dv = None
+  for (k_s, v_s, lay), (step, part) in zip(visits, ((0, None),) + fetches):
+    grads = local.backward(step, data, q, k_s, v_s, lay, out, lse, dout, dlse)
+    if grads is None:
+      continue
+    dq = dq + grads[0].astype(jnp.float32)
+    home = lambda g: (g if step == 0 else _move(g, axis, n, step, part, back=True)).astype(jnp.float32)
+    dk = home(grads[1]) if dk is None else dk + home(grads[1])
+    dv = home(grads[2]) if dv is None else dv + home(grads[2])
+  k, v = visits[0][0], visits[0][1]
+  dk = jnp.zeros(k.shape, jnp.float32) if dk is None else dk
+  dv = jnp.zeros(v.shape, jnp.float32) if dv is None else dv
+  return None, dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+
+
+_window_ring.defvjp(_window_ring_fwd, _window_ring_bwd)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def gathered_steps(axis, n, local, data, q, k, v, layout):
   """The all-gather strategy for a kernel that computes ring steps: the gathered keys split
@@ -256,6 +363,11 @@ def context_parallel_attention(q, k, v, layout: Layout, *, mask: Mask, scale: fl
   local, data, data_specs = kernel.context_parallel_local(
       strategy=cp.strategy, mask=mask, scale=scale, shards=n, axis=cp.axis,
       load_balance=cp.load_balance, q_shape=q.shape, kv_shape=k.shape, layout=layout)
+  fetches = ring_fetches(mask, t, n, cp.load_balance) if cp.strategy == "ring" else None
+  near = None  # explicit positions: whether they follow the token index (checked per batch)
+  if fetches is not None:
+    index = layout.index(b, t)
+    near = index_check(mask, layout, index, index)
   layout = layout.materialize(b, t, t)
 
   # Batch and head axes are manual too: left to automatic sharding, the compiler would
@@ -265,10 +377,17 @@ def context_parallel_attention(q, k, v, layout: Layout, *, mask: Mask, scale: fl
   heads = sharding.dividing_axes(mesh, [a for a in cp.head_axes if a != cp.axis], q.shape[2], k.shape[2]) or None
   seq = P(batch, cp.axis)
   qkv = P(batch, cp.axis, heads)
-  if cp.strategy == "ring":
-    body = functools.partial(_ring, cp.axis, n, local)
-  else:
+  if cp.strategy != "ring":
     body = functools.partial(_all_gather, cp.axis, local)
+  elif fetches is None:
+    body = functools.partial(_ring, cp.axis, n, local)
+  elif near is None:
+    body = functools.partial(_window_ring, cp.axis, n, local, fetches)
+  else:  # a batch whose positions do not follow the index needs every step
+    window = functools.partial(_window_ring, cp.axis, n, local, fetches)
+    ring = functools.partial(_ring, cp.axis, n, local)
+    body = lambda d, *args: jax.lax.cond(d[1], lambda: window(d[0], *args), lambda: ring(d[0], *args))
+    data, data_specs = (data, near), (data_specs, P())
   manual = frozenset({cp.axis, *(batch or ()), *(heads or ())})
   out, lse = jax.shard_map(body, in_specs=(data_specs, qkv, qkv, qkv, jax.tree.map(lambda _: seq, layout)),
                            out_specs=(qkv, qkv), axis_names=manual,

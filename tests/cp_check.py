@@ -4,7 +4,7 @@
 cases of `helpers.cp_cases(N)` and prints one `CASE {json}` line each: the largest error of the
 output, lse and dq/dk/dv against `backend="reference"` without context parallelism,
 relative to the largest reference magnitude, and the collectives of the compiled program.
-With N == 4 it also prints a `LAYER` line, with N == 8 a `SPLASH` line. One process per N: JAX reads the device count
+With N == 4 it also prints a `LAYER` line, with N == 8 a `SPLASH` line and `WINDOW` lines. One process per N: JAX reads the device count
 once, and every case shares the process so only compiling costs time.
 
 `python tests/cp_check.py dist PORT I` (two processes, 2 devices each) prints `DIST`.
@@ -31,6 +31,42 @@ def _hlo_collectives(text: str) -> dict:
       result = line.split("=", 1)[1].split("all-gather")[0]  # e.g. " f32[2,64,2,8]{3,2,1,0} "
       gathers += re.findall(r"\b([a-z]+[0-9]+)\[", result)
   return dict(all_gather_dtypes=sorted(set(gathers)), collective_permutes=text.count("collective-permute"))
+
+
+def permute_bytes(text: str) -> dict:
+  """Bytes the collective-permutes of a compiled (per-device) program move, per result dtype,
+  and their number."""
+  sizes = {"f32": 4, "bf16": 2, "s32": 4, "pred": 1}
+  moved, count = {}, 0
+  for line in text.splitlines():
+    if " collective-permute(" not in line and " collective-permute-start(" not in line:
+      continue
+    count += 1
+    result = line.split("=", 1)[1].split("collective-permute")[0]
+    dtype, dims = re.findall(r"\b([a-z]+[0-9]*)\[([0-9,]*)\]", result)[-1]
+    moved[dtype] = moved.get(dtype, 0) + sizes[dtype] * int(np.prod([int(x) for x in dims.split(",") if x]))
+  return dict(permutes=count, bytes=moved)
+
+
+def window_traffic(n: int) -> list[dict]:
+  """What the ring moves per device, fwd+bwd, for windowed and chunked masks next to a causal
+  mask, from the compiled programs (B=1, T=128n, 2 KV heads, D=8, float32, default positions)."""
+  from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+  b, t, h, hkv, d = 1, 128 * n, 4, 2, 8
+  q, k, v = qkv(3, b, t, t, h, hkv, d)
+  mesh = jax.make_mesh((n,), ("context",), axis_types=(AxisType.Auto,))
+  rows = []
+  for lb in (True, False):
+    for name, mask in (("causal", flaxattn.Causal()), ("local16", flaxattn.Local(16)),
+                       ("chunked16", flaxattn.Chunked(16)), ("local300", flaxattn.Local(300))):
+      cpar = flaxattn.ContextParallel(load_balance=lb)
+      fn = grads_of(lambda q, k, v: flaxattn.attention(q, k, v, mask=mask, context_parallel=cpar,
+                                                        backend="blockwise", return_lse=True))
+      with jax.set_mesh(mesh):
+        shard = lambda x: jax.device_put(x, NamedSharding(mesh, P(None, "context")))
+        text = fn.lower(shard(q), shard(k), shard(v)).compile().as_text()
+      rows.append(dict(mask=name, lb=lb, t=t, hkv=hkv, d=d, **permute_bytes(text)))
+  return rows
 
 
 NAMES = ("dq", "dk", "dv", "out", "lse")  # the leaves of what `grads_of` returns, in order
@@ -180,6 +216,8 @@ def main(n: int):
     print("LAYER " + json.dumps(layer()), flush=True)
   if n == 8:
     print("SPLASH " + json.dumps(splash_sharded()), flush=True)
+    for row in window_traffic(n):
+      print("WINDOW " + json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":

@@ -187,7 +187,8 @@ def cp_cases(n: int) -> list[dict]:
           case(c4, mask="chunked", hkv=1, packed=False, t=512, backend="splash"),
           case(c4, lb=False, mask="local", hkv=2, t=512, backend="splash"),
           case(c4, mask="causal", hkv=2, packed="legal"),
-          case(c4, "all_gather", mask="local", hkv=1, packed="legal")],
+          case(c4, "all_gather", mask="local", hkv=1, packed="legal"),
+          case(c4, mask="local", hkv=2, packed="legal")],  # window ring, or every step
       8: [case(c8, mask="causal", hkv=2, t=128), case(dc4, mask="chunked", hkv=1, packed=False, pipeline=True),
           case(dc4, "all_gather", lb=False, mask="local", hkv=2),
           case(dict(data=2, tensor=2, context=2), mask="causal", hkv=2),
