@@ -5,8 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from flaxattn import registry
-from flaxattn.context_parallel import ContextParallel, axis_size, communication, context_parallel_attention
+from flaxattn import planner, registry
+from flaxattn.context_parallel import ContextParallel, axis_size, context_parallel_attention
 from flaxattn.layout import Layout, resolve, shape_error
 from flaxattn.masks import Causal, Mask, check_mask
 
@@ -109,8 +109,9 @@ def explain(q, k, v, *, mask: Mask = Causal(), segment_ids=None, positions=None,
                          context_parallel)
   text = registry.describe(backend, _call(q, k, mask, layout, return_lse, context_parallel))
   if context_parallel is not None:
-    text += "\n" + communication(context_parallel, mask, q.shape[1], axis_size(context_parallel),
-                                  layout.q_positions is not None)
+    text += "\n" + planner.communication(
+        context_parallel.strategy, context_parallel.load_balance, mask, q.shape[1],
+        axis_size(context_parallel), layout.q_positions is not None)
   if print_fn is not None:
     print_fn(text)
   return text

@@ -17,7 +17,8 @@ from jax.sharding import PartitionSpec as P
 
 from flaxattn import sharding
 from flaxattn.layout import Layout, index_check
-from flaxattn.masks import Mask, NoBand, band
+from flaxattn.masks import Mask
+from flaxattn.planner import ring_fetches
 
 STRATEGIES = ("ring", "all_gather")
 
@@ -176,53 +177,6 @@ def _ring_bwd(axis, n, local, residuals, cotangents):
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
-
-
-def _reach(mask: Mask) -> int | None:
-  """R: a query sees keys at most R - 1 tokens back (the smallest window or chunk size), or
-  None when the mask has no bound."""
-  try:
-    normal = band(mask)
-  except NoBand:
-    return None
-  return min((x for x in (normal.window, normal.chunk) if x), default=None)
-
-
-def ring_fetches(mask: Mask, t: int, n: int, load_balance: bool):
-  """The ring steps a mask with a bounded reach R (`Local`, `Chunked`) needs besides step 0,
-  as `((step, part), ...)`: at step s the keys of shard (r - s) mod n, whole (`part` None) or
-  only their first (0) or second (1) half. None: every step is needed.
-
-  Load balanced (chunks of c = T / 2n, device r holds chunks r and 2n-1-r), R - 1 <= c and
-  n >= 3: chunk r - 1 (first half of device r - 1, step 1) and chunk 2n-2-r (second half of
-  device r + 1, step n - 1). Contiguous (shards of L = T / n): ceil((R - 1) / L) steps back.
-  Exact when positions follow the token index inside documents (docs/design.md)."""
-  reach = _reach(mask)
-  if reach is None:
-    return None
-  if load_balance:
-    return ((1, 0), (n - 1, 1)) if n >= 3 and reach - 1 <= t // (2 * n) else None
-  steps = -(-(reach - 1) // (t // n))
-  return tuple((step, None) for step in range(1, steps + 1)) if steps < n - 1 else None
-
-
-def communication(cp: ContextParallel, mask: Mask, t: int, n: int, has_positions: bool) -> str:
-  """One line for `explain`: which shards' keys each device receives under `cp`."""
-  if cp.strategy != "ring":
-    return f"context parallel ({cp.strategy}): every device gathers all keys."
-  fetches = ring_fetches(mask, t, n, cp.load_balance)
-  if fetches is None:
-    return f"context parallel (ring): keys of every other shard visit, {n - 1} steps."
-  reach = _reach(mask) - 1
-  if cp.load_balance:
-    what = (f"at most one chunk (T/2cp = {t // (2 * n)} tokens), so each device receives only"
-            " the chunk before each of its own: half a shard from each neighbouring device")
-  else:
-    what = (f"{len(fetches)} shard(s) of T/cp = {t // n} tokens, so each device receives only"
-            f" the {len(fetches)} shard(s) before its own ({len(fetches)} of {n - 1} steps)")
-  check = ("; positions checked per batch at run time, a batch whose positions do not follow"
-           " the token index runs every step" if has_positions else "")
-  return f"context parallel (ring): {mask!r} reaches back {reach} tokens, within {what}{check}."
 
 
 def _move(x, axis: str, n: int, step: int, part, back: bool = False):

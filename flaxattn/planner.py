@@ -1,0 +1,272 @@
+"""Choosing a context-parallel strategy: the cost model behind `strategy="auto"`.
+
+Each strategy gets an estimate per device, forward+backward: compute seconds, bytes moved
+and the seconds they take, peak K/V memory, and a total that overlaps what the strategy
+overlaps (the ring overlaps each step's transfer with the step's compute; all-gather and
+all-to-all move first, then compute). The platform numbers are nominal, not measured:
+override them with `dataclasses.replace(PLATFORMS["tpu"], link=...)` and pass `platform=`.
+Derivations: docs/design.md, "Choosing a strategy".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from flaxattn.masks import Mask, NoBand, band
+
+
+def _reach(mask: Mask) -> int | None:
+  """R: a query sees keys at most R - 1 tokens back (the smallest window or chunk size), or
+  None when the mask has no bound."""
+  try:
+    normal = band(mask)
+  except NoBand:
+    return None
+  return min((x for x in (normal.window, normal.chunk) if x), default=None)
+
+
+def ring_fetches(mask: Mask, t: int, n: int, load_balance: bool):
+  """The ring steps a mask with a bounded reach R (`Local`, `Chunked`) needs besides step 0,
+  as `((step, part), ...)`: at step s the keys of shard (r - s) mod n, whole (`part` None) or
+  only their first (0) or second (1) half. None: every step is needed.
+
+  Load balanced (chunks of c = T / 2n, device r holds chunks r and 2n-1-r), R - 1 <= c and
+  n >= 3: chunk r - 1 (first half of device r - 1, step 1) and chunk 2n-2-r (second half of
+  device r + 1, step n - 1). Contiguous (shards of L = T / n): ceil((R - 1) / L) steps back.
+  Exact when positions follow the token index inside documents (docs/design.md)."""
+  reach = _reach(mask)
+  if reach is None:
+    return None
+  if load_balance:
+    return ((1, 0), (n - 1, 1)) if n >= 3 and reach - 1 <= t // (2 * n) else None
+  steps = -(-(reach - 1) // (t // n))
+  return tuple((step, None) for step in range(1, steps + 1)) if steps < n - 1 else None
+
+
+def communication(strategy: str, load_balance: bool, mask: Mask, t: int, n: int,
+                  has_positions: bool) -> str:
+  """One line for `explain`: which shards' keys each device receives."""
+  if strategy != "ring":
+    return f"context parallel ({strategy}): every device gathers all keys."
+  fetches = ring_fetches(mask, t, n, load_balance)
+  if fetches is None:
+    return f"context parallel (ring): keys of every other shard visit, {n - 1} steps."
+  reach = _reach(mask) - 1
+  if load_balance:
+    what = (f"at most one chunk (T/2cp = {t // (2 * n)} tokens), so each device receives only"
+            " the chunk before each of its own: half a shard from each neighbouring device")
+  else:
+    what = (f"{len(fetches)} shard(s) of T/cp = {t // n} tokens, so each device receives only"
+            f" the {len(fetches)} shard(s) before its own ({len(fetches)} of {n - 1} steps)")
+  check = ("; positions checked per batch at run time, a batch whose positions do not follow"
+           " the token index runs every step" if has_positions else "")
+  return f"context parallel (ring): {mask!r} reaches back {reach} tokens, within {what}{check}."
+
+
+@dataclasses.dataclass(frozen=True)
+class Platform:
+  """Per-device numbers the cost model uses (nominal; replace them with measured ones).
+
+  flops: attention FLOP/s a device sustains on long sequences; half_rate_tokens: the query
+  length per kernel call at which it sustains half of that (short calls keep fewer cores
+  busy and pay fixed costs); link: bytes/s a device sends to its ring neighbour;
+  all_to_all: bytes/s per device of an all-to-all over the context axis; step_overhead:
+  fixed seconds per ring step (kernel launch and synchronisation).
+  """
+
+  flops: float
+  half_rate_tokens: int
+  link: float
+  all_to_all: float
+  step_overhead: float
+
+  def compute_seconds(self, flops: float, tokens: int) -> float:
+    """Seconds of `flops` in kernel calls of `tokens` queries each."""
+    return flops / self.flops * (tokens + self.half_rate_tokens) / tokens
+
+
+PLATFORMS = {
+    # TPU v5p: 459 TFLOP/s bf16 peak, about half of it in attention; ICI links of about
+    # 90 GB/s per direction, all-to-all on the torus about half of that per device.
+    "tpu": Platform(flops=2.3e14, half_rate_tokens=1024, link=9e10, all_to_all=4.5e10,
+                    step_overhead=3e-5),
+    # H100 SXM: 989 TFLOP/s bf16 dense peak, cuDNN attention about half; NVLink 4 450 GB/s
+    # per direction inside a node.
+    "gpu": Platform(flops=5e14, half_rate_tokens=1024, link=4.5e11, all_to_all=3.5e11,
+                    step_overhead=2e-5),
+    # Simulated devices sharing a host's cores: memory copies, slow compute.
+    "cpu": Platform(flops=5e10, half_rate_tokens=128, link=5e9, all_to_all=5e9,
+                    step_overhead=1e-4),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Cost:
+  """The estimate of one strategy, per device, forward+backward (None fields: not possible)."""
+
+  strategy: str
+  seconds: float | None
+  compute_s: float = 0.0
+  comm_s: float = 0.0
+  bytes_moved: int = 0
+  kv_memory: int = 0  # bytes of keys and values held at once
+  why_not: str | None = None
+
+  def line(self) -> str:
+    if self.seconds is None:
+      return f"{self.strategy:>10}: not possible: {self.why_not}"
+    return (f"{self.strategy:>10}: {self.seconds * 1e3:9.3f} ms (compute {self.compute_s * 1e3:.3f}"
+            f" ms, {self.bytes_moved / 2**20:.1f} MiB moved in {self.comm_s * 1e3:.3f} ms,"
+            f" K/V held {self.kv_memory / 2**20:.1f} MiB)")
+
+
+def visible_pairs(mask: Mask, t: int) -> int:
+  """(query, key) pairs `mask` shows in one document of `t` tokens (the smallest window or
+  chunk taken alone when both are present; unknown masks count as causal)."""
+  try:
+    normal = band(mask)
+  except NoBand:
+    return t * (t + 1) // 2
+  if normal.window and (not normal.chunk or normal.window <= normal.chunk):
+    w = min(normal.window, t)
+    return w * t - w * (w - 1) // 2
+  if normal.chunk:
+    c = min(normal.chunk, t)
+    full, rest = divmod(t, c)
+    return full * c * (c + 1) // 2 + rest * (rest + 1) // 2
+  return t * (t + 1) // 2 if normal.causal else t * t
+
+
+@dataclasses.dataclass(frozen=True)
+class Shapes:
+  """What the model needs of a call: q `[B, T, H, D]`, k/v `[B, T, Hkv, D]`, bytes per
+  element, the mask and whether the tokens are load balanced."""
+
+  b: int
+  t: int
+  h: int
+  hkv: int
+  d: int
+  itemsize: int
+  mask: Mask
+  load_balance: bool
+
+  def flops(self) -> float:
+    """Forward (2 matmuls) + backward (5): 7 x 2 B H D flops per visible pair."""
+    return 14.0 * self.b * self.h * self.d * visible_pairs(self.mask, self.t)
+
+  def kv_bytes(self, tokens: int, kv_heads: int | None = None) -> int:
+    """Bytes of K and V for `tokens` tokens (and `kv_heads` heads)."""
+    return 2 * self.b * tokens * (self.hkv if kv_heads is None else kv_heads) * self.d * self.itemsize
+
+  def imbalance(self) -> float:
+    """Slowest device's compute over the mean: causal without load balancing, about 2."""
+    try:
+      causal = band(self.mask).causal
+    except NoBand:
+      causal = True
+    return 2.0 if causal and not self.load_balance else 1.0
+
+
+def ring(s: Shapes, n: int, p: Platform, fetches=None) -> Cost:
+  """The ring over n devices (`fetches`: `context_parallel.ring_fetches`, None = every step)."""
+  shard = s.kv_bytes(s.t // n)
+  if fetches is None:
+    steps = n - 1
+    per_step = shard
+    moved = (3 * n - 2) * shard  # K/V fwd, again bwd, dK/dV back home
+  else:
+    steps = len(fetches)
+    per_step = shard if any(part is None for _, part in fetches) else shard // 2
+    moved = 2 * steps * per_step  # K/V there, their gradients back
+  compute = p.compute_seconds(s.flops() / n * s.imbalance(), s.t // n)
+  step_compute = compute / (steps + 1)
+  comm = moved / p.link
+  seconds = step_compute + steps * max(step_compute, comm / max(steps, 1)) + (steps + 1) * p.step_overhead
+  return Cost("ring", seconds, compute, comm, moved, 2 * shard)
+
+
+def all_gather(s: Shapes, n: int, p: Platform) -> Cost:
+  """K/V gathered (forward), their gradients reduce-scattered (backward)."""
+  shard = s.kv_bytes(s.t // n)
+  moved = 2 * (n - 1) * shard
+  compute = p.compute_seconds(s.flops() / n * s.imbalance(), s.t // n)
+  comm = moved / p.link
+  return Cost("all_gather", compute + comm + p.step_overhead, compute, comm, moved, n * shard)
+
+
+def ulysses_kv_heads(h: int, hkv: int, n: int) -> int | None:
+  """KV heads after the least replication that lets n devices split the heads (each device's
+  query heads then share its KV heads), or None when the heads cannot be split."""
+  kv = math.lcm(hkv, n)
+  return kv if h % n == 0 and h % kv == 0 else None
+
+
+def ulysses(s: Shapes, n: int, p: Platform) -> Cost:
+  """All-to-all to heads sharded (q, k, v in, out back; the same again backward)."""
+  kv = ulysses_kv_heads(s.h, s.hkv, n)
+  if kv is None:
+    return Cost("ulysses", None, why_not=f"{s.h} query heads on {s.hkv} KV heads do not split"
+                f" over {n} devices")
+  local = s.t // n
+  q_bytes = s.b * local * s.h * s.d * s.itemsize
+  moved = int(2 * (2 * q_bytes + s.kv_bytes(local, kv)) * (n - 1) / n)
+  compute = p.compute_seconds(s.flops() / n, s.t)
+  comm = moved / p.all_to_all
+  return Cost("ulysses", compute + comm, compute, comm, moved, s.kv_bytes(s.t, kv // n))
+
+
+def hybrid(s: Shapes, n_ulysses: int, n_ring: int, p: Platform) -> Cost:
+  """All-to-all over n_ulysses devices, then the ring over n_ring on T / n_ring tokens."""
+  kv = ulysses_kv_heads(s.h, s.hkv, n_ulysses)
+  if kv is None:
+    return Cost("ulysses_ring", None, why_not=f"{s.h} query heads on {s.hkv} KV heads do not"
+                f" split over {n_ulysses} devices")
+  n = n_ulysses * n_ring
+  local = s.t // n
+  q_bytes = s.b * local * s.h * s.d * s.itemsize
+  a2a = int(2 * (2 * q_bytes + s.kv_bytes(local, kv)) * (n_ulysses - 1) / n_ulysses)
+  inner = dataclasses.replace(s, h=s.h // n_ulysses, hkv=kv // n_ulysses)
+  r = ring(inner, n_ring, p)
+  comm = a2a / p.all_to_all + r.comm_s
+  return Cost("ulysses_ring", r.seconds + a2a / p.all_to_all, r.compute_s, comm,
+              a2a + r.bytes_moved, r.kv_memory)
+
+
+def plan(q_shape, kv_shape, itemsize: int, mask: Mask, load_balance: bool, n: int,
+         platform: str | Platform, n_ring: int | None = None) -> tuple[Cost, list[Cost]]:
+  """The fastest strategy for q `[B, T, H, D]` and k/v `[B, T, Hkv, D]` sharded over n
+  devices (ties: less K/V memory), and every strategy's estimate.
+
+  `n_ring`: a 2-D context mesh (Ulysses over n devices, a ring over n_ring), on which the
+  hybrid is the one strategy that uses both axes. `platform`: a `PLATFORMS` key or numbers.
+
+  Raises:
+    ValueError: no strategy can split the call (the reasons of each).
+  """
+  p = PLATFORMS[platform] if isinstance(platform, str) else platform
+  b, t, h, d = q_shape
+  s = Shapes(b, t, h, kv_shape[2], d, itemsize, mask, load_balance)
+  if n_ring:
+    costs = [hybrid(s, n, n_ring, p)]
+  else:
+    costs = [ring(s, n, p, ring_fetches(mask, t, n, load_balance)), all_gather(s, n, p),
+             ulysses(s, n, p)]
+  possible = [c for c in costs if c.seconds is not None]
+  if not possible:
+    raise ValueError("no context-parallel strategy serves this call: "
+                     + "; ".join(f"{c.strategy}: {c.why_not}" for c in costs))
+  return min(possible, key=lambda c: (c.seconds, c.kv_memory)), costs
+
+
+def describe_plan(best: Cost, costs: list[Cost], platform: str) -> str:
+  """The lines `explain` prints for `strategy="auto"`."""
+  lines = [f"strategy='auto' on {platform} (nominal numbers, flaxattn.planner.PLATFORMS): {best.strategy}"]
+  lines += ["  " + c.line() for c in costs]
+  others = [c for c in costs if c.seconds is not None and c is not best]
+  if others:
+    runner = min(others, key=lambda c: c.seconds)
+    lines.append(f"  {best.strategy} wins: estimated {runner.seconds / best.seconds:.2f}x faster"
+                 f" than {runner.strategy}, the next best")
+  return "\n".join(lines)

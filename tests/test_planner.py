@@ -1,0 +1,67 @@
+"""The cost model behind strategy="auto" and the window-aware ring's fetches."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+import flaxattn
+from flaxattn import planner
+
+
+@pytest.mark.parametrize("mask", [flaxattn.Full(), flaxattn.Causal(), flaxattn.Local(5),
+                                  flaxattn.Chunked(6), flaxattn.Local(30), flaxattn.Chunked(3) & flaxattn.Local(7)])
+@pytest.mark.parametrize("t", [1, 17, 40])
+def test_visible_pairs_counts_what_the_mask_allows(mask, t):
+  pos = np.arange(t)
+  allowed = np.asarray(mask.allows(pos[:, None], pos[None, :]))
+  assert planner.visible_pairs(mask, t) == allowed.sum()
+
+
+@pytest.mark.parametrize("h,hkv,n,want", [(8, 8, 4, 8), (8, 2, 4, 4), (8, 1, 8, 8), (12, 4, 6, 12),
+                                          (8, 2, 3, None), (6, 4, 2, None), (8, 8, 16, None)])
+def test_ulysses_kv_heads(h, hkv, n, want):
+  assert planner.ulysses_kv_heads(h, hkv, n) == want
+
+
+def test_ring_fetches():
+  local = flaxattn.Local(65)  # reaches 64 tokens back
+  assert planner.ring_fetches(local, 1024, 8, True) == ((1, 0), (7, 1))  # chunk 64
+  assert planner.ring_fetches(local, 512, 8, True) is None  # chunk 32: more than a chunk
+  assert planner.ring_fetches(local, 1024, 2, True) is None  # both neighbours are one device
+  assert planner.ring_fetches(local, 1024, 8, False) == ((1, None),)  # shard 128
+  assert planner.ring_fetches(local, 256, 8, False) == ((1, None), (2, None))  # shard 32
+  assert planner.ring_fetches(flaxattn.Chunked(40) & flaxattn.Local(200), 1024, 8, False) == ((1, None),)
+  assert planner.ring_fetches(flaxattn.Causal(), 1024, 8, True) is None
+
+
+# Documented choices with the nominal numbers: B=1, 32 query heads on 8 KV heads, D=128, bf16,
+# load balanced.
+@pytest.mark.parametrize("platform,n,t,mask,want", [
+    ("tpu", 16, 32768, flaxattn.Causal(), "ulysses"),  # long kernel calls beat 16 short steps
+    ("gpu", 8, 32768, flaxattn.Causal(), "ulysses"),
+    ("tpu", 8, 131072, flaxattn.Local(4096), "ring"),  # a window: two half shards move
+    ("gpu", 16, 131072, flaxattn.Local(4096), "ring"),
+])
+def test_documented_choices(platform, n, t, mask, want):
+  best, costs = planner.plan((1, t, 32, 128), (1, t, 8, 128), 2, mask, True, n, platform)
+  assert best.strategy == want, [c.line() for c in costs]
+  assert {c.strategy for c in costs} == {"ring", "all_gather", "ulysses"}
+
+
+def test_heads_that_do_not_split_rule_out_ulysses_only():
+  best, costs = planner.plan((1, 4096, 6, 64), (1, 4096, 2, 64), 2, flaxattn.Causal(), True, 4, "gpu")
+  ulysses = {c.strategy: c for c in costs}["ulysses"]
+  assert ulysses.seconds is None and "6 query heads on 2 KV heads" in ulysses.why_not
+  assert best.strategy in ("ring", "all_gather")
+
+
+def test_estimates_follow_the_platform_numbers():
+  # A slow link makes the ring's transfers dominate a short-window call's cost.
+  shapes = ((1, 65536, 32, 128), (1, 65536, 8, 128), 2, flaxattn.Causal(), True, 8)
+  slow = dataclasses.replace(planner.PLATFORMS["gpu"], link=1e8, all_to_all=1e8)
+  fast, _ = planner.plan(*shapes, "gpu")
+  best, costs = planner.plan(*shapes, slow)
+  ring = {c.strategy: c for c in costs}["ring"]
+  assert ring.comm_s > ring.compute_s
+  assert best.seconds > fast.seconds
