@@ -4,7 +4,8 @@ Public API:
   attention, explain                     the functional entry point and its dispatch report
   Full, Causal, Local, Chunked, Mask     masks on positions and segments (combine with &)
   seqlens_and_offsets                    THD descriptor from segment ids, O(T + max_segments)
-  MultiHeadAttention, RoPE               NNX layer, a drop-in for flax.nnx.MultiHeadAttention
+  MultiHeadAttention, RoPE, RoPEScaling  NNX layer (a drop-in for flax.nnx.MultiHeadAttention), rotary
+                                         embeddings with Hugging Face rope_scaling (linear, llama3, yarn)
   ContextParallel, load_balance,         ring / all-gather attention over a sharded sequence axis
     unload_balance                       and the dual-chunk load-balancing permutation
   sharding                               default logical-axis rules for (data, fsdp, tensor, context)
@@ -17,7 +18,7 @@ from flaxattn.balance import load_balance, unload_balance
 from flaxattn.context_parallel import ContextParallel
 from flaxattn.layer import MultiHeadAttention
 from flaxattn.masks import Causal, Chunked, Full, Local, Mask
-from flaxattn.rope import RoPE
+from flaxattn.rope import RoPE, RoPEScaling
 from flaxattn.segments import SeqlensOffsets, seqlens_and_offsets
 
 __all__ = [
@@ -25,7 +26,7 @@ __all__ = [
     "Mask", "Full", "Causal", "Local", "Chunked",
     "seqlens_and_offsets", "SeqlensOffsets",
     "ContextParallel", "load_balance", "unload_balance",
-    "MultiHeadAttention", "RoPE", "sharding", "selftest",
+    "MultiHeadAttention", "RoPE", "RoPEScaling", "sharding", "selftest",
 ]
 
 

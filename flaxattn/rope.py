@@ -11,17 +11,95 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+
+SCALINGS = ("default", "linear", "llama3", "yarn")
+
+
+@dataclasses.dataclass(frozen=True)
+class RoPEScaling:
+  """Context extension of RoPE's frequencies, as Hugging Face `rope_scaling` defines it.
+
+  kind: "default" (none), "linear" (every frequency / factor), "llama3" (Llama 3.1: long
+    wavelengths / factor, short ones kept, a smooth blend between, set by
+    `low_freq_factor`/`high_freq_factor` against `original_max_position`), "yarn" (per
+    frequency blend of extrapolation and interpolation between `beta_fast` and
+    `beta_slow` rotations over `original_max_position`, cos/sin scaled by
+    `attention_factor`, default 0.1 ln(factor) + 1).
+  Raises:
+    ValueError: unknown kind, factor < 1, or llama3/yarn without original_max_position.
+  """
+
+  kind: str = "default"
+  factor: float = 1.0
+  original_max_position: int | None = None
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+  beta_fast: float = 32.0
+  beta_slow: float = 1.0
+  attention_factor: float | None = None
+
+  def __post_init__(self):
+    if self.kind not in SCALINGS:
+      raise ValueError(f"RoPEScaling(kind=...) expects one of {SCALINGS}, got {self.kind!r}.")
+    if isinstance(self.factor, bool) or not isinstance(self.factor, (int, float)) or self.factor < 1:
+      raise ValueError(f"RoPEScaling(factor=...) expects a number >= 1, got {self.factor!r}.")
+    if self.kind in ("llama3", "yarn") and not self.original_max_position:
+      raise ValueError(f"RoPEScaling(kind={self.kind!r}) expects original_max_position (the"
+                       " context length the model was trained at), got None.")
+    if self.kind == "llama3" and not self.high_freq_factor > self.low_freq_factor > 0:
+      raise ValueError(f"RoPEScaling(kind='llama3') expects high_freq_factor > low_freq_factor"
+                       f" > 0, got {self.high_freq_factor} and {self.low_freq_factor}.")
+
+  def inv_freq(self, base: np.ndarray, theta: float, d: int) -> np.ndarray:
+    """The scaled inverse frequencies (float64, `[d / 2]`) from the unscaled `base`."""
+    if self.kind == "default":
+      return base
+    if self.kind == "linear":
+      return base / self.factor
+    old = self.original_max_position
+    if self.kind == "llama3":
+      wavelength = 2 * np.pi / base
+      # 0 where the wavelength is longer than old / low_freq_factor, 1 where shorter than
+      # old / high_freq_factor, linear in old / wavelength between.
+      keep = np.clip((old / wavelength - self.low_freq_factor)
+                     / (self.high_freq_factor - self.low_freq_factor), 0.0, 1.0)
+      return (1 - keep) * base / self.factor + keep * base
+    # yarn: dimension pair i turns old * base[i] / 2 pi times over the original context;
+    # pairs that turn more than beta_fast times extrapolate, fewer than beta_slow interpolate.
+    pair = lambda turns: d * np.log(old / (turns * 2 * np.pi)) / (2 * np.log(theta))
+    low = max(np.floor(pair(self.beta_fast)), 0)
+    high = min(np.ceil(pair(self.beta_slow)), d - 1)
+    high = high + 0.001 if high == low else high
+    extrapolate = 1 - np.clip((np.arange(d // 2) - low) / (high - low), 0.0, 1.0)
+    return base / self.factor * (1 - extrapolate) + base * extrapolate
+
+  def cos_sin_factor(self) -> float:
+    """What cos and sin are multiplied by (yarn's attention factor; 1 otherwise)."""
+    if self.kind != "yarn":
+      return 1.0
+    return 0.1 * np.log(self.factor) + 1.0 if self.attention_factor is None else self.attention_factor
 
 
 @dataclasses.dataclass(frozen=True)
 class RoPE:
-  """Rotary embedding with base wavelength `theta` (hashable, usable as a static argument)."""
+  """Rotary embedding with base wavelength `theta` and optional `scaling` (hashable, usable
+  as a static argument)."""
 
   theta: float = 10000.0
+  scaling: RoPEScaling | None = None
 
   def __post_init__(self):
     if isinstance(self.theta, bool) or not isinstance(self.theta, (int, float)) or self.theta <= 1:
       raise ValueError(f"RoPE(theta=...) expects a number > 1, got {self.theta!r}; 10000.0 is usual.")
+    if self.scaling is not None and not isinstance(self.scaling, RoPEScaling):
+      raise ValueError(f"RoPE(scaling=...) expects a flaxattn.RoPEScaling or None, got {self.scaling!r}.")
+
+  def inv_freq(self, d: int) -> np.ndarray:
+    """Inverse frequencies `[d / 2]` float64: theta^(-2i/d), then the scaling."""
+    base = self.theta ** (-np.arange(0, d, 2, dtype=np.float64) / d)
+    return base if self.scaling is None else self.scaling.inv_freq(base, self.theta, d)
 
   def __call__(self, x_BTHD: jax.Array, positions_BT: jax.Array) -> jax.Array:
     """Rotates `x_BTHD` `[B, T, H, D]` (D even) by `positions_BT` `[B, T]` int.
@@ -36,10 +114,11 @@ class RoPE:
       raise ValueError(f"RoPE expects an even head_dim, got x of shape {x_BTHD.shape}.")
     if positions_BT.shape != (b, t):
       raise ValueError(f"RoPE expects positions of shape {(b, t)}, got {positions_BT.shape}.")
-    half = d // 2
-    inv_freq_R = self.theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    inv_freq_R = jnp.asarray(self.inv_freq(d), jnp.float32)
     angle_BTR = positions_BT.astype(jnp.float32)[..., None] * inv_freq_R
-    sin_BT1R, cos_BT1R = jnp.sin(angle_BTR)[:, :, None], jnp.cos(angle_BTR)[:, :, None]
+    factor = 1.0 if self.scaling is None else self.scaling.cos_sin_factor()
+    sin_BT1R = (factor * jnp.sin(angle_BTR))[:, :, None]
+    cos_BT1R = (factor * jnp.cos(angle_BTR))[:, :, None]
     x1, x2 = jnp.split(x_BTHD.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos_BT1R - x2 * sin_BT1R, x2 * cos_BT1R + x1 * sin_BT1R], axis=-1)
     return out.astype(x_BTHD.dtype)
