@@ -67,6 +67,8 @@ class LlamaConfig:
       parameters, norm statistics and RoPE angles stay float32, and logits are returned
       as float32 (the output matmul runs in the compute dtype).
     attention_backend: passed to `flaxattn.MultiHeadAttention(backend=...)`.
+    rope_scaling: `flaxattn.RoPEScaling` of the rotary frequencies (context extension:
+      linear, llama3, yarn; Hugging Face's `rope_scaling`).
 
   Raises:
     ValueError naming the field and value: a size that is not a positive int, `dim` not a
@@ -82,6 +84,7 @@ class LlamaConfig:
   n_kv_heads: int = 2
   ffn_dim: int = 768
   rope_theta: float = 10000.0
+  rope_scaling: flaxattn.RoPEScaling = dataclasses.field(default_factory=flaxattn.RoPEScaling)
   norm_eps: float = 1e-5
   tie_embeddings: bool = True
   max_seq_len: int = 4096
@@ -189,7 +192,7 @@ class Block(nnx.Module):
         config.n_heads, config.dim, num_kv_heads=config.n_kv_heads, use_bias=False,
         dtype=dtype, param_dtype=jnp.float32, decode=False, mask=mask,
         backend=config.attention_backend, context_parallel=context_parallel,
-        rope=flaxattn.RoPE(config.rope_theta), rngs=rngs)
+        rope=flaxattn.RoPE(config.rope_theta, config.rope_scaling), rngs=rngs)
     self.mlp_norm = RMSNorm(config.dim, eps=config.norm_eps, dtype=dtype)
     self.mlp = MLP(config, rngs=rngs)
 

@@ -1,0 +1,193 @@
+"""Hugging Face Llama checkpoints: bit-identical round trips, logits against a Llama forward
+written here in numpy from the HF tensors, and clear errors for bad directories."""
+
+import json
+import os
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import AxisType
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+import flaxattn
+from models import hf
+from models.llama import LAYERS_AXIS
+
+BF16 = ml_dtypes.bfloat16
+CONFIG = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=97, hidden_size=64,
+              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              intermediate_size=96, hidden_act="silu", rms_norm_eps=1e-5, rope_theta=10000.0,
+              max_position_embeddings=256, tie_word_embeddings=False, torch_dtype="bfloat16",
+              rope_scaling=dict(rope_type="linear", factor=2.0), bos_token_id=1)
+
+
+def _random_tensors(config: dict, seed: int = 0) -> dict[str, np.ndarray]:
+  """HF-named tensors of a random Llama (bfloat16, as checkpoints are published)."""
+  rng = np.random.default_rng(seed)
+  e, v, f = config["hidden_size"], config["vocab_size"], config["intermediate_size"]
+  h, hkv = config["num_attention_heads"], config["num_key_value_heads"]
+  d = e // h
+  w = lambda *shape: (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(BF16)
+  norm = lambda: (1 + 0.1 * rng.standard_normal(e)).astype(BF16)
+  out = {"model.embed_tokens.weight": w(v, e), "model.norm.weight": norm()}
+  if not config["tie_word_embeddings"]:
+    out["lm_head.weight"] = w(v, e)
+  for i in range(config["num_hidden_layers"]):
+    p = f"model.layers.{i}."
+    out.update({p + "input_layernorm.weight": norm(), p + "post_attention_layernorm.weight": norm(),
+                p + "self_attn.q_proj.weight": w(h * d, e), p + "self_attn.k_proj.weight": w(hkv * d, e),
+                p + "self_attn.v_proj.weight": w(hkv * d, e), p + "self_attn.o_proj.weight": w(e, h * d),
+                p + "mlp.gate_proj.weight": w(f, e), p + "mlp.up_proj.weight": w(f, e),
+                p + "mlp.down_proj.weight": w(e, f)})
+  return out
+
+
+def write_checkpoint(path, config=CONFIG, shards: int = 3, seed: int = 0) -> dict:
+  """A random HF Llama directory: config.json, `shards` safetensors files and their index."""
+  os.makedirs(path, exist_ok=True)
+  tensors = _random_tensors(config, seed)
+  names = sorted(tensors)
+  where = {}
+  for i in range(shards):
+    file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+    part = names[i::shards]
+    save_file({n: tensors[n] for n in part}, os.path.join(path, file), metadata={"format": "pt"})
+    where.update({n: file for n in part})
+  with open(os.path.join(path, hf.INDEX), "w") as f:
+    json.dump(dict(metadata=dict(total_size=0), weight_map=where), f)
+  with open(os.path.join(path, "config.json"), "w") as f:
+    json.dump(config, f)
+  return tensors
+
+
+def _read_all(path) -> dict[str, np.ndarray]:
+  out = {}
+  for file in os.listdir(path):
+    if file.endswith(".safetensors"):
+      with safe_open(os.path.join(path, file), framework="np") as f:
+        out.update({n: f.get_tensor(n) for n in f.keys()})
+  return out
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_round_trip_is_bit_identical(tmp_path, scan_layers):
+  tensors = write_checkpoint(tmp_path / "in")
+  model = hf.load(str(tmp_path / "in"), scan_layers=scan_layers)
+  hf.save(model, str(tmp_path / "out"), dtype="bfloat16", max_shard_bytes=20_000)
+  back = _read_all(tmp_path / "out")
+  assert sorted(back) == sorted(tensors)
+  for name, w in tensors.items():
+    assert back[name].dtype == w.dtype and back[name].shape == w.shape, name
+    assert np.array_equal(back[name].view(np.uint16), w.view(np.uint16)), name
+  assert os.path.exists(tmp_path / "out" / hf.INDEX)  # several shards
+  config = json.load(open(tmp_path / "out" / "config.json"))
+  assert hf.config_from_hf(config) == hf.config_from_hf(CONFIG)
+
+
+def _numpy_llama(tensors, config, tokens, segment_ids, positions):
+  """Logits `[T, V]` of one row, straight from the HF formulas and tensors (float64)."""
+  t64 = {n: np.asarray(w, np.float64) for n, w in tensors.items()}
+  e, h, hkv = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]
+  d, eps = e // h, config["rms_norm_eps"]
+  inv_freq = 1.0 / config["rope_theta"] ** (np.arange(0, d, 2) / d) / config["rope_scaling"]["factor"]
+  angles = positions[:, None] * inv_freq[None]  # [T, D/2]
+  cos, sin = np.concatenate([np.cos(angles)] * 2, -1), np.concatenate([np.sin(angles)] * 2, -1)
+
+  def rope(x):  # [T, heads, D], rotate_half
+    half = np.concatenate([-x[..., d // 2:], x[..., :d // 2]], -1)
+    return x * cos[:, None] + half * sin[:, None]
+
+  def rms(x, w):
+    return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps) * w
+
+  visible = ((segment_ids[:, None] == segment_ids[None, :]) & (positions[None, :] <= positions[:, None])
+             & (segment_ids[:, None] > 0))
+  x = t64["model.embed_tokens.weight"][tokens]
+  for i in range(config["num_hidden_layers"]):
+    p = lambda n: t64[f"model.layers.{i}.{n}"]
+    y = rms(x, p("input_layernorm.weight"))
+    q = rope((y @ p("self_attn.q_proj.weight").T).reshape(-1, h, d))
+    k = rope((y @ p("self_attn.k_proj.weight").T).reshape(-1, hkv, d))
+    v = (y @ p("self_attn.v_proj.weight").T).reshape(-1, hkv, d)
+    k, v = np.repeat(k, h // hkv, 1), np.repeat(v, h // hkv, 1)
+    scores = np.einsum("thd,shd->hts", q, k) / np.sqrt(d)
+    scores = np.where(visible[None], scores, -np.inf)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    probs = np.where(visible[None], probs / probs.sum(-1, keepdims=True), 0.0)
+    attn = np.nan_to_num(np.einsum("hts,shd->thd", probs, v)).reshape(-1, h * d)
+    x = x + attn @ p("self_attn.o_proj.weight").T
+    y = rms(x, p("post_attention_layernorm.weight"))
+    gate = y @ p("mlp.gate_proj.weight").T
+    x = x + (gate / (1 + np.exp(-gate)) * (y @ p("mlp.up_proj.weight").T)) @ p("mlp.down_proj.weight").T
+  return rms(x, t64["model.norm.weight"]) @ t64["lm_head.weight"].T
+
+
+def test_logits_match_a_numpy_llama_on_single_and_packed_rows(tmp_path):
+  tensors = write_checkpoint(tmp_path)
+  model = hf.load(str(tmp_path))
+  t = 24
+  tokens = np.random.default_rng(1).integers(0, CONFIG["vocab_size"], (2, t))
+  seg = np.stack([np.ones(t, np.int32), np.repeat([1, 2, 3], [10, 9, 5]).astype(np.int32)])
+  pos = np.stack([np.arange(t), np.concatenate([np.arange(10), np.arange(9), np.arange(5)])]).astype(np.int32)
+  got = np.asarray(model(tokens, segment_ids=seg, positions=pos))
+  for row in range(2):
+    want = _numpy_llama(tensors, CONFIG, tokens[row], seg[row], pos[row])
+    np.testing.assert_allclose(got[row], want, atol=2e-4 * np.abs(want).max())
+
+
+def test_loads_shard_by_shard_onto_a_mesh(tmp_path):
+  write_checkpoint(tmp_path)
+  mesh = jax.make_mesh((1,), ("fsdp",), axis_types=(AxisType.Auto,))
+  rules = tuple(flaxattn.sharding.rules(mesh, kv_heads=2)) + ((LAYERS_AXIS, None),)
+  with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
+    model = hf.load(str(tmp_path), scan_layers=True)
+  kernel = model.layers.blocks[0].attn.query.kernel.get_value()
+  assert kernel.shape == (2, 64, 4, 16) and isinstance(kernel.sharding, jax.sharding.NamedSharding)
+
+
+def test_rope_scaling_and_overrides_reach_the_model(tmp_path):
+  write_checkpoint(tmp_path, dict(CONFIG, rope_scaling=dict(
+      rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+      original_max_position_embeddings=64)))
+  cfg = hf.load(str(tmp_path), max_seq_len=512).config
+  assert cfg.rope_scaling == flaxattn.RoPEScaling("llama3", 8.0, 64, 1.0, 4.0)
+  assert cfg.max_seq_len == 512
+
+
+def _break(path, how):
+  if how == "missing shard":
+    os.remove(path / "model-00002-of-00003.safetensors")
+  elif how == "wrong shape":
+    file = path / "model-00001-of-00003.safetensors"
+    with safe_open(file, framework="np") as f:
+      tensors = {n: f.get_tensor(n) for n in f.keys()}
+    name = sorted(tensors)[0]
+    tensors[name] = tensors[name][:-1]
+    save_file(tensors, file)
+    return name
+  elif how in ("unknown architecture", "gelu"):
+    change = (dict(architectures=["GPT2LMHeadModel"]) if how == "unknown architecture"
+              else dict(hidden_act="gelu"))
+    with open(path / "config.json", "w") as f:
+      json.dump(dict(CONFIG, **change), f)
+
+
+@pytest.mark.parametrize("how,words", [
+    ("missing shard", "lists model-00002-of-00003.safetensors, which is missing"),
+    ("wrong shape", "does not fit the config"),
+    ("unknown architecture", "architectures ['GPT2LMHeadModel'] is not supported"),
+    ("gelu", "hidden_act='gelu' is not supported"),
+])
+def test_bad_directories_name_the_file_and_the_field(tmp_path, how, words):
+  write_checkpoint(tmp_path)
+  name = _break(tmp_path, how)
+  with pytest.raises(hf.CheckpointError, match=words.replace("[", r"\[").replace("]", r"\]")) as e:
+    hf.load(str(tmp_path))
+  if how == "wrong shape":
+    assert name in str(e.value) and "model-00001-of-00003.safetensors" in str(e.value)
+  if how in ("unknown architecture", "gelu"):
+    assert "config.json" in str(e.value)
