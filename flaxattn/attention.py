@@ -33,8 +33,10 @@ def check_qkv(q, k, v) -> None:
 def _call(q, k, mask, layout: Layout, return_lse: bool, context_parallel) -> registry.Call:
   if context_parallel is None:
     return registry.Call.of(q, k, mask, layout, return_lse)
-  return registry.Call.of(q, k, mask, layout, return_lse, axis_size(context_parallel),
-                          context_parallel.strategy)
+  cp = context_parallel
+  ring = axis_size(cp, cp.ring_axis) if cp.ring_axis else None
+  return registry.Call.of(q, k, mask, layout, return_lse, axis_size(cp) * (ring or 1),
+                          cp.strategy, ring)
 
 
 def _layout(q, k, mask, segment_ids, positions, kv_segment_ids, kv_positions, context_parallel):
