@@ -3,9 +3,8 @@
 Every kernel that accepts a call is compared with the reference (forward, log-sum-exp and
 gradients) on small shapes: every mask, packed and default layouts, GQA, float32 and
 bfloat16; every context-parallel strategy when there are several devices (Ulysses where they
-divide the 4 query heads). Then causal and
-packed forward+backward are timed beside a matmul of the same dtype in the same run. Exits
-1 on any mismatch.
+divide the 4 query heads). Then causal and packed forward+backward are timed beside a
+matmul of the same dtype in the same run. Exits 1 on any mismatch.
 """
 
 from __future__ import annotations
