@@ -132,8 +132,10 @@ class Kernel:
   def context_parallel_local(self, *, strategy: str, mask: Mask, scale: float, **call):
     """The per-device computation of context-parallel attention: (local, data, data_specs)
     (see `flaxattn.context_parallel.LocalAttention`; `call` holds the shapes, mesh axis
-    and layout). The default serves "all_gather", the one strategy `unsupported_reason`
-    lets through without `ring`, by calling the kernel on the gathered keys."""
+    and layout). Asked for "ring" (also by Ulysses x ring, over the ring axis) and
+    "all_gather"; Ulysses alone calls the kernel itself. The default serves "all_gather",
+    the one strategy here that `unsupported_reason` lets through without `ring`, by calling
+    the kernel on the gathered keys."""
     return Gathered(self, mask, scale), None, None
 
 
