@@ -33,8 +33,9 @@ def make(cfg: TrainConfig) -> jax.sharding.Mesh:
   balanced = 1 if cp is None else cp.balanced_shards(mesh)
   seq_parts = math.lcm(shards, 2 * balanced if balanced > 1 else 1)
   if cfg.seq_len % seq_parts:
+    why = ", and 2 x the load-balanced shards" if balanced > 1 else ""
     raise ConfigError(f"seq_len ({cfg.seq_len}) expects a multiple of {seq_parts} (mesh"
-                      f" context_ring x context{', and 2 x the load-balanced shards' if balanced > 1 else ''}).")
+                      f" context_ring x context{why}).")
   return mesh
 
 
