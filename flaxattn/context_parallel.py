@@ -281,15 +281,14 @@ def _to_sequence(axis: str, x):
 
 
 def _ulysses(axis, inner, kv_repeat, data, q, k, v, layout):
-  """Per device: q `[B, T/n, H, D]`, k/v `[B, T/n, Hkv, D]` and the layout's ids `[B, T/n]`
-  of the n devices of `axis` -> `inner(data, q, k, v, layout)` on `[B, T, H/n, D]` (the n
-  shards' tokens in device order; ids int32, gathered) -> (out `[B, T/n, H, D]`, lse
-  `[B, T/n, H]`).
+  """Per device: q `[B, T/n, H, D]`, k/v `[B, T/n, Hkv, D]` (the n devices of `axis`
+  together hold T tokens) -> `inner(data, q, k, v, layout)` on `[B, T, H/n, D]`, the n
+  shards' tokens in device order, with `layout`'s ids `[B, T]` of those tokens -> (out
+  `[B, T/n, H, D]`, lse `[B, T/n, H]`).
   K/V heads are repeated `kv_repeat` times first, each next to itself, so that every group
   of query heads keeps its key/value head when the heads are split."""
   k, v = (jnp.repeat(x, kv_repeat, axis=2) for x in (k, v))
-  gather = lambda ids: jax.lax.all_gather(ids, axis, axis=1, tiled=True)
-  out, lse = inner(data, *(_to_heads(axis, x) for x in (q, k, v)), jax.tree.map(gather, layout))
+  out, lse = inner(data, *(_to_heads(axis, x) for x in (q, k, v)), layout)
   return _to_sequence(axis, out), _to_sequence(axis, lse)
 
 
@@ -307,22 +306,21 @@ def _whole_sequence(kernel, mask, scale, shards, data, q, k, v, layout):
 
 
 def _kv_repeat(cp: ContextParallel, n: int, heads: int, kv_heads: int) -> int:
-  """How many times Ulysses repeats each K/V head so that n devices split q heads `heads`
-  and K/V heads alike, each group of queries with its own K/V head (counts per head shard).
+  """How many times Ulysses repeats each K/V head so that n devices split the q heads
+  `heads` and the K/V heads `kv_heads` alike (counts per head shard): lcm(kv_heads, n) /
+  kv_heads. Each group of queries keeps its K/V head, since lcm(kv_heads, n) divides
+  `heads` whenever n and kv_heads do.
 
   Raises:
-    ValueError: the heads cannot be split that way.
+    ValueError: n does not divide `heads`.
   """
-  kv_split = math.lcm(kv_heads, n)
-  if heads % n or heads % kv_split:
-    need = n if heads % n else kv_split
+  if heads % n:
     raise ValueError(
-        f"context_parallel strategy 'ulysses' over {cp.axis!r} (size {n}) splits the heads over"
-        f" it: expects the query heads per device ({heads}) divisible by {need}"
-        f" (lcm of the axis size and the {kv_heads} K/V heads, so each query group keeps its K/V"
-        f" head); use strategy='ring' or 'all_gather', which do not split heads, or a"
-        f" {cp.axis!r} axis whose size divides the heads.")
-  return kv_split // kv_heads
+        f"context_parallel strategy 'ulysses' over {cp.axis!r} (size {n}) splits the query"
+        f" heads over it and expects the heads per device ({heads}, of {kv_heads} K/V heads)"
+        f" divisible by {n}; use strategy='ring' or 'all_gather', which do not split heads, or"
+        f" a {cp.axis!r} axis whose size divides the heads.")
+  return math.lcm(kv_heads, n) // kv_heads
 
 
 def context_parallel_attention(q, k, v, layout: Layout, *, mask: Mask, scale: float,
@@ -365,7 +363,10 @@ def context_parallel_attention(q, k, v, layout: Layout, *, mask: Mask, scale: fl
   heads = sharding.dividing_axes(mesh, [a for a in cp.head_axes if a not in cp.seq_axes],
                                  q.shape[2], k.shape[2]) or None
   seq_axes = cp.seq_axes if cp.ring_axis else cp.axis
-  seq = P(batch, seq_axes)
+  # Ulysses's ids enter whole over its axis (int32, gathered there by the compiler, or
+  # computed in place for the default positions): the all-to-all gives every device all
+  # the tokens of its ring shard.
+  seq = P(batch, cp.ring_axis) if cp.strategy == "ulysses" else P(batch, seq_axes)
   qkv = P(batch, seq_axes, heads)
   ulysses = cp.strategy == "ulysses"
   kv_shape = k.shape
