@@ -148,8 +148,7 @@ class Variant:
     if cp_size > 1:
       self.mesh = mesh_lib.make(cfg)
       assert self.mesh.shape["context"] == cp_size, dict(self.mesh.shape)
-      self.cp = flaxattn.ContextParallel("context", cfg.context_parallel.strategy,
-                                         cfg.context_parallel.load_balance)
+      self.cp = mesh_lib.context_parallel(cfg, self.mesh)
     else:
       axes = config_lib.MESH_AXES
       self.mesh = jax.make_mesh((1,) * len(axes), axes, axis_types=(AxisType.Auto,) * len(axes),
@@ -158,7 +157,7 @@ class Variant:
     self.rules = _rules(self.mesh, cfg.model)
     batches = data.GlobalBatches(
         self.mesh, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
-        cp=cp_size if self.cp is not None and self.cp.load_balance else None)
+        cp=self.cp.balanced_shards(self.mesh) if self.cp is not None and self.cp.load_balance else None)
     with jax.set_mesh(self.mesh), nnx.logical_axis_rules(self.rules):
       self.state = nnx.jit(lambda: loop._make_state(cfg, self.cp))()
       if dense:  # Llama does not expose attention_fn: patch the layer instances

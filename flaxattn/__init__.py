@@ -6,9 +6,10 @@ Public API:
   seqlens_and_offsets                    THD descriptor from segment ids, O(T + max_segments)
   MultiHeadAttention, RoPE, RoPEScaling  NNX layer (a drop-in for flax.nnx.MultiHeadAttention), rotary
                                          embeddings with Hugging Face rope_scaling (linear, llama3, yarn)
-  ContextParallel, load_balance,         ring / all-gather attention over a sharded sequence axis
-    unload_balance                       and the dual-chunk load-balancing permutation
-  sharding                               default logical-axis rules for (data, fsdp, tensor, context)
+  ContextParallel, load_balance,         ring / all-gather / Ulysses (and Ulysses x ring) attention
+    unload_balance                       over a sharded sequence, and the dual-chunk permutation
+  sharding                               default logical-axis rules for (data, fsdp, tensor,
+                                         context_ring, context)
   selftest                               every kernel against the reference on this machine, and timings
 """
 

@@ -33,8 +33,10 @@ def check_qkv(q, k, v) -> None:
 def _call(q, k, mask, layout: Layout, return_lse: bool, context_parallel) -> registry.Call:
   if context_parallel is None:
     return registry.Call.of(q, k, mask, layout, return_lse)
-  return registry.Call.of(q, k, mask, layout, return_lse, axis_size(context_parallel),
-                          context_parallel.strategy)
+  cp = context_parallel
+  ring = axis_size(cp, cp.ring_axis) if cp.ring_axis else None
+  return registry.Call.of(q, k, mask, layout, return_lse, axis_size(cp) * (ring or 1),
+                          cp.strategy, ring)
 
 
 def _layout(q, k, mask, segment_ids, positions, kv_segment_ids, kv_positions, context_parallel):
@@ -109,9 +111,10 @@ def explain(q, k, v, *, mask: Mask = Causal(), segment_ids=None, positions=None,
                          context_parallel)
   text = registry.describe(backend, _call(q, k, mask, layout, return_lse, context_parallel))
   if context_parallel is not None:
+    cp = context_parallel
     text += "\n" + planner.communication(
-        context_parallel.strategy, context_parallel.load_balance, mask, q.shape[1],
-        axis_size(context_parallel), layout.q_positions is not None)
+        cp.strategy, cp.load_balance, mask, q.shape[1], axis_size(cp),
+        layout.q_positions is not None, axis_size(cp, cp.ring_axis) if cp.ring_axis else None)
   if print_fn is not None:
     print_fn(text)
   return text

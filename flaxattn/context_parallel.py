@@ -1,26 +1,29 @@
 """Context parallelism: attention with the sequence axis sharded over a mesh axis.
 
 Owns `ContextParallel`, the ring (K/V passed with `ppermute`, partial results merged by
-lse; backward a second ring carrying dK/dV) and all-gather strategies, and the protocol of
-a kernel's per-device computation (`LocalAttention`). Derivations: docs/design.md.
+lse; backward a second ring carrying dK/dV), all-gather and Ulysses (all-to-all between
+sequence and heads, optionally around a ring over a second axis) strategies, and the
+protocol of a kernel's per-device computation (`LocalAttention`). Derivations:
+docs/design.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Protocol
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from flaxattn import sharding
+from flaxattn import balance, sharding
 from flaxattn.layout import Layout, index_check
 from flaxattn.masks import Mask
 from flaxattn.planner import ring_fetches
 
-STRATEGIES = ("ring", "all_gather")
+STRATEGIES = ("ring", "all_gather", "ulysses")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,20 +32,32 @@ class ContextParallel:
 
   Args:
     axis: mesh axis name the sequence (dim 1 of q/k/v) is sharded over.
-    strategy: "ring" or "all_gather".
-    load_balance: the per-token arrays are in `flaxattn.load_balance` order (dual chunk).
-      Only the default positions depend on it (they become the permuted token indices);
-      explicit positions are used as given.
+    strategy: "ring", "all_gather" or "ulysses". Ulysses turns sequence-sharded q/k/v into
+      head-sharded ones with an all-to-all over `axis`, runs the kernel on the whole
+      sequence and turns the result back: the query heads, and the key/value heads after
+      repeating each as little as needed, must divide by the axis size (heads sharded over
+      `head_axes` count per shard).
+    load_balance: the per-token arrays are in `flaxattn.load_balance` order (dual chunk)
+      over `balanced_shards()` shards. Only the default positions depend on it (they become
+      the permuted token indices); explicit positions are used as given. Ulysses alone
+      gains nothing from it (each device sees every query) and undoes it locally.
+    ring_axis: with strategy "ulysses", a second mesh axis for a 2-D hybrid: the sequence
+      is sharded over (`ring_axis`, `axis`), ring outer; the all-to-all over `axis` gives
+      each device its ring shard's whole sequence for its share of the heads, and a ring
+      over `ring_axis` runs on those. Load balancing is over the ring only. Put `axis` on
+      the faster links: it moves all of q/k/v twice per call, the ring only K/V.
     batch_axes, head_axes: mesh axes the batch and the heads may be sharded over; those in
       the mesh whose sizes divide the dimension stay sharded inside the attention (absent
       or non-dividing axes are replicated there).
   Raises:
-    ValueError: unknown strategy or a non-string axis.
+    ValueError: unknown strategy, a non-string axis, or a `ring_axis` that is `axis` or
+      comes without strategy "ulysses".
   """
 
   axis: str = "context"
   strategy: str = "ring"
   load_balance: bool = True
+  ring_axis: str | None = None
   batch_axes: tuple[str, ...] = ("data", "fsdp")
   head_axes: tuple[str, ...] = ("tensor",)
 
@@ -51,22 +66,45 @@ class ContextParallel:
       raise ValueError(f"ContextParallel(axis=...) expects a mesh axis name, got {self.axis!r}.")
     if self.strategy not in STRATEGIES:
       raise ValueError(f"ContextParallel(strategy=...) expects one of {STRATEGIES}, got {self.strategy!r}.")
+    if self.ring_axis is not None:
+      if not isinstance(self.ring_axis, str) or self.ring_axis in ("", self.axis):
+        raise ValueError(f"ContextParallel(ring_axis=...) expects None or a mesh axis name other"
+                         f" than axis={self.axis!r}, got {self.ring_axis!r}.")
+      if self.strategy != "ulysses":
+        raise ValueError(f"ContextParallel(ring_axis={self.ring_axis!r}) runs a ring inside"
+                         f" Ulysses and expects strategy='ulysses', got {self.strategy!r}; for a"
+                         " ring over one axis leave ring_axis=None.")
 
-  def balanced_shards(self) -> int:
-    """Shards the tokens are load-balanced over (1 without load balancing). Needs the mesh."""
-    return axis_size(self) if self.load_balance else 1
+  @property
+  def seq_axes(self) -> tuple[str, ...]:
+    """The mesh axes the sequence is sharded over, outer first."""
+    return (self.axis,) if self.ring_axis is None else (self.ring_axis, self.axis)
+
+  def balanced_shards(self, mesh=None) -> int:
+    """Shards the tokens are load-balanced over: the ring's size (`axis`, or `ring_axis`
+    under Ulysses x ring), Ulysses's axis size alone, 1 without load balancing. Needs the
+    mesh: `mesh`, else the one set with `jax.set_mesh`."""
+    if not self.load_balance:
+      return 1
+    return axis_size(self, self.ring_axis or self.axis, mesh)
 
 
-def axis_size(cp: ContextParallel) -> int:
-  """The size of `cp.axis` in the current mesh (raises if there is no mesh or no such axis)."""
-  mesh = jax.sharding.get_abstract_mesh()
+def axis_size(cp: ContextParallel, axis: str | None = None, mesh=None) -> int:
+  """The size of `axis` (default `cp.axis`) in `mesh` (default the current mesh).
+
+  Raises:
+    ValueError: no mesh, or no such axis in it.
+  """
+  axis = cp.axis if axis is None else axis
+  mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
   if mesh.empty:
     raise ValueError(f"context_parallel={cp} needs a mesh: call under `with jax.set_mesh(mesh):`"
-                     f" with a mesh that has an axis named {cp.axis!r}.")
-  if cp.axis not in mesh.axis_names:
-    raise ValueError(f"context_parallel axis {cp.axis!r} is not in the mesh; mesh axes are"
-                     f" {tuple(mesh.axis_names)}. Pass ContextParallel(axis=<one of them>).")
-  return mesh.shape[cp.axis]
+                     f" with a mesh that has the axes {cp.seq_axes}.")
+  if axis not in mesh.axis_names:
+    arg = "ring_axis" if axis == cp.ring_axis else "axis"
+    raise ValueError(f"context_parallel axis {axis!r} is not in the mesh; mesh axes are"
+                     f" {tuple(mesh.axis_names)}. Pass ContextParallel({arg}=<one of them>).")
+  return mesh.shape[axis]
 
 
 def _merge(out, lse, out_s, lse_s):
@@ -293,56 +331,147 @@ def _all_gather(axis, local, data, q, k, v, layout):
   return local.gathered(data, q, gather(k), gather(v), full)
 
 
+def _to_heads(axis: str, x):
+  """`[B, T/n, H, ...]` sharded over `axis` on the sequence -> `[B, T, H/n, ...]`."""
+  return jax.lax.all_to_all(x, axis, 2, 1, tiled=True)
+
+
+def _to_sequence(axis: str, x):
+  """Inverse of `_to_heads`: `[B, T, H/n, ...]` -> `[B, T/n, H, ...]` (lse `[B, T, H/n]` too)."""
+  return jax.lax.all_to_all(x, axis, 1, 2, tiled=True)
+
+
+def _ulysses(axis, inner, kv_repeat, data, q, k, v, layout):
+  """Per device: q `[B, T/n, H, D]`, k/v `[B, T/n, Hkv, D]` (the n devices of `axis`
+  together hold T tokens) -> `inner(data, q, k, v, layout)` on `[B, T, H/n, D]`, the n
+  shards' tokens in device order, with `layout`'s ids `[B, T]` of those tokens -> (out
+  `[B, T/n, H, D]`, lse `[B, T/n, H]`).
+  K/V heads are repeated `kv_repeat` times first, each next to itself, so that every group
+  of query heads keeps its key/value head when the heads are split."""
+  k, v = (jnp.repeat(x, kv_repeat, axis=2) for x in (k, v))
+  out, lse = inner(data, *(_to_heads(axis, x) for x in (q, k, v)), layout)
+  return _to_sequence(axis, out), _to_sequence(axis, lse)
+
+
+def _whole_sequence(kernel, mask, scale, shards, data, q, k, v, layout):
+  """Ulysses's inner computation without a ring (`data` is None): the kernel on the whole
+  sequence in the original token order (the load balancing over `shards` undone with
+  reshapes and flips), so default positions stay None and index-masking kernels take
+  their check-free path."""
+  unpermute = (lambda x: balance.unload_balance(x, shards)) if shards > 1 else (lambda x: x)
+  permute = (lambda x: balance.load_balance(x, shards)) if shards > 1 else (lambda x: x)
+  layout = dataclasses.replace(jax.tree.map(unpermute, layout), shards=1)
+  out, lse = kernel(unpermute(q), unpermute(k), unpermute(v), layout, mask=mask, scale=scale,
+                    return_lse=True)
+  return permute(out), permute(lse)
+
+
+def _kv_repeat(cp: ContextParallel, n: int, heads: int, kv_heads: int) -> int:
+  """How many times Ulysses repeats each K/V head so that n devices split the q heads
+  `heads` and the K/V heads `kv_heads` alike (counts per head shard): lcm(kv_heads, n) /
+  kv_heads. Each group of queries keeps its K/V head, since lcm(kv_heads, n) divides
+  `heads` whenever n and kv_heads do.
+
+  Raises:
+    ValueError: n does not divide `heads`.
+  """
+  if heads % n:
+    raise ValueError(
+        f"context_parallel strategy 'ulysses' over {cp.axis!r} (size {n}) splits the query"
+        f" heads over it and expects the heads per device ({heads}, of {kv_heads} K/V heads)"
+        f" divisible by {n}; use strategy='ring' or 'all_gather', which do not split heads, or"
+        f" a {cp.axis!r} axis whose size divides the heads.")
+  return math.lcm(kv_heads, n) // kv_heads
+
+
+def _ring_body(axis: str, n: int, local, fetches, checked: bool):
+  """The ring over `axis`: every step, only the steps of `fetches` (window-aware), or with
+  `checked` a per-batch choice between the two (`data` then carries the check)."""
+  ring = functools.partial(_ring, axis, n, local)
+  if fetches is None:
+    return ring
+  window = functools.partial(_window_ring, axis, n, local, fetches)
+  if not checked:
+    return window
+  return lambda d, *args: jax.lax.cond(d[1], lambda: window(d[0], *args), lambda: ring(d[0], *args))
+
+
 def context_parallel_attention(q, k, v, layout: Layout, *, mask: Mask, scale: float,
                                cp: ContextParallel, kernel, return_lse: bool):
-  """Attention of q `[B, T, H, D]` over k/v `[B, T, Hkv, D]` sharded over `cp.axis` on dim 1.
+  """Attention of q `[B, T, H, D]` over k/v `[B, T, Hkv, D]` sharded on dim 1 over
+  `cp.seq_axes`.
 
   `kernel` is the registry's kernel; its `context_parallel_local` gives the per-device
-  computation. `layout` comes from `flaxattn.layout.resolve` (default positions in
+  computation of the ring and all-gather strategies, Ulysses calls it on the whole
+  sequence. `layout` comes from `flaxattn.layout.resolve` (default positions in
   load-balanced order when `cp.load_balance`).
 
   Raises:
-    ValueError: no mesh set, axis not in the mesh, keys and queries of different lengths,
-      or T not divisible by the axis size (2 x the axis size with load balancing).
+    ValueError: no mesh set, an axis not in the mesh, keys and queries of different
+      lengths, T not divisible by the number of sequence shards (and by 2 x the balanced
+      shards with load balancing), or, for Ulysses, heads that do not split over its axis.
   """
-  n = axis_size(cp)
+  mesh = jax.sharding.get_abstract_mesh()
+  n = axis_size(cp, mesh=mesh)
+  ring_n = axis_size(cp, cp.ring_axis, mesh) if cp.ring_axis else 1
+  balanced = cp.balanced_shards(mesh)
   b, t = q.shape[:2]
   if k.shape[1] != t:
     raise ValueError(f"context_parallel expects keys as long as queries (self attention), got"
                      f" q {q.shape} and k {k.shape}.")
-  parts = 2 * n if cp.load_balance else n
+  parts = math.lcm(n * ring_n, 2 * balanced if cp.load_balance else 1)
   if t % parts:
+    if cp.ring_axis is None:
+      why = " (2 x axis size, load balancing)" if cp.load_balance else ""
+    else:
+      why = (f" ({ring_n} x {n} shards over {cp.seq_axes}"
+             f"{', each ring shard 2 chunks, load balancing' if cp.load_balance else ''})")
     raise ValueError(f"context_parallel over {cp.axis!r} (size {n}) expects the sequence length"
-                     f" ({t}) divisible by {parts}{' (2 x axis size, load balancing)' if cp.load_balance else ''}.")
-  local, data, data_specs = kernel.context_parallel_local(
-      strategy=cp.strategy, mask=mask, scale=scale, shards=n, axis=cp.axis,
-      load_balance=cp.load_balance, q_shape=q.shape, kv_shape=k.shape, layout=layout)
-  fetches = ring_fetches(mask, t, n, cp.load_balance) if cp.strategy == "ring" else None
-  near = None  # explicit positions: whether they follow the token index (checked per batch)
-  if fetches is not None:
-    index = layout.index(b, t)
-    near = index_check(mask, layout, index, index)
-  layout = layout.materialize(b, t, t)
+                     f" ({t}) divisible by {parts}{why}.")
 
-  # Batch and head axes are manual too: left to automatic sharding, the compiler would
-  # gather the batch inside the ring's loops.
-  mesh = jax.sharding.get_abstract_mesh()
-  batch = sharding.dividing_axes(mesh, [a for a in cp.batch_axes if a != cp.axis], b) or None
-  heads = sharding.dividing_axes(mesh, [a for a in cp.head_axes if a != cp.axis], q.shape[2], k.shape[2]) or None
-  seq = P(batch, cp.axis)
-  qkv = P(batch, cp.axis, heads)
-  if cp.strategy != "ring":
+  # Every mesh axis is manual: the batch and heads stay sharded over the axes that divide
+  # them (left to automatic sharding, the compiler would gather the batch inside the ring's
+  # loops), the rest are replicated, and a kernel called inside sees no automatic axes.
+  batch = sharding.dividing_axes(mesh, [a for a in cp.batch_axes if a not in cp.seq_axes], b) or None
+  heads = sharding.dividing_axes(mesh, [a for a in cp.head_axes if a not in cp.seq_axes],
+                                 q.shape[2], k.shape[2]) or None
+  seq_axes = cp.seq_axes if cp.ring_axis else cp.axis
+  # Ulysses's ids enter whole over its axis (int32, gathered there by the compiler, or
+  # computed in place for the default positions): the all-to-all gives every device all
+  # the tokens of its ring shard.
+  seq = P(batch, cp.ring_axis) if cp.strategy == "ulysses" else P(batch, seq_axes)
+  qkv = P(batch, seq_axes, heads)
+  ulysses = cp.strategy == "ulysses"
+  kv_shape = k.shape
+  if ulysses:
+    head_shards = math.prod(mesh.shape[a] for a in heads or ())
+    kv_repeat = _kv_repeat(cp, n, q.shape[2] // head_shards, k.shape[2] // head_shards)
+    kv_shape = (*k.shape[:2], k.shape[2] * kv_repeat, k.shape[3])
+  local = data = data_specs = fetches = near = None
+  if not ulysses or cp.ring_axis:  # a ring or the gathered keys: the kernel's local passes
+    ring_axis = cp.ring_axis or cp.axis
+    shards = ring_n if cp.ring_axis else n
+    local, data, data_specs = kernel.context_parallel_local(
+        strategy="ring" if ulysses else cp.strategy, mask=mask, scale=scale,
+        shards=shards, axis=ring_axis, load_balance=cp.load_balance,
+        q_shape=q.shape, kv_shape=kv_shape, layout=layout)
+    if cp.strategy != "all_gather":  # a ring, alone or inside Ulysses: window-aware?
+      fetches = ring_fetches(mask, t, shards, cp.load_balance)
+    if fetches is not None:  # explicit positions: do they follow the index (per batch)?
+      index = layout.index(b, t)
+      near = index_check(mask, layout, index, index)
+    layout = layout.materialize(b, t, t)
+    if near is not None:
+      data, data_specs = (data, near), (data_specs, P())
+  if cp.strategy == "all_gather":
     body = functools.partial(_all_gather, cp.axis, local)
-  elif fetches is None:
-    body = functools.partial(_ring, cp.axis, n, local)
-  elif near is None:
-    body = functools.partial(_window_ring, cp.axis, n, local, fetches)
-  else:  # a batch whose positions do not follow the index needs every step
-    window = functools.partial(_window_ring, cp.axis, n, local, fetches)
-    ring = functools.partial(_ring, cp.axis, n, local)
-    body = lambda d, *args: jax.lax.cond(d[1], lambda: window(d[0], *args), lambda: ring(d[0], *args))
-    data, data_specs = (data, near), (data_specs, P())
-  manual = frozenset({cp.axis, *(batch or ()), *(heads or ())})
+  elif cp.strategy == "ring":
+    body = _ring_body(cp.axis, n, local, fetches, near is not None)
+  else:
+    inner = (_ring_body(cp.ring_axis, ring_n, local, fetches, near is not None) if cp.ring_axis
+             else functools.partial(_whole_sequence, kernel, mask, scale, balanced))
+    body = functools.partial(_ulysses, cp.axis, inner, kv_repeat)
+  manual = frozenset(mesh.axis_names) - frozenset(mesh.manual_axes)
   out, lse = jax.shard_map(body, in_specs=(data_specs, qkv, qkv, qkv, jax.tree.map(lambda _: seq, layout)),
                            out_specs=(qkv, qkv), axis_names=manual,
                            check_vma=False)(data, q, k, v, layout)

@@ -45,23 +45,35 @@ def ring_fetches(mask: Mask, t: int, n: int, load_balance: bool):
 
 
 def communication(strategy: str, load_balance: bool, mask: Mask, t: int, n: int,
-                  has_positions: bool) -> str:
-  """One line for `explain`: which shards' keys each device receives."""
-  if strategy != "ring":
-    return f"context parallel ({strategy}): every device gathers all keys."
+                  has_positions: bool, n_ring: int | None = None) -> str:
+  """One line for `explain`: what each device receives (`n` devices on the context axis;
+  `n_ring`: the ring axis of Ulysses x ring)."""
+  if strategy == "all_gather":
+    return f"context parallel (all_gather): every device gathers the keys of all {n} shards."
+  lines = []
+  if strategy == "ulysses":
+    lines.append(f"context parallel (ulysses): all-to-alls over {n} devices trade sequence"
+                 f" shards for head shards (q, k, v in, out back); each device then sees"
+                 + (f" its ring shard, T/{n_ring} tokens, for H/{n} heads" if n_ring else
+                    f" all T tokens for H/{n} heads"))
+    if not n_ring:
+      return lines[0] + "."
+    n = n_ring
   fetches = ring_fetches(mask, t, n, load_balance)
   if fetches is None:
-    return f"context parallel (ring): keys of every other shard visit, {n - 1} steps."
-  reach = _reach(mask) - 1
-  if load_balance:
-    what = (f"at most one chunk (T/2cp = {t // (2 * n)} tokens), so each device receives only"
-            " the chunk before each of its own: half a shard from each neighbouring device")
+    lines.append(f"ring over {n} devices: keys of every other shard visit, {n - 1} steps")
   else:
-    what = (f"{len(fetches)} shard(s) of T/cp = {t // n} tokens, so each device receives only"
-            f" the {len(fetches)} shard(s) before its own ({len(fetches)} of {n - 1} steps)")
-  check = ("; positions checked per batch at run time, a batch whose positions do not follow"
-           " the token index runs every step" if has_positions else "")
-  return f"context parallel (ring): {mask!r} reaches back {reach} tokens, within {what}{check}."
+    reach = _reach(mask) - 1
+    if load_balance:
+      what = (f"at most one chunk (T/2cp = {t // (2 * n)} tokens), so each device receives only"
+              " the chunk before each of its own: half a shard from each neighbouring device")
+    else:
+      what = (f"{len(fetches)} shard(s) of T/cp = {t // n} tokens, so each device receives only"
+              f" the {len(fetches)} shard(s) before its own ({len(fetches)} of {n - 1} steps)")
+    check = ("; positions checked per batch at run time, a batch whose positions do not"
+             " follow the token index runs every step" if has_positions else "")
+    lines.append(f"ring over {n} devices: {mask!r} reaches back {reach} tokens, within {what}{check}")
+  return ("context parallel: " if len(lines) == 1 else "") + "; then ".join(lines) + "."
 
 
 @dataclasses.dataclass(frozen=True)

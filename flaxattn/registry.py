@@ -55,17 +55,34 @@ class Call:
   has_positions: bool
   return_lse: bool
   cp_size: int = 1  # devices the sequence is split over (context parallelism)
-  cp_strategy: str | None = None  # "ring", "all_gather" or None
+  cp_strategy: str | None = None  # "ring", "all_gather", "ulysses" or None
+  ring_size: int | None = None  # Ulysses x ring: the ring's devices (of cp_size), else None
 
   @classmethod
   def of(cls, q, k, mask: Mask, layout: Layout, return_lse: bool, cp_size: int = 1,
-         cp_strategy: str | None = None) -> Call:
+         cp_strategy: str | None = None, ring_size: int | None = None) -> Call:
     """The call of `flaxattn.attention` on the current platform for these arguments."""
     return cls(platform=jax.default_backend(), q_shape=tuple(q.shape), kv_shape=tuple(k.shape),
                dtype=str(np.dtype(q.dtype)), mask=mask,
                has_segment_ids=layout.q_segment_ids is not None,
                has_positions=layout.q_positions is not None or layout.kv_positions is not None,
-               return_lse=return_lse, cp_size=cp_size, cp_strategy=cp_strategy)
+               return_lse=return_lse, cp_size=cp_size, cp_strategy=cp_strategy,
+               ring_size=ring_size)
+
+  def local(self) -> Call:
+    """The call the kernel itself serves: under Ulysses a plain call on the whole sequence,
+    or with a ring axis a ring over `ring_size` devices; other calls as they are."""
+    if self.cp_strategy != "ulysses":
+      return self
+    ring = self.ring_size is not None
+    return dataclasses.replace(self, cp_size=self.ring_size if ring else 1,
+                               cp_strategy="ring" if ring else None, ring_size=None)
+
+  def strategy_text(self) -> str:
+    """The context parallelism in words, e.g. "ulysses over 2 x ring over 2 devices"."""
+    if self.ring_size is None:
+      return f"{self.cp_strategy} over {self.cp_size} devices"
+    return f"{self.cp_strategy} over {self.cp_size // self.ring_size} x ring over {self.ring_size} devices"
 
 
 class Kernel:
@@ -80,20 +97,27 @@ class Kernel:
   traces_anywhere: bool = True
 
   def unsupported_reason(self, call: Call) -> str | None:
-    """None if the kernel serves `call` (with its context parallelism), else why not."""
-    reason = self.reason(call)
-    if reason is None and call.cp_strategy == "ring" and not self.ring:
+    """None if the kernel serves `call` (with its context parallelism), else why not.
+    `reason` sees the call the kernel itself runs (`Call.local`): any kernel serves Ulysses
+    without a ring axis, a plain call on the whole sequence."""
+    local = call.local()
+    reason = self.reason(local)
+    if reason is None and local.cp_strategy == "ring" and not self.ring:
       able = [n for n in names() if get(n).ring]
-      reason = (f"{self.name} has no per-block passes for the ring strategy; use"
-                f" strategy='all_gather' or one of {able}.")
+      other = ("strategy='ulysses' without ring_axis" if call.cp_strategy == "ulysses" else
+               "strategy='all_gather' or 'ulysses'")
+      reason = (f"{self.name} has no per-block passes for the ring strategy; use {other}, or"
+                f" one of {able}.")
     return reason
 
   def reason(self, call: Call) -> str | None:
-    """The kernel's own limits: None, or a sentence saying what it cannot serve and why."""
+    """The kernel's own limits: None, or a sentence saying what it cannot serve and why
+    (`call` as the kernel runs it, `Call.local`)."""
     return None
 
   def describe(self, call: Call) -> str | None:
-    """What `explain` adds after the kernel's name (e.g. a run-time check), or None."""
+    """What `explain` adds after the kernel's name (e.g. a run-time check), or None
+    (`call` as the kernel runs it, `Call.local`)."""
     return None
 
   def on(self, platform: str) -> Kernel:
@@ -108,8 +132,10 @@ class Kernel:
   def context_parallel_local(self, *, strategy: str, mask: Mask, scale: float, **call):
     """The per-device computation of context-parallel attention: (local, data, data_specs)
     (see `flaxattn.context_parallel.LocalAttention`; `call` holds the shapes, mesh axis
-    and layout). The default serves "all_gather", the one strategy `unsupported_reason`
-    lets through without `ring`, by calling the kernel on the gathered keys."""
+    and layout). Asked for "ring" (also by Ulysses x ring, over the ring axis) and
+    "all_gather"; Ulysses alone calls the kernel itself. The default serves "all_gather",
+    the one strategy here that `unsupported_reason` lets through without `ring`, by calling
+    the kernel on the gathered keys."""
     return Gathered(self, mask, scale), None, None
 
 
@@ -244,7 +270,7 @@ def _resolve(backend, call: Call) -> str:
     kernel = select(backend, call)
   except ValueError as e:
     return f"error: {e}"
-  notes = [kernel.describe(call)]
+  notes = [kernel.describe(call.local())]
   if isinstance(backend, str) and (backend == "auto" or backend in ALIASES):
     candidates = order(call.platform) if backend == "auto" else ALIASES[backend]
     notes += [f"{n} declines: {get(n).unsupported_reason(call)}"
@@ -256,8 +282,7 @@ def _resolve(backend, call: Call) -> str:
 def describe(backend, call: Call) -> str:
   """Human-readable account of how `backend` resolves for `call` on its platform (every
   kernel's answer), then what it would run on each platform."""
-  cp = (f"; context parallel ({call.cp_strategy}) over {call.cp_size} devices"
-        if call.cp_strategy else "")
+  cp = f"; context parallel: {call.strategy_text()}" if call.cp_strategy else ""
   lines = [f"platform: {call.platform}; q {call.q_shape}, k/v {call.kv_shape}, {call.dtype};"
            f" mask {call.mask}; segment_ids: {call.has_segment_ids};"
            f" positions: {call.has_positions}{cp}",

@@ -23,7 +23,7 @@ Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
 
 DEFAULT_RULES: Rules = (
     ("batch", ("data", "fsdp")),
-    ("seq", "context"),
+    ("seq", ("context_ring", "context")),  # Ulysses x ring: ring outer (ContextParallel.seq_axes)
     ("embed", "fsdp"),
     ("heads", "tensor"),
     ("kv_heads", "tensor"),

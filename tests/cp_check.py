@@ -7,12 +7,14 @@ relative to the largest reference magnitude, and the collectives of the compiled
 With N == 4 it also prints a `LAYER` line, with N == 8 a `SPLASH` line and `WINDOW` lines. One process per N: JAX reads the device count
 once, and every case shares the process so only compiling costs time.
 
-`python tests/cp_check.py dist PORT I` (two processes, 2 devices each) prints `DIST`.
+`python tests/cp_check.py dist PORT I` (two processes, 2 devices each) prints a `DIST` line per
+strategy.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 import sys
 import zlib
@@ -24,13 +26,15 @@ import flaxattn
 from helpers import CP_MASKS, cp_cases, grads_of, legal_layout, normal, qkv, random_packing, rel_error
 
 def _hlo_collectives(text: str) -> dict:
-  """Result dtypes of every all-gather op line and the number of collective-permutes."""
+  """Result dtypes of every all-gather op line and the numbers of collective-permutes and
+  all-to-alls."""
   gathers = []
   for line in text.splitlines():
     if "all-gather(" in line or "all-gather-start(" in line:
       result = line.split("=", 1)[1].split("all-gather")[0]  # e.g. " f32[2,64,2,8]{3,2,1,0} "
       gathers += re.findall(r"\b([a-z]+[0-9]+)\[", result)
-  return dict(all_gather_dtypes=sorted(set(gathers)), collective_permutes=text.count("collective-permute"))
+  return dict(all_gather_dtypes=sorted(set(gathers)), collective_permutes=text.count("collective-permute"),
+              all_to_alls=len(re.findall(r"\sall-to-all(?:-start)?\(", text)))
 
 
 def permute_bytes(text: str) -> dict:
@@ -80,22 +84,25 @@ def _errors(got, want) -> dict:
 def run_case(c) -> dict:
   from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
   mesh = jax.make_mesh(tuple(c["mesh"].values()), tuple(c["mesh"]), axis_types=(AxisType.Auto,) * len(c["mesh"]))
-  cp = c["mesh"]["context"]
-  b, t, h, d = 2, c["t"], 4, 8
+  ring_axis = "context_ring" if "context_ring" in c["mesh"] else None
+  cpar = flaxattn.ContextParallel(strategy=c["strategy"], load_balance=c["lb"], ring_axis=ring_axis)
+  cp = cpar.balanced_shards(mesh) if c["lb"] else mesh.shape["context"]  # load_balance's shards
+  shards = math.prod(mesh.shape[a] for a in cpar.seq_axes)
+  b, t, h, d = 2, c["t"], c["h"], 8
   seed = zlib.crc32(c["name"].encode()) % 1000
   q, k, v = qkv(seed, b, t, t, h, c["hkv"], d)
   seg = pos = None
   if c["packed"] == "legal":
     seg, pos = legal_layout(seed, b, t)
   elif c["packed"]:
-    seg, pos = random_packing(seed, b, t, max_docs=8, pad_tail=3, cp=cp)
+    seg, pos = random_packing(seed, b, t, max_docs=8, pad_tail=3, cp=shards)
   mask = CP_MASKS[c["mask"]]
   if c["backend"] == "splash" and c["mask"] == "local":
     mask = flaxattn.Local(100)  # a window spanning several 128-token blocks
-  cpar = flaxattn.ContextParallel(strategy=c["strategy"], load_balance=c["lb"])
   lb = lambda x: x if x is None else flaxattn.load_balance(x, cp)
   batch = "data" if "data" in c["mesh"] else None
-  shard = lambda x: x if x is None else jax.device_put(x, NamedSharding(mesh, P(batch, "context")))
+  seq = cpar.seq_axes if ring_axis else "context"
+  shard = lambda x: x if x is None else jax.device_put(x, NamedSharding(mesh, P(batch, seq)))
 
   def reference(q, k, v, seg, pos):
     return flaxattn.attention(q, k, v, mask=mask, segment_ids=seg, positions=pos, scale=0.3,
@@ -176,36 +183,46 @@ def splash_sharded() -> dict:
   return dict(**_errors(got, want), out_spec=[str(a) for a in got[1][0].sharding.spec], **hlo)
 
 
-def distributed(port: int, process_id: int) -> dict:
-  """One of two processes with two CPU devices each: ring attention over a 4-device mesh that
-  spans both, checked on this process's shards against the reference computed locally."""
+def distributed(port: int, process_id: int) -> list[dict]:
+  """One of two processes with two CPU devices each: ring, all-gather, Ulysses and Ulysses x
+  ring (ring across the processes, Ulysses inside each) over a 4-device mesh that spans
+  both, checked on this process's shards against the reference computed locally."""
   jax.config.update("jax_cpu_collectives_implementation", "gloo")  # before initialize
   jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
                              process_id=process_id, initialization_timeout=120)
   from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
   assert (jax.process_count(), jax.device_count(), jax.local_device_count()) == (2, 4, 2)
-  b, t, cp = 2, 64, 4
+  b, t = 2, 64
   q, k, v = map(np.asarray, qkv(0, b, t, t, 4, 2, 8))  # the same data in both processes
-  seg, pos = (np.asarray(flaxattn.load_balance(a, cp))
-              for a in random_packing(0, b, t, max_docs=8, pad_tail=3, cp=cp))
+  packing = random_packing(0, b, t, max_docs=8, pad_tail=3, cp=4)
   mask = flaxattn.Causal()
+  results = []
+  for name, mesh_axes, cpar in [
+      ("ring", dict(context=4), flaxattn.ContextParallel()),
+      ("all_gather", dict(context=4), flaxattn.ContextParallel(strategy="all_gather")),
+      ("ulysses", dict(context=4), flaxattn.ContextParallel(strategy="ulysses")),
+      ("ulysses_ring", dict(context_ring=2, context=2),
+       flaxattn.ContextParallel(strategy="ulysses", ring_axis="context_ring"))]:
+    mesh = jax.make_mesh(tuple(mesh_axes.values()), tuple(mesh_axes),
+                         axis_types=(AxisType.Auto,) * len(mesh_axes))
+    seg, pos = (np.asarray(flaxattn.load_balance(a, cpar.balanced_shards(mesh))) for a in packing)
 
-  def attend(**kw):
-    return lambda q, k, v: flaxattn.attention(q, k, v, mask=mask, segment_ids=seg, positions=pos,
-                                              return_lse=True, **kw)
+    def attend(**kw):
+      return lambda q, k, v: flaxattn.attention(q, k, v, mask=mask, segment_ids=seg, positions=pos,
+                                                return_lse=True, **kw)
 
-  want = grads_of(attend(backend="reference"))(q, k, v)  # local devices only
-  mesh = jax.make_mesh((cp,), ("context",), axis_types=(AxisType.Auto,))
-  sharding = NamedSharding(mesh, P(None, "context"))
-  glob = lambda a: jax.make_array_from_callback(a.shape, sharding, lambda i: a[i])
-  with jax.set_mesh(mesh):
-    got = grads_of(attend(context_parallel=flaxattn.ContextParallel()))(glob(q), glob(k), glob(v))
-  errors, shards = {}, 0
-  for name, g, w in zip(NAMES, jax.tree.leaves(got), jax.tree.leaves(want)):
-    for shard in g.addressable_shards:
-      shards += 1
-      errors[name] = max(errors.get(name, 0.0), rel_error(shard.data, np.asarray(w)[shard.index]))
-  return dict(process=jax.process_index(), shards=shards, **errors)
+    want = grads_of(attend(backend="reference"))(q, k, v)  # local devices only
+    sharding = NamedSharding(mesh, P(None, cpar.seq_axes))
+    glob = lambda a: jax.make_array_from_callback(a.shape, sharding, lambda i: a[i])
+    with jax.set_mesh(mesh):
+      got = grads_of(attend(context_parallel=cpar))(glob(q), glob(k), glob(v))
+    errors, shards = {}, 0
+    for key, g, w in zip(NAMES, jax.tree.leaves(got), jax.tree.leaves(want)):
+      for shard in g.addressable_shards:
+        shards += 1
+        errors[key] = max(errors.get(key, 0.0), rel_error(shard.data, np.asarray(w)[shard.index]))
+    results.append(dict(strategy=name, process=jax.process_index(), shards=shards, **errors))
+  return results
 
 
 def main(n: int):
@@ -222,6 +239,7 @@ def main(n: int):
 
 if __name__ == "__main__":
   if sys.argv[1] == "dist":
-    print("DIST " + json.dumps(distributed(int(sys.argv[2]), int(sys.argv[3]))), flush=True)
+    for r in distributed(int(sys.argv[2]), int(sys.argv[3])):
+      print("DIST " + json.dumps(r), flush=True)
   else:
     main(int(sys.argv[1]))

@@ -160,27 +160,35 @@ def cp_cases(n: int) -> list[dict]:
   """A covering set, not the product (each ring compile costs seconds): every mask with ring
   and load balancing, each strategy x load balancing, GQA with 2 and 1 KV heads for 4 query
   heads, a Local window smaller than cp, 2-D and 3-D (heads over tensor) meshes, and the
-  unpermute pipeline. Splash (Pallas interpret mode: slow, so few cases, T = 128 per shard)
+  unpermute pipeline. Ulysses on 2, 4 and 8 devices and Ulysses x ring on 2x2, 2x4 and 4x2
+  meshes (a "context_ring" axis), every mask, GQA down to fewer K/V heads than devices,
+  heads over tensor, batch over data. Splash (Pallas interpret mode: slow, so few cases, T = 128 per shard)
   with the ring and all-gather strategies, every mask, packed and default layouts. `packed=
   "legal"`: random legal layouts no pipeline produces (`legal_layout`), on which splash must
   take its exact path."""
   def case(mesh, strategy="ring", lb=True, mask="causal", hkv=2, packed=True, pipeline=False, t=64,
-           backend="auto"):  # a case's name says all of its parameters
+           backend="auto", h=4):  # a case's name says all of its parameters
     name = "-".join(([] if backend == "auto" else [backend])
-                    + [strategy, "lb" if lb else "nolb", mask, f"hkv{hkv}",
+                    + [strategy, "lb" if lb else "nolb", mask] + ([] if h == 4 else [f"h{h}"]) + [f"hkv{hkv}",
                        {True: "packed", False: "default"}.get(packed, packed),
                        "x".join(f"{a}{s}" for a, s in mesh.items())] + (["pipeline"] if pipeline else []))
-    return dict(name=name, mesh=mesh, strategy=strategy, lb=lb, mask=mask, hkv=hkv, packed=packed,
+    return dict(name=name, mesh=mesh, strategy=strategy, lb=lb, mask=mask, h=h, hkv=hkv, packed=packed,
                 pipeline=pipeline, t=t, backend=backend)
 
   c2, c4, c8, dc2, dc4 = (dict(context=2), dict(context=4), dict(context=8), dict(data=2, context=2),
                           dict(data=2, context=4))
+  # Ulysses x ring (2-D): a mesh with "context_ring" runs the ring over it inside Ulysses.
+  r2c2, r2c4, r4c2 = (dict(context_ring=2, context=2), dict(context_ring=2, context=4),
+                      dict(context_ring=4, context=2))
+  u = "ulysses"
   return {
       2: [case(c2, mask="full", hkv=2), case(c2, "all_gather", lb=False, mask="causal", hkv=1, packed=False),
           case(c2, mask="causal", hkv=2, t=256, backend="splash"),
           case(c2, "all_gather", mask="local", hkv=1, t=256, backend="splash"),
           case(c2, mask="local", hkv=1, packed="legal", t=256, backend="splash"),
-          case(c2, "all_gather", mask="chunked", hkv=2, packed="legal", t=256, backend="splash")],
+          case(c2, "all_gather", mask="chunked", hkv=2, packed="legal", t=256, backend="splash"),
+          case(c2, u, mask="causal", hkv=1), case(c2, u, lb=False, mask="full", hkv=2, packed=False),
+          case(c2, u, mask="local", hkv=1, t=256, backend="splash")],
       4: [case(c4, mask="causal", hkv=2), case(c4, "all_gather", mask="causal", hkv=2),
           case(c4, lb=False, mask="causal", hkv=1, packed=False),
           case(c4, mask="local", hkv=1, pipeline=True), case(dc2, mask="causal", hkv=1, packed=False),
@@ -188,9 +196,17 @@ def cp_cases(n: int) -> list[dict]:
           case(c4, lb=False, mask="local", hkv=2, t=512, backend="splash"),
           case(c4, mask="causal", hkv=2, packed="legal"),
           case(c4, "all_gather", mask="local", hkv=1, packed="legal"),
-          case(c4, mask="local", hkv=2, packed="legal")],  # window ring, or every step
+          case(c4, mask="local", hkv=2, packed="legal"),  # window ring, or every step
+          case(c4, u, mask="chunked", hkv=2), case(c4, u, lb=False, mask="local", hkv=1, packed="legal"),
+          case(dc2, u, mask="causal", hkv=2, packed=False),
+          case(r2c2, u, mask="causal", hkv=2), case(r2c2, u, mask="full", hkv=1, packed=False),
+          case(r2c2, u, lb=False, mask="local", hkv=2), case(r2c2, u, mask="chunked", hkv=1, pipeline=True),
+          case(r2c2, u, mask="causal", hkv=2, t=256, backend="splash")],
       8: [case(c8, mask="causal", hkv=2, t=128), case(dc4, mask="chunked", hkv=1, packed=False, pipeline=True),
           case(dc4, "all_gather", lb=False, mask="local", hkv=2),
           case(dict(data=2, tensor=2, context=2), mask="causal", hkv=2),
-          case(dict(data=2, tensor=2, context=2), mask="causal", hkv=2, t=256, backend="splash")],
+          case(dict(data=2, tensor=2, context=2), mask="causal", hkv=2, t=256, backend="splash"),
+          case(c8, u, mask="causal", h=8, hkv=2, t=128), case(dict(data=2, tensor=2, context=2), u, mask="local", hkv=2),
+          case(r2c4, u, mask="causal", hkv=1), case(r4c2, u, lb=False, mask="chunked", hkv=2, t=128),
+          case(dict(data=2, context_ring=2, context=2), u, mask="local", hkv=1, packed=False)],
   }[n]

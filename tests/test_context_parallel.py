@@ -1,4 +1,5 @@
-"""Context parallelism: ring and all-gather attention on simulated CPU devices, load balancing.
+"""Context parallelism: ring, all-gather, Ulysses and Ulysses x ring attention on simulated
+CPU devices, load balancing.
 
 Multi-device checks run tests/cp_check.py in subprocesses (XLA reads the device count once
 per process). All of them start together on first use, so their compiles overlap each other
@@ -75,8 +76,8 @@ def test_matches_reference_forward_and_gradients(procs, n, name):
   r = _case(procs, n, name)
   errors = _errors(r)
   assert max(errors.values()) < TOL, errors
-  if not name.endswith("pipeline"):
-    assert r["out_spec"][1] == "context"  # the output stays sequence-sharded
+  if not name.endswith("pipeline"):  # the output stays sequence-sharded
+    assert r["out_spec"][1] == (["context_ring", "context"] if "context_ring" in name else "context")
 
 
 def test_ring_program_passes_kv_with_collective_permute_not_all_gather(procs):
@@ -111,6 +112,21 @@ def test_ring_keeps_batch_sharded_over_data(procs):
   assert r["out_spec"] == ["data", "context"] and "f32" not in r["all_gather_dtypes"], r
 
 
+def test_ulysses_program_moves_qkv_with_all_to_all_not_all_gather(procs):
+  # q, k, v, out and lse each take one all-to-all forward and one backward; ids (int32)
+  # may be gathered, floating-point values never. The ring inside the 2-D hybrid permutes.
+  for n, name in [(2, "ulysses-lb-causal-hkv1-packed-context2"), (4, "ulysses-lb-chunked-hkv2-packed-context4"),
+                  (8, "ulysses-lb-local-hkv2-packed-data2xtensor2xcontext2"),
+                  (4, "ulysses-lb-causal-hkv2-packed-context_ring2xcontext2"),
+                  (8, "ulysses-lb-causal-hkv1-packed-context_ring2xcontext4")]:
+    r = _case(procs, n, name)
+    assert r["all_to_alls"] >= 10 and set(r["all_gather_dtypes"]) <= {"s32"}, r
+    assert (r["collective_permutes"] > 0) == ("context_ring" in name), r
+  # Batch and heads stay sharded over data and tensor.
+  assert _case(procs, 8, "ulysses-lb-local-hkv2-packed-data2xtensor2xcontext2")["out_spec"] == [
+      "data", "context", "tensor"]
+
+
 def test_layer_matches_without_context_parallel(procs):
   # Inputs through load_balance, output through unload_balance, vs. the plain layer on the
   # unpermuted inputs: with packed positions, and with default ones (RoPE must permute too).
@@ -119,9 +135,11 @@ def test_layer_matches_without_context_parallel(procs):
 
 
 def test_two_processes_two_devices_each(procs):
-  # Each process checks its own shards of out, lse, dq, dk, dv: 5 arrays x 2 local devices.
-  results = [procs[f"dist{i}"]()["DIST"][0] for i in range(2)]
-  assert sorted(r["process"] for r in results) == [0, 1]
+  # Each process checks its own shards of out, lse, dq, dk, dv: 5 arrays x 2 local devices,
+  # for each strategy.
+  results = [r for i in range(2) for r in procs[f"dist{i}"]()["DIST"]]
+  assert sorted((r["strategy"], r["process"]) for r in results) == [
+      (s, p) for s in sorted(("ring", "all_gather", "ulysses", "ulysses_ring")) for p in (0, 1)]
   for r in results:
     assert r["shards"] == 10 and max(_errors(r).values()) < TOL, r
 
@@ -196,12 +214,47 @@ def test_errors():
     _trace(6, dict(context=4), context_parallel=flaxattn.ContextParallel(load_balance=False))
   with pytest.raises(ValueError, match=r"reference has no per-block passes for the ring strategy"):
     _trace(16, dict(context=4), context_parallel=ring, backend="reference")
-  with pytest.raises(ValueError, match=r"strategy=\.\.\.\) expects one of \('ring', 'all_gather'\), got 'bogus'"):
+  with pytest.raises(ValueError, match=r"strategy=\.\.\.\) expects one of \('ring', 'all_gather', 'ulysses'\), got 'bogus'"):
     flaxattn.ContextParallel(strategy="bogus")
   # The same shapes trace fine when they fit, so the errors above are not from elsewhere.
   assert _trace(16, dict(data=2, context=4), context_parallel=ring).shape == (1, 16, 2, 8)
   gather = flaxattn.ContextParallel(strategy="all_gather")
   assert _trace(16, dict(context=4), context_parallel=gather, backend="reference").shape == (1, 16, 2, 8)
+
+
+def test_ulysses_errors():
+  ulysses = flaxattn.ContextParallel(strategy="ulysses")
+  hybrid = flaxattn.ContextParallel(strategy="ulysses", ring_axis="context_ring")
+  # 2 query heads do not split over 4 devices, nor 1 head per tensor shard over 2.
+  with pytest.raises(ValueError, match=r"'ulysses' over 'context' \(size 4\) .* heads per device \(2, of 2"
+                                       r" K/V heads\) divisible by 4; use strategy='ring' or 'all_gather'"):
+    _trace(16, dict(context=4), context_parallel=ulysses)
+  with pytest.raises(ValueError, match=r"heads per device \(1, of 1 K/V heads\) divisible by 2"):
+    _trace(16, dict(tensor=2, context=2), context_parallel=ulysses)
+  with pytest.raises(ValueError, match=r"'context_ring' is not in the mesh.*ContextParallel\(ring_axis="):
+    _trace(16, dict(context=2), context_parallel=hybrid)
+  with pytest.raises(ValueError, match=r"length \(10\) divisible by 4 \(2 x 2 shards over \('context_ring',"
+                                       r" 'context'\), each ring shard 2 chunks, load balancing\)"):
+    _trace(10, dict(context_ring=2, context=2), context_parallel=hybrid)
+  with pytest.raises(ValueError, match=r"reference has no per-block passes for the ring strategy; use"
+                                       r" strategy='ulysses' without ring_axis"):
+    _trace(16, dict(context_ring=2, context=2), context_parallel=hybrid, backend="reference")
+  with pytest.raises(ValueError, match=r"ring_axis='context_ring'\) runs a ring inside Ulysses and expects"
+                                       r" strategy='ulysses', got 'ring'"):
+    flaxattn.ContextParallel(ring_axis="context_ring")
+  with pytest.raises(ValueError, match=r"ring_axis=\.\.\.\) expects None or a mesh axis name other than"
+                                       r" axis='context', got 'context'"):
+    flaxattn.ContextParallel(strategy="ulysses", ring_axis="context")
+  # Fitting shapes trace; any kernel serves Ulysses alone (a plain call per device).
+  assert _trace(16, dict(data=2, context=2), context_parallel=ulysses, backend="reference").shape == (1, 16, 2, 8)
+  assert _trace(16, dict(context_ring=2, context=2), context_parallel=hybrid).shape == (1, 16, 2, 8)
+  q = jax.ShapeDtypeStruct((1, 16, 2, 8), jnp.float32)
+  mesh = AbstractMesh((2, 2), ("context_ring", "context"), axis_types=(AxisType.Auto,) * 2)
+  with jax.sharding.use_abstract_mesh(mesh):
+    text = flaxattn.explain(q, q, q, context_parallel=hybrid, print_fn=None)
+    assert "context parallel: ulysses over 2 x ring over 2 devices" in text, text
+    text = flaxattn.explain(q, q, q, context_parallel=ulysses, backend="reference", print_fn=None)
+    assert "context parallel: ulysses over 2 devices" in text and "backend='reference' -> reference" in text, text
 
 
 def test_context_axis_of_size_one_is_plain_attention():

@@ -79,6 +79,12 @@ def test_context_parallel_lowers_compiled_splash_for_tpu(n):
   assert ring["tpu_custom_calls"] >= 2 and gather["tpu_custom_calls"] == 2, results
   assert ring["collective_permutes"] > 0 and ring["float_all_gathers"] == 0, ring
   assert ring["while_loops"] == 0 and gather["while_loops"] == 0, results
+  # Ulysses: splash on the whole sequence (forward and backward) between all-to-alls of q, k,
+  # v and out each way (the loss leaves lse unused); the hybrid's ring inside permutes.
+  for name in ["ulysses", "ulysses_ring"] if n == 4 else ["ulysses_ring"]:
+    r = results[name]
+    assert r["tpu_custom_calls"] >= 2 and r["all_to_alls"] == 8 and r["float_all_gathers"] == 0, r
+    assert (r["collective_permutes"] > 0) == (name == "ulysses_ring"), r
 
 
 def test_llama_train_step_of_the_tpu_config_lowers_for_tpu():

@@ -164,6 +164,7 @@ def test_sigterm_saves_and_exits_zero(tmp_path, reads):
     ("model.attention_backend=fusedd", "model.attention_backend", ["'fusedd'", "'fused'"]),
     ("data.tokenizer=byte", "data.tokenizer", ["'byte'", "'bytes'", ".model"]),
     ("platform=cpux", "platform", ["'cpux'", "'cpu'", "'gpu'", "'tpu'"]),
+    ("mesh.context_ring=2", "mesh.context_ring", ["'ulysses'", "got 'ring'"]),
 ])
 def test_bad_config_fails_before_jax_starts(tmp_path, override, key, expected):
   """Exit 2 with `config error` naming the key, the value and what is valid (listing the
@@ -204,6 +205,33 @@ def test_bad_config_exit_status_of_module(tmp_path):
   assert proc.returncode == 2, proc.stdout + proc.stderr
   assert "config error: unknown config key 'model.dimm'" in proc.stderr
   assert not run_dir.exists()
+
+
+def test_ulysses_ring_demo_matches_ring(tmp_path):
+  """configs/demo_usp.yaml (Ulysses x ring, 2 x 2, batch over fsdp 2, 8 simulated devices),
+  made tiny, beside the same run with a ring over context=4: the same data and parameters
+  (the data load-balanced over 2 ring shards in one, 4 in the other), so the same losses up
+  to reduction order."""
+  tiny = ["steps=3", "seq_len=256", "checkpoint_every=0", "eval_every=0", "model.dim=32",
+          "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1", "model.ffn_dim=64",
+          "optimizer.warmup_steps=2"]
+  ring = ["mesh.context_ring=1", "mesh.context=4", "context_parallel.strategy=ring"]
+  runs = {name: (tmp_path / name, tmp_path / f"{name}.txt") for name in ("usp", "ring")}
+  procs = {name: start(run_dir, log=log, cmd=[
+      sys.executable, "-m", "train", "configs/demo_usp.yaml", f"run_dir={run_dir}", *tiny,
+      *(ring if name == "ring" else [])]) for name, (run_dir, log) in runs.items()}
+  try:
+    outs = {name: wait(p, runs[name][1]) for name, p in procs.items()}
+  finally:
+    for p in procs.values():
+      if p.poll() is None:
+        kill_group(p)
+  for name, p in procs.items():
+    assert p.returncode == 0, outs[name][-4000:]
+  assert "'context_ring': 2, 'context': 2" in outs["usp"] and "'context': 4" in outs["ring"]
+  got, want = losses(runs["usp"][0]), losses(runs["ring"][0])
+  assert sorted(got) == [1, 2, 3] and all(math.isfinite(v) for v in got.values()), got
+  assert all(got[s] == pytest.approx(want[s], abs=1e-4) for s in want), (got, want)
 
 
 def test_damaged_checkpoints_fall_back(reference, tmp_path):

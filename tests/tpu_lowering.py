@@ -1,6 +1,7 @@
 """Context-parallel attention on N simulated CPU devices, lowered for TPU; run by
 test_lowering.py as `XLA_FLAGS=--xla_force_host_platform_device_count=N python
-tests/tpu_lowering.py N`. Prints one JSON line per strategy with what the program holds."""
+tests/tpu_lowering.py N`. Prints one JSON line per strategy (Ulysses where N divides the 4
+heads, Ulysses over 2 x ring over N / 2) with what the program holds."""
 
 import json
 import re
@@ -15,13 +16,20 @@ import flaxattn
 
 
 def main(n: int):
-  mesh = jax.make_mesh((n,), ("context",), axis_types=(AxisType.Auto,))
-  b, t = 1, 256 * n
-  q = jax.ShapeDtypeStruct((b, t, 4, 128), jnp.bfloat16)
+  b, t, h = 1, 256 * n, 4
+  q = jax.ShapeDtypeStruct((b, t, h, 128), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((b, t, 2, 128), jnp.bfloat16)
-  seg = flaxattn.load_balance(np.repeat(np.arange(1, 5), t // 4)[None].astype(np.int32), n)
-  for strategy in ("ring", "all_gather"):
-    cp = flaxattn.ContextParallel(strategy=strategy)
+  line = {"context": n}
+  hybrid = {"context_ring": n // 2, "context": 2}  # Ulysses over 2 x ring over n / 2
+  strategies = [("ring", line, flaxattn.ContextParallel()),
+                ("all_gather", line, flaxattn.ContextParallel(strategy="all_gather")),
+                ("ulysses_ring", hybrid, flaxattn.ContextParallel(strategy="ulysses", ring_axis="context_ring"))]
+  if h % n == 0:
+    strategies.append(("ulysses", line, flaxattn.ContextParallel(strategy="ulysses")))
+  for strategy, axes, cp in strategies:
+    mesh = jax.make_mesh(tuple(axes.values()), tuple(axes), axis_types=(AxisType.Auto,) * len(axes))
+    seg = flaxattn.load_balance(np.repeat(np.arange(1, 5), t // 4)[None].astype(np.int32),
+                                cp.balanced_shards(mesh))
 
     def loss(q, k, v):
       out = flaxattn.attention(q, k, v, segment_ids=seg, context_parallel=cp)
@@ -34,6 +42,7 @@ def main(n: int):
     gathers += re.findall(r"stablehlo.all_gather.*-> tensor<[0-9x]*(?:f32|bf16|f16)>", text)
     print(json.dumps(dict(strategy=strategy, tpu_custom_calls=text.count("tpu_custom_call"),
                           collective_permutes=text.count("collective_permute"),
+                          all_to_alls=text.count("stablehlo.all_to_all"),
                           float_all_gathers=len(gathers),
                           while_loops=text.count("stablehlo.while"))), flush=True)
 

@@ -20,6 +20,7 @@ from typing import Any
 import yaml
 
 from flaxattn import registry
+from flaxattn.context_parallel import STRATEGIES
 from models.llama import LlamaConfig
 
 
@@ -74,11 +75,13 @@ class OptimizerConfig:
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
   """Mesh axis sizes; one may be -1 (fill with the remaining devices). Their product must
-  equal the number of devices."""
+  equal the number of devices. The sequence is sharded over (context_ring, context):
+  context_ring > 1 runs a ring over it inside Ulysses over context (strategy "ulysses")."""
 
   data: int = -1
   fsdp: int = 1
   tensor: int = 1
+  context_ring: int = 1
   context: int = 1
 
   def shape(self, num_devices: int) -> tuple[int, ...]:
@@ -102,13 +105,16 @@ class MeshConfig:
     return tuple(sizes)
 
 
-MESH_AXES = ("data", "fsdp", "tensor", "context")
+MESH_AXES = ("data", "fsdp", "tensor", "context_ring", "context")
 PLATFORMS = ("cpu", "gpu", "cuda", "rocm", "tpu")
 
 
 @dataclasses.dataclass(frozen=True)
 class ContextParallelConfig:
-  """`flaxattn.ContextParallel` over the mesh's `context` axis (used when it is > 1)."""
+  """`flaxattn.ContextParallel` over the mesh's `context` axis (used when it or
+  `context_ring` is > 1). strategy: "ring", "all_gather" or "ulysses"; with mesh
+  `context_ring` > 1 it must be "ulysses", which then runs a ring over `context_ring`
+  (`ContextParallel(ring_axis="context_ring")`)."""
 
   strategy: str = "ring"
   load_balance: bool = True
@@ -174,11 +180,15 @@ class TrainConfig:
       raise ConfigError(f"seq_len ({self.seq_len}) expects at most model.max_seq_len"
                         f" ({self.model.max_seq_len}); raise model.max_seq_len.")
     for key, choices in (("distributed", ("auto", "on", "off")),
-                         ("context_parallel.strategy", ("ring", "all_gather")),
+                         ("context_parallel.strategy", STRATEGIES),
                          ("platform", ("",) + PLATFORMS),
                          ("model.attention_backend", tuple(registry.backend_names())),
                          ("data.bad_records", ("skip", "error"))):
       _check_choice(key, _get(self, key), choices)
+    if self.mesh.context_ring != 1 and self.context_parallel.strategy != "ulysses":
+      raise ConfigError(f"config key 'mesh.context_ring' ({self.mesh.context_ring}) runs a ring"
+                        f" inside Ulysses and expects context_parallel.strategy 'ulysses', got"
+                        f" {self.context_parallel.strategy!r}; for one context axis set mesh.context.")
     if not 0 <= self.data.eval_fraction < 1:
       raise ConfigError(f"data.eval_fraction expects a value in [0, 1), got {self.data.eval_fraction}.")
 

@@ -8,7 +8,8 @@ Per process:
   weights (`models.llama.make_targets`, in the original token order).
 Then `GlobalBatches` permutes every per-token array with `flaxattn.load_balance` (under
 load-balanced context parallelism) and assembles global arrays with
-`jax.make_array_from_process_local_data`: batch over (data, fsdp), sequence over context.
+`jax.make_array_from_process_local_data`: batch over (data, fsdp), sequence over
+(context_ring, context).
 The grain iterator's state (`get_state`/`set_state`) is what checkpoints save.
 """
 
@@ -33,7 +34,7 @@ from train.config import ConfigError, DataConfig
 
 log = logging.getLogger(__name__)
 
-BATCH_SPEC = P(("data", "fsdp"), "context")
+BATCH_SPEC = P(("data", "fsdp"), ("context_ring", "context"))  # ContextParallel.seq_axes
 KEYS = ("tokens", "targets", "weights", "segment_ids", "positions")
 MIN_TOKENS = 2  # a piece needs a token and its next-token target
 # A text file with more undecodable bytes than this share is not UTF-8 text (binary, or
@@ -248,15 +249,16 @@ def pipeline(docs: list[Document], tokenizer, cfg: DataConfig, *, seq_len: int, 
 
 class GlobalBatches:
   """This process's part of global `[batch_size, seq_len]` batches, assembled into
-  `jax.Array`s sharded `P(("data", "fsdp"), "context")` over `mesh`.
+  `jax.Array`s sharded `P(("data", "fsdp"), ("context_ring", "context"))` over `mesh`.
 
   The rows (and columns, if the context axis spans processes) that this process's devices
   hold decide which data shard it reads: processes holding the same rows read the same
   shard and keep their own columns.
 
   Args:
-    mesh: the training mesh (axes data, fsdp, tensor, context).
-    cp: the context-parallel size to load-balance for, or None for no permutation.
+    mesh: the training mesh (`train.config.MESH_AXES`).
+    cp: the number of shards to load-balance for (`ContextParallel.balanced_shards`), or
+      None for no permutation.
   """
 
   def __init__(self, mesh, *, batch_size: int, seq_len: int, cp: int | None):

@@ -136,13 +136,10 @@ def _parallelism(cfg: TrainConfig):
   # Stacked layers (scan_layers) are replicated: every device holds its part of each layer.
   rules = (*flaxattn.sharding.rules(mesh, kv_heads=m.n_kv_heads, heads=m.n_heads, mlp=m.ffn_dim,
                                     vocab=m.vocab_size, embed=m.dim), (LAYERS_AXIS, None))
-  cp_size = mesh.shape["context"]
-  cp = None
-  if cp_size > 1:
-    cp = flaxattn.ContextParallel("context", cfg.context_parallel.strategy,
-                                  cfg.context_parallel.load_balance)
+  cp = mesh_lib.context_parallel(cfg, mesh)
+  shards = 1 if cp is None else cp.balanced_shards(mesh)
   batches = data.GlobalBatches(mesh, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
-                               cp=cp_size if cp is not None and cp.load_balance else None)
+                               cp=shards if shards > 1 else None)
   return mesh, rules, cp, batches
 
 

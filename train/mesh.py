@@ -1,10 +1,14 @@
-"""The device mesh of a run: axes (data, fsdp, tensor, context), all `AxisType.Auto`."""
+"""The device mesh of a run: axes (data, fsdp, tensor, context_ring, context), all
+`AxisType.Auto`, and the context parallelism over its sequence axes."""
 
 from __future__ import annotations
+
+import math
 
 import jax
 from jax.sharding import AxisType
 
+import flaxattn
 from train.config import MESH_AXES, ConfigError, TrainConfig
 
 
@@ -14,8 +18,8 @@ def make(cfg: TrainConfig) -> jax.sharding.Mesh:
 
   Raises:
     ConfigError: sizes that do not multiply to the device count; `batch_size` not a
-      multiple of data x fsdp; `seq_len` not a multiple of context (2 x context with load
-      balancing).
+      multiple of data x fsdp; `seq_len` not a multiple of context_ring x context (and of
+      2 x the load-balanced shards with load balancing).
   """
   shape = cfg.mesh.shape(jax.device_count())
   sizes = dict(zip(MESH_AXES, shape))
@@ -23,9 +27,23 @@ def make(cfg: TrainConfig) -> jax.sharding.Mesh:
   if cfg.batch_size % batch_parts:
     raise ConfigError(f"batch_size ({cfg.batch_size}) expects a multiple of mesh data x fsdp"
                       f" ({batch_parts}).")
-  balanced = sizes["context"] > 1 and cfg.context_parallel.load_balance
-  seq_parts = sizes["context"] * (2 if balanced else 1)
+  mesh = jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+  cp = context_parallel(cfg, mesh)
+  shards = sizes["context_ring"] * sizes["context"]
+  balanced = 1 if cp is None else cp.balanced_shards(mesh)
+  seq_parts = math.lcm(shards, 2 * balanced if balanced > 1 else 1)
   if cfg.seq_len % seq_parts:
-    raise ConfigError(f"seq_len ({cfg.seq_len}) expects a multiple of {seq_parts} (mesh context"
-                      f"{' x 2, load balancing' if balanced else ''}).")
-  return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+    why = ", and 2 x the load-balanced shards" if balanced > 1 else ""
+    raise ConfigError(f"seq_len ({cfg.seq_len}) expects a multiple of {seq_parts} (mesh"
+                      f" context_ring x context{why}).")
+  return mesh
+
+
+def context_parallel(cfg: TrainConfig, mesh) -> flaxattn.ContextParallel | None:
+  """The context parallelism of `cfg` over `mesh`: None when the sequence is not sharded;
+  a ring over `context_ring` inside Ulysses over `context` when `context_ring` > 1."""
+  if mesh.shape["context_ring"] * mesh.shape["context"] == 1:
+    return None
+  ring_axis = "context_ring" if mesh.shape["context_ring"] > 1 else None
+  return flaxattn.ContextParallel("context", cfg.context_parallel.strategy,
+                                  cfg.context_parallel.load_balance, ring_axis)
