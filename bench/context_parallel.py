@@ -38,6 +38,12 @@ random, so permuting them would change nothing measured: no permutation of data 
   5. GPU only (skipped, saying why, without at least 2 GPUs): ring over all GPUs with cuDNN
      steps vs blockwise steps, and cuDNN on one GPU, causal T=32768, B=1, H=32, Hkv=8,
      D=128, bfloat16, forward+backward TFLOP/s (per device for the ring).
+  6. every strategy (ring, all_gather, ulysses, and Ulysses 4 x ring 2 on a 2-D mesh) at
+     each `--strategy-lengths` T on 8 devices, causal and Local(4096), B=1, H=Hkv=8, D=64,
+     float32, load balanced: bytes the compiled per-device program moves in collectives
+     (`bench/hlo.py`, loops counted by their trip counts), per-device temp memory, model
+     FLOPs per device, wall time; the strategy `strategy="auto"` picks (cost_model="cpu")
+     and its time over the measured best. `--strategies-only` runs just this part.
 Times are the best of `--repeats` runs after one compile-and-warm-up run.
 """
 
@@ -301,6 +307,68 @@ def bench_gpu_ring(t: int, repeats: int) -> list[dict]:
   return rows
 
 
+# 6. every strategy, and auto's pick ---------------------------------------------------------
+
+STRATEGY_H, STRATEGY_D = 8, 64
+
+
+def bench_every_strategy(t: int, mask, repeats: int) -> list[dict]:
+  """Part 6 for one T and mask: a row per strategy, and auto's pick."""
+  from bench.hlo import collectives
+  from flaxattn import planner
+  from flaxattn.context_parallel import choose
+
+  keys = jax.random.split(jax.random.key(t), 3)
+  host = tuple(jax.random.normal(key, (1, t, STRATEGY_H, STRATEGY_D), jnp.float32) for key in keys)
+  flat = jax.make_mesh((8,), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,))
+  grid = jax.make_mesh((2, 4), ("context_ring", AXIS), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  cases = [("ring", flat, flaxattn.ContextParallel(AXIS, "ring")),
+           ("all_gather", flat, flaxattn.ContextParallel(AXIS, "all_gather")),
+           ("ulysses", flat, flaxattn.ContextParallel(AXIS, "ulysses")),
+           ("ulysses_ring", grid, flaxattn.ContextParallel(AXIS, "ulysses", ring_axis="context_ring"))]
+  shapes = planner.Shapes(1, t, STRATEGY_H, STRATEGY_H, STRATEGY_D, 4, mask, True)
+  rows = []
+  for name, mesh, cp in cases:
+    def loss(q, k, v, cp=cp):
+      out = flaxattn.attention(q, k, v, mask=mask, backend="fused", context_parallel=cp)
+      return jnp.sum(out * out)
+    fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    with jax.set_mesh(mesh):
+      sharding = NamedSharding(mesh, P(None, cp.seq_axes))
+      args = tuple(jax.device_put(x, sharding) for x in host)
+      compiled = fn.lower(*args).compile()
+      moved = collectives(compiled.as_text())
+      seconds = best_time(fn, args, repeats)
+    rows.append(dict(t=t, mask=repr(mask), strategy=name, seconds=seconds,
+                     bytes_moved=sum(c["bytes"] for c in moved.values()), collectives=moved,
+                     temp_mib=compiled.memory_analysis().temp_size_in_bytes / MIB,
+                     gflop_per_device=shapes.flops() / 8 / 1e9))
+  with jax.set_mesh(flat):
+    q_shape = (1, t, STRATEGY_H, STRATEGY_D)
+    picked, (best, _) = choose(flaxattn.ContextParallel(AXIS, "auto", cost_model="cpu"),
+                               q_shape, q_shape, 4, mask)
+  measured = min(rows, key=lambda r: r["seconds"])
+  pick = next(r for r in rows if r["strategy"] == picked.strategy)
+  for r in rows:
+    r.update(auto_pick=picked.strategy, measured_best=measured["strategy"],
+             pick_over_best=pick["seconds"] / measured["seconds"])
+  return rows
+
+
+def print_every_strategy(rows: list[dict]):
+  print(f"\n6. every strategy on 8 devices, B=1, H=Hkv={STRATEGY_H}, D={STRATEGY_D}, float32, load"
+        " balanced, forward+backward (per device)")
+  print(f"{'T':>6} {'mask':<18} {'strategy':<13} {'seconds':>8} {'MiB moved':>10} {'temp MiB':>9}"
+        f" {'GFLOP':>7}")
+  for r in rows:
+    print(f"{r['t']:>6} {r['mask']:<18} {r['strategy']:<13} {r['seconds']:>8.2f}"
+          f" {r['bytes_moved'] / MIB:>10.1f} {r['temp_mib']:>9.1f} {r['gflop_per_device']:>7.1f}")
+  for key in sorted({(r["t"], r["mask"]) for r in rows}):
+    r = next(r for r in rows if (r["t"], r["mask"]) == key)
+    print(f"T={key[0]} {key[1]}: auto (cost_model='cpu') picks {r['auto_pick']}, measured best"
+          f" {r['measured_best']}; the pick takes {r['pick_over_best']:.2f}x the best time")
+
+
 # -------------------------------------------------------------------------------------------
 
 def main():
@@ -309,7 +377,21 @@ def main():
   parser.add_argument("--repeats", type=int, default=2)
   parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke test")
   parser.add_argument("--t-time", type=int, help="T of part 3 (default 32768; 4096 with --quick)")
+  parser.add_argument("--strategy-lengths", type=int, nargs="+",
+                      help="T of part 6 (default 16384 32768; 2048 with --quick)")
+  parser.add_argument("--strategies-only", action="store_true", help="run part 6 only")
   args = parser.parse_args()
+  lengths = args.strategy_lengths or ([2048] if args.quick else [16384, 32768])
+  if args.strategies_only:
+    start = time.perf_counter()
+    rows = [r for t in lengths for mask in (flaxattn.Causal(), flaxattn.Local(4096))
+            for r in bench_every_strategy(t, mask, args.repeats)]
+    print_every_strategy(rows)
+    print(f"\nscript time {time.perf_counter() - start:.0f} s")
+    if args.json:
+      with open(args.json, "w") as f:
+        json.dump(dict(devices=len(jax.devices()), cpu_cores=os.cpu_count(), every_strategy=rows), f, indent=2)
+    return
   t_mem, t_bal, t_time = (4096, 4096, 4096) if args.quick else (16384, 16384, 32768)
   t_time = args.t_time or t_time
   cps, cp_max = (2, 4, 8), 8

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from flaxattn import planner, registry
-from flaxattn.context_parallel import ContextParallel, axis_size, context_parallel_attention
+from flaxattn.context_parallel import ContextParallel, axis_size, choose, context_parallel_attention
 from flaxattn.layout import Layout, resolve, shape_error
 from flaxattn.masks import Causal, Mask, check_mask
 
@@ -79,6 +80,8 @@ def attention(q, k, v, *, mask: Mask = Causal(), segment_ids=None, positions=Non
                          context_parallel)
   if scale is None:
     scale = q.shape[-1] ** -0.5
+  if context_parallel is not None:  # strategy="auto": chosen per call
+    context_parallel, _ = choose(context_parallel, q.shape, k.shape, np.dtype(q.dtype).itemsize, mask)
   call = _call(q, k, mask, layout, return_lse, context_parallel)
   kernels = registry.per_platform(backend, call)
   here = kernels[registry.lowering_name(call.platform)]
@@ -109,7 +112,12 @@ def explain(q, k, v, *, mask: Mask = Causal(), segment_ids=None, positions=None,
   check_qkv(q, k, v)
   mask, layout = _layout(q, k, mask, segment_ids, positions, kv_segment_ids, kv_positions,
                          context_parallel)
+  plan = None
+  if context_parallel is not None:
+    context_parallel, plan = choose(context_parallel, q.shape, k.shape, np.dtype(q.dtype).itemsize, mask)
   text = registry.describe(backend, _call(q, k, mask, layout, return_lse, context_parallel))
+  if plan is not None:
+    text += "\n" + planner.describe_plan(*plan)
   if context_parallel is not None:
     cp = context_parallel
     text += "\n" + planner.communication(

@@ -18,12 +18,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from flaxattn import balance, sharding
+from flaxattn import balance, planner, sharding
 from flaxattn.layout import Layout, index_check
 from flaxattn.masks import Mask
 from flaxattn.planner import ring_fetches
 
-STRATEGIES = ("ring", "all_gather", "ulysses")
+STRATEGIES = ("ring", "all_gather", "ulysses", "auto")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,7 +32,9 @@ class ContextParallel:
 
   Args:
     axis: mesh axis name the sequence (dim 1 of q/k/v) is sharded over.
-    strategy: "ring", "all_gather" or "ulysses". Ulysses turns sequence-sharded q/k/v into
+    strategy: "ring", "all_gather", "ulysses" or "auto" (per call, the strategy
+      `flaxattn.planner.plan` estimates fastest for its shapes, heads, mask and mesh; with
+      `ring_axis` the hybrid, the one strategy over both axes). Ulysses turns sequence-sharded q/k/v into
       head-sharded ones with an all-to-all over `axis`, runs the kernel on the whole
       sequence and turns the result back: the query heads, and the key/value heads after
       repeating each as little as needed, must divide by the axis size (heads sharded over
@@ -49,9 +51,11 @@ class ContextParallel:
     batch_axes, head_axes: mesh axes the batch and the heads may be sharded over; those in
       the mesh whose sizes divide the dimension stay sharded inside the attention (absent
       or non-dividing axes are replicated there).
+    cost_model: the platform numbers `strategy="auto"` estimates with: a key of
+      `flaxattn.planner.PLATFORMS` or a `planner.Platform`; None: the current backend's.
   Raises:
-    ValueError: unknown strategy, a non-string axis, or a `ring_axis` that is `axis` or
-      comes without strategy "ulysses".
+    ValueError: unknown strategy or cost model, a non-string axis, or a `ring_axis` that is
+      `axis` or comes without strategy "ulysses" or "auto".
   """
 
   axis: str = "context"
@@ -60,6 +64,7 @@ class ContextParallel:
   ring_axis: str | None = None
   batch_axes: tuple[str, ...] = ("data", "fsdp")
   head_axes: tuple[str, ...] = ("tensor",)
+  cost_model: str | planner.Platform | None = None
 
   def __post_init__(self):
     if not isinstance(self.axis, str) or not self.axis:
@@ -70,10 +75,15 @@ class ContextParallel:
       if not isinstance(self.ring_axis, str) or self.ring_axis in ("", self.axis):
         raise ValueError(f"ContextParallel(ring_axis=...) expects None or a mesh axis name other"
                          f" than axis={self.axis!r}, got {self.ring_axis!r}.")
-      if self.strategy != "ulysses":
+      if self.strategy not in ("ulysses", "auto"):
         raise ValueError(f"ContextParallel(ring_axis={self.ring_axis!r}) runs a ring inside"
-                         f" Ulysses and expects strategy='ulysses', got {self.strategy!r}; for a"
-                         " ring over one axis leave ring_axis=None.")
+                         f" Ulysses and expects strategy='ulysses' (or 'auto'), got"
+                         f" {self.strategy!r}; for a ring over one axis leave ring_axis=None.")
+    if not (self.cost_model is None or isinstance(self.cost_model, planner.Platform)
+            or self.cost_model in planner.PLATFORMS):
+      raise ValueError(f"ContextParallel(cost_model=...) expects None, one of"
+                       f" {tuple(planner.PLATFORMS)} or a flaxattn.planner.Platform, got"
+                       f" {self.cost_model!r}.")
 
   @property
   def seq_axes(self) -> tuple[str, ...]:
@@ -87,6 +97,24 @@ class ContextParallel:
     if not self.load_balance:
       return 1
     return axis_size(self, self.ring_axis or self.axis, mesh)
+
+
+def choose(cp: ContextParallel, q_shape, kv_shape, itemsize: int, mask: Mask):
+  """`cp` with `strategy="auto"` resolved for one call (q `[B, T, H, D]`, k/v `[B, T, Hkv,
+  D]` of `itemsize` bytes, `mask`), and the planner's (best, estimates); other strategies
+  come back as they are, with None. Needs the mesh.
+
+  Raises:
+    ValueError: no strategy can serve the call (the reason of each).
+  """
+  if cp.strategy != "auto":
+    return cp, None
+  n = axis_size(cp)
+  n_ring = axis_size(cp, cp.ring_axis) if cp.ring_axis else None
+  estimates = planner.plan(q_shape, kv_shape, itemsize, mask, cp.load_balance, n,
+                           cp.cost_model or jax.default_backend(), n_ring)
+  strategy = "ulysses" if estimates[0].strategy == "ulysses_ring" else estimates[0].strategy
+  return dataclasses.replace(cp, strategy=strategy), estimates
 
 
 def axis_size(cp: ContextParallel, axis: str | None = None, mesh=None) -> int:

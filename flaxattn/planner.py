@@ -61,7 +61,8 @@ def communication(strategy: str, load_balance: bool, mask: Mask, t: int, n: int,
     n = n_ring
   fetches = ring_fetches(mask, t, n, load_balance)
   if fetches is None:
-    lines.append(f"ring over {n} devices: keys of every other shard visit, {n - 1} steps")
+    lines.append(f"ring over {n} devices: keys of every other shard visit,"
+                 f" {n - 1} step{'s' if n > 2 else ''}")
   else:
     reach = _reach(mask) - 1
     if load_balance:
@@ -272,9 +273,10 @@ def plan(q_shape, kv_shape, itemsize: int, mask: Mask, load_balance: bool, n: in
   return min(possible, key=lambda c: (c.seconds, c.kv_memory)), costs
 
 
-def describe_plan(best: Cost, costs: list[Cost], platform: str) -> str:
+def describe_plan(best: Cost, costs: list[Cost]) -> str:
   """The lines `explain` prints for `strategy="auto"`."""
-  lines = [f"strategy='auto' on {platform} (nominal numbers, flaxattn.planner.PLATFORMS): {best.strategy}"]
+  lines = [f"strategy='auto' chose {best.strategy}; per-device estimates, forward+backward"
+           " (nominal platform numbers: flaxattn.planner.PLATFORMS, ContextParallel(cost_model=...)):"]
   lines += ["  " + c.line() for c in costs]
   others = [c for c in costs if c.seconds is not None and c is not best]
   if others:

@@ -197,6 +197,7 @@ def cp_cases(n: int) -> list[dict]:
           case(c4, mask="causal", hkv=2, packed="legal"),
           case(c4, "all_gather", mask="local", hkv=1, packed="legal"),
           case(c4, mask="local", hkv=2, packed="legal"),  # window ring, or every step
+          case(c4, "auto", mask="chunked", hkv=1),
           case(c4, u, mask="chunked", hkv=2), case(c4, u, lb=False, mask="local", hkv=1, packed="legal"),
           case(dc2, u, mask="causal", hkv=2, packed=False),
           case(r2c2, u, mask="causal", hkv=2), case(r2c2, u, mask="full", hkv=1, packed=False),

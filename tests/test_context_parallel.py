@@ -214,7 +214,7 @@ def test_errors():
     _trace(6, dict(context=4), context_parallel=flaxattn.ContextParallel(load_balance=False))
   with pytest.raises(ValueError, match=r"reference has no per-block passes for the ring strategy"):
     _trace(16, dict(context=4), context_parallel=ring, backend="reference")
-  with pytest.raises(ValueError, match=r"strategy=\.\.\.\) expects one of \('ring', 'all_gather', 'ulysses'\), got 'bogus'"):
+  with pytest.raises(ValueError, match=r"strategy=\.\.\.\) expects one of \('ring', 'all_gather', 'ulysses', 'auto'\), got 'bogus'"):
     flaxattn.ContextParallel(strategy="bogus")
   # The same shapes trace fine when they fit, so the errors above are not from elsewhere.
   assert _trace(16, dict(data=2, context=4), context_parallel=ring).shape == (1, 16, 2, 8)
@@ -240,7 +240,7 @@ def test_ulysses_errors():
                                        r" strategy='ulysses' without ring_axis"):
     _trace(16, dict(context_ring=2, context=2), context_parallel=hybrid, backend="reference")
   with pytest.raises(ValueError, match=r"ring_axis='context_ring'\) runs a ring inside Ulysses and expects"
-                                       r" strategy='ulysses', got 'ring'"):
+                                       r" strategy='ulysses' \(or 'auto'\), got 'ring'"):
     flaxattn.ContextParallel(ring_axis="context_ring")
   with pytest.raises(ValueError, match=r"ring_axis=\.\.\.\) expects None or a mesh axis name other than"
                                        r" axis='context', got 'context'"):

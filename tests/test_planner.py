@@ -2,11 +2,14 @@
 
 import dataclasses
 
+import jax
 import numpy as np
 import pytest
 
 import flaxattn
 from flaxattn import planner
+from flaxattn.context_parallel import choose
+from models.llama import LlamaConfig, layer_masks
 
 
 @pytest.mark.parametrize("mask", [flaxattn.Full(), flaxattn.Causal(), flaxattn.Local(5),
@@ -65,3 +68,47 @@ def test_estimates_follow_the_platform_numbers():
   ring = {c.strategy: c for c in costs}["ring"]
   assert ring.comm_s > ring.compute_s
   assert best.seconds > fast.seconds
+
+
+def _mesh(*sizes_names):
+  sizes, names = zip(*sizes_names)
+  return jax.sharding.use_abstract_mesh(
+      jax.sharding.AbstractMesh(sizes, names, axis_types=(jax.sharding.AxisType.Auto,) * len(sizes)))
+
+
+def test_auto_chooses_per_call_so_mixed_layers_choose_per_layer():
+  """A model with chunked and global layers (models/llama.py's layer_masks) gets a strategy
+  per layer: the global layers' long kernel calls favour Ulysses, the chunked layers' short
+  reach the window-aware ring."""
+  cp = flaxattn.ContextParallel(strategy="auto", cost_model="tpu")
+  q, k = (1, 131072, 32, 128), (1, 131072, 8, 128)
+  with _mesh((8, "context")):
+    masks = layer_masks(LlamaConfig(n_layers=4, chunk_size=4096, global_every=4, max_seq_len=131072))
+    chosen = [choose(cp, q, k, 2, m)[0].strategy for m in masks]
+  assert chosen == ["ring", "ring", "ring", "ulysses"], chosen
+  with _mesh((2, "context_ring"), (4, "context")):
+    hybrid, (best, costs) = choose(dataclasses.replace(cp, ring_axis="context_ring"), q, k, 2,
+                                   flaxattn.Causal())
+  assert hybrid.strategy == "ulysses" and best.strategy == "ulysses_ring" and len(costs) == 1
+
+
+def test_auto_leaves_other_strategies_alone_and_explains_its_choice():
+  ring = flaxattn.ContextParallel(strategy="ring")
+  with _mesh((4, "context")):
+    assert choose(ring, (1, 1024, 4, 8), (1, 1024, 4, 8), 4, flaxattn.Causal()) == (ring, None)
+    q = jax.ShapeDtypeStruct((1, 32768, 32, 128), "bfloat16")
+    k = jax.ShapeDtypeStruct((1, 32768, 8, 128), "bfloat16")
+    text = flaxattn.explain(q, k, k, context_parallel=flaxattn.ContextParallel(
+        strategy="auto", cost_model="gpu"), print_fn=None)
+  assert "strategy='auto' chose ulysses" in text and "ulysses wins: estimated" in text
+  for strategy in ("ring", "all_gather", "ulysses"):
+    assert f"{strategy}:" in text
+
+
+def test_auto_errors():
+  with pytest.raises(ValueError, match=r"cost_model=\.\.\.\) expects None, one of"):
+    flaxattn.ContextParallel(strategy="auto", cost_model="h100")
+  cp = flaxattn.ContextParallel(strategy="auto", ring_axis="context_ring")
+  with _mesh((2, "context_ring"), (4, "context")):
+    with pytest.raises(ValueError, match="6 query heads on 2 KV heads do not split over 4"):
+      choose(cp, (1, 1024, 6, 8), (1, 1024, 2, 8), 4, flaxattn.Causal())

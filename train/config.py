@@ -112,9 +112,10 @@ PLATFORMS = ("cpu", "gpu", "cuda", "rocm", "tpu")
 @dataclasses.dataclass(frozen=True)
 class ContextParallelConfig:
   """`flaxattn.ContextParallel` over the mesh's `context` axis (used when it or
-  `context_ring` is > 1). strategy: "ring", "all_gather" or "ulysses"; with mesh
-  `context_ring` > 1 it must be "ulysses", which then runs a ring over `context_ring`
-  (`ContextParallel(ring_axis="context_ring")`)."""
+  `context_ring` is > 1). strategy: "ring", "all_gather", "ulysses" or "auto" (per attention
+  layer, the strategy `flaxattn.planner` estimates fastest); with mesh `context_ring` > 1
+  it must be "ulysses" (or "auto", which then has only it), which runs a ring over
+  `context_ring` (`ContextParallel(ring_axis="context_ring")`)."""
 
   strategy: str = "ring"
   load_balance: bool = True
@@ -185,9 +186,10 @@ class TrainConfig:
                          ("model.attention_backend", tuple(registry.backend_names())),
                          ("data.bad_records", ("skip", "error"))):
       _check_choice(key, _get(self, key), choices)
-    if self.mesh.context_ring != 1 and self.context_parallel.strategy != "ulysses":
+    if self.mesh.context_ring != 1 and self.context_parallel.strategy not in ("ulysses", "auto"):
       raise ConfigError(f"config key 'mesh.context_ring' ({self.mesh.context_ring}) runs a ring"
-                        f" inside Ulysses and expects context_parallel.strategy 'ulysses', got"
+                        f" inside Ulysses and expects context_parallel.strategy 'ulysses' (or"
+                        f" 'auto'), got"
                         f" {self.context_parallel.strategy!r}; for one context axis set mesh.context.")
     if not 0 <= self.data.eval_fraction < 1:
       raise ConfigError(f"data.eval_fraction expects a value in [0, 1), got {self.data.eval_fraction}.")
