@@ -104,9 +104,11 @@ class Gathered:
   kernel: object
   mask: Mask
   scale: float
+  soft_cap: float | None = None
 
   def gathered(self, data, q, k, v, layout):
-    return self.kernel(q, k, v, layout, mask=self.mask, scale=self.scale, return_lse=True)
+    capped = {} if self.soft_cap is None else dict(soft_cap=self.soft_cap)
+    return self.kernel(q, k, v, layout, mask=self.mask, scale=self.scale, return_lse=True, **capped)
 
 
 def _steps(local, n: int, body, carry):
@@ -127,7 +129,7 @@ def _ring(axis, n, local, data, q, k, v, layout):
 def _ring_fwd(axis, n, local, data, q, k, v, layout):
   def compute(out, lse, kv, ids, step):
     lay = Layout(layout.q_segment_ids, ids[0], layout.q_positions, ids[1])
-    partial = local.forward(step, data, q, kv[0], kv[1], lay)
+    partial = local.forward(step, data, q, *kv, lay)
     return (out, lse) if partial is None else _merge(out, lse, *partial)
 
   def step(carry, i):
@@ -137,9 +139,9 @@ def _ring_fwd(axis, n, local, data, q, k, v, layout):
     out, lse = compute(out, lse, kv, ids, i)
     return out, lse, next_kv, next_ids
 
-  kv = jnp.stack([k, v])
+  kv = (k, v)  # a pair, not one stacked buffer: v may have its own head dim
   ids = jnp.stack([layout.kv_segment_ids, layout.kv_positions])
-  out = jnp.zeros(q.shape, jnp.float32)
+  out = jnp.zeros(q.shape[:3] + v.shape[3:], jnp.float32)
   lse = jnp.full(q.shape[:3], -jnp.inf, jnp.float32)
   out, lse, kv, ids = _steps(local, n, step, (out, lse, kv, ids))
   out, lse = compute(out, lse, kv, ids, n - 1)  # the last block: nothing left to send
@@ -153,11 +155,12 @@ def _ring_bwd(axis, n, local, residuals, cotangents):
 
   def compute(dq, dkv, kv, ids, step):
     lay = Layout(layout.q_segment_ids, ids[0], layout.q_positions, ids[1])
-    grads = local.backward(step, data, q, kv[0], kv[1], lay, out, lse, dout, dlse)
+    grads = local.backward(step, data, q, *kv, lay, out, lse, dout, dlse)
     if grads is None:
       return dq, dkv
     dq_s, dk_s, dv_s = grads
-    return dq + dq_s.astype(jnp.float32), dkv + jnp.stack([dk_s, dv_s]).astype(jnp.float32)
+    return dq + dq_s.astype(jnp.float32), (dkv[0] + dk_s.astype(jnp.float32),
+                                           dkv[1] + dv_s.astype(jnp.float32))
 
   def step(carry, i):
     dq, dkv, kv, ids = carry
@@ -166,9 +169,10 @@ def _ring_bwd(axis, n, local, residuals, cotangents):
     # dK/dV of the visiting block travel with it; after n shifts they are home.
     return dq, _shift(dkv, axis, n), next_kv, next_ids
 
-  kv = jnp.stack([k, v])
+  kv = (k, v)
   ids = jnp.stack([layout.kv_segment_ids, layout.kv_positions])
-  init = (jnp.zeros(q.shape, jnp.float32), jnp.zeros(kv.shape, jnp.float32), kv, ids)
+  zeros = lambda x: jnp.zeros(x.shape, jnp.float32)
+  init = (zeros(q), (zeros(k), zeros(v)), kv, ids)
   dq, dkv, kv, ids = _steps(local, n, step, init)
   dq, dkv = compute(dq, dkv, kv, ids, n - 1)
   dkv = _shift(dkv, axis, n)
@@ -197,7 +201,7 @@ def _shard_pieces(axis, n, k, v, layout):
 
 
 def _gathered_steps_fwd(axis, n, local, data, q, k, v, layout):
-  out = jnp.zeros(q.shape, jnp.float32)
+  out = jnp.zeros(q.shape[:3] + v.shape[3:], jnp.float32)
   lse = jnp.full(q.shape[:3], -jnp.inf, jnp.float32)
   for step, k_j, v_j, lay in _shard_pieces(axis, n, k, v, layout):
     partial = local.forward(step, data, q, k_j, v_j, lay)
@@ -233,8 +237,10 @@ def _all_gather(axis, local, data, q, k, v, layout):
 
 
 def context_parallel_attention(q, k, v, layout: Layout, *, mask: Mask, scale: float,
-                               cp: ContextParallel, kernel, return_lse: bool):
-  """Attention of q `[B, T, H, D]` over k/v `[B, T, Hkv, D]` sharded over `cp.axis` on dim 1.
+                               cp: ContextParallel, kernel, return_lse: bool,
+                               soft_cap: float | None = None):
+  """Attention of q `[B, T, H, D]` over k `[B, T, Hkv, D]`, v `[B, T, Hkv, Dv]` sharded over
+  `cp.axis` on dim 1 (`soft_cap`: the kernel's logit soft-capping, or None).
 
   `kernel` is the registry's kernel; its `context_parallel_local` gives the per-device
   computation. `layout` comes from `flaxattn.layout.resolve` (default positions in
@@ -255,7 +261,8 @@ def context_parallel_attention(q, k, v, layout: Layout, *, mask: Mask, scale: fl
                      f" ({t}) divisible by {parts}{' (2 x axis size, load balancing)' if cp.load_balance else ''}.")
   local, data, data_specs = kernel.context_parallel_local(
       strategy=cp.strategy, mask=mask, scale=scale, shards=n, axis=cp.axis,
-      load_balance=cp.load_balance, q_shape=q.shape, kv_shape=k.shape, layout=layout)
+      load_balance=cp.load_balance, q_shape=q.shape, kv_shape=k.shape, layout=layout,
+      **({} if soft_cap is None else dict(soft_cap=soft_cap)))
   layout = layout.materialize(b, t, t)
 
   # Batch and head axes are manual too: left to automatic sharding, the compiler would
