@@ -5,6 +5,7 @@ Public API:
   Full, Causal, Local, Chunked, Mask     masks on positions and segments (combine with &)
   seqlens_and_offsets                    THD descriptor from segment ids, O(T + max_segments)
   MultiHeadAttention, RoPE               NNX layer, a drop-in for flax.nnx.MultiHeadAttention
+  nnx_attention_fn                       flaxattn kernels inside stock nnx.MultiHeadAttention
   ContextParallel, load_balance,         ring / all-gather attention over a sharded sequence axis
     unload_balance                       and the dual-chunk load-balancing permutation
   sharding                               default logical-axis rules for (data, fsdp, tensor, context)
@@ -19,13 +20,14 @@ from flaxattn.layer import MultiHeadAttention
 from flaxattn.masks import Causal, Chunked, Full, Local, Mask
 from flaxattn.rope import RoPE
 from flaxattn.segments import SeqlensOffsets, seqlens_and_offsets
+from flaxattn.stock_nnx import nnx_attention_fn
 
 __all__ = [
     "attention", "explain",
     "Mask", "Full", "Causal", "Local", "Chunked",
     "seqlens_and_offsets", "SeqlensOffsets",
     "ContextParallel", "load_balance", "unload_balance",
-    "MultiHeadAttention", "RoPE", "sharding", "selftest",
+    "MultiHeadAttention", "RoPE", "nnx_attention_fn", "sharding", "selftest",
 ]
 
 

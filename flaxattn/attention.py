@@ -32,13 +32,15 @@ def check_qkv(q, k, v) -> None:
         f" attention; got q {q.shape}, k {k.shape}.")
 
 
-def check_extras(q, sinks, logit_soft_cap) -> float | None:
-  """Raises ValueError unless `sinks` is None or `[H]` floating and `logit_soft_cap` None or a
-  positive number; returns the cap as a float (or None)."""
+def _check_sinks(q, sinks) -> None:
   if sinks is not None and (getattr(sinks, "shape", None) != (q.shape[2],)
                             or not jnp.issubdtype(sinks.dtype, jnp.floating)):
     raise shape_error("sinks", sinks, f"a floating array [H] = [{q.shape[2]}], one logit per query"
                       " head, or None")
+
+
+def check_soft_cap(logit_soft_cap) -> float | None:
+  """`logit_soft_cap` as a float (or None); raises ValueError unless None or a positive number."""
   if logit_soft_cap is None:
     return None
   if isinstance(logit_soft_cap, bool) or not isinstance(logit_soft_cap, (int, float)) \
@@ -117,7 +119,8 @@ def attention(q, k, v, *, mask: Mask = Causal(), segment_ids=None, positions=Non
     explicit backend cannot serve the call (e.g. cuDNN with `logit_soft_cap`).
   """
   check_qkv(q, k, v)
-  soft_cap = check_extras(q, sinks, logit_soft_cap)
+  _check_sinks(q, sinks)
+  soft_cap = check_soft_cap(logit_soft_cap)
   mask, layout = _layout(q, k, mask, segment_ids, positions, kv_segment_ids, kv_positions,
                          context_parallel)
   if scale is None:
@@ -159,7 +162,8 @@ def explain(q, k, v, *, mask: Mask = Causal(), segment_ids=None, positions=None,
   "blockwise (cudnn declines: ...)"). Arrays or
   `jax.ShapeDtypeStruct`s work; with `context_parallel`, call it under the mesh."""
   check_qkv(q, k, v)
-  soft_cap = check_extras(q, sinks, logit_soft_cap)
+  _check_sinks(q, sinks)
+  soft_cap = check_soft_cap(logit_soft_cap)
   mask, layout = _layout(q, k, mask, segment_ids, positions, kv_segment_ids, kv_positions,
                          context_parallel)
   call = _call(q, k, v, mask, layout, return_lse or sinks is not None, context_parallel,

@@ -13,6 +13,7 @@ import numpy as np
 
 import flaxattn
 from flaxattn.layout import Layout
+from flaxattn import reference
 from flaxattn.reference import reference_attention
 from flaxattn.selftest import relative_error as rel_error  # noqa: F401 (shared)
 
@@ -123,14 +124,37 @@ def loss(out, lse):
   return jnp.sum(out * jnp.cos(out)) + 0.5 * jnp.sum(jnp.sin(finite_lse))
 
 
-def grads_of(attend):
+def grads_of(attend, n_args: int = 3):
   """Jitted `(q, k, v) -> ((dq, dk, dv), (out, lse))`: the gradients of `loss` for
-  `attend(q, k, v) -> (out, lse)`, and its out (as float32) and lse."""
-  def f(q, k, v):
-    out, lse = attend(q, k, v)
+  `attend(q, k, v) -> (out, lse)`, and its out (as float32) and lse. With `n_args` = 4 the
+  fourth argument (the sinks) is differentiated too."""
+  def f(*args):
+    out, lse = attend(*args)
     out = out.astype(jnp.float32)
     return loss(out, lse), (out, lse)
-  return jax.jit(jax.grad(f, (0, 1, 2), has_aux=True))
+  return jax.jit(jax.grad(f, tuple(range(n_args)), has_aux=True))
+
+
+def dense_oracle(q, k, v, layout, mask, scale, sinks=None, soft_cap=None):
+  """Attention written out from the definitions, for the features the kernels add: scores
+  `scale * q.k`, soft-capped, masked, a sink column of logit `sinks[h]` (value 0) appended,
+  softmax over keys and sink. Returns out `[B, T, H, Dv]` (q dtype) and lse `[B, T, H]`."""
+  b, t, h, _ = q.shape
+  g = h // k.shape[2]
+  k_BSHD, v_BSHD = (jnp.repeat(x.astype(jnp.float32), g, axis=2) for x in (k, v))
+  allowed_B1TS = reference.dense_mask(mask, layout.materialize(b, t, k.shape[1]))[:, None]
+  scores_BHTS = jnp.einsum("bthd,bshd->bhts", q.astype(jnp.float32), k_BSHD) * scale
+  if soft_cap is not None:
+    scores_BHTS = soft_cap * jnp.tanh(scores_BHTS / soft_cap)
+  scores_BHTS = jnp.where(allowed_B1TS, scores_BHTS, -jnp.inf)
+  if sinks is not None:
+    sink_BHT1 = jnp.broadcast_to(sinks.astype(jnp.float32)[None, :, None, None], (b, h, t, 1))
+    scores_BHTS = jnp.concatenate([scores_BHTS, sink_BHT1], axis=-1)
+  lse_BHT = jax.nn.logsumexp(scores_BHTS, axis=-1)
+  safe = jnp.where(jnp.isfinite(lse_BHT), lse_BHT, 0.0)[..., None]
+  probs_BHTS = jnp.exp(scores_BHTS - safe)[..., :k.shape[1]]
+  out = jnp.einsum("bhts,bshd->bthd", probs_BHTS, v_BSHD).astype(q.dtype)
+  return out, lse_BHT.transpose(0, 2, 1)
 
 
 def compare(kernel, layout, mask, q, k, v, dtype):
