@@ -176,6 +176,7 @@ def compare(kernel, layout, mask, q, k, v, dtype):
 # Context parallelism: the cases cp_check.py runs on N simulated devices, one process per N,
 # and test_context_parallel.py collects by name.
 
+CP_BF16_TOL = 2e-2  # bfloat16 inputs, relative to the largest reference magnitude
 CP_MASKS = {"causal": flaxattn.Causal(), "local": flaxattn.Local(3), "chunked": flaxattn.Chunked(24),
             "full": flaxattn.Full()}
 
@@ -187,15 +188,17 @@ def cp_cases(n: int) -> list[dict]:
   unpermute pipeline. Splash (Pallas interpret mode: slow, so few cases, T = 128 per shard)
   with the ring and all-gather strategies, every mask, packed and default layouts. `packed=
   "legal"`: random legal layouts no pipeline produces (`legal_layout`), on which splash must
-  take its exact path."""
+  take its exact path. `features`: sinks, a logit soft cap and Dv != D together (their
+  gradients include d sinks), `dtype` "bfloat16" compared with `CP_BF16_TOL`."""
   def case(mesh, strategy="ring", lb=True, mask="causal", hkv=2, packed=True, pipeline=False, t=64,
-           backend="auto"):  # a case's name says all of its parameters
+           backend="auto", features=False, dtype="float32"):  # a case's name says all of its parameters
     name = "-".join(([] if backend == "auto" else [backend])
                     + [strategy, "lb" if lb else "nolb", mask, f"hkv{hkv}",
                        {True: "packed", False: "default"}.get(packed, packed),
-                       "x".join(f"{a}{s}" for a, s in mesh.items())] + (["pipeline"] if pipeline else []))
+                       "x".join(f"{a}{s}" for a, s in mesh.items())] + (["pipeline"] if pipeline else [])
+                    + (["sinks-cap-dv"] if features else []) + ([] if dtype == "float32" else [dtype]))
     return dict(name=name, mesh=mesh, strategy=strategy, lb=lb, mask=mask, hkv=hkv, packed=packed,
-                pipeline=pipeline, t=t, backend=backend)
+                pipeline=pipeline, t=t, backend=backend, features=features, dtype=dtype)
 
   c2, c4, c8, dc2, dc4 = (dict(context=2), dict(context=4), dict(context=8), dict(data=2, context=2),
                           dict(data=2, context=4))
@@ -204,14 +207,17 @@ def cp_cases(n: int) -> list[dict]:
           case(c2, mask="causal", hkv=2, t=256, backend="splash"),
           case(c2, "all_gather", mask="local", hkv=1, t=256, backend="splash"),
           case(c2, mask="local", hkv=1, packed="legal", t=256, backend="splash"),
-          case(c2, "all_gather", mask="chunked", hkv=2, packed="legal", t=256, backend="splash")],
+          case(c2, "all_gather", mask="chunked", hkv=2, packed="legal", t=256, backend="splash"),
+          case(c2, mask="causal", hkv=1, t=256, backend="splash", features=True)],
       4: [case(c4, mask="causal", hkv=2), case(c4, "all_gather", mask="causal", hkv=2),
           case(c4, lb=False, mask="causal", hkv=1, packed=False),
           case(c4, mask="local", hkv=1, pipeline=True), case(dc2, mask="causal", hkv=1, packed=False),
           case(c4, mask="chunked", hkv=1, packed=False, t=512, backend="splash"),
           case(c4, lb=False, mask="local", hkv=2, t=512, backend="splash"),
           case(c4, mask="causal", hkv=2, packed="legal"),
-          case(c4, "all_gather", mask="local", hkv=1, packed="legal")],
+          case(c4, "all_gather", mask="local", hkv=1, packed="legal"),
+          case(c4, mask="local", hkv=1, features=True), case(c4, "all_gather", hkv=2, features=True),
+          case(c4, mask="causal", hkv=2, features=True, dtype="bfloat16")],
       8: [case(c8, mask="causal", hkv=2, t=128), case(dc4, mask="chunked", hkv=1, packed=False, pipeline=True),
           case(dc4, "all_gather", lb=False, mask="local", hkv=2),
           case(dict(data=2, tensor=2, context=2), mask="causal", hkv=2),
