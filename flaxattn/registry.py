@@ -24,7 +24,8 @@ BACKENDS: dict[str, list[str]] = {
     "tpu": ["splash",      # Pallas TPU kernel with lazy masks; exact by a run-time check
             "blockwise"],  # whatever splash declines
     "gpu": ["cudnn",       # cuDNN fused THD attention, where it is exact
-            "blockwise"],  # whatever cuDNN declines (Chunked, float32, windows under CP)
+            "blockwise"],  # whatever cuDNN declines (Chunked, float32, windows under CP,
+                           # soft cap, Dv != D)
     "cpu": ["blockwise"],  # flash attention in JAX: serves every call
 }
 # Names that stand for "the first of these kernels that accepts".

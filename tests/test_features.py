@@ -5,6 +5,7 @@ sliding-window pattern and `nnx_attention_fn` inside stock `nnx.MultiHeadAttenti
 Context parallelism with these features: cp_check.py (cases named `...-sinks-cap-dv...`).
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -123,14 +124,9 @@ def test_cudnn_declines_with_reason_and_fused_takes_blockwise(kw, words):
   assert registry.select("fused", call).name == "blockwise"
   for name in ("splash", "blockwise", "reference"):  # splash: on TPU, these shapes
     assert registry.get(name).unsupported_reason(
-        dataclasses_replace(call, platform="tpu" if name == "splash" else "gpu")) is None
+        dataclasses.replace(call, platform="tpu" if name == "splash" else "gpu")) is None
   text = registry.describe("fused", call)
   assert words in text and "sinks" not in text
-
-
-def dataclasses_replace(call, **kw):
-  import dataclasses  # pylint: disable=import-outside-toplevel
-  return dataclasses.replace(call, **kw)
 
 
 def test_a_kernel_without_soft_cap_declines_by_default():
