@@ -134,7 +134,8 @@ def default_block(head_dim: int) -> int:
 
 @functools.lru_cache(maxsize=64)
 def _kernel(normal: Band, order: TokenOrder, q_len: int, kv_len: int, groups: int, bq: int,
-            bkv: int, interpret: bool, soft_cap: float | None) -> sk.SplashAttentionKernel | None:
+            bkv: int, interpret: bool,
+            soft_cap: float | None = None) -> sk.SplashAttentionKernel | None:
   """The MQA splash kernel for `groups` query heads per KV head (cached: built once per
   shape, mask and block sizes, so retracing costs nothing). None when the mask allows
   nothing (a ring step whose keys no query may see)."""
