@@ -11,7 +11,12 @@ Forward+backward (gradient of sum(out**2) w.r.t. q, k, v), B=1, H=4, D=64, float
   4. seqlens_and_offsets at T=131072, max_segments=256 beside the O(T^2) mask derivation;
   5. useful attention GFLOP/s (allowed query-key pairs x H x D x 2 flops x 6 matmuls:
      2 forward, 4 backward; recomputation not counted) as a fraction of this CPU's float32
-     matmul GFLOP/s (2048 x 2048 x 2048), measured in the same run.
+     matmul GFLOP/s (2048 x 2048 x 2048), measured in the same run;
+  6. features, causal T=4096 (T=1024 quick): attention sinks, logit soft cap (D=64), and
+     Dv != D (D=192, Dv=128, as MLA) on fused, each beside the same attention without
+     the feature on fused ("cost" = the ratio) and beside the same attention written with
+     jax.nn.dot_product_attention where it can express it (Dv: v zero-padded to D, output
+     sliced), else the dense reference backend.
 Times are the best of `--repeats` runs after one compile-and-warm-up run.
 """
 
@@ -114,6 +119,44 @@ def bench_packed(t: int, doc: int, repeats: int, matmul: float) -> list[dict]:
   return rows
 
 
+def bench_features(t: int, repeats: int) -> list[dict]:
+  """Each feature on fused: its time, its cost over the same call without it, and the
+  time of the same attention by jax.nn (or the reference) in the same run."""
+  keys = jax.random.split(jax.random.key(2), 4)
+  normal = lambda i, d: jax.random.normal(keys[i], (B, t, H, d), jnp.float32)
+  q64, k64, v64 = normal(0, 64), normal(1, 64), normal(2, 64)
+  q192, k192, v128 = normal(0, 192), normal(1, 192), normal(2, 128)
+  v192 = normal(2, 192)
+  sinks = jax.random.normal(keys[3], (H,), jnp.float32)
+  fused = lambda **kw: lambda q, k, v: flaxattn.attention(q, k, v, backend="fused", **kw)
+  reference = lambda **kw: lambda q, k, v: flaxattn.attention(q, k, v, backend="reference", **kw)
+
+  def jax_nn_padded_v(q, k, v):  # jax.nn needs Dv == D: zero columns cost the same matmuls
+    pad = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, q.shape[-1] - v.shape[-1])))
+    out = jax.nn.dot_product_attention(q, k, pad, is_causal=True, implementation="xla")
+    return out[..., :v.shape[-1]]
+
+  cases = [  # (feature, args, fused with it, fused without it, other impl name, other impl)
+      ("sinks", (q64, k64, v64), fused(sinks=sinks), fused(), "flaxattn reference",
+       reference(sinks=sinks)),
+      ("soft cap 30", (q64, k64, v64), fused(logit_soft_cap=30.0), fused(), "flaxattn reference",
+       reference(logit_soft_cap=30.0)),
+      ("Dv 128 != D 192", (q192, k192, v128), fused(), None, "jax.nn xla (v padded)",
+       jax_nn_padded_v),
+  ]
+  rows = []
+  for feature, args, with_it, without, other_name, other in cases:
+    sec = best_time(fwd_bwd(with_it), args, repeats)
+    # Without Dv != D: the same call with v at q/k's head dim.
+    base_args = args if without is not None else (q192, k192, v192)
+    base = best_time(fwd_bwd(without or fused()), base_args, repeats)
+    other_sec = best_time(fwd_bwd(other), args, repeats)
+    rows.append(dict(case=f"causal T={t}, {feature}", fused_seconds=sec,
+                     fused_without_seconds=base, cost=sec / base, other=other_name,
+                     other_seconds=other_sec, other_over_fused=other_sec / sec))
+  return rows
+
+
 def fused_temp_mib(t: int) -> float:
   x = jax.ShapeDtypeStruct((B, t, H, D), jnp.float32)
   f = fwd_bwd(lambda q, k, v: flaxattn.attention(q, k, v, backend="fused"))
@@ -136,6 +179,13 @@ def main():
     print(f"{r['case']:<26} {r['impl']:<26} {r['seconds']:>9.3f} {r['speedup_of_fused']:>8.2f}"
           f" {r['gflops']:>8.1f} {r['matmul_fraction']:>9.2f}")
 
+  features = bench_features(t_causal, args.repeats)
+  print(f"\n{'feature':<30} {'fused s':>8} {'without s':>9} {'cost':>6}  {'other':<24} {'other s':>8}"
+        f" {'x fused':>8}")
+  for r in features:
+    print(f"{r['case']:<30} {r['fused_seconds']:>8.3f} {r['fused_without_seconds']:>9.3f}"
+          f" {r['cost']:>6.2f}  {r['other']:<24} {r['other_seconds']:>8.3f} {r['other_over_fused']:>8.2f}")
+
   memory = {t: fused_temp_mib(t) for t in ((1024, 4096) if args.quick else (4096, 16384))}
   lo, hi = memory
   print(f"\nfused fwd+bwd compiled temp: T={lo}: {memory[lo]:.1f} MiB, T={hi}: {memory[hi]:.1f} MiB"
@@ -147,7 +197,7 @@ def main():
 
   if args.json:
     with open(args.json, "w") as f:
-      json.dump(dict(matmul_gflops=matmul, attention=rows,
+      json.dump(dict(matmul_gflops=matmul, attention=rows, features=features,
                      fused_temp_mib={str(k): v for k, v in memory.items()},
                      seqlens=seg_rows), f, indent=2)
 

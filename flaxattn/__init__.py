@@ -6,6 +6,7 @@ Public API:
   seqlens_and_offsets                    THD descriptor from segment ids, O(T + max_segments)
   MultiHeadAttention, RoPE, RoPEScaling  NNX layer (a drop-in for flax.nnx.MultiHeadAttention), rotary
                                          embeddings with Hugging Face rope_scaling (linear, llama3, yarn)
+  nnx_attention_fn                       flaxattn kernels inside stock nnx.MultiHeadAttention
   ContextParallel, load_balance,         ring / all-gather / Ulysses (and Ulysses x ring) attention
     unload_balance                       over a sharded sequence, and the dual-chunk permutation
   sharding                               default logical-axis rules for (data, fsdp, tensor,
@@ -21,13 +22,14 @@ from flaxattn.layer import MultiHeadAttention
 from flaxattn.masks import Causal, Chunked, Full, Local, Mask
 from flaxattn.rope import RoPE, RoPEScaling
 from flaxattn.segments import SeqlensOffsets, seqlens_and_offsets
+from flaxattn.stock_nnx import nnx_attention_fn
 
 __all__ = [
     "attention", "explain",
     "Mask", "Full", "Causal", "Local", "Chunked",
     "seqlens_and_offsets", "SeqlensOffsets",
     "ContextParallel", "load_balance", "unload_balance",
-    "MultiHeadAttention", "RoPE", "RoPEScaling", "sharding", "selftest",
+    "MultiHeadAttention", "RoPE", "RoPEScaling", "nnx_attention_fn", "sharding", "selftest",
 ]
 
 

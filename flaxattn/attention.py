@@ -13,7 +13,8 @@ from flaxattn.masks import Causal, Mask, check_mask
 
 
 def check_qkv(q, k, v) -> None:
-  """Raises ValueError unless q `[B,T,H,D]`, k/v `[B,S,Hkv,D]` floating, same dtype, H % Hkv == 0."""
+  """Raises ValueError unless q `[B,T,H,D]`, k `[B,S,Hkv,D]`, v `[B,S,Hkv,Dv]` floating, same
+  dtype, H % Hkv == 0."""
   for name, x in (("q", q), ("k", k), ("v", v)):
     if getattr(x, "ndim", None) != 4:
       raise shape_error(name, x, "a 4-D array [batch, seq, heads, head_dim]")
@@ -21,8 +22,9 @@ def check_qkv(q, k, v) -> None:
       raise shape_error(name, x, "a floating dtype (float32, bfloat16, float16)")
   if not (q.dtype == k.dtype == v.dtype):
     raise ValueError(f"q, k, v expect one dtype, got {q.dtype}, {k.dtype}, {v.dtype}; cast them first.")
-  if k.shape != v.shape:
-    raise ValueError(f"k and v expect the same shape [B, S, Hkv, D], got {k.shape} and {v.shape}.")
+  if k.shape[:3] != v.shape[:3]:
+    raise ValueError(f"k and v expect the same [B, S, Hkv] (v may have its own head_dim), got"
+                     f" {k.shape} and {v.shape}.")
   if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
     raise ValueError(f"q {q.shape} and k {k.shape} expect the same batch (dim 0) and head_dim (dim 3).")
   if q.shape[2] % k.shape[2]:
@@ -31,13 +33,51 @@ def check_qkv(q, k, v) -> None:
         f" attention; got q {q.shape}, k {k.shape}.")
 
 
-def _call(q, k, mask, layout: Layout, return_lse: bool, context_parallel) -> registry.Call:
+def _check_sinks(q, sinks) -> None:
+  if sinks is not None and (getattr(sinks, "shape", None) != (q.shape[2],)
+                            or not jnp.issubdtype(sinks.dtype, jnp.floating)):
+    raise shape_error("sinks", sinks, f"a floating array [H] = [{q.shape[2]}], one logit per query"
+                      " head, or None")
+
+
+def check_soft_cap(logit_soft_cap) -> float | None:
+  """`logit_soft_cap` as a float (or None); raises ValueError unless None or a positive number."""
+  if logit_soft_cap is None:
+    return None
+  if isinstance(logit_soft_cap, bool) or not isinstance(logit_soft_cap, (int, float)) \
+      or not logit_soft_cap > 0:
+    raise ValueError(f"logit_soft_cap expects a positive number (e.g. 50.0) or None, got"
+                     f" {logit_soft_cap!r}.")
+  return float(logit_soft_cap)
+
+
+def apply_sinks(out, lse, sinks):
+  """One sink logit per head joined to each row's softmax (docs/design.md, "Attention sinks").
+
+  A sink is a key of logit `sinks[h]` and value 0: it adds exp(sinks[h]) to the denominator,
+  so out' = out * exp(lse - lse') with lse' = logaddexp(lse, sinks[h]). Applied once to the
+  merged (out, lse) of any kernel or context-parallel strategy; autodiff gives d sinks and
+  the lse cotangent the kernels' backward passes take.
+
+  Args: out `[B, T, H, Dv]`, lse `[B, T, H]` float32 (-inf: no key), sinks `[H]`.
+  Returns: out' in out's dtype (zeros where lse is -inf) and lse' `[B, T, H]` float32.
+  """
+  sinks_H = sinks.astype(jnp.float32)
+  # exp(lse - lse') = sigmoid(lse - sink): finite, with finite gradients, when lse = -inf.
+  keep_BTH = jax.nn.sigmoid(lse - sinks_H)
+  out = (out.astype(jnp.float32) * keep_BTH[..., None]).astype(out.dtype)
+  return out, jnp.logaddexp(lse, sinks_H)
+
+
+def _call(q, k, v, mask, layout: Layout, return_lse: bool, context_parallel, has_sinks: bool,
+          soft_cap) -> registry.Call:
   if context_parallel is None:
-    return registry.Call.of(q, k, mask, layout, return_lse)
+    return registry.Call.of(q, k, v, mask, layout, return_lse, has_sinks=has_sinks,
+                            soft_cap=soft_cap)
   cp = context_parallel
   ring = axis_size(cp, cp.ring_axis) if cp.ring_axis else None
-  return registry.Call.of(q, k, mask, layout, return_lse, axis_size(cp) * (ring or 1),
-                          cp.strategy, ring)
+  return registry.Call.of(q, k, v, mask, layout, return_lse, axis_size(cp) * (ring or 1),
+                          cp.strategy, ring, has_sinks=has_sinks, soft_cap=soft_cap)
 
 
 def _layout(q, k, mask, segment_ids, positions, kv_segment_ids, kv_positions, context_parallel):
@@ -50,12 +90,14 @@ def _layout(q, k, mask, segment_ids, positions, kv_segment_ids, kv_positions, co
 
 def attention(q, k, v, *, mask: Mask = Causal(), segment_ids=None, positions=None,
               kv_segment_ids=None, kv_positions=None, scale: float | None = None,
-              backend: str = "auto", context_parallel=None, return_lse: bool = False):
+              backend: str = "auto", context_parallel=None, return_lse: bool = False,
+              sinks=None, logit_soft_cap: float | None = None):
   """Exact attention over packed sequences.
 
   Args:
     q: `[B, T, H, D]` float32/bfloat16/float16.
-    k, v: `[B, S, Hkv, D]`, same dtype; H must be a multiple of Hkv (GQA/MQA).
+    k: `[B, S, Hkv, D]`, v: `[B, S, Hkv, Dv]` (Dv may differ from D, as in MLA), same dtype;
+      H must be a multiple of Hkv (GQA/MQA).
     mask: a `flaxattn` mask on positions (default `Causal()`).
     segment_ids: `[B, T]` int, 0 = padding, documents 1, 2, ...; None = one document.
     positions: `[B, T]` int, position of each token inside its document; None = token index.
@@ -65,57 +107,77 @@ def attention(q, k, v, *, mask: Mask = Causal(), segment_ids=None, positions=Non
       (cuDNN where it serves the call, else blockwise; see `flaxattn.explain`),
       or a kernel object carrying options, e.g. `flaxattn.splash.Splash(block_q=256)`.
     context_parallel: a `flaxattn.ContextParallel` to run with the sequence axis sharded.
-    return_lse: also return the log-sum-exp of each query row, `[B, T, H]` float32.
+    return_lse: also return the log-sum-exp of each query row, `[B, T, H]` float32 (with
+      `sinks`, the sink's term included).
+    sinks: `[H]` float, one logit per query head that joins every row's softmax denominator
+      with no value (attention sinks, as in gpt-oss); differentiable. None: no sinks.
+    logit_soft_cap: scores become `cap * tanh(scale * q.k / cap)` before masking (Gemma 2:
+      the scale is applied first), forward and backward. None: no cap.
 
   Returns:
-    `[B, T, H, D]` in q's dtype (and the log-sum-exp if asked). A query with nothing to
-    attend to gets zeros (lse -inf) and zero gradients.
+    `[B, T, H, Dv]` in q's dtype (and the log-sum-exp if asked). A query with nothing to
+    attend to gets zeros (lse -inf, or the sink's logit with `sinks`) and zero gradients.
 
   Raises:
     ValueError / TypeError naming the offending argument on malformed input, and when an
-    explicit backend cannot serve the call.
+    explicit backend cannot serve the call (e.g. cuDNN with `logit_soft_cap`).
   """
   check_qkv(q, k, v)
+  _check_sinks(q, sinks)
+  soft_cap = check_soft_cap(logit_soft_cap)
   mask, layout = _layout(q, k, mask, segment_ids, positions, kv_segment_ids, kv_positions,
                          context_parallel)
   if scale is None:
     scale = q.shape[-1] ** -0.5
   if context_parallel is not None:  # strategy="auto": chosen per call
     context_parallel, _ = choose(context_parallel, q.shape, k.shape, np.dtype(q.dtype).itemsize, mask)
-  call = _call(q, k, mask, layout, return_lse, context_parallel)
+  # Sinks need every kernel's lse; they are applied once, to the merged result.
+  with_lse = return_lse or sinks is not None
+  call = _call(q, k, v, mask, layout, with_lse, context_parallel, sinks is not None, soft_cap)
   kernels = registry.per_platform(backend, call)
   here = kernels[registry.lowering_name(call.platform)]
+  options = dict(mask=mask, scale=float(scale), return_lse=with_lse)
+  if soft_cap is not None:  # only kernels with `soft_cap = True` take it (registry.Kernel)
+    options["soft_cap"] = soft_cap
 
   def run(kernel):
     if context_parallel is None:
-      return lambda q, k, v, layout: kernel(q, k, v, layout, mask=mask, scale=float(scale),
-                                            return_lse=return_lse)
+      return lambda q, k, v, layout: kernel(q, k, v, layout, **options)
     return lambda q, k, v, layout: context_parallel_attention(
-        q, k, v, layout, mask=mask, scale=float(scale), cp=context_parallel, kernel=kernel,
-        return_lse=return_lse)
+        q, k, v, layout, cp=context_parallel, kernel=kernel, **options)
 
   # One traced program, each platform's kernel: the lowering keeps the one it is for.
   others = {p: run(kernel) for p, kernel in kernels.items() if kernel != here}
   if not others:
-    return run(here)(q, k, v, layout)
-  return jax.lax.platform_dependent(q, k, v, layout, default=run(here), **others)
+    result = run(here)(q, k, v, layout)
+  else:
+    result = jax.lax.platform_dependent(q, k, v, layout, default=run(here), **others)
+  if sinks is None:
+    return result
+  out, lse = apply_sinks(*result, sinks)
+  return (out, lse) if return_lse else out
 
 
 def explain(q, k, v, *, mask: Mask = Causal(), segment_ids=None, positions=None,
             kv_segment_ids=None, kv_positions=None, backend="auto", context_parallel=None,
-            return_lse: bool = False, print_fn=print) -> str:
+            return_lse: bool = False, sinks=None, logit_soft_cap: float | None = None,
+            print_fn=print) -> str:
   """Prints (and returns) which kernel `attention` would use for these arguments on this
   platform, why each registered kernel accepts or declines, and what `backend` would run
   on each platform (cpu, gpu, tpu) with the reasons of the kernels it passed over (e.g.
   "blockwise (cudnn declines: ...)"). Arrays or
   `jax.ShapeDtypeStruct`s work; with `context_parallel`, call it under the mesh."""
   check_qkv(q, k, v)
+  _check_sinks(q, sinks)
+  soft_cap = check_soft_cap(logit_soft_cap)
   mask, layout = _layout(q, k, mask, segment_ids, positions, kv_segment_ids, kv_positions,
                          context_parallel)
   plan = None
   if context_parallel is not None:
     context_parallel, plan = choose(context_parallel, q.shape, k.shape, np.dtype(q.dtype).itemsize, mask)
-  text = registry.describe(backend, _call(q, k, mask, layout, return_lse, context_parallel))
+  call = _call(q, k, v, mask, layout, return_lse or sinks is not None, context_parallel,
+               sinks is not None, soft_cap)
+  text = registry.describe(backend, call)
   if plan is not None:
     text += "\n" + planner.describe_plan(*plan)
   if context_parallel is not None:

@@ -127,19 +127,26 @@ def _allowed(mask, q_seg, kv_seg, q_pos, kv_pos, g: int):
   return jnp.broadcast_to(ok[:, None, :], (bq, g, bk)).reshape(bq * g, bk)
 
 
-def _scores(q_blk, k_blk, masked: bool, allowed_fn):
+def _scores(q_blk, k_blk, masked: bool, allowed_fn, soft_cap: float | None):
+  """Scores of a block, soft-capped then masked, and tanh of the capped scores (None
+  without a cap), whose 1 - tanh^2 the backward pass needs."""
   s = jnp.einsum("hmd,hkd->hmk", q_blk, k_blk, preferred_element_type=jnp.float32)
+  tanh = None
+  if soft_cap is not None:
+    tanh = jnp.tanh(s / soft_cap)
+    s = soft_cap * tanh
   if masked:
     s = jnp.where(allowed_fn()[None], s, -jnp.inf)
-  return s
+  return s, tanh
 
 
-def _blockwise_fwd(q, k, v, arrays, kinds, lo, hi, *, mask, bq, bk):
-  """q `[B, K, T, G, D]` (already scaled), k/v `[B, K, S, D]`.
+def _blockwise_fwd(q, k, v, arrays, kinds, lo, hi, *, mask, bq, bk, soft_cap):
+  """q `[B, K, T, G, D]` (already scaled), k `[B, K, S, D]`, v `[B, K, S, Dv]`.
 
-  Returns out `[B, K, T, G, D]` (q dtype) and lse `[B, K, T, G]` float32 (T padded to blocks).
+  Returns out `[B, K, T, G, Dv]` (q dtype) and lse `[B, K, T, G]` float32 (T padded to blocks).
   """
   b, hkv, t_pad, g, d = q.shape
+  dv = v.shape[-1]
   nq = t_pad // bq
   q_seg, kv_seg, q_pos, kv_pos = arrays
 
@@ -153,7 +160,7 @@ def _blockwise_fwd(q, k, v, arrays, kinds, lo, hi, *, mask, bq, bk):
       k_blk, v_blk = _block(k, bi, j * bk, bk), _block(v, bi, j * bk, bk)
       allowed = lambda: _allowed(mask, qs, _tokens(kv_seg, bi, j * bk, bk), qp,
                                  _tokens(kv_pos, bi, j * bk, bk), g)
-      s = _scores(q_blk, k_blk, masked, allowed)
+      s, _ = _scores(q_blk, k_blk, masked, allowed, soft_cap)
       m_new = jnp.maximum(m, s.max(-1))
       # A row that has seen no allowed key keeps m = -inf; shift by 0 so exp gives 0, not NaN.
       m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -169,7 +176,7 @@ def _blockwise_fwd(q, k, v, arrays, kinds, lo, hi, *, mask, bq, bk):
                                    functools.partial(update, True)], j, carry)
 
     init = (jnp.full((hkv, bq * g), -jnp.inf, jnp.float32), jnp.zeros((hkv, bq * g), jnp.float32),
-            jnp.zeros((hkv, bq * g, d), jnp.float32))
+            jnp.zeros((hkv, bq * g, dv), jnp.float32))
     m, l, acc = jax.lax.fori_loop(_at(lo, bi, i), _at(hi, bi, i), body, init)
     empty = l == 0.0
     out = jnp.where(empty[..., None], 0.0, acc / jnp.where(empty, 1.0, l)[..., None])
@@ -177,12 +184,13 @@ def _blockwise_fwd(q, k, v, arrays, kinds, lo, hi, *, mask, bq, bk):
     return out.astype(q.dtype), lse
 
   out, lse = jax.lax.map(one_query_block, jnp.arange(b * nq))
-  out = out.reshape(b, nq, hkv, bq, g, d).transpose(0, 2, 1, 3, 4, 5).reshape(b, hkv, t_pad, g, d)
+  out = out.reshape(b, nq, hkv, bq, g, dv).transpose(0, 2, 1, 3, 4, 5).reshape(b, hkv, t_pad, g, dv)
   lse = lse.reshape(b, nq, hkv, bq, g).transpose(0, 2, 1, 3, 4).reshape(b, hkv, t_pad, g)
   return out, lse
 
 
-def _blockwise_bwd(q, k, v, out, lse, dout, dlse, arrays, kinds, lo_t, hi_t, *, mask, bq, bk):
+def _blockwise_bwd(q, k, v, out, lse, dout, dlse, arrays, kinds, lo_t, hi_t, *, mask, bq, bk,
+                   soft_cap):
   """Gradients for `_blockwise_fwd`: one pass over key blocks; dK/dV accumulate per key
   block, dQ in a float32 buffer updated in place. Returns dq (w.r.t. the scaled q), dk, dv."""
   b, hkv, t_pad, g, d = q.shape
@@ -206,12 +214,14 @@ def _blockwise_bwd(q, k, v, out, lse, dout, dlse, arrays, kinds, lo_t, hi_t, *, 
       q_blk, do_blk = rows(q, i), rows(dout, i)
       allowed = lambda: _allowed(mask, _tokens(q_seg, bi, i * bq, bq), ks,
                                  _tokens(q_pos, bi, i * bq, bq), kp, g)
-      s = _scores(q_blk, k_blk, masked, allowed)
+      s, tanh = _scores(q_blk, k_blk, masked, allowed, soft_cap)
       p = jnp.exp(s - rows(lse_safe, i)[..., None])
       dv = dv + jnp.einsum("hmk,hmd->hkd", p.astype(dout.dtype), do_blk,
                            preferred_element_type=jnp.float32)
       dp = jnp.einsum("hmd,hkd->hmk", do_blk, v_blk, preferred_element_type=jnp.float32)
       ds = p * (dp - rows(delta, i)[..., None])
+      if soft_cap is not None:  # d(cap * tanh(x / cap)) / dx = 1 - tanh^2
+        ds = ds * (1.0 - tanh * tanh)
       dk = dk + jnp.einsum("hmk,hmd->hkd", ds.astype(q.dtype), q_blk,
                            preferred_element_type=jnp.float32)
       dq_blk = jnp.einsum("hmk,hkd->hmd", ds.astype(k.dtype), k_blk,
@@ -226,13 +236,15 @@ def _blockwise_bwd(q, k, v, out, lse, dout, dlse, arrays, kinds, lo_t, hi_t, *, 
       return jax.lax.switch(kind, [lambda i, c: c, functools.partial(update, False),
                                    functools.partial(update, True)], i, carry)
 
-    zeros_kv = jnp.zeros((hkv, bk, d), jnp.float32)
-    dq, dk, dv = jax.lax.fori_loop(_at(lo_t, bi, j), _at(hi_t, bi, j), body, (dq, zeros_kv, zeros_kv))
+    zeros = lambda dim: jnp.zeros((hkv, bk, dim), jnp.float32)
+    dq, dk, dv = jax.lax.fori_loop(_at(lo_t, bi, j), _at(hi_t, bi, j), body,
+                                   (dq, zeros(d), zeros(v.shape[-1])))
     return dq, (dk, dv)
 
   dq0 = jnp.zeros(q.shape, jnp.float32)
   dq, (dk, dv) = jax.lax.scan(one_key_block, dq0, jnp.arange(b * nk))
-  to_kv = lambda x: x.reshape(b, nk, hkv, bk, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, s_pad, d)
+  to_kv = lambda x: (x.reshape(b, nk, hkv, bk, x.shape[-1]).transpose(0, 2, 1, 3, 4)
+                     .reshape(b, hkv, s_pad, x.shape[-1]))
   return dq, to_kv(dk), to_kv(dv)
 
 
@@ -262,17 +274,20 @@ def _prepare(q, k, v, layout, mask, scale, block_q, block_kv):
 
 
 def forward(q, k, v, layout: Layout, *, mask: Mask, scale: float,
-                      block_q: int = DEFAULT_BLOCK_Q, block_kv: int = DEFAULT_BLOCK_KV):
-  """Forward pass without autodiff rules: out `[B, T, H, D]` (q dtype), lse `[B, T, H]` f32."""
+            block_q: int = DEFAULT_BLOCK_Q, block_kv: int = DEFAULT_BLOCK_KV,
+            soft_cap: float | None = None):
+  """Forward pass without autodiff rules: out `[B, T, H, Dv]` (q dtype), lse `[B, T, H]` f32."""
   q_BKTGD, k_BKSD, v_BKSD, arrays, kinds, bq, bk = _prepare(q, k, v, layout, mask, scale, block_q, block_kv)
   lo, hi = _visit_bounds(jnp, kinds, axis=2)
-  out, lse = _blockwise_fwd(q_BKTGD, k_BKSD, v_BKSD, arrays, kinds, lo, hi, mask=mask, bq=bq, bk=bk)
+  out, lse = _blockwise_fwd(q_BKTGD, k_BKSD, v_BKSD, arrays, kinds, lo, hi, mask=mask, bq=bq,
+                            bk=bk, soft_cap=soft_cap)
   t = q.shape[1]
   return _rows_out(out, t), _rows_out(lse, t)
 
 
 def backward(q, k, v, layout: Layout, out, lse, dout, dlse, *, mask: Mask, scale: float,
-                       block_q: int = DEFAULT_BLOCK_Q, block_kv: int = DEFAULT_BLOCK_KV):
+             block_q: int = DEFAULT_BLOCK_Q, block_kv: int = DEFAULT_BLOCK_KV,
+             soft_cap: float | None = None):
   """Gradients (dq, dk, dv) of the attention of q against k/v, given the output `out` and
   log-sum-exp `lse` of the rows (which may cover more keys than k/v: ring attention passes the
   merged result of every key block) and their cotangents `dout`, `dlse` (float32 `[B, T, H]`)."""
@@ -282,26 +297,27 @@ def backward(q, k, v, layout: Layout, out, lse, dout, dlse, *, mask: Mask, scale
   dq, dk, dv = _blockwise_bwd(
       q_BKTGD, k_BKSD, v_BKSD, _rows_in(out, t_pad, hkv), _rows_in(lse, t_pad, hkv, -jnp.inf),
       _rows_in(dout, t_pad, hkv), _rows_in(dlse.astype(jnp.float32), t_pad, hkv), arrays, kinds,
-      lo_t, hi_t, mask=mask, bq=bq, bk=bk)
+      lo_t, hi_t, mask=mask, bq=bq, bk=bk, soft_cap=soft_cap)
   kv_out = lambda x: x.transpose(0, 2, 1, 3)[:, :k.shape[1]].astype(k.dtype)
   return (_rows_out(dq * scale, q.shape[1]).astype(q.dtype), kv_out(dk), kv_out(dv))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _attention(q, k, v, layout, mask, scale, block_q, block_kv):
-  return forward(q, k, v, layout, mask=mask, scale=scale, block_q=block_q, block_kv=block_kv)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _attention(q, k, v, layout, mask, scale, block_q, block_kv, soft_cap):
+  return forward(q, k, v, layout, mask=mask, scale=scale, block_q=block_q, block_kv=block_kv,
+                 soft_cap=soft_cap)
 
 
-def _attention_fwd(q, k, v, layout, mask, scale, block_q, block_kv):
-  out, lse = _attention(q, k, v, layout, mask, scale, block_q, block_kv)
+def _attention_fwd(q, k, v, layout, mask, scale, block_q, block_kv, soft_cap):
+  out, lse = _attention(q, k, v, layout, mask, scale, block_q, block_kv, soft_cap)
   return (out, lse), (q, k, v, layout, out, lse)
 
 
-def _attention_bwd(mask, scale, block_q, block_kv, residuals, cotangents):
+def _attention_bwd(mask, scale, block_q, block_kv, soft_cap, residuals, cotangents):
   q, k, v, layout, out, lse = residuals
   dout, dlse = cotangents
   dq, dk, dv = backward(q, k, v, layout, out, lse, dout, dlse, mask=mask, scale=scale,
-                        block_q=block_q, block_kv=block_kv)
+                        block_q=block_q, block_kv=block_kv, soft_cap=soft_cap)
   return dq, dk, dv, None
 
 
@@ -309,19 +325,21 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def blockwise_attention(q, k, v, layout: Layout, *, mask: Mask, scale: float, return_lse: bool,
-                        block_q: int = DEFAULT_BLOCK_Q, block_kv: int = DEFAULT_BLOCK_KV):
+                        block_q: int = DEFAULT_BLOCK_Q, block_kv: int = DEFAULT_BLOCK_KV,
+                        soft_cap: float | None = None):
   """Flash attention with block skipping.
 
   Args:
-    q: `[B, T, H, D]`; k, v: `[B, S, Hkv, D]` (H a multiple of Hkv), any float dtype;
-      scores, softmax and accumulation are float32.
+    q: `[B, T, H, D]`; k: `[B, S, Hkv, D]`, v: `[B, S, Hkv, Dv]` (H a multiple of Hkv), any
+      float dtype; scores, softmax and accumulation are float32.
     layout: segment ids / positions (None fields are defaults; all-None gives a static schedule).
     block_q, block_kv: block sizes (clipped to the padded lengths). T and S need not divide.
+    soft_cap: scores become `soft_cap * tanh(scores / soft_cap)` (after the scale), or None.
   Returns:
-    `[B, T, H, D]` in q's dtype; with `return_lse` also lse `[B, T, H]` float32
+    `[B, T, H, Dv]` in q's dtype; with `return_lse` also lse `[B, T, H]` float32
     (-inf where a query has nothing to attend to; its output and gradients are zero).
   """
-  out, lse = _attention(q, k, v, layout, mask, float(scale), block_q, block_kv)
+  out, lse = _attention(q, k, v, layout, mask, float(scale), block_q, block_kv, soft_cap)
   return (out, lse) if return_lse else out
 
 
@@ -340,36 +358,42 @@ class RingStep:
   mask: Mask
   scale: float
   block: int
+  soft_cap: float | None = None
   unrolled: bool = False
 
   def forward(self, step, data, q, k, v, layout):
     return forward(q, k, v, layout, mask=self.mask, scale=self.scale, block_q=self.block,
-                   block_kv=self.block)
+                   block_kv=self.block, soft_cap=self.soft_cap)
 
   def backward(self, step, data, q, k, v, layout, out, lse, dout, dlse):
     return backward(q, k, v, layout, out, lse, dout, dlse, mask=self.mask, scale=self.scale,
-                    block_q=self.block, block_kv=self.block)
+                    block_q=self.block, block_kv=self.block, soft_cap=self.soft_cap)
 
 
 @dataclasses.dataclass(frozen=True)
 class Blockwise(registry.Kernel):
-  """`backend="blockwise"`: serves every call, every platform, and the ring."""
+  """`backend="blockwise"`: serves every call, every platform, and the ring (soft cap and
+  Dv != D included)."""
 
   block_q: int = DEFAULT_BLOCK_Q
   block_kv: int = DEFAULT_BLOCK_KV
   name: str = "blockwise"
   ring: bool = True
+  soft_cap: bool = True
 
-  def __call__(self, q, k, v, layout: Layout, *, mask: Mask, scale: float, return_lse: bool):
+  def __call__(self, q, k, v, layout: Layout, *, mask: Mask, scale: float, return_lse: bool,
+               soft_cap: float | None = None):
     return blockwise_attention(q, k, v, layout, mask=mask, scale=scale, return_lse=return_lse,
-                               block_q=self.block_q, block_kv=self.block_kv)
+                               block_q=self.block_q, block_kv=self.block_kv, soft_cap=soft_cap)
 
   def context_parallel_local(self, *, strategy: str, mask: Mask, scale: float, **call):
     if strategy != "ring":
       return super().context_parallel_local(strategy=strategy, mask=mask, scale=scale, **call)
-    return ring_step(mask, scale, call["q_shape"][1], call["shards"], call["load_balance"]), None, None
+    return ring_step(mask, scale, call["q_shape"][1], call["shards"], call["load_balance"],
+                     call.get("soft_cap")), None, None
 
 
-def ring_step(mask: Mask, scale: float, t: int, shards: int, load_balance: bool) -> RingStep:
+def ring_step(mask: Mask, scale: float, t: int, shards: int, load_balance: bool,
+              soft_cap: float | None = None) -> RingStep:
   """The blockwise ring step for T = t over `shards` devices (also splash's exact path)."""
-  return RingStep(mask, scale, ring_block(t, shards, load_balance))
+  return RingStep(mask, scale, ring_block(t, shards, load_balance), soft_cap)

@@ -171,9 +171,11 @@ class Gathered:
   kernel: object
   mask: Mask
   scale: float
+  soft_cap: float | None = None
 
   def gathered(self, data, q, k, v, layout):
-    return self.kernel(q, k, v, layout, mask=self.mask, scale=self.scale, return_lse=True)
+    capped = {} if self.soft_cap is None else dict(soft_cap=self.soft_cap)
+    return self.kernel(q, k, v, layout, mask=self.mask, scale=self.scale, return_lse=True, **capped)
 
 
 def _steps(local, n: int, body, carry):
@@ -194,7 +196,7 @@ def _ring(axis, n, local, data, q, k, v, layout):
 def _ring_fwd(axis, n, local, data, q, k, v, layout):
   def compute(out, lse, kv, ids, step):
     lay = Layout(layout.q_segment_ids, ids[0], layout.q_positions, ids[1])
-    partial = local.forward(step, data, q, kv[0], kv[1], lay)
+    partial = local.forward(step, data, q, *kv, lay)
     return (out, lse) if partial is None else _merge(out, lse, *partial)
 
   def step(carry, i):
@@ -204,9 +206,9 @@ def _ring_fwd(axis, n, local, data, q, k, v, layout):
     out, lse = compute(out, lse, kv, ids, i)
     return out, lse, next_kv, next_ids
 
-  kv = jnp.stack([k, v])
+  kv = (k, v)  # a pair, not one stacked buffer: v may have its own head dim
   ids = jnp.stack([layout.kv_segment_ids, layout.kv_positions])
-  out = jnp.zeros(q.shape, jnp.float32)
+  out = jnp.zeros(q.shape[:3] + v.shape[3:], jnp.float32)
   lse = jnp.full(q.shape[:3], -jnp.inf, jnp.float32)
   out, lse, kv, ids = _steps(local, n, step, (out, lse, kv, ids))
   out, lse = compute(out, lse, kv, ids, n - 1)  # the last block: nothing left to send
@@ -220,11 +222,12 @@ def _ring_bwd(axis, n, local, residuals, cotangents):
 
   def compute(dq, dkv, kv, ids, step):
     lay = Layout(layout.q_segment_ids, ids[0], layout.q_positions, ids[1])
-    grads = local.backward(step, data, q, kv[0], kv[1], lay, out, lse, dout, dlse)
+    grads = local.backward(step, data, q, *kv, lay, out, lse, dout, dlse)
     if grads is None:
       return dq, dkv
     dq_s, dk_s, dv_s = grads
-    return dq + dq_s.astype(jnp.float32), dkv + jnp.stack([dk_s, dv_s]).astype(jnp.float32)
+    return dq + dq_s.astype(jnp.float32), (dkv[0] + dk_s.astype(jnp.float32),
+                                           dkv[1] + dv_s.astype(jnp.float32))
 
   def step(carry, i):
     dq, dkv, kv, ids = carry
@@ -233,9 +236,10 @@ def _ring_bwd(axis, n, local, residuals, cotangents):
     # dK/dV of the visiting block travel with it; after n shifts they are home.
     return dq, _shift(dkv, axis, n), next_kv, next_ids
 
-  kv = jnp.stack([k, v])
+  kv = (k, v)
   ids = jnp.stack([layout.kv_segment_ids, layout.kv_positions])
-  init = (jnp.zeros(q.shape, jnp.float32), jnp.zeros(kv.shape, jnp.float32), kv, ids)
+  zeros = lambda x: jnp.zeros(x.shape, jnp.float32)
+  init = (zeros(q), (zeros(k), zeros(v)), kv, ids)
   dq, dkv, kv, ids = _steps(local, n, step, init)
   dq, dkv = compute(dq, dkv, kv, ids, n - 1)
   dkv = _shift(dkv, axis, n)
@@ -272,7 +276,7 @@ def _visits(axis, n, fetches, k, v, layout):
 
 
 def _window_ring_fwd(axis, n, local, fetches, data, q, k, v, layout):
-  out = jnp.zeros(q.shape, jnp.float32)
+  out = jnp.zeros(q.shape[:3] + v.shape[3:], jnp.float32)
   lse = jnp.full(q.shape[:3], -jnp.inf, jnp.float32)
   visits = list(_visits(axis, n, fetches, k, v, layout))
   for step, k_s, v_s, lay in visits:
@@ -324,7 +328,7 @@ def _shard_pieces(axis, n, k, v, layout):
 
 
 def _gathered_steps_fwd(axis, n, local, data, q, k, v, layout):
-  out = jnp.zeros(q.shape, jnp.float32)
+  out = jnp.zeros(q.shape[:3] + v.shape[3:], jnp.float32)
   lse = jnp.full(q.shape[:3], -jnp.inf, jnp.float32)
   for step, k_j, v_j, lay in _shard_pieces(axis, n, k, v, layout):
     partial = local.forward(step, data, q, k_j, v_j, lay)
@@ -381,16 +385,16 @@ def _ulysses(axis, inner, kv_repeat, data, q, k, v, layout):
   return _to_sequence(axis, out), _to_sequence(axis, lse)
 
 
-def _whole_sequence(kernel, mask, scale, shards, data, q, k, v, layout):
-  """Ulysses's inner computation without a ring (`data` is None): the kernel on the whole
-  sequence in the original token order (the load balancing over `shards` undone with
-  reshapes and flips), so default positions stay None and index-masking kernels take
-  their check-free path."""
+def _whole_sequence(kernel, mask, scale, options, shards, data, q, k, v, layout):
+  """Ulysses's inner computation without a ring (`data` is None): the kernel (with
+  `options`, e.g. its soft cap) on the whole sequence in the original token order (the
+  load balancing over `shards` undone with reshapes and flips), so default positions stay
+  None and index-masking kernels take their check-free path."""
   unpermute = (lambda x: balance.unload_balance(x, shards)) if shards > 1 else (lambda x: x)
   permute = (lambda x: balance.load_balance(x, shards)) if shards > 1 else (lambda x: x)
   layout = dataclasses.replace(jax.tree.map(unpermute, layout), shards=1)
   out, lse = kernel(unpermute(q), unpermute(k), unpermute(v), layout, mask=mask, scale=scale,
-                    return_lse=True)
+                    return_lse=True, **options)
   return permute(out), permute(lse)
 
 
@@ -425,9 +429,10 @@ def _ring_body(axis: str, n: int, local, fetches, checked: bool):
 
 
 def context_parallel_attention(q, k, v, layout: Layout, *, mask: Mask, scale: float,
-                               cp: ContextParallel, kernel, return_lse: bool):
-  """Attention of q `[B, T, H, D]` over k/v `[B, T, Hkv, D]` sharded on dim 1 over
-  `cp.seq_axes`.
+                               cp: ContextParallel, kernel, return_lse: bool,
+                               soft_cap: float | None = None):
+  """Attention of q `[B, T, H, D]` over k `[B, T, Hkv, D]`, v `[B, T, Hkv, Dv]` sharded on
+  dim 1 over `cp.seq_axes` (`soft_cap`: the kernel's logit soft-capping, or None).
 
   `kernel` is the registry's kernel; its `context_parallel_local` gives the per-device
   computation of the ring and all-gather strategies, Ulysses calls it on the whole
@@ -475,6 +480,7 @@ def context_parallel_attention(q, k, v, layout: Layout, *, mask: Mask, scale: fl
     head_shards = math.prod(mesh.shape[a] for a in heads or ())
     kv_repeat = _kv_repeat(cp, n, q.shape[2] // head_shards, k.shape[2] // head_shards)
     kv_shape = (*k.shape[:2], k.shape[2] * kv_repeat, k.shape[3])
+  capped = {} if soft_cap is None else dict(soft_cap=soft_cap)
   local = data = data_specs = fetches = near = None
   if not ulysses or cp.ring_axis:  # a ring or the gathered keys: the kernel's local passes
     ring_axis = cp.ring_axis or cp.axis
@@ -482,7 +488,7 @@ def context_parallel_attention(q, k, v, layout: Layout, *, mask: Mask, scale: fl
     local, data, data_specs = kernel.context_parallel_local(
         strategy="ring" if ulysses else cp.strategy, mask=mask, scale=scale,
         shards=shards, axis=ring_axis, load_balance=cp.load_balance,
-        q_shape=q.shape, kv_shape=kv_shape, layout=layout)
+        q_shape=q.shape, kv_shape=kv_shape, layout=layout, **capped)
     if cp.strategy != "all_gather":  # a ring, alone or inside Ulysses: window-aware?
       fetches = ring_fetches(mask, t, shards, cp.load_balance)
     if fetches is not None:  # explicit positions: do they follow the index (per batch)?
@@ -497,7 +503,7 @@ def context_parallel_attention(q, k, v, layout: Layout, *, mask: Mask, scale: fl
     body = _ring_body(cp.axis, n, local, fetches, near is not None)
   else:
     inner = (_ring_body(cp.ring_axis, ring_n, local, fetches, near is not None) if cp.ring_axis
-             else functools.partial(_whole_sequence, kernel, mask, scale, balanced))
+             else functools.partial(_whole_sequence, kernel, mask, scale, capped, balanced))
     body = functools.partial(_ulysses, cp.axis, inner, kv_repeat)
   manual = frozenset(mesh.axis_names) - frozenset(mesh.manual_axes)
   out, lse = jax.shard_map(body, in_specs=(data_specs, qkv, qkv, qkv, jax.tree.map(lambda _: seq, layout)),

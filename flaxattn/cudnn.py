@@ -96,7 +96,13 @@ def _reason(call: registry.Call) -> str | None:
   if call.dtype not in DTYPES:
     return (f"cuDNN fused attention takes bfloat16 or float16, got {call.dtype}; cast q/k/v"
             " to bfloat16 or float16 (scores and softmax still accumulate in float32).")
+  if call.soft_cap is not None:
+    return (f"cuDNN fused attention (JAX's cuDNN SDPA) has no logit soft-capping, got"
+            f" logit_soft_cap={call.soft_cap}; the blockwise kernel serves it.")
   d = call.q_shape[-1]
+  if call.dv != d:
+    return (f"flaxattn's cuDNN path takes v with q/k's head_dim ({d}), got v head_dim"
+            f" {call.dv}; the blockwise kernel serves Dv != D.")
   if d % 8 or d > MAX_HEAD_DIM:
     return (f"cuDNN fused attention needs head_dim a multiple of 8 and at most {MAX_HEAD_DIM}"
             f" (128 before Hopper), got {d}; pad the head dimension or use the blockwise kernel.")

@@ -11,8 +11,9 @@ Differences, all because attention here never builds a
     `segment_ids`/`positions` instead;
   - no attention-probability dropout (`dropout_rate` must be 0) and no `sow_weights`;
   - `attention_fn` has `flaxattn.attention`'s signature, not `nnx.dot_product_attention`'s.
-Additions: `num_kv_heads` (GQA), `backend`, `context_parallel`, `rope`, and call-time
-`segment_ids`, `positions`, `kv_segment_ids`, `kv_positions` for packed sequences.
+Additions: `num_kv_heads` (GQA), `backend`, `context_parallel`, `rope`, `sinks`,
+`logit_soft_cap`, `v_head_dim`, and call-time `segment_ids`, `positions`, `kv_segment_ids`,
+`kv_positions` for packed sequences.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from flax.nnx.nn.linear import default_kernel_init
 from jax import lax
 
 from flaxattn import checks
-from flaxattn.attention import attention
+from flaxattn.attention import attention, check_soft_cap
 from flaxattn.layout import Layout, resolve
 from flaxattn.masks import Causal, Full, Mask, check_mask
 from flaxattn.rope import RoPE
@@ -62,11 +63,12 @@ def _check_input(arg: str, x, features: int, features_arg: str) -> None:
 
 
 def _check_config(num_heads, in_features, qkv_features, out_features, num_kv_heads,
-                  in_kv_features, dropout_rate, rope) -> None:
+                  in_kv_features, dropout_rate, rope, v_head_dim) -> None:
   _check_size("num_heads", num_heads)
   _check_size("in_features", in_features)
   for arg, value in (("qkv_features", qkv_features), ("out_features", out_features),
-                     ("num_kv_heads", num_kv_heads), ("in_kv_features", in_kv_features)):
+                     ("num_kv_heads", num_kv_heads), ("in_kv_features", in_kv_features),
+                     ("v_head_dim", v_head_dim)):
     _check_size(arg, value, optional=True)
   qkv_features = qkv_features or in_features
   num_kv_heads = num_kv_heads or num_heads
@@ -98,6 +100,11 @@ class MultiHeadAttention(nnx.Module):
       a decoder, or `is_causal=True` per call).
     context_parallel: a `flaxattn.ContextParallel`, passed to `flaxattn.attention`.
     rope: a `flaxattn.RoPE` applied to queries and keys at their positions, or None.
+    sinks: a learned sink logit per query head (`sinks` Param `[num_heads]`, zeros at init,
+      logical axis `heads`) joining every row's softmax (see `flaxattn.attention`).
+    logit_soft_cap: scores become `cap * tanh(scores / cap)` (after the scale), or None.
+    v_head_dim: head dim of the values (and of the out projection's input); default
+      head_dim. The value kernel is `(embed, kv_heads, v_head_dim)`.
     attention_fn: called as `flaxattn.attention` is (default), e.g. a `functools.partial` of
       it with `scale=`.
     dropout_rate: must be 0; attention dropout needs the `[T, S]` probabilities.
@@ -108,7 +115,8 @@ class MultiHeadAttention(nnx.Module):
   `(heads, head_dim, embed)`; pass `kernel_metadata` etc. to override.
 
   Raises:
-    ValueError: a size that is not a positive int, `qkv_features` not divisible by
+    ValueError: a size that is not a positive int (`v_head_dim` included), a `logit_soft_cap`
+      that is not a positive number, `qkv_features` not divisible by
       `num_heads`, `num_heads` not divisible by `num_kv_heads`, `dropout_rate` != 0, or an
       odd head_dim with `rope`.
     TypeError: `mask` not a flaxattn mask, `rope` not a `RoPE`.
@@ -152,9 +160,12 @@ class MultiHeadAttention(nnx.Module):
       mask: Mask = Full(),
       context_parallel=None,
       rope: RoPE | None = None,
+      sinks: bool = False,
+      logit_soft_cap: float | None = None,
+      v_head_dim: int | None = None,
   ):
     _check_config(num_heads, in_features, qkv_features, out_features, num_kv_heads,
-                  in_kv_features, dropout_rate, rope)
+                  in_kv_features, dropout_rate, rope, v_head_dim)
     self.num_heads = num_heads
     self.in_features = in_features
     self.qkv_features = qkv_features or in_features
@@ -162,6 +173,8 @@ class MultiHeadAttention(nnx.Module):
     self.num_kv_heads = num_kv_heads or num_heads
     self.in_kv_features = in_kv_features or in_features
     self.head_dim = self.qkv_features // num_heads
+    self.v_head_dim = v_head_dim or self.head_dim
+    self.logit_soft_cap = check_soft_cap(logit_soft_cap)
     self.mask = check_mask(mask)
     self.backend = backend
     self.context_parallel = context_parallel
@@ -182,7 +195,6 @@ class MultiHeadAttention(nnx.Module):
         bias_init=bias_init, use_bias=use_bias, precision=precision,
         promote_dtype=qkv_promote_dtype, rngs=rngs)
     heads = (num_heads, self.head_dim)
-    kv_heads = (self.num_kv_heads, self.head_dim)
     self.query = qkv(
         in_features, heads,
         kernel_metadata=param_metadata(("embed", "heads", "head_dim"), kernel_metadata),
@@ -191,8 +203,13 @@ class MultiHeadAttention(nnx.Module):
     # KV heads than the tensor axis has devices (see flaxattn.sharding.rules).
     kv_kernel = param_metadata(("embed", "kv_heads", "head_dim"), kernel_metadata)
     kv_bias = param_metadata(("kv_heads", "head_dim"), bias_metadata)
-    self.key = qkv(self.in_kv_features, kv_heads, kernel_metadata=kv_kernel, bias_metadata=kv_bias)
-    self.value = qkv(self.in_kv_features, kv_heads, kernel_metadata=kv_kernel, bias_metadata=kv_bias)
+    self.key = qkv(self.in_kv_features, (self.num_kv_heads, self.head_dim),
+                   kernel_metadata=kv_kernel, bias_metadata=kv_bias)
+    self.value = qkv(self.in_kv_features, (self.num_kv_heads, self.v_head_dim),
+                     kernel_metadata=kv_kernel, bias_metadata=kv_bias)
+    # A sink is a logit with no value, one per query head; zeros start it at one extra key.
+    self.sinks = (nnx.Param(jnp.zeros((num_heads,), param_dtype), **param_metadata(("heads",), {}))
+                  if sinks else nnx.data(None))
 
     if normalize_qk:
       # QK normalization (arxiv.org/abs/2302.05442), as nnx: LayerNorm over head_dim.
@@ -205,7 +222,7 @@ class MultiHeadAttention(nnx.Module):
       self.key_ln = nnx.data(None)
 
     self.out = nnx.LinearGeneral(
-        heads, self.out_features, axis=(-2, -1), dtype=dtype, param_dtype=param_dtype,
+        (num_heads, self.v_head_dim), self.out_features, axis=(-2, -1), dtype=dtype, param_dtype=param_dtype,
         kernel_init=out_kernel_init or kernel_init, bias_init=out_bias_init or bias_init,
         use_bias=use_bias, precision=precision, promote_dtype=out_promote_dtype, rngs=rngs,
         kernel_metadata=param_metadata(("heads", "head_dim", "embed"),
@@ -295,11 +312,17 @@ class MultiHeadAttention(nnx.Module):
       layout = dataclasses.replace(layout, kv_segment_ids=kv_ids_BS, kv_positions=kv_pos_BS)
 
     q_BTHD, k_BSKD, v_BSKD = dtypes.promote_dtype((q_BTHD, k_BSKD, v_BSKD), dtype=self.dtype)
+    # Passed only when set, so an `attention_fn` without them keeps working.
+    extras = {}
+    if self.sinks is not None:
+      extras["sinks"] = self.sinks[...]
+    if self.logit_soft_cap is not None:
+      extras["logit_soft_cap"] = self.logit_soft_cap
     x_BTHD = self.attention_fn(
         q_BTHD, k_BSKD, v_BSKD, mask=mask, segment_ids=layout.q_segment_ids,
         positions=layout.q_positions, kv_segment_ids=layout.kv_segment_ids,
         kv_positions=layout.kv_positions, backend=self.backend,
-        context_parallel=self.context_parallel)
+        context_parallel=self.context_parallel, **extras)
     x_BTHD = constrain(x_BTHD, Q_NAMES)
     return constrain(self.out(x_BTHD, out_sharding=out_sharding), X_NAMES)
 
@@ -357,9 +380,9 @@ class MultiHeadAttention(nnx.Module):
       raise ValueError(f"init_cache(input_shape=...) expects (batch, max_length, features) of"
                        f" positive ints, got {input_shape!r}.")
     b, max_length = input_shape[:2]
-    shape = (b, max_length, self.num_kv_heads, self.head_dim)
-    self.cached_key = nnx.Cache(jnp.zeros(shape, dtype))
-    self.cached_value = nnx.Cache(jnp.zeros(shape, dtype))
+    shape = (b, max_length, self.num_kv_heads)
+    self.cached_key = nnx.Cache(jnp.zeros(shape + (self.head_dim,), dtype))
+    self.cached_value = nnx.Cache(jnp.zeros(shape + (self.v_head_dim,), dtype))
     self.cached_segment_ids = nnx.Cache(jnp.zeros((b, max_length), jnp.int32))
     self.cached_positions = nnx.Cache(jnp.zeros((b, max_length), jnp.int32))
     self.cache_index = nnx.Cache(jnp.array(0, dtype=jnp.int32))

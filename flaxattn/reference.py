@@ -20,14 +20,16 @@ def dense_mask(mask: Mask, layout: Layout) -> jax.Array:
   return same_doc & mask.allows(layout.q_positions[:, :, None], layout.kv_positions[:, None, :])
 
 
-def reference_attention(q, k, v, layout: Layout, *, mask: Mask, scale: float, return_lse: bool):
+def reference_attention(q, k, v, layout: Layout, *, mask: Mask, scale: float, return_lse: bool,
+                        soft_cap: float | None = None):
   """Attention by materializing scores.
 
   Args:
-    q: `[B, T, H, D]`. k, v: `[B, S, Hkv, D]` with H divisible by Hkv.
+    q: `[B, T, H, D]`. k: `[B, S, Hkv, D]`, v: `[B, S, Hkv, Dv]` with H divisible by Hkv.
     layout: segment ids and positions (None fields take the defaults).
+    soft_cap: scores become `soft_cap * tanh(scale * q.k / soft_cap)` before masking, or None.
   Returns:
-    `[B, T, H, D]` in q's dtype, and with `return_lse` also the log-sum-exp `[B, T, H]`
+    `[B, T, H, Dv]` in q's dtype, and with `return_lse` also the log-sum-exp `[B, T, H]`
     float32 (-inf for a row with nothing to attend to, whose output is zeros).
   """
   b, t, h, d = q.shape
@@ -37,13 +39,15 @@ def reference_attention(q, k, v, layout: Layout, *, mask: Mask, scale: float, re
   allowed_BTS = dense_mask(mask, layout)
   q_BTKGD = q.astype(jnp.float32).reshape(b, t, hkv, g, d)
   scores_BKGTS = jnp.einsum("btkgd,bskd->bkgts", q_BTKGD, k.astype(jnp.float32)) * scale
+  if soft_cap is not None:
+    scores_BKGTS = soft_cap * jnp.tanh(scores_BKGTS / soft_cap)
   scores_BKGTS = jnp.where(allowed_BTS[:, None, None], scores_BKGTS, -jnp.inf)
   lse_BKGT = jax.nn.logsumexp(scores_BKGTS, axis=-1)
   # A row with no allowed key has lse = -inf; keep its probabilities (and gradients) zero.
   safe_lse = jnp.where(jnp.isfinite(lse_BKGT), lse_BKGT, 0.0)
   probs_BKGTS = jnp.exp(scores_BKGTS - safe_lse[..., None])
   out_BTKGD = jnp.einsum("bkgts,bskd->btkgd", probs_BKGTS, v.astype(jnp.float32))
-  out = out_BTKGD.reshape(b, t, h, d).astype(q.dtype)
+  out = out_BTKGD.reshape(b, t, h, v.shape[-1]).astype(q.dtype)
   if not return_lse:
     return out
   lse_BTH = lse_BKGT.transpose(0, 3, 1, 2).reshape(b, t, h)
@@ -56,6 +60,9 @@ class Reference(registry.Kernel):
   "auto" (O(T * S) memory)."""
 
   name: str = "reference"
+  soft_cap: bool = True
 
-  def __call__(self, q, k, v, layout: Layout, *, mask: Mask, scale: float, return_lse: bool):
-    return reference_attention(q, k, v, layout, mask=mask, scale=scale, return_lse=return_lse)
+  def __call__(self, q, k, v, layout: Layout, *, mask: Mask, scale: float, return_lse: bool,
+               soft_cap: float | None = None):
+    return reference_attention(q, k, v, layout, mask=mask, scale=scale, return_lse=return_lse,
+                               soft_cap=soft_cap)

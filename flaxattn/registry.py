@@ -24,7 +24,8 @@ BACKENDS: dict[str, list[str]] = {
     "tpu": ["splash",      # Pallas TPU kernel with lazy masks; exact by a run-time check
             "blockwise"],  # whatever splash declines
     "gpu": ["cudnn",       # cuDNN fused THD attention, where it is exact
-            "blockwise"],  # whatever cuDNN declines (Chunked, float32, windows under CP)
+            "blockwise"],  # whatever cuDNN declines (Chunked, float32, windows under CP,
+                           # soft cap, Dv != D)
     "cpu": ["blockwise"],  # flash attention in JAX: serves every call
 }
 # Names that stand for "the first of these kernels that accepts".
@@ -57,17 +58,27 @@ class Call:
   cp_size: int = 1  # devices the sequence is split over (context parallelism)
   cp_strategy: str | None = None  # "ring", "all_gather", "ulysses" or None
   ring_size: int | None = None  # Ulysses x ring: the ring's devices (of cp_size), else None
+  has_sinks: bool = False  # applied outside the kernels (attention.apply_sinks): for the record
+  soft_cap: float | None = None  # scores become soft_cap * tanh(scores / soft_cap)
+  v_head_dim: int | None = None  # Dv of v `[B, S, Hkv, Dv]`; None: the same as q/k's D
+
+  @property
+  def dv(self) -> int:
+    """The head dimension of v and of the output."""
+    return self.q_shape[-1] if self.v_head_dim is None else self.v_head_dim
 
   @classmethod
-  def of(cls, q, k, mask: Mask, layout: Layout, return_lse: bool, cp_size: int = 1,
-         cp_strategy: str | None = None, ring_size: int | None = None) -> Call:
+  def of(cls, q, k, v, mask: Mask, layout: Layout, return_lse: bool, cp_size: int = 1,
+         cp_strategy: str | None = None, ring_size: int | None = None, has_sinks: bool = False,
+         soft_cap: float | None = None) -> Call:
     """The call of `flaxattn.attention` on the current platform for these arguments."""
     return cls(platform=jax.default_backend(), q_shape=tuple(q.shape), kv_shape=tuple(k.shape),
                dtype=str(np.dtype(q.dtype)), mask=mask,
                has_segment_ids=layout.q_segment_ids is not None,
                has_positions=layout.q_positions is not None or layout.kv_positions is not None,
                return_lse=return_lse, cp_size=cp_size, cp_strategy=cp_strategy,
-               ring_size=ring_size)
+               ring_size=ring_size, has_sinks=has_sinks, soft_cap=soft_cap,
+               v_head_dim=None if v.shape[-1] == q.shape[-1] else v.shape[-1])
 
   def local(self) -> Call:
     """The call the kernel itself serves: under Ulysses a plain call on the whole sequence,
@@ -92,6 +103,8 @@ class Kernel:
 
   name: str = ""
   ring: bool = False
+  # True: `__call__` and the per-device computation take `soft_cap=` (logit soft-capping).
+  soft_cap: bool = False
   # False: tracing needs the platform's own libraries (cuDNN), so a program traced on
   # another platform's host cannot hold this kernel for it.
   traces_anywhere: bool = True
@@ -102,6 +115,10 @@ class Kernel:
     without a ring axis, a plain call on the whole sequence."""
     local = call.local()
     reason = self.reason(local)
+    if reason is None and call.soft_cap is not None and not self.soft_cap:
+      able = [n for n in names() if get(n).soft_cap]
+      reason = (f"{self.name} has no logit soft-capping (logit_soft_cap={call.soft_cap}); use"
+                f" one of {able}.")
     if reason is None and local.cp_strategy == "ring" and not self.ring:
       able = [n for n in names() if get(n).ring]
       other = ("strategy='ulysses' without ring_axis" if call.cp_strategy == "ulysses" else
@@ -126,17 +143,18 @@ class Kernel:
     return self
 
   def __call__(self, q, k, v, layout: Layout, *, mask: Mask, scale: float, return_lse: bool):
-    """Attention `[B, T, H, D]` (and log-sum-exp `[B, T, H]` float32 with `return_lse`)."""
+    """Attention `[B, T, H, Dv]` (and log-sum-exp `[B, T, H]` float32 with `return_lse`).
+    Kernels with `soft_cap = True` also take `soft_cap=` (a float or None)."""
     raise NotImplementedError
 
   def context_parallel_local(self, *, strategy: str, mask: Mask, scale: float, **call):
     """The per-device computation of context-parallel attention: (local, data, data_specs)
     (see `flaxattn.context_parallel.LocalAttention`; `call` holds the shapes, mesh axis
-    and layout). Asked for "ring" (also by Ulysses x ring, over the ring axis) and
-    "all_gather"; Ulysses alone calls the kernel itself. The default serves "all_gather",
-    the one strategy here that `unsupported_reason` lets through without `ring`, by calling
-    the kernel on the gathered keys."""
-    return Gathered(self, mask, scale), None, None
+    and layout, and `soft_cap` where the call has one). Asked for "ring" (also by Ulysses x
+    ring, over the ring axis) and "all_gather"; Ulysses alone calls the kernel itself. The
+    default serves "all_gather", the one strategy here that `unsupported_reason` lets
+    through without `ring`, by calling the kernel on the gathered keys."""
+    return Gathered(self, mask, scale, call.get("soft_cap")), None, None
 
 
 def register(kernel: Kernel, *, platforms=(), before: str | None = None,
@@ -283,9 +301,12 @@ def describe(backend, call: Call) -> str:
   """Human-readable account of how `backend` resolves for `call` on its platform (every
   kernel's answer), then what it would run on each platform."""
   cp = f"; context parallel: {call.strategy_text()}" if call.cp_strategy else ""
+  extras = "".join([f"; v head_dim {call.dv}" if call.v_head_dim is not None else "",
+                    f"; logit_soft_cap {call.soft_cap}" if call.soft_cap is not None else "",
+                    "; sinks (applied to every kernel's out and lse)" if call.has_sinks else ""])
   lines = [f"platform: {call.platform}; q {call.q_shape}, k/v {call.kv_shape}, {call.dtype};"
            f" mask {call.mask}; segment_ids: {call.has_segment_ids};"
-           f" positions: {call.has_positions}{cp}",
+           f" positions: {call.has_positions}{cp}{extras}",
            f"order on {call.platform}: {order(call.platform)}",
            _format_reasons(reasons(call)),
            f"backend={backend!r} -> {_resolve(backend, call)}",

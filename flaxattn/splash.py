@@ -134,7 +134,8 @@ def default_block(head_dim: int) -> int:
 
 @functools.lru_cache(maxsize=64)
 def _kernel(normal: Band, order: TokenOrder, q_len: int, kv_len: int, groups: int, bq: int,
-            bkv: int, interpret: bool) -> sk.SplashAttentionKernel | None:
+            bkv: int, interpret: bool,
+            soft_cap: float | None = None) -> sk.SplashAttentionKernel | None:
   """The MQA splash kernel for `groups` query heads per KV head (cached: built once per
   shape, mask and block sizes, so retracing costs nothing). None when the mask allows
   nothing (a ring step whose keys no query may see)."""
@@ -145,7 +146,8 @@ def _kernel(normal: Band, order: TokenOrder, q_len: int, kv_len: int, groups: in
   with jax.ensure_compile_time_eval():
     if order.shards == 1:
       return sk.make_splash_mqa(mask, block_sizes=sizes, save_residuals=True, head_shards=1,
-                                q_seq_shards=1, interpret=interpret)
+                                q_seq_shards=1, interpret=interpret,
+                                attn_logits_soft_cap=soft_cap)
     # Sharded queries: the dK/dV MaskInfo's indices are relative to each query shard; the
     # forward MaskInfo is the same for any number of shards, so it is built for one (jax
     # 0.10 fails to shrink a sharded grid without partial blocks, and any empty grid).
@@ -157,7 +159,7 @@ def _kernel(normal: Band, order: TokenOrder, q_len: int, kv_len: int, groups: in
     return sk.SplashAttentionKernel(
         jax.tree.map(jnp.asarray, fwd), None, jax.tree.map(jnp.asarray, dkv), block_sizes=sizes,
         is_mqa=True, save_residuals=True, mask_value=sk.DEFAULT_MASK_VALUE,
-        attn_logits_soft_cap=None, residual_checkpoint_name=None, mask_function=mask_function,
+        attn_logits_soft_cap=soft_cap, residual_checkpoint_name=None, mask_function=mask_function,
         interpret=interpret)
 
 
@@ -176,19 +178,19 @@ def _segment_ids(q_seg, kv_seg):
 
 
 def forward(kernel, q, k, v, q_seg, kv_seg, *, scale: float):
-  """One splash call: q `[B, T, H, D]`, k/v `[B, S, Hkv, D]`, segment ids `[B, T]`/`[B, S]`
-  or None. Returns out `[B, T, H, D]` in q's dtype and lse `[B, T, H]` float32; rows with
-  no key (padding included) get zeros and lse -inf."""
-  if kernel is None:  # no query sees any key under index masking
-    b, t, h, _ = q.shape
-    return jnp.zeros_like(q), jnp.full((b, t, h), -jnp.inf, jnp.float32)
+  """One splash call: q `[B, T, H, D]`, k `[B, S, Hkv, D]`, v `[B, S, Hkv, Dv]`, segment ids
+  `[B, T]`/`[B, S]` or None. Returns out `[B, T, H, Dv]` in q's dtype and lse `[B, T, H]`
+  float32; rows with no key (padding included) get zeros and lse -inf. The kernel carries
+  the soft cap."""
   b, t, h, d = q.shape
+  if kernel is None:  # no query sees any key under index masking
+    return (jnp.zeros((b, t, h, v.shape[-1]), q.dtype), jnp.full((b, t, h), -jnp.inf, jnp.float32))
   hkv = k.shape[2]
   q_BKGTD = (q * jnp.asarray(scale, q.dtype)).reshape(b, t, hkv, h // hkv, d).transpose(0, 2, 3, 1, 4)
   k_BKSD, v_BKSD = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
   over_heads = jax.vmap(lambda q, k, v, seg: kernel(q, k, v, segment_ids=seg), in_axes=(0, 0, 0, None))
   out_BKGTD, (lse_BKGT,) = jax.vmap(over_heads)(q_BKGTD, k_BKSD, v_BKSD, _segment_ids(q_seg, kv_seg))
-  out = out_BKGTD.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
+  out = out_BKGTD.transpose(0, 3, 1, 2, 4).reshape(b, t, h, v.shape[-1])
   lse = lse_BKGT.transpose(0, 3, 1, 2).reshape(b, t, h).astype(jnp.float32)
   empty = ~(lse > _EMPTY_LSE)  # NaN too
   if q_seg is not None:
@@ -220,7 +222,8 @@ def backward(kernel, q, k, v, q_seg, kv_seg, out, lse, dout, dlse, *, scale: flo
     dq, dk, dv = sk._splash_attention_bwd_dkv(  # pylint: disable=protected-access
         q, k, v, seg, None, lse, dout, di, bq=sizes.block_q_dkv, bkv=sizes.block_kv_dkv,
         bkv_compute=sizes.block_kv_dkv_compute, is_mqa=True, mask_info=kernel.dkv_mask_info,
-        mask_value=kw["mask_value"], attn_logits_soft_cap=None, use_fused_bwd_kernel=True,
+        mask_value=kw["mask_value"], attn_logits_soft_cap=kw["attn_logits_soft_cap"],
+        use_fused_bwd_kernel=True,
         q_layout=sizes.q_layout, k_layout=sizes.k_layout, v_layout=sizes.v_layout,
         mask_function=kw["mask_function"], interpret=kw["interpret"])
     return dq, dk, dv
@@ -237,21 +240,21 @@ def _index_masked_or_blockwise(exact, index_masked, blockwise_fn):
   return index_masked() if exact is None else jax.lax.cond(exact, index_masked, blockwise_fn)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _attend(scale, mask, kernel, exact, q, k, v, layout):
-  return _attend_fwd(scale, mask, kernel, exact, q, k, v, layout)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _attend(scale, mask, soft_cap, kernel, exact, q, k, v, layout):
+  return _attend_fwd(scale, mask, soft_cap, kernel, exact, q, k, v, layout)[0]
 
 
-def _attend_fwd(scale, mask, kernel, exact, q, k, v, layout):
+def _attend_fwd(scale, mask, soft_cap, kernel, exact, q, k, v, layout):
   """Splash where `exact` (see `index_check`) holds, else the blockwise kernel."""
   out, lse = _index_masked_or_blockwise(
       exact,
       lambda: forward(kernel, q, k, v, layout.q_segment_ids, layout.kv_segment_ids, scale=scale),
-      lambda: blockwise.forward(q, k, v, layout, mask=mask, scale=scale))
+      lambda: blockwise.forward(q, k, v, layout, mask=mask, scale=scale, soft_cap=soft_cap))
   return (out, lse), (kernel, exact, q, k, v, layout, out, lse)
 
 
-def _attend_bwd(scale, mask, residuals, cotangents):
+def _attend_bwd(scale, mask, soft_cap, residuals, cotangents):
   kernel, exact, q, k, v, layout, out, lse = residuals
   dout, dlse = cotangents
   dq, dk, dv = _index_masked_or_blockwise(
@@ -259,7 +262,7 @@ def _attend_bwd(scale, mask, residuals, cotangents):
       lambda: backward(kernel, q, k, v, layout.q_segment_ids, layout.kv_segment_ids, out, lse,
                        dout, dlse, scale=scale),
       lambda: blockwise.backward(q, k, v, layout, out, lse, dout, dlse, mask=mask,
-                                           scale=scale))
+                                 scale=scale, soft_cap=soft_cap))
   return None, None, dq, dk, dv, None
 
 
@@ -278,6 +281,7 @@ class Splash(registry.Kernel):
   interpret: bool | None = None
   name: str = "splash"
   ring: bool = True
+  soft_cap: bool = True  # splash's attn_logits_soft_cap, after our scale as everywhere
 
   def on(self, platform: str) -> Splash:
     return dataclasses.replace(self, interpret=platform != "tpu")
@@ -317,9 +321,9 @@ class Splash(registry.Kernel):
     default = default_block(head_dim)
     return (block_size(q_len, self.block_q or default), block_size(kv_len, self.block_kv or default))
 
-  def kernel(self, mask: Mask, order: TokenOrder, q_shape, kv_shape):
+  def kernel(self, mask: Mask, order: TokenOrder, q_shape, kv_shape, soft_cap=None):
     """The cached kernel for global shapes q `[B, T, H, D]`, k `[B, S, Hkv, D]` whose
-    queries are split over `order.shards` devices."""
+    queries are split over `order.shards` devices, with logit soft cap `soft_cap` or None."""
     normal = band(mask)
     t, s = q_shape[1], kv_shape[1]
     shard_len = t // order.shards
@@ -329,13 +333,16 @@ class Splash(registry.Kernel):
     unit = chunk if order.load_balance and order.shards > 1 and chunk % LANES == 0 else shard_len
     bq, bkv = self.blocks(unit, s if order.shards == 1 else min(s, unit), q_shape[3])
     interpret = jax.default_backend() != "tpu" if self.interpret is None else self.interpret
-    return _kernel(normal, order, t, s, q_shape[2] // kv_shape[2], bq, bkv, interpret)
+    return _kernel(normal, order, t, s, q_shape[2] // kv_shape[2], bq, bkv, interpret, soft_cap)
 
-  def __call__(self, q, k, v, layout: Layout, *, mask: Mask, scale: float, return_lse: bool):
+  def __call__(self, q, k, v, layout: Layout, *, mask: Mask, scale: float, return_lse: bool,
+               soft_cap: float | None = None):
     """Splash attention over packed sequences (self attention, T a multiple of 128).
 
     Args:
-      q: `[B, T, H, D]`; k, v: `[B, T, Hkv, D]`, H a multiple of Hkv; float32/bfloat16.
+      q: `[B, T, H, D]`; k: `[B, T, Hkv, D]`, v: `[B, T, Hkv, Dv]`, H a multiple of Hkv;
+        float32/bfloat16.
+      soft_cap: logit soft cap (applied to the scaled scores) or None.
       layout: segment ids (0 = padding) and positions; see docs/design.md for which
         positions are exact. Padding queries get zeros, lse -inf and zero gradients.
     Returns:
@@ -346,10 +353,10 @@ class Splash(registry.Kernel):
     """
     if k.shape[1] != q.shape[1]:
       raise ValueError(f"splash serves self attention only, got q {q.shape} and k {k.shape}.")
-    kernel = self.kernel(mask, TokenOrder(), q.shape, k.shape)
+    kernel = self.kernel(mask, TokenOrder(), q.shape, k.shape, soft_cap)
     index = layout.index(*q.shape[:2])
     exact = index_check(mask, layout, index, index)
-    attend = functools.partial(_attend, float(scale), mask)
+    attend = functools.partial(_attend, float(scale), mask, soft_cap)
     mesh = jax.sharding.get_abstract_mesh()
     auto = frozenset(mesh.axis_names) - frozenset(mesh.manual_axes)  # empty without a mesh
     if auto:
@@ -365,21 +372,23 @@ class Splash(registry.Kernel):
     return (out, lse) if return_lse else out
 
   def context_parallel_local(self, *, strategy: str, mask: Mask, scale: float, shards: int,
-                             axis: str, load_balance: bool, q_shape, kv_shape, layout: Layout):
+                             axis: str, load_balance: bool, q_shape, kv_shape, layout: Layout,
+                             soft_cap: float | None = None):
     """The local computation of context-parallel attention (see `context_parallel`): one
     kernel per ring step (or one for the gathered keys), with mask infos sharded over `axis`.
     A batch that fails `index_check` (on the global `layout`) runs the blockwise passes."""
     t = q_shape[1]
     if strategy == "ring":
       kernels = tuple(self.kernel(mask, TokenOrder(shards, load_balance, step), q_shape,
-                                  (kv_shape[0], t // shards, *kv_shape[2:]))
+                                  (kv_shape[0], t // shards, *kv_shape[2:]), soft_cap)
                       for step in range(shards))
     else:
-      kernels = (self.kernel(mask, TokenOrder(shards, load_balance, None), q_shape, kv_shape),)
+      kernels = (self.kernel(mask, TokenOrder(shards, load_balance, None), q_shape, kv_shape,
+                             soft_cap),)
     index = layout.index(q_shape[0], t)
     exact = index_check(mask, layout, index, index)
     specs = tuple(_kernel_spec(k, axis) for k in kernels)
-    fallback = blockwise.ring_step(mask, scale, t, shards, load_balance)
+    fallback = blockwise.ring_step(mask, scale, t, shards, load_balance, soft_cap)
     return _SplashLocal(float(scale), mask, fallback), (kernels, exact), (specs, P())
 
 
@@ -417,4 +426,4 @@ class _SplashLocal:
 
   def gathered(self, data, q, k, v, layout: Layout):
     kernels, exact = data
-    return _attend(self.scale, self.mask, kernels[0], exact, q, k, v, layout)
+    return _attend(self.scale, self.mask, self.fallback.soft_cap, kernels[0], exact, q, k, v, layout)

@@ -4,7 +4,10 @@ Every token carries a segment id (0 = padding, documents 1, 2, ...) and its posi
 its document, so packed documents never see each other and each restarts RoPE at 0: a
 document gives the same logits packed or alone. Optional Llama-4-style chunked attention:
 with `chunk_size`, layer i attends inside aligned chunks of `chunk_size` positions unless
-`i % global_every == global_every - 1`, which is global causal (`layer_masks`).
+`i % global_every == global_every - 1`, which is global causal (`layer_masks`). Sliding-window
+layers (gpt-oss, Gemma 2/3) follow the same pattern with `sliding_window`: `Local(window)`
+layers and every `global_every`-th global. Optional attention sinks (gpt-oss) and logit
+soft-capping (Gemma 2) in every layer.
 
 Parameters are float32 and carry logical axis names (`out_sharding` metadata); activations
 get logical sharding constraints (no-ops without a mesh and rules, see `flaxattn.sharding`).
@@ -59,6 +62,11 @@ class LlamaConfig:
   Fields beyond the sizes:
     chunk_size: Llama-4-style chunked attention (`flaxattn.Chunked(chunk_size)`) in every
       layer but each `global_every`-th, which stays global causal (see `layer_masks`).
+    sliding_window: sliding-window attention (`flaxattn.Local(sliding_window)`) in the
+      same pattern (gpt-oss alternates: global_every=2; Gemma 3: global_every=6). Not with
+      `chunk_size`.
+    attention_sinks: a learned sink logit per head in every attention layer (gpt-oss).
+    logit_soft_cap: attention scores become `cap * tanh(scores / cap)` (Gemma 2), or None.
     remat: "none", "full" (keep only each layer's input) or "dots" (also keep the weight
       matmul outputs, recompute attention and elementwise ops); `jax.checkpoint` policies.
     scan_layers: stack layers and run them with `nnx.scan` (one compiled period of the mask
@@ -73,8 +81,9 @@ class LlamaConfig:
   Raises:
     ValueError naming the field and value: a size that is not a positive int, `dim` not a
     multiple of `n_heads`, an odd head_dim (RoPE), `n_heads` not a multiple of `n_kv_heads`,
-    unknown `remat` or `dtype`, `norm_eps`/`rope_theta` out of range, or `scan_layers` with
-    `chunk_size` and `n_layers` not a multiple of `global_every`.
+    unknown `remat` or `dtype`, `norm_eps`/`rope_theta` out of range, both `chunk_size` and
+    `sliding_window`, a `logit_soft_cap` that is not a positive number, or `scan_layers`
+    with a layer pattern and `n_layers` not a multiple of `global_every`.
   """
 
   vocab_size: int = 256
@@ -89,7 +98,10 @@ class LlamaConfig:
   tie_embeddings: bool = True
   max_seq_len: int = 4096
   chunk_size: int | None = None
+  sliding_window: int | None = None
   global_every: int = 4
+  attention_sinks: bool = False
+  logit_soft_cap: float | None = None
   remat: str = "none"
   scan_layers: bool = False
   dtype: str = "float32"
@@ -99,8 +111,18 @@ class LlamaConfig:
     for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
                  "max_seq_len", "global_every"):
       _check_positive_int(name, getattr(self, name))
-    if self.chunk_size is not None:
-      _check_positive_int("chunk_size", self.chunk_size)
+    for name in ("chunk_size", "sliding_window"):
+      if getattr(self, name) is not None:
+        _check_positive_int(name, getattr(self, name))
+    if self.chunk_size is not None and self.sliding_window is not None:
+      raise ValueError(f"LlamaConfig(sliding_window=...) expects None with chunk_size"
+                       f" ({self.chunk_size}), got {self.sliding_window}: a layer is chunked or"
+                       " windowed, not both. Set one of them.")
+    if self.logit_soft_cap is not None and (
+        isinstance(self.logit_soft_cap, bool) or not isinstance(self.logit_soft_cap, (int, float))
+        or self.logit_soft_cap <= 0):
+      raise ValueError(f"LlamaConfig(logit_soft_cap=...) expects a positive number or None, got"
+                       f" {self.logit_soft_cap!r}.")
     if self.dim % self.n_heads:
       raise ValueError(f"LlamaConfig(dim=...) expects a multiple of n_heads ({self.n_heads}),"
                        f" got {self.dim}: head_dim = dim // n_heads.")
@@ -126,7 +148,7 @@ class LlamaConfig:
                        f" ('auto', 'fused', 'reference', ...), got {self.attention_backend!r}.")
     if self.scan_layers and self.n_layers % self.period:
       raise ValueError(f"LlamaConfig(n_layers=...) expects a multiple of global_every"
-                       f" ({self.global_every}) with scan_layers and chunk_size, got"
+                       f" ({self.global_every}) with scan_layers and a layer pattern, got"
                        f" {self.n_layers}: the scan runs whole periods of the layer pattern."
                        " Change n_layers or global_every, or set scan_layers=False.")
 
@@ -137,17 +159,21 @@ class LlamaConfig:
   @property
   def period(self) -> int:
     """Layers in one repeat of the mask pattern (the unit `scan_layers` stacks)."""
-    return 1 if self.chunk_size is None else self.global_every
+    return 1 if self.chunk_size is None and self.sliding_window is None else self.global_every
 
 
 def layer_masks(config: LlamaConfig) -> tuple[flaxattn.Mask, ...]:
-  """The attention mask of each of the `n_layers` layers: `Chunked(chunk_size)`, except
-  `Causal()` where `i % global_every == global_every - 1` or without `chunk_size`."""
-  if config.chunk_size is None:
+  """The attention mask of each of the `n_layers` layers: `Chunked(chunk_size)` or
+  `Local(sliding_window)`, except `Causal()` where `i % global_every == global_every - 1` or
+  without either."""
+  if config.chunk_size is not None:
+    local = flaxattn.Chunked(config.chunk_size)
+  elif config.sliding_window is not None:
+    local = flaxattn.Local(config.sliding_window)
+  else:
     return (flaxattn.Causal(),) * config.n_layers
   g = config.global_every
-  return tuple(flaxattn.Causal() if i % g == g - 1 else flaxattn.Chunked(config.chunk_size)
-               for i in range(config.n_layers))
+  return tuple(flaxattn.Causal() if i % g == g - 1 else local for i in range(config.n_layers))
 
 
 class RMSNorm(nnx.Module):
@@ -192,7 +218,8 @@ class Block(nnx.Module):
         config.n_heads, config.dim, num_kv_heads=config.n_kv_heads, use_bias=False,
         dtype=dtype, param_dtype=jnp.float32, decode=False, mask=mask,
         backend=config.attention_backend, context_parallel=context_parallel,
-        rope=flaxattn.RoPE(config.rope_theta, config.rope_scaling), rngs=rngs)
+        rope=flaxattn.RoPE(config.rope_theta, config.rope_scaling), sinks=config.attention_sinks,
+        logit_soft_cap=config.logit_soft_cap, rngs=rngs)
     self.mlp_norm = RMSNorm(config.dim, eps=config.norm_eps, dtype=dtype)
     self.mlp = MLP(config, rngs=rngs)
 
@@ -373,7 +400,8 @@ def flops_per_token(config: LlamaConfig, seq_len: int) -> float:
   forward): per layer the q, k, v, out and w1, w2, w3 kernels, plus the output projection
   (`vocab_size x dim`, tied or not). Attention scores and values (QK^T, PV):
   12 x dim x (keys a query sees on average) per layer, with seq_len / 2 keys for causal
-  layers and min(chunk_size, seq_len) / 2 for chunked ones. Each row is counted as one
+  layers, min(chunk_size, seq_len) / 2 for chunked ones and about the window for
+  sliding-window ones. Each row is counted as one
   document: packed rows do less attention work, so the attention term is an upper bound.
   Not counted: the embedding lookup, norms, RoPE, softmax, activations, residual adds.
 
@@ -386,6 +414,11 @@ def flops_per_token(config: LlamaConfig, seq_len: int) -> float:
   attn = d * config.n_heads * hd * 2 + d * config.n_kv_heads * hd * 2
   mlp = 3 * d * config.ffn_dim
   matmul_params = config.n_layers * (attn + mlp) + config.vocab_size * d
-  keys = sum(seq_len / 2 if m == flaxattn.Causal() else min(m.size, seq_len) / 2
-             for m in layer_masks(config))
+  def mean_keys(m):  # keys a query sees, on average over a row
+    if isinstance(m, flaxattn.Local):
+      w = min(m.window, seq_len)
+      return w - w * (w - 1) / (2 * seq_len)  # w keys, fewer in the first w - 1 rows
+    return seq_len / 2 if m == flaxattn.Causal() else min(m.size, seq_len) / 2
+
+  keys = sum(mean_keys(m) for m in layer_masks(config))
   return 6.0 * matmul_params + 12.0 * config.n_heads * hd * keys

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import sys
 import zlib
@@ -74,11 +75,15 @@ def window_traffic(n: int) -> list[dict]:
 
 
 NAMES = ("dq", "dk", "dv", "out", "lse")  # the leaves of what `grads_of` returns, in order
+FEATURE_NAMES = ("dq", "dk", "dv", "dsinks", "out", "lse")  # ... with the sinks' gradient
 
 
 def _errors(got, want) -> dict:
-  """`rel_error` of each of dq, dk, dv, out and lse: `got` and `want` as `grads_of` returns them."""
-  return {n: rel_error(g, w) for n, g, w in zip(NAMES, jax.tree.leaves(got), jax.tree.leaves(want))}
+  """`rel_error` of each of dq, dk, dv, (dsinks,) out and lse: `got` and `want` as `grads_of`
+  returns them."""
+  leaves = jax.tree.leaves(got)
+  names = NAMES if len(leaves) == len(NAMES) else FEATURE_NAMES
+  return {n: rel_error(g, w) for n, g, w in zip(names, leaves, jax.tree.leaves(want))}
 
 
 def run_case(c) -> dict:
@@ -90,7 +95,12 @@ def run_case(c) -> dict:
   shards = math.prod(mesh.shape[a] for a in cpar.seq_axes)
   b, t, h, d = 2, c["t"], c["h"], 8
   seed = zlib.crc32(c["name"].encode()) % 1000
-  q, k, v = qkv(seed, b, t, t, h, c["hkv"], d)
+  q, k, v = qkv(seed, b, t, t, h, c["hkv"], d, c["dtype"])
+  # Sinks, soft cap and a value head dim of 12 (neither 8 nor a multiple of it) together.
+  extra = {}
+  if c["features"]:
+    v = normal((b, t, c["hkv"], 12), (seed, 9), c["dtype"])
+    extra = dict(sinks=normal((h,), (seed, 7)), logit_soft_cap=1.5)
   seg = pos = None
   if c["packed"] == "legal":
     seg, pos = legal_layout(seed, b, t)
@@ -104,13 +114,15 @@ def run_case(c) -> dict:
   seq = cpar.seq_axes if ring_axis else "context"
   shard = lambda x: x if x is None else jax.device_put(x, NamedSharding(mesh, P(batch, seq)))
 
-  def reference(q, k, v, seg, pos):
+  def reference(q, k, v, seg, pos, sinks=None):
     return flaxattn.attention(q, k, v, mask=mask, segment_ids=seg, positions=pos, scale=0.3,
-                              backend="reference", return_lse=True)
+                              backend="reference", return_lse=True,
+                              **{**extra, **({} if sinks is None else dict(sinks=sinks))})
 
-  def parallel(q, k, v, seg, pos):
+  def parallel(q, k, v, seg, pos, sinks=None):
     return flaxattn.attention(q, k, v, mask=mask, segment_ids=seg, positions=pos, scale=0.3,
-                              context_parallel=cpar, return_lse=True, backend=c["backend"])
+                              context_parallel=cpar, return_lse=True, backend=c["backend"],
+                              **{**extra, **({} if sinks is None else dict(sinks=sinks))})
 
   if c["pipeline"]:
     # The data pipeline: every per-token array of the unpermuted batch goes through
@@ -125,12 +137,15 @@ def run_case(c) -> dict:
       seg, pos = lb(seg), lb(pos)  # what a load-balanced pipeline feeds in
     # Default positions under load balancing are the permuted token indices.
     ref_pos = pos if pos is not None or not c["lb"] else lb(np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)))
-    want = grads_of(lambda q, k, v: reference(q, k, v, seg, ref_pos))(q, k, v)
+    # With sinks, their gradient too: a replicated [H] array, summed over the context shards.
+    n_args = 4 if c["features"] else 3
+    sinks = (extra["sinks"],) if c["features"] else ()
+    want = grads_of(lambda q, k, v, *s: reference(q, k, v, seg, ref_pos, *s), n_args)(q, k, v, *sinks)
     with jax.set_mesh(mesh):
-      args = shard(q), shard(k), shard(v)
+      args = shard(q), shard(k), shard(v), *sinks
       # Compiled once, run and inspected: the program of the case is the one checked.
-      compiled = grads_of(lambda q, k, v: parallel(q, k, v, shard(seg), shard(pos))).lower(
-          *args).compile()
+      compiled = grads_of(lambda q, k, v, *s: parallel(q, k, v, shard(seg), shard(pos), *s),
+                          n_args).lower(*args).compile()
       got = compiled(*args)
       hlo = _hlo_collectives(compiled.as_text())
   return dict(name=c["name"], **_errors(got, want), out_spec=list(got[1][0].sharding.spec),
@@ -161,6 +176,51 @@ def layer() -> dict:
     # Default positions: the layer's RoPE and the mask must both use the permuted indices.
     got_default = flaxattn.unload_balance(nnx.jit(lambda m, x: m(x))(m, lb(x)), cp)
   return dict(packed=rel_error(got_packed, want_packed), default=rel_error(got_default, want_default))
+
+
+def model() -> dict:
+  """A small Llama with alternating sliding-window and global layers, attention sinks and a
+  logit soft cap, ring over a 4-device context mesh (load-balanced packed rows in, logits
+  out through unload_balance), against the same model without context parallelism:
+  logits and the gradients of every parameter (sinks included)."""
+  from flax import nnx
+  from jax.sharding import AxisType
+  import jax.numpy as jnp
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
+  from models import llama
+  b, t, cp = 2, 64, 4
+  config = llama.LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                             ffn_dim=64, max_seq_len=t, sliding_window=6, global_every=2,
+                             attention_sinks=True, logit_soft_cap=2.0)
+  tokens = np.random.default_rng(0).integers(0, 64, (b, t), dtype=np.int32)
+  seg, pos = random_packing(1, b, t, max_docs=6, pad_tail=3, cp=cp)
+
+  def make(cpar):
+    m = llama.Llama(config, context_parallel=cpar, rngs=nnx.Rngs(0))
+    for i, block in enumerate(m.layers):
+      block.attn.sinks[...] = normal((4,), (i, 5))  # not the zeros of a fresh model
+    return m
+
+  def logits_and_grads(m, tokens, seg, pos, un=lambda x: x):
+    def loss(m):
+      logits = un(m(tokens, segment_ids=seg, positions=pos))
+      return jnp.sum(jnp.sin(logits)), logits
+    grads, logits = nnx.grad(loss, has_aux=True)(m)
+    return logits, nnx.to_pure_dict(grads)
+
+  want = nnx.jit(logits_and_grads)(make(None), tokens, seg, pos)
+  lb = lambda a: flaxattn.load_balance(a, cp)
+  un = lambda a: flaxattn.unload_balance(a, cp)
+  mesh = jax.make_mesh((cp,), ("context",), axis_types=(AxisType.Auto,))
+  with jax.set_mesh(mesh):
+    got = nnx.jit(lambda m, *a: logits_and_grads(m, *a, un=un))(
+        make(flaxattn.ContextParallel()), lb(tokens), lb(seg), lb(pos))
+  sinks = [(g["attn"]["sinks"], w["attn"]["sinks"]) for g, w in
+           zip(got[1]["layers"].values(), want[1]["layers"].values())]
+  return dict(logits=rel_error(got[0], want[0]),
+              grads=max(rel_error(g, w) for g, w in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1]))),
+              dsinks=max(rel_error(g, w) for g, w in sinks),
+              dsinks_nonzero=min(float(np.abs(w).max()) for _, w in sinks))
 
 
 def splash_sharded() -> dict:
@@ -231,6 +291,7 @@ def main(n: int):
     print("CASE " + json.dumps(run_case(c)), flush=True)
   if n == 4:
     print("LAYER " + json.dumps(layer()), flush=True)
+    print("MODEL " + json.dumps(model()), flush=True)
   if n == 8:
     print("SPLASH " + json.dumps(splash_sharded()), flush=True)
     for row in window_traffic(n):

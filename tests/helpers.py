@@ -13,6 +13,7 @@ import numpy as np
 
 import flaxattn
 from flaxattn.layout import Layout
+from flaxattn import reference
 from flaxattn.reference import reference_attention
 from flaxattn.selftest import relative_error as rel_error  # noqa: F401 (shared)
 
@@ -123,14 +124,37 @@ def loss(out, lse):
   return jnp.sum(out * jnp.cos(out)) + 0.5 * jnp.sum(jnp.sin(finite_lse))
 
 
-def grads_of(attend):
+def grads_of(attend, n_args: int = 3):
   """Jitted `(q, k, v) -> ((dq, dk, dv), (out, lse))`: the gradients of `loss` for
-  `attend(q, k, v) -> (out, lse)`, and its out (as float32) and lse."""
-  def f(q, k, v):
-    out, lse = attend(q, k, v)
+  `attend(q, k, v) -> (out, lse)`, and its out (as float32) and lse. With `n_args` = 4 the
+  fourth argument (the sinks) is differentiated too."""
+  def f(*args):
+    out, lse = attend(*args)
     out = out.astype(jnp.float32)
     return loss(out, lse), (out, lse)
-  return jax.jit(jax.grad(f, (0, 1, 2), has_aux=True))
+  return jax.jit(jax.grad(f, tuple(range(n_args)), has_aux=True))
+
+
+def dense_oracle(q, k, v, layout, mask, scale, sinks=None, soft_cap=None):
+  """Attention written out from the definitions, for the features the kernels add: scores
+  `scale * q.k`, soft-capped, masked, a sink column of logit `sinks[h]` (value 0) appended,
+  softmax over keys and sink. Returns out `[B, T, H, Dv]` (q dtype) and lse `[B, T, H]`."""
+  b, t, h, _ = q.shape
+  g = h // k.shape[2]
+  k_BSHD, v_BSHD = (jnp.repeat(x.astype(jnp.float32), g, axis=2) for x in (k, v))
+  allowed_B1TS = reference.dense_mask(mask, layout.materialize(b, t, k.shape[1]))[:, None]
+  scores_BHTS = jnp.einsum("bthd,bshd->bhts", q.astype(jnp.float32), k_BSHD) * scale
+  if soft_cap is not None:
+    scores_BHTS = soft_cap * jnp.tanh(scores_BHTS / soft_cap)
+  scores_BHTS = jnp.where(allowed_B1TS, scores_BHTS, -jnp.inf)
+  if sinks is not None:
+    sink_BHT1 = jnp.broadcast_to(sinks.astype(jnp.float32)[None, :, None, None], (b, h, t, 1))
+    scores_BHTS = jnp.concatenate([scores_BHTS, sink_BHT1], axis=-1)
+  lse_BHT = jax.nn.logsumexp(scores_BHTS, axis=-1)
+  safe = jnp.where(jnp.isfinite(lse_BHT), lse_BHT, 0.0)[..., None]
+  probs_BHTS = jnp.exp(scores_BHTS - safe)[..., :k.shape[1]]
+  out = jnp.einsum("bhts,bshd->bthd", probs_BHTS, v_BSHD).astype(q.dtype)
+  return out, lse_BHT.transpose(0, 2, 1)
 
 
 def compare(kernel, layout, mask, q, k, v, dtype):
@@ -152,6 +176,7 @@ def compare(kernel, layout, mask, q, k, v, dtype):
 # Context parallelism: the cases cp_check.py runs on N simulated devices, one process per N,
 # and test_context_parallel.py collects by name.
 
+CP_BF16_TOL = 2e-2  # bfloat16 inputs, relative to the largest reference magnitude
 CP_MASKS = {"causal": flaxattn.Causal(), "local": flaxattn.Local(3), "chunked": flaxattn.Chunked(24),
             "full": flaxattn.Full()}
 
@@ -165,15 +190,17 @@ def cp_cases(n: int) -> list[dict]:
   heads over tensor, batch over data. Splash (Pallas interpret mode: slow, so few cases, T = 128 per shard)
   with the ring and all-gather strategies, every mask, packed and default layouts. `packed=
   "legal"`: random legal layouts no pipeline produces (`legal_layout`), on which splash must
-  take its exact path."""
+  take its exact path. `features`: sinks, a logit soft cap and Dv != D together (their
+  gradients include d sinks), `dtype` "bfloat16" compared with `CP_BF16_TOL`."""
   def case(mesh, strategy="ring", lb=True, mask="causal", hkv=2, packed=True, pipeline=False, t=64,
-           backend="auto", h=4):  # a case's name says all of its parameters
+           backend="auto", h=4, features=False, dtype="float32"):  # a case's name says all of its parameters
     name = "-".join(([] if backend == "auto" else [backend])
                     + [strategy, "lb" if lb else "nolb", mask] + ([] if h == 4 else [f"h{h}"]) + [f"hkv{hkv}",
                        {True: "packed", False: "default"}.get(packed, packed),
-                       "x".join(f"{a}{s}" for a, s in mesh.items())] + (["pipeline"] if pipeline else []))
+                       "x".join(f"{a}{s}" for a, s in mesh.items())] + (["pipeline"] if pipeline else [])
+                    + (["sinks-cap-dv"] if features else []) + ([] if dtype == "float32" else [dtype]))
     return dict(name=name, mesh=mesh, strategy=strategy, lb=lb, mask=mask, h=h, hkv=hkv, packed=packed,
-                pipeline=pipeline, t=t, backend=backend)
+                pipeline=pipeline, t=t, backend=backend, features=features, dtype=dtype)
 
   c2, c4, c8, dc2, dc4 = (dict(context=2), dict(context=4), dict(context=8), dict(data=2, context=2),
                           dict(data=2, context=4))
@@ -188,7 +215,8 @@ def cp_cases(n: int) -> list[dict]:
           case(c2, mask="local", hkv=1, packed="legal", t=256, backend="splash"),
           case(c2, "all_gather", mask="chunked", hkv=2, packed="legal", t=256, backend="splash"),
           case(c2, u, mask="causal", hkv=1), case(c2, u, lb=False, mask="full", hkv=2, packed=False),
-          case(c2, u, mask="local", hkv=1, t=256, backend="splash")],
+          case(c2, u, mask="local", hkv=1, t=256, backend="splash"),
+          case(c2, mask="causal", hkv=1, t=256, backend="splash", features=True)],
       4: [case(c4, mask="causal", hkv=2), case(c4, "all_gather", mask="causal", hkv=2),
           case(c4, lb=False, mask="causal", hkv=1, packed=False),
           case(c4, mask="local", hkv=1, pipeline=True), case(dc2, mask="causal", hkv=1, packed=False),
@@ -202,7 +230,10 @@ def cp_cases(n: int) -> list[dict]:
           case(dc2, u, mask="causal", hkv=2, packed=False),
           case(r2c2, u, mask="causal", hkv=2), case(r2c2, u, mask="full", hkv=1, packed=False),
           case(r2c2, u, lb=False, mask="local", hkv=2), case(r2c2, u, mask="chunked", hkv=1, pipeline=True),
-          case(r2c2, u, mask="causal", hkv=2, t=256, backend="splash")],
+          case(r2c2, u, mask="causal", hkv=2, t=256, backend="splash"),
+          case(c4, mask="local", hkv=1, features=True), case(c4, "all_gather", hkv=2, features=True),
+          case(c4, u, mask="local", hkv=2, features=True),
+          case(c4, mask="causal", hkv=2, features=True, dtype="bfloat16")],
       8: [case(c8, mask="causal", hkv=2, t=128), case(dc4, mask="chunked", hkv=1, packed=False, pipeline=True),
           case(dc4, "all_gather", lb=False, mask="local", hkv=2),
           case(dict(data=2, tensor=2, context=2), mask="causal", hkv=2),

@@ -20,7 +20,7 @@ K = jnp.zeros((2, 16, 2, 8))
     (dict(q=jnp.zeros((16, 4, 8))), r"q expects a 4-D array .*shape \(16, 4, 8\)"),
     (dict(q=jnp.zeros((2, 16, 3, 8))), r"q heads \(3\) expect a multiple of k/v heads \(2\)"),
     (dict(k=jnp.zeros((2, 16, 2, 4)), v=jnp.zeros((2, 16, 2, 4))), r"head_dim"),
-    (dict(v=jnp.zeros((2, 15, 2, 8))), r"k and v expect the same shape"),
+    (dict(v=jnp.zeros((2, 15, 2, 8))), r"k and v expect the same \[B, S, Hkv\]"),
     (dict(q=jnp.zeros((2, 16, 4, 8), jnp.int32)), r"q expects a floating dtype.*int32"),
     (dict(q=jnp.zeros((2, 16, 4, 8), jnp.bfloat16)), r"q, k, v expect one dtype"),
     (dict(segment_ids=jnp.ones((2, 15), jnp.int32)), r"segment_ids expects an integer array of shape \(2, 16\).*\(2, 15\)"),
