@@ -43,7 +43,7 @@ random, so permuting them would change nothing measured: no permutation of data 
      float32, load balanced: bytes the compiled per-device program moves in collectives
      (`bench/hlo.py`, loops counted by their trip counts), per-device temp memory, model
      FLOPs per device, wall time; the strategy `strategy="auto"` picks (cost_model="cpu")
-     and its time over the measured best. `--strategies-only` runs just this part.
+     and its time over the measured best. `--parts 6` runs just this part.
 Times are the best of `--repeats` runs after one compile-and-warm-up run.
 """
 
@@ -376,99 +376,102 @@ def main():
   parser.add_argument("--json", help="write the results to this file")
   parser.add_argument("--repeats", type=int, default=2)
   parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke test")
-  parser.add_argument("--t-time", type=int, help="T of part 3 (default 32768; 4096 with --quick)")
+  parser.add_argument("--t-time", type=int, help="T of parts 3 and 5 (default 32768; 4096 with --quick)")
   parser.add_argument("--strategy-lengths", type=int, nargs="+",
                       help="T of part 6 (default 16384 32768; 2048 with --quick)")
-  parser.add_argument("--strategies-only", action="store_true", help="run part 6 only")
+  parser.add_argument("--parts", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6],
+                      help="which parts to run (default all)")
   args = parser.parse_args()
-  lengths = args.strategy_lengths or ([2048] if args.quick else [16384, 32768])
-  if args.strategies_only:
-    start = time.perf_counter()
-    rows = [r for t in lengths for mask in (flaxattn.Causal(), flaxattn.Local(4096))
-            for r in bench_every_strategy(t, mask, args.repeats)]
-    print_every_strategy(rows)
-    print(f"\nscript time {time.perf_counter() - start:.0f} s")
-    if args.json:
-      with open(args.json, "w") as f:
-        json.dump(dict(devices=len(jax.devices()), cpu_cores=os.cpu_count(), every_strategy=rows), f, indent=2)
-    return
   t_mem, t_bal, t_time = (4096, 4096, 4096) if args.quick else (16384, 16384, 32768)
   t_time = args.t_time or t_time
+  lengths = args.strategy_lengths or ([2048] if args.quick else [16384, 32768])
   cps, cp_max = (2, 4, 8), 8
   start = time.perf_counter()
   cores = os.cpu_count()
-  print(f"{len(jax.devices())} simulated {jax.devices()[0].platform} devices on {cores} CPU cores;"
-        f" B={B} H={H} D={D} float32, causal, forward+backward")
+  results = dict(devices=len(jax.devices()), cpu_cores=cores, quick=args.quick, parts=args.parts)
+  print(f"{len(jax.devices())} simulated {jax.devices()[0].platform} devices on {cores} CPU cores")
+  print(f"B={B} H={H} D={D} float32, causal, forward+backward in parts 1-3")
 
-  # 1.
-  mem_rows = bench_memory(t_mem, cps)
-  print(f"\n1. per-device compiled memory, T={t_mem} (MiB)")
-  print(f"{'strategy':<11} {'cp':>3} {'T/cp':>6} {'temp':>8} {'args':>7} {'outputs':>8}")
-  for r in mem_rows:
-    print(f"{r['strategy']:<11} {r['cp']:>3} {t_mem // r['cp']:>6} {r['temp_mib']:>8.1f}"
-          f" {r['argument_mib']:>7.1f} {r['output_mib']:>8.1f}")
-  temp = {(r["strategy"], r["cp"]): r["temp_mib"] for r in mem_rows}
-  ratios = {s: temp[(s, cps[-1])] / temp[(s, cps[0])] for s in ("ring", "all_gather")}
-  print(f"temp cp={cps[-1]} / cp={cps[0]}: ring {ratios['ring']:.3f} (target <= 0.45),"
-        f" all_gather {ratios['all_gather']:.3f}")
-  print("(argument sizes fall as 1/cp: memory_analysis describes one device's program)")
+  if 1 in args.parts:
+    mem_rows = bench_memory(t_mem, cps)
+    print(f"\n1. per-device compiled memory, T={t_mem} (MiB)")
+    print(f"{'strategy':<11} {'cp':>3} {'T/cp':>6} {'temp':>8} {'args':>7} {'outputs':>8}")
+    for r in mem_rows:
+      print(f"{r['strategy']:<11} {r['cp']:>3} {t_mem // r['cp']:>6} {r['temp_mib']:>8.1f}"
+            f" {r['argument_mib']:>7.1f} {r['output_mib']:>8.1f}")
+    temp = {(r["strategy"], r["cp"]): r["temp_mib"] for r in mem_rows}
+    ratios = {s: temp[(s, cps[-1])] / temp[(s, cps[0])] for s in ("ring", "all_gather")}
+    print(f"temp cp={cps[-1]} / cp={cps[0]}: ring {ratios['ring']:.3f} (target <= 0.45),"
+          f" all_gather {ratios['all_gather']:.3f}")
+    print("(argument sizes fall as 1/cp: memory_analysis describes one device's program)")
+    results.update(memory=mem_rows, temp_ratio_last_over_first=ratios)
 
-  # 2.
-  bal = bench_balance(t_bal, cp_max)
-  b0 = bal["balanced"]
-  print(f"\n2. blocks computed (kind != SKIP) per device over the {cp_max} ring steps, forward"
-        f" (backward has the same schedule);\n   T={t_bal}, cp={cp_max}, local T/cp={t_bal // cp_max},"
-        f" blocks {b0['block_q']}x{b0['block_k']}, {b0['blocks_per_step']} pairs per step")
-  print(f"{'layout':<12} " + " ".join(f"{'r=' + str(r):>5}" for r in range(cp_max))
-        + f" {'total':>6} {'max/min':>8}")
-  for name, b in bal.items():
-    print(f"{name:<12} " + " ".join(f"{c:>5}" for c in b["computed_per_device"])
-          + f" {b['total_computed']:>6} {b['max_over_min']:>8.2f}")
-  for name, b in bal.items():
-    print(f"\n{name}: FULL/PARTIAL blocks per ring step s (rows: device r)")
-    print(f"{'':<5}" + " ".join(f"{'s=' + str(s):>6}" for s in range(cp_max)))
-    for r in range(cp_max):
-      print(f"{'r=' + str(r):<5}" + " ".join(
-          f"{str(b['full_per_step'][r][s]) + '/' + str(b['partial_per_step'][r][s]):>6}"
-          for s in range(cp_max)))
-    off = sum(b["partial_per_step"][r][s] for r in range(cp_max) for s in range(1, cp_max))
-    print(f"PARTIAL blocks off the diagonal step (s>0): {off}")
-  causal_total = causal_pairs(t_bal)
-  print(f"(ideal: {causal_total / (b0['block_q'] * b0['block_k']):.1f} block-equivalents of causal"
-        f" pairs in all)")
-  chunk = t_bal // (2 * cp_max)
-  if chunk % b0["block_q"]:
-    print(f"note: load-balanced chunks (T/2cp = {chunk}) are not a multiple of the block"
-          f" ({b0['block_q']}): a block holds parts of two chunks, its position range spans both,"
-          " and the schedule can only mask it, not skip it")
+  if 2 in args.parts:
+    bal = bench_balance(t_bal, cp_max)
+    b0 = bal["balanced"]
+    print(f"\n2. blocks computed (kind != SKIP) per device over the {cp_max} ring steps, forward"
+          f" (backward has the same schedule);\n   T={t_bal}, cp={cp_max}, local T/cp={t_bal // cp_max},"
+          f" blocks {b0['block_q']}x{b0['block_k']}, {b0['blocks_per_step']} pairs per step")
+    print(f"{'layout':<12} " + " ".join(f"{'r=' + str(r):>5}" for r in range(cp_max))
+          + f" {'total':>6} {'max/min':>8}")
+    for name, b in bal.items():
+      print(f"{name:<12} " + " ".join(f"{c:>5}" for c in b["computed_per_device"])
+            + f" {b['total_computed']:>6} {b['max_over_min']:>8.2f}")
+    for name, b in bal.items():
+      print(f"\n{name}: FULL/PARTIAL blocks per ring step s (rows: device r)")
+      print(f"{'':<5}" + " ".join(f"{'s=' + str(s):>6}" for s in range(cp_max)))
+      for r in range(cp_max):
+        print(f"{'r=' + str(r):<5}" + " ".join(
+            f"{str(b['full_per_step'][r][s]) + '/' + str(b['partial_per_step'][r][s]):>6}"
+            for s in range(cp_max)))
+      off = sum(b["partial_per_step"][r][s] for r in range(cp_max) for s in range(1, cp_max))
+      print(f"PARTIAL blocks off the diagonal step (s>0): {off}")
+    causal_total = causal_pairs(t_bal)
+    print(f"(ideal: {causal_total / (b0['block_q'] * b0['block_k']):.1f} block-equivalents of causal"
+          f" pairs in all)")
+    chunk = t_bal // (2 * cp_max)
+    if chunk % b0["block_q"]:
+      print(f"note: load-balanced chunks (T/2cp = {chunk}) are not a multiple of the block"
+            f" ({b0['block_q']}): a block holds parts of two chunks, its position range spans both,"
+            " and the schedule can only mask it, not skip it")
 
-  # 3.
-  print(f"\n3. ring vs all_gather, T={t_time}, cp={cp_max}, vs fused on one device (no mesh)")
-  time_rows = bench_strategies(t_time, cp_max, args.repeats)
-  print(f"{'case':<14} {'impl':<17} {'seconds':>8} {'x 1 dev':>8} {'GFLOP/s':>8}"
-        f" {'temp MiB/dev':>13} {'args MiB/dev':>13}")
-  for r in time_rows:
-    print(f"{r['case']:<14} {r['impl']:<17} {r['seconds']:>8.2f} {r['x_single_device']:>8.2f}"
-          f" {r['gflops']:>8.1f} {r['temp_mib']:>13.1f} {r['argument_mib']:>13.1f}")
-  print(f"note: the {cp_max} simulated devices share {cores} CPU cores, so these wall times compare"
-        " the total work done,\nnot parallel speedup; best of"
-        f" {args.repeats} after a warm-up run.")
-  # 4. and 5.
-  t_plan = 1024 if args.quick else 8192
-  plan_rows = [gpu_ring_plan(cp, case, t_plan) for cp in (4, 8)
-               for case in ("causal", "packed", "packed, many documents", "packed, positions x2",
-                            "Local")]
-  print_gpu_ring_plans(plan_rows)
-  gpu_rows = bench_gpu_ring(t_time, args.repeats)
-  total = time.perf_counter() - start
-  print(f"\nscript time {total:.0f} s")
+    results.update(balance=bal)
 
+  if 3 in args.parts:
+    print(f"\n3. ring vs all_gather, T={t_time}, cp={cp_max}, vs fused on one device (no mesh)")
+    time_rows = bench_strategies(t_time, cp_max, args.repeats)
+    print(f"{'case':<14} {'impl':<17} {'seconds':>8} {'x 1 dev':>8} {'GFLOP/s':>8}"
+          f" {'temp MiB/dev':>13} {'args MiB/dev':>13}")
+    for r in time_rows:
+      print(f"{r['case']:<14} {r['impl']:<17} {r['seconds']:>8.2f} {r['x_single_device']:>8.2f}"
+            f" {r['gflops']:>8.1f} {r['temp_mib']:>13.1f} {r['argument_mib']:>13.1f}")
+    print(f"note: the {cp_max} simulated devices share {cores} CPU cores, so these wall times compare"
+          " the total work done,\nnot parallel speedup; best of"
+          f" {args.repeats} after a warm-up run.")
+    results.update(strategies=time_rows)
+
+  if 4 in args.parts:
+    t_plan = 1024 if args.quick else 8192
+    plan_rows = [gpu_ring_plan(cp, case, t_plan) for cp in (4, 8)
+                 for case in ("causal", "packed", "packed, many documents", "packed, positions x2",
+                              "Local")]
+    print_gpu_ring_plans(plan_rows)
+    results.update(gpu_ring_plans=plan_rows)
+
+  if 5 in args.parts:
+    results.update(gpu_ring=bench_gpu_ring(t_time, args.repeats))
+
+  if 6 in args.parts:
+    rows = [r for t in lengths for mask in (flaxattn.Causal(), flaxattn.Local(4096))
+            for r in bench_every_strategy(t, mask, args.repeats)]
+    print_every_strategy(rows)
+    results.update(every_strategy=rows)
+
+  results["script_seconds"] = time.perf_counter() - start
+  print(f"\nscript time {results['script_seconds']:.0f} s")
   if args.json:
     with open(args.json, "w") as f:
-      json.dump(dict(devices=len(jax.devices()), cpu_cores=cores, quick=args.quick,
-                     memory=mem_rows, temp_ratio_last_over_first=ratios, balance=bal,
-                     strategies=time_rows, gpu_ring_plans=plan_rows, gpu_ring=gpu_rows,
-                     script_seconds=total), f, indent=2)
+      json.dump(results, f, indent=2)
 
 
 if __name__ == "__main__":

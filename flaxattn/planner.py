@@ -31,15 +31,22 @@ def ring_fetches(mask: Mask, t: int, n: int, load_balance: bool):
   as `((step, part), ...)`: at step s the keys of shard (r - s) mod n, whole (`part` None) or
   only their first (0) or second (1) half. None: every step is needed.
 
-  Load balanced (chunks of c = T / 2n, device r holds chunks r and 2n-1-r), R - 1 <= c and
-  n >= 3: chunk r - 1 (first half of device r - 1, step 1) and chunk 2n-2-r (second half of
-  device r + 1, step n - 1). Contiguous (shards of L = T / n): ceil((R - 1) / L) steps back.
-  Exact when positions follow the token index inside documents (docs/design.md)."""
+  Load balanced (chunks of c = T / 2n, device r holds chunks r and 2n-1-r), a query reaches
+  m = ceil((R - 1) / c) chunks back. m <= 1 and n >= 3: chunk r - 1 (first half of device
+  r - 1, step 1) and chunk 2n-2-r (second half of device r + 1, step n - 1). Larger m, while
+  2m < n - 1: the whole shards of devices r - m .. r + m (steps 1..m and n-m..n-1).
+  Contiguous (shards of L = T / n): ceil((R - 1) / L) steps back. Exact when positions
+  follow the token index inside documents (docs/design.md)."""
   reach = _reach(mask)
   if reach is None:
     return None
   if load_balance:
-    return ((1, 0), (n - 1, 1)) if n >= 3 and reach - 1 <= t // (2 * n) else None
+    back = -(-(reach - 1) // (t // (2 * n)))
+    if n >= 3 and back <= 1:
+      return ((1, 0), (n - 1, 1))
+    if 2 * back < n - 1:
+      return tuple((s, None) for s in range(1, back + 1)) + tuple((n - s, None) for s in range(back, 0, -1))
+    return None
   steps = -(-(reach - 1) // (t // n))
   return tuple((step, None) for step in range(1, steps + 1)) if steps < n - 1 else None
 
@@ -65,9 +72,14 @@ def communication(strategy: str, load_balance: bool, mask: Mask, t: int, n: int,
                  f" {n - 1} step{'s' if n > 2 else ''}")
   else:
     reach = _reach(mask) - 1
-    if load_balance:
-      what = (f"at most one chunk (T/2cp = {t // (2 * n)} tokens), so each device receives only"
+    chunk = t // (2 * n)
+    if load_balance and all(part is not None for _, part in fetches):
+      what = (f"at most one chunk (T/2cp = {chunk} tokens), so each device receives only"
               " the chunk before each of its own: half a shard from each neighbouring device")
+    elif load_balance:
+      m = len(fetches) // 2
+      what = (f"{m} chunks of T/2cp = {chunk} tokens, so each device receives only the shards"
+              f" of the {m} devices on each side ({2 * m} of {n - 1} steps)")
     else:
       what = (f"{len(fetches)} shard(s) of T/cp = {t // n} tokens, so each device receives only"
               f" the {len(fetches)} shard(s) before its own ({len(fetches)} of {n - 1} steps)")

@@ -63,7 +63,8 @@ def window_traffic(n: int) -> list[dict]:
   rows = []
   for lb in (True, False):
     for name, mask in (("causal", flaxattn.Causal()), ("local16", flaxattn.Local(16)),
-                       ("chunked16", flaxattn.Chunked(16)), ("local300", flaxattn.Local(300))):
+                       ("chunked16", flaxattn.Chunked(16)), ("local100", flaxattn.Local(100)),
+                       ("local300", flaxattn.Local(300))):
       cpar = flaxattn.ContextParallel(load_balance=lb)
       fn = grads_of(lambda q, k, v: flaxattn.attention(q, k, v, mask=mask, context_parallel=cpar,
                                                         backend="blockwise", return_lse=True))

@@ -94,15 +94,18 @@ def test_ring_program_passes_kv_with_collective_permute_not_all_gather(procs):
 def test_windowed_ring_moves_only_the_neighbouring_keys(procs):
   """Local(16) and Chunked(16) reach one chunk back: load balanced, the ring fetches half a
   shard of K and of V from each neighbour (and sends their gradients back), contiguous one
-  whole shard from the previous device; a window of 300 spans three contiguous shards. Per
+  whole shard from the previous device; a window of 300 spans three contiguous shards, one
+  of 100 two load-balanced chunks (two whole shards from each side). Per
   device, fwd+bwd, from the compiled programs at cp=8; outside any loop, so the bytes of
   each collective-permute are what moves."""
   rows = {(r["mask"], r["lb"]): r for r in procs[8]()["WINDOW"]}
   r = rows["causal", True]
   shard = r["t"] // 8 * r["hkv"] * r["d"] * 4  # bytes of K (or V) on one device
   # K and V, there and back: 2 halves (balanced), 1 or 3 shards (contiguous).
+  # Local(100) reaches 2 load-balanced chunks of 64: the whole shards of 2 devices each side.
   for (mask, lb), shards in {("local16", True): 1, ("chunked16", True): 1, ("local16", False): 1,
-                             ("chunked16", False): 1, ("local300", False): 3}.items():
+                             ("chunked16", False): 1, ("local300", False): 3,
+                             ("local100", True): 4}.items():
     assert rows[mask, lb]["bytes"]["f32"] == 2 * 2 * shards * shard, (mask, lb, rows[mask, lb])
   # The causal ring (and a window longer than a chunk) permutes inside its loop over 7 steps.
   assert rows["local300", True]["bytes"] == rows["causal", True]["bytes"]
