@@ -39,7 +39,7 @@ random, so permuting them would change nothing measured: no permutation of data 
      steps vs blockwise steps, and cuDNN on one GPU, causal T=32768, B=1, H=32, Hkv=8,
      D=128, bfloat16, forward+backward TFLOP/s (per device for the ring).
   6. every strategy (ring, all_gather, ulysses, and Ulysses 4 x ring 2 on a 2-D mesh) at
-     each `--strategy-lengths` T on 8 devices, causal and Local(4096), B=1, H=Hkv=8, D=64,
+     each `--strategy-lengths` T on 8 devices, causal and Local(4096) (`--strategy-masks`), B=1, H=Hkv=8, D=64,
      float32, load balanced: bytes the compiled per-device program moves in collectives
      (`bench/hlo.py`, loops counted by their trip counts), per-device temp memory, model
      FLOPs per device, wall time; the strategy `strategy="auto"` picks (cost_model="cpu")
@@ -379,6 +379,8 @@ def main():
   parser.add_argument("--t-time", type=int, help="T of parts 3 and 5 (default 32768; 4096 with --quick)")
   parser.add_argument("--strategy-lengths", type=int, nargs="+",
                       help="T of part 6 (default 16384 32768; 2048 with --quick)")
+  parser.add_argument("--strategy-masks", nargs="+", default=["causal", "4096"],
+                      help="masks of part 6: causal, or a Local window in tokens")
   parser.add_argument("--parts", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6],
                       help="which parts to run (default all)")
   args = parser.parse_args()
@@ -462,8 +464,8 @@ def main():
     results.update(gpu_ring=bench_gpu_ring(t_time, args.repeats))
 
   if 6 in args.parts:
-    rows = [r for t in lengths for mask in (flaxattn.Causal(), flaxattn.Local(4096))
-            for r in bench_every_strategy(t, mask, args.repeats)]
+    masks = [flaxattn.Causal() if m == "causal" else flaxattn.Local(int(m)) for m in args.strategy_masks]
+    rows = [r for t in lengths for mask in masks for r in bench_every_strategy(t, mask, args.repeats)]
     print_every_strategy(rows)
     results.update(every_strategy=rows)
 
