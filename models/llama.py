@@ -244,8 +244,8 @@ class LayerGroup(nnx.Module):
                             for m in masks])
 
 
-def _call_block(block: Block, x_BTE, segment_ids, positions, decode=False):
-  return block(x_BTE, segment_ids, positions, decode)
+def _call_block(block: Block, x_BTE, segment_ids, positions):
+  return block(x_BTE, segment_ids, positions)
 
 
 class Llama(nnx.Module):
@@ -359,9 +359,10 @@ class Llama(nnx.Module):
     if decode:
       self._check_unrolled()
     x_BTE = x_BTE.astype(DTYPES[cfg.dtype])
-    call = functools.partial(_call_block, decode=decode)
-    remat = cfg.remat != "none" and not decode
-    block = nnx.remat(call, policy=REMAT_POLICIES[cfg.remat]) if remat else call
+    policy = REMAT_POLICIES[cfg.remat]
+    block = _call_block if cfg.remat == "none" else nnx.remat(_call_block, policy=policy)
+    if decode:  # nothing to differentiate: no remat
+      block = functools.partial(Block.__call__, decode=True)
     if cfg.scan_layers:
       def run_group(group: LayerGroup, x_BTE):
         for b in group.blocks:
