@@ -359,10 +359,12 @@ class Llama(nnx.Module):
     if decode:
       self._check_unrolled()
     x_BTE = x_BTE.astype(DTYPES[cfg.dtype])
-    policy = REMAT_POLICIES[cfg.remat]
-    block = _call_block if cfg.remat == "none" else nnx.remat(_call_block, policy=policy)
-    if decode:  # nothing to differentiate: no remat
+    if decode:  # nothing to differentiate, so no remat
       block = functools.partial(Block.__call__, decode=True)
+    elif cfg.remat == "none":
+      block = _call_block
+    else:
+      block = nnx.remat(_call_block, policy=REMAT_POLICIES[cfg.remat])
     if cfg.scan_layers:
       def run_group(group: LayerGroup, x_BTE):
         for b in group.blocks:
@@ -382,9 +384,9 @@ class Llama(nnx.Module):
 def unroll_layers(model: Llama) -> Llama:
   """A `Llama` of the unrolled layout (`scan_layers=False`) with `model`'s parameters.
 
-  Layer i takes group i // period, block i % period of the stacked parameters (slices of
-  them, no copy of the rest); `model` itself is returned when it is unrolled already. Used
-  to decode a `scan_layers` model (see `Llama.init_cache`).
+  Layer i gets slice i // period of block i % period's stacked parameters (a copy); the
+  embedding, final norm and output head are shared with `model`. `model` itself is returned
+  when it is unrolled already. Used to decode a `scan_layers` model (`Llama.init_cache`).
   """
   cfg = model.config
   if not cfg.scan_layers:
