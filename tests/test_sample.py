@@ -102,11 +102,16 @@ def test_sample_command_errors(run_dir, tmp_path, capsys):
   no_ckpt = tmp_path / "no_ckpt"
   no_ckpt.mkdir()
   shutil.copy(run_dir / "config.json", no_ckpt)
+  bad_config = tmp_path / "bad_config"
+  bad_config.mkdir()
+  (bad_config / "config.json").write_text('{"model": {"dim": ')
   cases = [
       ((tmp_path / "missing", "--prompt", "x", "--max_new_tokens", 4),
        "RUN_DIR expects the run_dir of a `python -m train` run, got"),
       ((no_ckpt, "--prompt", "x", "--max_new_tokens", 4), "RUN_DIR expects a run_dir with a"
        " checkpoint"),
+      ((bad_config, "--prompt", "x", "--max_new_tokens", 4), "whose config.json is a trainer"
+       " config, got"),
       ((run_dir, "--prompt", "x", "--max_new_tokens", 4, "--top_p", 1.5),
        "--top_p expects a number in (0, 1], got 1.5"),
       ((run_dir, "--prompt", "x" * 65, "--max_new_tokens", 4),

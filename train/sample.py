@@ -19,6 +19,7 @@ exist but none restores (`train.checkpoint.CheckpointError`).
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import pathlib
 import sys
@@ -94,8 +95,9 @@ def generate(model: Llama, prompt, max_new_tokens: int, *, temperature: float = 
     the new token ids `[max_new_tokens]` int32 (numpy).
 
   Raises:
-    ValueError: a prompt not `[P]` or empty, `max_new_tokens` < 1, `temperature` < 0, `top_p` outside
-      (0, 1], or a prompt and new tokens longer than the model's max_seq_len.
+    ValueError: a prompt not `[P]` or empty, `max_new_tokens` < 1, `temperature` < 0,
+      `top_p` outside (0, 1], or a prompt and new tokens longer than the model's
+      max_seq_len.
   """
   prompt = np.asarray(prompt, np.int32)
   limit = model.config.max_seq_len
@@ -131,8 +133,9 @@ def load(run_dir: str):
   older one tried.
 
   Raises:
-    ValueError: `run_dir` is not a directory, has no config.json or no checkpoint, or its
-      config or tokenizer is invalid (`train.config.ConfigError`).
+    ValueError: `run_dir` is not a directory, has no checkpoint, or no config.json that
+      is a valid trainer config; the run's tokenizer file is missing
+      (`train.config.ConfigError`).
     train.checkpoint.CheckpointError: checkpoints exist but none restores.
   """
   from train import config, loop, tokenizer as tokenizer_lib
@@ -146,7 +149,13 @@ def load(run_dir: str):
     raise ValueError(f"RUN_DIR expects a run_dir with config.json (written with each"
                      f" checkpoint), got {run_dir!r} without one; pass the run_dir of a run"
                      " that saved a checkpoint.")
-  cfg = config.load(str(path / "config.json"))  # JSON is YAML
+  try:
+    json.loads((path / "config.json").read_text())
+    cfg = config.load(str(path / "config.json"))  # JSON is YAML
+  except (UnicodeDecodeError, json.JSONDecodeError, config.ConfigError) as e:
+    raise ValueError(f"RUN_DIR expects a run_dir whose config.json is a trainer config, got"
+                     f" {run_dir!r}, where it is not: {str(e).rstrip('.')}. Restore"
+                     " config.json or pass another run_dir.") from None
   ckpt_dir = path / "checkpoints"
   if not ckpt_dir.is_dir() or not any(p.name.isdigit() for p in ckpt_dir.iterdir()):
     raise ValueError(f"RUN_DIR expects a run_dir with a checkpoint, got {run_dir!r} with none in"
