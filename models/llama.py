@@ -16,6 +16,12 @@ the stacked unit is one period of the mask pattern (`global_every` layers with
 `chunk_size`, else one layer), so the pattern holds and `n_layers` must be a multiple of the
 period. Parameter trees differ between the two layouts (`layers/<i>/...` vs
 `layers/blocks/<j>/...` stacked over groups, layer i = group i // period, block i % period).
+
+Decoding with a KV cache (`init_cache`, then calls with `decode=True`: a prompt of T tokens,
+then one token at a time) runs the unrolled layout only: `unroll_layers` turns a
+`scan_layers` model into one. Every layer caches all `max_length` keys and masks them by
+position, so windowed, chunked, sink and soft-capped layers decode exactly as the full
+forward computes them.
 """
 
 from __future__ import annotations
@@ -223,9 +229,9 @@ class Block(nnx.Module):
     self.mlp_norm = RMSNorm(config.dim, eps=config.norm_eps, dtype=dtype)
     self.mlp = MLP(config, rngs=rngs)
 
-  def __call__(self, x_BTE, segment_ids, positions):
+  def __call__(self, x_BTE, segment_ids, positions, decode=False):
     x_BTE = x_BTE + self.attn(self.attn_norm(x_BTE), segment_ids=segment_ids,
-                              positions=positions)
+                              positions=positions, decode=decode)
     return x_BTE + self.mlp(self.mlp_norm(x_BTE))
 
 
@@ -282,8 +288,37 @@ class Llama(nnx.Module):
                                 param_dtype=jnp.float32, rngs=rngs,
                                 kernel_metadata=param_metadata(("embed", "vocab"), {}))
 
+  def init_cache(self, batch_size: int, max_length: int) -> None:
+    """Allocates an empty KV cache in every layer for `decode=True` calls.
+
+    Each layer caches keys and values `[batch_size, max_length, n_kv_heads, head_dim]` in
+    the compute dtype, with each slot's segment id and position (see
+    `flaxattn.MultiHeadAttention.init_cache`). A new call starts over with an empty cache.
+
+    Raises:
+      ValueError: `scan_layers` (decode the model of `unroll_layers(model)`), or
+        `batch_size` / `max_length` not positive ints, or `max_length` > `max_seq_len`.
+    """
+    cfg = self.config
+    self._check_unrolled()
+    for name, value in (("batch_size", batch_size), ("max_length", max_length)):
+      if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"Llama.init_cache({name}=...) expects a positive int, got {value!r}.")
+    if max_length > cfg.max_seq_len:
+      raise ValueError(f"Llama.init_cache(max_length=...) expects at most max_seq_len="
+                       f"{cfg.max_seq_len}, got {max_length}; RoPE and the masks are defined"
+                       " up to max_seq_len. Decode fewer tokens or raise LlamaConfig.max_seq_len.")
+    for b in self.layers:
+      b.attn.init_cache((batch_size, max_length, cfg.dim), DTYPES[cfg.dtype])
+
+  def _check_unrolled(self) -> None:
+    if self.config.scan_layers:
+      raise ValueError("decode expects a Llama with scan_layers=False, got scan_layers=True:"
+                       " the KV caches live in the unrolled layers. Decode"
+                       " `unroll_layers(model)`, which holds the same parameters.")
+
   def __call__(self, tokens: jax.Array, *, segment_ids: jax.Array | None = None,
-               positions: jax.Array | None = None) -> jax.Array:
+               positions: jax.Array | None = None, decode: bool = False) -> jax.Array:
     """Logits `[B, T, vocab_size]` float32 of `tokens` `[B, T]` int.
 
     Args:
@@ -292,18 +327,24 @@ class Llama(nnx.Module):
         per row. Tokens attend only inside their own non-zero segment.
       positions: `[B, T]` int32, each token's position inside its document (RoPE and the
         causal/chunked masks use it); None = the token index (under load-balanced context
-        parallelism, the permuted index, as `flaxattn.attention`).
+        parallelism, the permuted index, as `flaxattn.attention`). In decode they describe
+        the new tokens; None continues the cached document (see
+        `flaxattn.MultiHeadAttention`).
+      decode: attend to the KV cache of `init_cache` and append the T new tokens to it
+        (a prompt of T tokens, then one at a time). Remat is not applied in decode.
 
     Raises:
-      ValueError: tokens not `[B, T]` or T > max_seq_len.
+      ValueError: tokens not `[B, T]` or T > max_seq_len; in decode, `scan_layers`, a
+        missing cache, or tokens that do not fit in it (see `flaxattn.MultiHeadAttention`).
     """
     if getattr(tokens, "ndim", None) != 2:
       raise ValueError(f"tokens expects shape [batch, seq], got {getattr(tokens, 'shape', None)}.")
     x_BTE = constrain(self.embed(tokens), X_NAMES)
-    return self.from_embeddings(x_BTE, segment_ids=segment_ids, positions=positions)
+    return self.from_embeddings(x_BTE, segment_ids=segment_ids, positions=positions,
+                                decode=decode)
 
   def from_embeddings(self, x_BTE: jax.Array, *, segment_ids: jax.Array | None = None,
-                      positions: jax.Array | None = None) -> jax.Array:
+                      positions: jax.Array | None = None, decode: bool = False) -> jax.Array:
     """Logits `[B, T, vocab_size]` float32 of token embeddings `x_BTE` `[B, T, dim]`.
 
     The decoder after the embedding lookup, so that gradients with respect to the inputs
@@ -315,9 +356,15 @@ class Llama(nnx.Module):
     if t > cfg.max_seq_len:
       raise ValueError(f"tokens expects at most max_seq_len={cfg.max_seq_len} positions, got a"
                        f" sequence of {t}; raise LlamaConfig.max_seq_len.")
+    if decode:
+      self._check_unrolled()
     x_BTE = x_BTE.astype(DTYPES[cfg.dtype])
-    policy = REMAT_POLICIES[cfg.remat]
-    block = _call_block if cfg.remat == "none" else nnx.remat(_call_block, policy=policy)
+    if decode:  # nothing to differentiate, so no remat
+      block = functools.partial(Block.__call__, decode=True)
+    elif cfg.remat == "none":
+      block = _call_block
+    else:
+      block = nnx.remat(_call_block, policy=REMAT_POLICIES[cfg.remat])
     if cfg.scan_layers:
       def run_group(group: LayerGroup, x_BTE):
         for b in group.blocks:
@@ -332,6 +379,29 @@ class Llama(nnx.Module):
     x_BTE = self.norm(x_BTE)
     logits_BTV = self.embed.attend(x_BTE) if cfg.tie_embeddings else self.lm_head(x_BTE)
     return constrain(logits_BTV.astype(jnp.float32), LOGITS_NAMES)
+
+
+def unroll_layers(model: Llama) -> Llama:
+  """A `Llama` of the unrolled layout (`scan_layers=False`) with `model`'s parameters.
+
+  Layer i gets slice i // period of block i % period's stacked parameters (a copy); the
+  embedding, final norm and output head are shared with `model`. `model` itself is returned
+  when it is unrolled already. Used to decode a `scan_layers` model (`Llama.init_cache`).
+  """
+  cfg = model.config
+  if not cfg.scan_layers:
+    return model
+  unrolled = nnx.eval_shape(lambda: Llama(dataclasses.replace(cfg, scan_layers=False),
+                                          context_parallel=model.context_parallel,
+                                          rngs=nnx.Rngs(0)))
+  params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  blocks = params.pop("layers")["blocks"]
+  params["layers"] = {i: jax.tree.map(lambda a, g=i // cfg.period: a[g], blocks[i % cfg.period])
+                      for i in range(cfg.n_layers)}
+  state = nnx.state(unrolled, nnx.Param)
+  nnx.replace_by_pure_dict(state, params)
+  nnx.update(unrolled, state)
+  return unrolled
 
 
 def make_targets(tokens, segment_ids):

@@ -1,5 +1,6 @@
 """models.llama: full-size shapes, causality and document isolation by gradient, RoPE per
-document, loss masking, chunked layers, scan/remat equivalence, bfloat16, config errors."""
+document, loss masking, chunked layers, scan/remat equivalence, bfloat16, KV-cache decode,
+config errors."""
 
 import dataclasses
 
@@ -12,7 +13,7 @@ from flax import nnx
 import flaxattn
 from helpers import normal
 from models.llama import (Llama, LlamaConfig, flops_per_token, layer_masks, loss_fn,
-                          make_targets, num_params)
+                          make_targets, num_params, unroll_layers)
 
 B, T = 2, 16
 # Small and fast: the reference backend compiles quickest; flaxattn's own tests check that
@@ -243,6 +244,57 @@ def test_scan_layers_same_logits_as_unrolled():
   tokens = _tokens(8)
   np.testing.assert_allclose(forward(scanned, tokens, seg, pos), forward(model, tokens, seg, pos),
                              atol=1e-5)
+
+
+@nnx.jit(static_argnames="decode")
+def _logits(model, tokens, decode=False):
+  return model(tokens, decode=decode)
+
+
+# Every layer kind: windowed layers with sinks and soft-capped scores (global every 2nd), and
+# chunked layers; windows and chunks shorter than the sequence.
+DECODE_CONFIGS = [
+    dataclasses.replace(SMALL, n_layers=4, sliding_window=3, global_every=2,
+                        attention_sinks=True, logit_soft_cap=2.0),
+    dataclasses.replace(SMALL, chunk_size=4, global_every=2, remat="full"),
+]
+
+
+@pytest.mark.parametrize("cfg", DECODE_CONFIGS, ids=["window-sinks-softcap", "chunked"])
+def test_decode_prefill_then_token_by_token_matches_full_forward(cfg):
+  model = Llama(cfg, rngs=nnx.Rngs(0))
+  # Sinks start at zero; random ones make the test see them.
+  for b in model.layers:
+    if b.attn.sinks is not None:
+      b.attn.sinks[...] = normal(b.attn.sinks.shape, 5)
+  tokens = _tokens(3, (2, T))
+  full = _logits(model, tokens)
+  model.init_cache(2, T)
+  steps = [_logits(model, tokens[:, :5], decode=True)]
+  steps += [_logits(model, tokens[:, t:t + 1], decode=True) for t in range(5, T)]
+  np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, atol=1e-5)
+
+
+def test_unroll_layers_keeps_logits_and_decodes():
+  cfg = dataclasses.replace(SMALL, n_layers=4, sliding_window=3, global_every=2,
+                            scan_layers=True)
+  scanned = Llama(cfg, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=r"scan_layers=False, got scan_layers=True.*unroll_layers"):
+    scanned.init_cache(1, T)
+  model = unroll_layers(scanned)
+  assert not model.config.scan_layers and unroll_layers(model) is model
+  tokens = _tokens(4, (1, T))
+  np.testing.assert_allclose(_logits(model, tokens), _logits(scanned, tokens), atol=1e-5)
+  model.init_cache(1, T)
+  np.testing.assert_allclose(_logits(model, tokens, decode=True), _logits(scanned, tokens),
+                             atol=1e-5)
+
+
+def test_init_cache_errors(small):
+  with pytest.raises(ValueError, match=r"max_length=.*at most max_seq_len=16, got 17"):
+    small.init_cache(1, T + 1)
+  with pytest.raises(ValueError, match=r"batch_size=.*positive int, got 0"):
+    small.init_cache(0, T)
 
 
 def test_remat_policies_same_loss_and_grads(small):

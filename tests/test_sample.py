@@ -1,0 +1,124 @@
+"""train.sample: KV-cache generation equals the full forward's argmax step by step, nucleus
+and temperature sampling, and `python -m train.sample` on a tiny trained run."""
+
+import dataclasses
+import shutil
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import trainer
+from helpers import normal
+from models.llama import Llama, LlamaConfig
+from train import sample
+
+SMALL = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64,
+                    max_seq_len=24, attention_backend="reference")
+PROMPT = np.array([5, 17, 3, 40, 22, 9], np.int32)
+
+
+@pytest.fixture(scope="module")
+def windowed():
+  """Sliding-window layers (window 3, shorter than the text) with sinks, global every 2nd."""
+  cfg = dataclasses.replace(SMALL, sliding_window=3, global_every=2, attention_sinks=True)
+  model = Llama(cfg, rngs=nnx.Rngs(0))
+  for b in model.layers:
+    b.attn.sinks[...] = normal(b.attn.sinks.shape, 5)
+  return model
+
+
+@nnx.jit
+def _forward(model, tokens):
+  return model(tokens)
+
+
+def test_greedy_generation_is_the_full_forward_argmax_step_by_step(windowed):
+  new = sample.generate(windowed, PROMPT, 8)
+  text = np.concatenate([PROMPT, new])
+  logits = np.asarray(_forward(windowed, jnp.asarray(text)[None]))[0]
+  # Token i of the text is the argmax of the full forward at position i - 1.
+  np.testing.assert_array_equal(np.argmax(logits[len(PROMPT) - 1:-1], axis=-1), new)
+
+
+def test_top_p_near_zero_is_greedy_and_seeds_reproduce(windowed):
+  greedy = sample.generate(windowed, PROMPT, 8)
+  nucleus = sample.generate(windowed, PROMPT, 8, temperature=1.0, top_p=1e-6, seed=3)
+  np.testing.assert_array_equal(nucleus, greedy)
+  draw = lambda seed: sample.generate(windowed, PROMPT, 8, temperature=2.0, seed=seed)
+  np.testing.assert_array_equal(draw(1), draw(1))
+  assert not np.array_equal(draw(1), draw(2))
+
+
+def test_next_token_draws_only_from_the_nucleus():
+  # Probabilities 0.5, 0.3, 0.15, 0.05: top_p=0.7 keeps the first two.
+  logits = jnp.log(jnp.array([[0.15, 0.5, 0.05, 0.3]]))
+  keys = jax.random.split(jax.random.key(0), 400)
+  draws = np.asarray(jax.jit(jax.vmap(lambda k: sample.next_token(logits, k, 1.0, 0.7)))(keys))
+  assert set(draws.ravel()) == {1, 3}
+  assert int(sample.next_token(logits, keys[0], 0.0, 1.0)[0]) == 1
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(max_new_tokens=0), r"--max_new_tokens expects a positive int, got 0"),
+    (dict(max_new_tokens=19), r"--max_new_tokens expects at most 18 .* got 19"),
+    (dict(temperature=-1.0), r"--temperature expects a number >= 0.*got -1.0"),
+    (dict(top_p=0.0), r"--top_p expects a number in \(0, 1\], got 0.0"),
+    (dict(prompt=np.zeros(25, np.int32)), r"--prompt expects at most .*max_seq_len=24.*got 25"),
+    (dict(prompt=np.zeros(0, np.int32)), r"--prompt expects text of at least one token"),
+])
+def test_generate_errors_name_the_argument(windowed, kwargs, match):
+  kwargs = {"prompt": PROMPT, "max_new_tokens": 4, **kwargs}
+  with pytest.raises(ValueError, match=match):
+    sample.generate(windowed, kwargs.pop("prompt"), kwargs.pop("max_new_tokens"), **kwargs)
+
+
+# -- python -m train.sample on a tiny trained run --------------------------------------------
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+  """Two steps of a tiny scan_layers model with windowed layers, one device, max_seq_len 64
+  (the reference backend compiles quickest)."""
+  d = tmp_path_factory.mktemp("sample_run")
+  trainer.train(d / "run", "steps=2", "checkpoint_every=2", "eval_every=0", "num_devices=1",
+                "mesh.context=1", "seq_len=64", "model.max_seq_len=64", "model.n_layers=2",
+                "model.scan_layers=true", "model.sliding_window=16", "model.global_every=2",
+                "model.attention_backend=reference", log=d / "train.log")
+  return d / "run"
+
+
+def test_sample_command_prints_text(run_dir):
+  out = trainer.run([sys.executable, "-m", "train.sample", str(run_dir), "--prompt", "def f(",
+                     "--max_new_tokens", "8", "--temperature", "0.7", "--top_p", "0.9",
+                     "--seed", "1"])
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert out.stdout.startswith("def f(") and len(out.stdout.encode()) > len("def f(")
+
+
+def test_sample_command_errors(run_dir, tmp_path, capsys):
+  no_ckpt = tmp_path / "no_ckpt"
+  no_ckpt.mkdir()
+  shutil.copy(run_dir / "config.json", no_ckpt)
+  bad_config = tmp_path / "bad_config"
+  bad_config.mkdir()
+  (bad_config / "config.json").write_text('{"model": {"dim": ')
+  cases = [
+      ((tmp_path / "missing", "--prompt", "x", "--max_new_tokens", 4),
+       "RUN_DIR expects the run_dir of a `python -m train` run, got"),
+      ((no_ckpt, "--prompt", "x", "--max_new_tokens", 4), "RUN_DIR expects a run_dir with a"
+       " checkpoint"),
+      ((bad_config, "--prompt", "x", "--max_new_tokens", 4), "whose config.json is a trainer"
+       " config, got"),
+      ((run_dir, "--prompt", "x", "--max_new_tokens", 4, "--top_p", 1.5),
+       "--top_p expects a number in (0, 1], got 1.5"),
+      ((run_dir, "--prompt", "x" * 65, "--max_new_tokens", 4),
+       "--prompt expects at most the model's max_seq_len=64 tokens, got 65"),
+  ]
+  for args, message in cases:  # in this process: argparse exits with status 2
+    with pytest.raises(SystemExit) as exit_:
+      sample.main([str(a) for a in args])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and message in err, (args, err)

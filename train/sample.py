@@ -1,0 +1,213 @@
+"""`python -m train.sample RUN_DIR --prompt TEXT --max_new_tokens N`: text from a trained run.
+
+  python -m train.sample runs/demo --prompt "def main(" --max_new_tokens 64
+  python -m train.sample runs/demo --prompt "import " --max_new_tokens 64 \\
+      --temperature 0.8 --top_p 0.95 --seed 1
+
+The run's config.json gives the model and the tokenizer; its newest checkpoint that restores
+gives the parameters (restored as the trainer resumes, `train.checkpoint`; a `scan_layers`
+model is decoded through `models.llama.unroll_layers`). The prompt is one document from
+position 0: one decode call fills the KV cache with it (prefill), then each new token is one
+decode call. Greedy at temperature 0, else temperature and nucleus (top-p) sampling with a
+JAX PRNG key from the seed. Runs on one device of the run's platform, without context
+parallelism. Prints the prompt followed by the new text.
+
+Exit status 0; 2 for a bad argument or run_dir (the message names it); 1 when checkpoints
+exist but none restores (`train.checkpoint.CheckpointError`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models.llama import Llama, unroll_layers
+
+
+def next_token(logits_BV: jax.Array, key: jax.Array, temperature, top_p) -> jax.Array:
+  """The next token `[B]` int32 of each row from its logits `[B, V]`.
+
+  Args:
+    logits_BV: next-token logits.
+    key: a JAX PRNG key (unused at temperature 0).
+    temperature: 0 (a Python number) for the argmax; else a float or traced scalar > 0 that
+      divides the logits before sampling.
+    top_p: nucleus sampling: only the most probable tokens whose probabilities sum to at
+      least `top_p` are drawn from (the most probable one always); 1 keeps every token.
+
+  `generate` checks both values (`check_sampling`); this function does not.
+  """
+  if isinstance(temperature, (int, float)) and temperature == 0:
+    return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+  logits_BV = logits_BV.astype(jnp.float32) / temperature
+  probs_BV = jax.nn.softmax(logits_BV, axis=-1)
+  sorted_BV = jnp.flip(jnp.sort(probs_BV, axis=-1), axis=-1)
+  # A token is kept when the mass of the more probable ones is still below top_p.
+  kept_BV = jnp.cumsum(sorted_BV, axis=-1) - sorted_BV < top_p
+  least_B1 = jnp.min(jnp.where(kept_BV, sorted_BV, jnp.inf), axis=-1, keepdims=True)
+  logits_BV = jnp.where(probs_BV >= least_B1, logits_BV, -jnp.inf)
+  return jax.random.categorical(key, logits_BV, axis=-1).astype(jnp.int32)
+
+
+@nnx.jit(static_argnames="greedy")
+def _decode(model: Llama, tokens_BT, key, temperature, top_p, greedy: bool):
+  # One program for every temperature > 0 and top_p: only greediness is static.
+  logits_BTV = model(tokens_BT, decode=True)
+  return next_token(logits_BTV[:, -1], key, 0 if greedy else temperature, top_p)
+
+
+def check_sampling(max_new_tokens: int, temperature: float, top_p: float) -> None:
+  """Checks the arguments of `generate` that need no model.
+
+  Raises:
+    ValueError: `max_new_tokens` < 1, `temperature` < 0 or `top_p` outside (0, 1].
+  """
+  if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+    raise ValueError(f"--max_new_tokens expects a positive int, got {max_new_tokens!r}.")
+  if not temperature >= 0:
+    raise ValueError(f"--temperature expects a number >= 0 (0 = greedy), got {temperature!r}.")
+  if not 0 < top_p <= 1:
+    raise ValueError(f"--top_p expects a number in (0, 1], got {top_p!r}.")
+
+
+def generate(model: Llama, prompt, max_new_tokens: int, *, temperature: float = 0.0,
+             top_p: float = 1.0, seed: int = 0) -> np.ndarray:
+  """`max_new_tokens` tokens continuing `prompt`, decoded with a KV cache.
+
+  Args:
+    model: a `Llama` of the unrolled layout (see `models.llama.unroll_layers`); its KV
+      cache is (re)allocated for `len(prompt) + max_new_tokens` tokens.
+    prompt: token ids `[P]` int, one document from position 0.
+    max_new_tokens: how many tokens to generate.
+    temperature: 0 for greedy decoding, else the sampling temperature.
+    top_p: nucleus sampling mass in (0, 1] (see `next_token`).
+    seed: the PRNG seed of the sampling; the same seed draws the same tokens.
+
+  Returns:
+    the new token ids `[max_new_tokens]` int32 (numpy).
+
+  Raises:
+    ValueError: a prompt not `[P]` or empty, `max_new_tokens` < 1, `temperature` < 0,
+      `top_p` outside (0, 1], or a prompt and new tokens longer than the model's
+      max_seq_len.
+  """
+  prompt = np.asarray(prompt, np.int32)
+  limit = model.config.max_seq_len
+  if prompt.ndim != 1:
+    raise ValueError(f"generate(prompt=...) expects token ids of shape [P], got shape"
+                     f" {prompt.shape}.")
+  if prompt.size == 0:
+    raise ValueError(f"--prompt expects text of at least one token, got {prompt.size} tokens.")
+  if prompt.size > limit:
+    raise ValueError(f"--prompt expects at most the model's max_seq_len={limit} tokens, got"
+                     f" {prompt.size}; shorten the prompt.")
+  check_sampling(max_new_tokens, temperature, top_p)
+  if prompt.size + max_new_tokens > limit:
+    raise ValueError(f"--max_new_tokens expects at most {limit - prompt.size} after a prompt of"
+                     f" {prompt.size} tokens (max_seq_len={limit}), got {max_new_tokens};"
+                     " generate fewer tokens or shorten the prompt.")
+  model.init_cache(1, prompt.size + max_new_tokens)
+  keys = jax.random.split(jax.random.key(seed), max_new_tokens)
+  args = (jnp.float32(temperature), jnp.float32(top_p), temperature == 0)
+  token_B = _decode(model, jnp.asarray(prompt)[None], keys[0], *args)
+  out = [token_B]
+  for key in keys[1:]:
+    token_B = _decode(model, token_B[:, None], key, *args)
+    out.append(token_B)
+  return np.asarray(jnp.concatenate(out))
+
+
+def load(run_dir: str):
+  """`(model, tokenizer, step)` of `run_dir`'s newest checkpoint that restores.
+
+  The model is unrolled (ready for `generate`) and on the default device of the run's
+  platform. As on resume, a damaged step is set aside (`train.checkpoint`) and the next
+  older one tried.
+
+  Raises:
+    ValueError: `run_dir` is not a directory, has no checkpoint, or no config.json that
+      is a valid trainer config; the run's tokenizer file is missing
+      (`train.config.ConfigError`).
+    train.checkpoint.CheckpointError: checkpoints exist but none restores.
+  """
+  from train import config, loop, tokenizer as tokenizer_lib
+  from train.checkpoint import Checkpoints
+
+  path = pathlib.Path(run_dir)
+  if not path.is_dir():
+    raise ValueError(f"RUN_DIR expects the run_dir of a `python -m train` run, got {run_dir!r},"
+                     " which is not a directory.")
+  if not (path / "config.json").is_file():
+    raise ValueError(f"RUN_DIR expects a run_dir with config.json (written with each"
+                     f" checkpoint), got {run_dir!r} without one; pass the run_dir of a run"
+                     " that saved a checkpoint.")
+  try:
+    json.loads((path / "config.json").read_text())
+    cfg = config.load(str(path / "config.json"))  # JSON is YAML
+  except (UnicodeDecodeError, json.JSONDecodeError, config.ConfigError) as e:
+    raise ValueError(f"RUN_DIR expects a run_dir whose config.json is a trainer config, got"
+                     f" {run_dir!r}, where it is not: {str(e).rstrip('.')}. Restore"
+                     " config.json or pass another run_dir.") from None
+  ckpt_dir = path / "checkpoints"
+  if not ckpt_dir.is_dir() or not any(p.name.isdigit() for p in ckpt_dir.iterdir()):
+    raise ValueError(f"RUN_DIR expects a run_dir with a checkpoint, got {run_dir!r} with none in"
+                     f" {ckpt_dir}; train longer (checkpoint_every) or pass another run_dir.")
+  if cfg.platform:
+    jax.config.update("jax_platforms", cfg.platform)
+  tok = tokenizer_lib.make(cfg.data.tokenizer)
+  # The trainer's state (model and optimizer), so the tree matches the checkpoint's.
+  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: loop._make_state(cfg, None)))
+  one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  abstract = jax.tree.map(
+      lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one_device), abstract)
+  ckpts = Checkpoints(str(path), cfg.checkpoint)
+  try:
+    restored = ckpts.restore_latest(abstract)
+  finally:
+    ckpts.close()
+  if restored is None:
+    raise ValueError(f"RUN_DIR expects a run_dir with a checkpoint, got {run_dir!r} with none"
+                     f" that restores in {ckpt_dir}.")
+  step, state, _ = restored
+  return unroll_layers(nnx.merge(graphdef, state).model), tok, step
+
+
+def main(argv: list[str]) -> int:
+  parser = argparse.ArgumentParser(
+      prog="python -m train.sample", description=__doc__.split("\n\n")[0],
+      formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("run_dir", metavar="RUN_DIR", help="the run_dir of a `python -m train` run")
+  parser.add_argument("--prompt", required=True, help="the text to continue")
+  parser.add_argument("--max_new_tokens", type=int, required=True, help="tokens to generate")
+  parser.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
+  parser.add_argument("--top_p", type=float, default=1.0, help="nucleus mass in (0, 1]")
+  parser.add_argument("--seed", type=int, default=0, help="PRNG seed of the sampling")
+  args = parser.parse_args(argv)
+  from train import checkpoint
+
+  for noisy in ("absl", "orbax", "jax"):
+    logging.getLogger(noisy).setLevel(logging.WARNING)
+  try:
+    check_sampling(args.max_new_tokens, args.temperature, args.top_p)
+    model, tok, _ = load(args.run_dir)
+    new = generate(model, tok.encode(args.prompt), args.max_new_tokens,
+                   temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+  except checkpoint.CheckpointError as e:
+    print(f"checkpoint error: {e}", file=sys.stderr)
+    return 1
+  except ValueError as e:
+    parser.error(str(e))
+  print(args.prompt + tok.decode(new))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))
