@@ -268,7 +268,8 @@ def _window_ring(axis, n, local, fetches, data, q, k, v, layout):
 
 def _visits(axis, n, fetches, k, v, layout):
   """(step, k, v, layout) of step 0 and each fetch of `ring_fetches` (ids travel whole)."""
-  yield 0, k, v, layout
+  yield 0, k, v, Layout(layout.q_segment_ids, layout.kv_segment_ids, layout.q_positions,
+                        layout.kv_positions)  # local arrays: no global load balancing
   for step, part in fetches:
     ids = _move(jnp.stack([layout.kv_segment_ids, layout.kv_positions]), axis, n, step, None)
     yield (step, _move(k, axis, n, step, part), _move(v, axis, n, step, part),
