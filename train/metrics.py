@@ -2,7 +2,11 @@
 TensorBoard events in `{run_dir}/tensorboard/`, and the loss curve `{run_dir}/loss.png`.
 
 Lines are `{"step": s, "loss": ..., "grad_norm": ..., "lr": ..., "tokens": ...,
-"tokens_per_s": ..., "step_time": ...}` for training steps and `{"step": s, "eval_loss":
+"tokens_per_s": ..., "tokens_per_s_per_device": ..., "tflops_per_device": ..., "mfu": ...
+(null without a known peak, see `train.throughput`), "step_time": ..., "host_time": ...}`
+for training steps (step_time: seconds between this step's completion and the previous
+one's; host_time: of those, the host's own work for the step (data, dispatch, logging),
+which overlaps the device's) and `{"step": s, "eval_loss":
 ..., "eval_tokens": ...}` for evals. `step` counts optimizer steps done (1 after the first).
 Only process 0 writes.
 
