@@ -15,19 +15,17 @@ import pathlib
 import sys
 
 
-def export(run_dir: str, out_dir: str, dtype: str = "bfloat16") -> int:
-  """Writes the model of `run_dir`'s newest checkpoint to `out_dir` in Hugging Face format,
-  tensors as `dtype`; returns the checkpoint's step.
+def restore_model(run_dir: str):
+  """`(step, model)`: the `models.llama.Llama` of `run_dir`'s newest checkpoint, on the
+  host's CPU, with the run's model config (its config.json).
 
   Raises:
     ConfigError: `run_dir` has no loadable config.json.
     CheckpointError: it has no checkpoint, or the newest does not restore.
-    ValueError: unknown dtype.
   """
   import jax
   from flax import nnx
 
-  from models import hf
   from train import checkpoint, config, loop
 
   path = pathlib.Path(run_dir) / "config.json"
@@ -40,7 +38,21 @@ def export(run_dir: str, out_dir: str, dtype: str = "bfloat16") -> int:
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=host),
                           abstract)
   step, state = checkpoint.restore_newest(run_dir, abstract)
-  hf.save(nnx.merge(graphdef, state).model, out_dir, dtype=dtype)
+  return step, nnx.merge(graphdef, state).model
+
+
+def export(run_dir: str, out_dir: str, dtype: str = "bfloat16") -> int:
+  """Writes the model of `run_dir`'s newest checkpoint to `out_dir` in Hugging Face format,
+  tensors as `dtype`; returns the checkpoint's step.
+
+  Raises:
+    ConfigError, CheckpointError: as `restore_model`.
+    ValueError: unknown dtype.
+  """
+  from models import hf
+
+  step, model = restore_model(run_dir)
+  hf.save(model, out_dir, dtype=dtype)
   return step
 
 
