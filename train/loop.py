@@ -23,6 +23,7 @@ import sys
 import time
 
 import jax
+import numpy as np
 import optax
 from flax import nnx
 
@@ -159,7 +160,8 @@ class _Reporter:
   def __init__(self, cfg: TrainConfig, writer: metrics.MetricsWriter, rates: throughput.Rates,
                bar, start_step: int):
     self.cfg, self.writer, self.rates, self.bar = cfg, writer, rates, bar
-    self.lr = optimizer.schedule(cfg.optimizer, cfg.steps)
+    # On the host once: a schedule call per step would queue behind the running step.
+    self.lrs = np.asarray(optimizer.schedule(cfg.optimizer, cfg.steps)(np.arange(cfg.steps)))
     self.tokens_per_step = cfg.batch_size * cfg.seq_len
     self.start_step, self.last = start_step, None
     self.timed_tokens = self.timed_seconds = 0.0  # steps after this process's first (compile)
@@ -168,17 +170,18 @@ class _Reporter:
   def restart_clock(self) -> None:
     self.done_at = time.perf_counter()
 
-  def report(self, step: int, out: dict, host_time: float) -> float:
-    """Fetches step `step`'s metrics `out` (blocking until it is done) and reports them;
-    returns the seconds waited."""
+  def report(self, step: int, out: dict, host_time: float, dispatch_time: float) -> float:
+    """Fetches step `step`'s metrics `out` (blocking until it is done) and reports them
+    with the host's seconds on the step (data, metrics, logging) and in the step's call
+    (its dispatch); returns the seconds waited."""
     fetch = time.perf_counter()
     out = jax.device_get(out)
     now = time.perf_counter()
     elapsed, self.done_at = now - self.done_at, now
     m = {"loss": float(out["loss"]), "grad_norm": float(out["grad_norm"]),
-         "lr": float(self.lr(step - 1)), "tokens": float(out["tokens"]),
+         "lr": float(self.lrs[step - 1]), "tokens": float(out["tokens"]),
          **self.rates.of(self.tokens_per_step, elapsed), "step_time": elapsed,
-         "host_time": host_time}
+         "host_time": host_time, "dispatch_time": dispatch_time}
     if step > self.start_step + 1:
       self.timed_tokens += self.tokens_per_step
       self.timed_seconds += elapsed
@@ -277,11 +280,13 @@ def run(cfg: TrainConfig) -> tuple[int, bool]:
         while step < cfg.steps:
           start = time.perf_counter()
           batch = batches.to_global(stop.call(lambda: next(data_it)))
+          dispatch = time.perf_counter()
           out = train_step(state, batch)  # dispatched: the device runs it while the host goes on
+          dispatch = time.perf_counter() - dispatch
           step += 1
           position = data_it.get_state()
           waited = reporter.report(*pending) if pending else 0.0
-          pending = (step, out, time.perf_counter() - start - waited)
+          pending = (step, out, time.perf_counter() - start - waited - dispatch, dispatch)
           save_now = cfg.checkpoint_every and step % cfg.checkpoint_every == 0
           eval_now = eval_ds is not None and (step % cfg.eval_every == 0 or step == cfg.steps)
           if save_now or eval_now or step == cfg.steps:

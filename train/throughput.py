@@ -103,4 +103,5 @@ def format_step(step: int, steps: int, m: dict, peak: Peak | None) -> str:
           f" | lr {m['lr']:.3e} | tokens/s {m['tokens_per_s']:,.0f}"
           f" | tokens/s/device {m['tokens_per_s_per_device']:,.0f}"
           f" | TFLOP/s/device {m['tflops_per_device']:.4g} | {mfu}"
-          f" | step {m['step_time']:.3f} s (host {m['host_time']:.3f} s)")
+          f" | step {m['step_time']:.3f} s (host {m['host_time']:.3f} s, dispatch"
+          f" {m['dispatch_time']:.3f} s)")
