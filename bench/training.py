@@ -2,6 +2,18 @@
 the same run.
 
   python -m bench.training [--json bench/results/train_cpu.json] [--steps N] [--config PATH]
+  python -m bench.training --trainer-only [--trainer-steps N]
+
+Part 2 (`--trainer-steps`, 0 skips it; `--trainer-only` runs only it): `python -m train`
+itself on configs/demo.yaml and configs/extend_demo.yaml (init_from a random tiny Llama
+written by `python -m models.hf random`), no checkpoints or evals, and what its log and
+metrics.jsonl report: tokens/s, tokens/s and TFLOP/s per device, MFU (against the CPU
+matmul the trainer times at start), step time, the host's own time per step outside the
+device step (data, metrics, logging: `host_time`; it overlaps the device's work, since the
+loop dispatches step n + 1 before fetching step n's metrics) and the step call's own time
+(`dispatch_time`: on several simulated CPU devices XLA's CPU client returns only when the
+multi-device program has run, so there it is most of the step; on one device, GPU or TPU
+it returns at once). Medians over the steps after the first two (compile and warm-up).
 
 The demo model (`configs/demo.yaml`: its model config, seq_len and global batch_size) is
 trained with the trainer's own pieces: `train.loop._make_state` (Llama + AdamW from
@@ -70,6 +82,8 @@ import gc  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
 import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
@@ -195,6 +209,54 @@ class Variant:
                 tokens_per_s=tokens / median, tokens_per_s_best=tokens / min(self.times))
 
 
+def trainer_runs(steps: int) -> list[dict]:
+  """Part 2: `python -m train` on the demo and extend_demo configs for `steps` steps; per
+  config the medians of its metrics.jsonl over the steps after the first two."""
+  rows = []
+  with tempfile.TemporaryDirectory() as tmp:
+    hf_dir = os.path.join(tmp, "tiny_llama_hf")
+    subprocess.run([sys.executable, "-m", "models.hf", "random", hf_dir], check=True,
+                   capture_output=True)
+    for config, extra in (("configs/demo.yaml", []),
+                          ("configs/extend_demo.yaml", [f"init_from={hf_dir}"])):
+      run_dir = os.path.join(tmp, os.path.basename(config).removesuffix(".yaml"))
+      cmd = [sys.executable, "-m", "train", config, f"run_dir={run_dir}", f"steps={steps}",
+             "checkpoint_every=0", "eval_every=0", *extra]
+      proc = subprocess.run(cmd, capture_output=True, text=True)
+      if proc.returncode:
+        raise SystemExit(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout[-3000:]}"
+                         f"{proc.stderr[-3000:]}")
+      with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        lines = [json.loads(line) for line in f]
+      timed = [r for r in lines if "loss" in r and r["step"] > 2]
+      med = lambda key: statistics.median(r[key] for r in timed)
+      summary = [l.strip() for l in proc.stderr.splitlines() if "throughput after" in l]
+      cfg = config_lib.load(config)
+      rows.append(dict(config=config, seq_len=cfg.seq_len, batch_size=cfg.batch_size,
+                       steps=steps, timed_steps=len(timed),
+                       **{k: med(k) for k in ("tokens_per_s", "tokens_per_s_per_device",
+                                              "tflops_per_device", "mfu", "step_time",
+                                              "host_time", "dispatch_time")},
+                       host_fraction=med("host_time") / med("step_time"),
+                       last_step_line=[l for l in proc.stderr.splitlines() if " | loss " in l][-1],
+                       summary=summary[-1] if summary else None))
+  return rows
+
+
+def print_trainer_rows(rows: list[dict]) -> list[str]:
+  """Prints part 2's table; returns its lines."""
+  lines = [f"{'config':<28} {'seq_len':>7} {'tokens/s':>9} {'tok/s/dev':>9} {'TFLOP/s/dev':>11}"
+           f" {'MFU':>7} {'step s':>7} {'host s':>7} {'host %':>7} {'dispatch s':>10}"] + [
+      f"{r['config']:<28} {r['seq_len']:>7} {r['tokens_per_s']:>9.0f}"
+      f" {r['tokens_per_s_per_device']:>9.0f} {r['tflops_per_device']:>11.4f}"
+      f" {100 * r['mfu']:>6.2f}% {r['step_time']:>7.3f} {r['host_time']:>7.3f}"
+      f" {100 * r['host_fraction']:>6.1f}% {r['dispatch_time']:>10.3f}" for r in rows]
+  print("\n" + "\n".join(lines))
+  for r in rows:
+    print(f"  {r['config']}: {r['last_step_line'].split('train.loop: ')[-1]}")
+  return lines
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -208,10 +270,25 @@ def main():
                            " documents per row)")
   parser.add_argument("--min-docs", type=int, default=3)
   parser.add_argument("--config", default="configs/demo.yaml")
+  parser.add_argument("--trainer-steps", type=int, default=12,
+                      help="steps of each `python -m train` run in part 2 (0: skip part 2)")
+  parser.add_argument("--trainer-only", action="store_true", help="run only part 2")
   args = parser.parse_args()
   if args.steps < 1 or args.warmup < 1:
     parser.error("--steps and --warmup expect >= 1")
+  if args.trainer_only and args.trainer_steps < 3:
+    parser.error("--trainer-only expects --trainer-steps >= 3 (two untimed steps, then timed)")
   wall = time.perf_counter()
+  if args.trainer_only:
+    rows = trainer_runs(args.trainer_steps)
+    lines = print_trainer_rows(rows)
+    if args.json:
+      with open(args.json, "w") as f:
+        json.dump(dict(cpu_cores=os.cpu_count(), jax=jax.__version__,
+                       command=" ".join(["python -m bench.training"] + sys.argv[1:]),
+                       trainer=rows, trainer_table=lines,
+                       wall_s=time.perf_counter() - wall), f, indent=2)
+    return
 
   base = config_lib.load(args.config)
   if jax.device_count() != 4 or base.mesh.context != 4:
@@ -267,6 +344,10 @@ def main():
   print(f"\ntokens/s and step s: median of {args.steps} interleaved steps after {args.warmup}"
         f" warm-up; x ring: tokens/s ratio; MFU vs {mm:.1f} GFLOP/s; cores: process CPU"
         f" time / wall time over the timed steps; total {elapsed:.0f} s")
+  trainer_rows = trainer_lines = None
+  if args.trainer_steps >= 3:
+    trainer_rows = trainer_runs(args.trainer_steps)
+    trainer_lines = print_trainer_rows(trainer_rows)
 
   if args.json:
     with open(args.json, "w") as f:
@@ -281,7 +362,8 @@ def main():
                      document_lengths=lengths, padding_tokens=padding,
                      flops_per_token=fpt, matmul_gflops=mm, matmul_gflops_before=mm_before,
                      matmul_gflops_after=mm_after, variants=rows, table=lines,
-                     wall_s=elapsed), f, indent=2)
+                     trainer=trainer_rows, trainer_table=trainer_lines,
+                     wall_s=time.perf_counter() - wall), f, indent=2)
 
 
 if __name__ == "__main__":

@@ -361,3 +361,120 @@ def test_two_processes_context_parallel(reference, tmp_path):
   assert [p.name.split("-")[0] for p in (run_dir / "checkpoints_unusable").iterdir()] == [str(newest)]
   assert checkpoints(run_dir)[-1] == STEPS
   assert all(losses(run_dir)[s] == pytest.approx(want[s], abs=1e-4) for s in want)
+
+
+def test_log_lines_and_summary_without_a_terminal(reference):
+  """stdout is a file (`trainer.start`): each step's line and the summary reach it through
+  `logging`, with throughput, MFU against the measured CPU peak, and the run's paths."""
+  run_dir, out, _ = reference
+  step_lines = [l for l in out.splitlines() if " | loss " in l and "step " in l]
+  assert len(step_lines) == STEPS, out[-4000:]
+  assert all(f in step_lines[-1] for f in (f"step {STEPS}/{STEPS}", "grad_norm", "lr ",
+                                           "tokens/s ", "tokens/s/device", "TFLOP/s/device",
+                                           "MFU", "measured", "host")), step_lines[-1]
+  assert f"done: step {STEPS}/{STEPS}" in out and "final loss" in out
+  assert "throughput after the first step: tokens/s" in out and "MFU" in out.split("done:")[-1]
+  for path in ("checkpoints", "metrics.jsonl", "tensorboard", "loss.png"):
+    assert str(run_dir.absolute() / path) in out, path
+  rows = [r for r in metrics(run_dir) if "loss" in r]
+  assert all(r["mfu"] > 0 and r["tflops_per_device"] > 0 and 0 <= r["host_time"]
+             and r["tokens_per_s_per_device"] * 4 == pytest.approx(r["tokens_per_s"])
+             for r in rows), rows[-1]
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+  """A random tiny Llama in Hugging Face format (`python -m models.hf random`), float32."""
+  path = tmp_path_factory.mktemp("hf") / "tiny"
+  proc = run([sys.executable, "-m", "models.hf", "random", str(path)])
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  return path
+
+
+def _tensors(hf_path) -> dict:
+  from safetensors.numpy import load_file
+  return load_file(str(hf_path / "model.safetensors"))
+
+
+def _extend(run_dir, *overrides) -> list[str]:
+  return [sys.executable, "-m", "train", "configs/extend_demo.yaml", f"run_dir={run_dir}",
+          "seq_len=2048", "eval_every=0", "checkpoint_every=0", *overrides]
+
+
+def test_init_from_hf_extends_context_and_exports(hf_dir, tmp_path):
+  """extend_demo from the HF directory at 2048 tokens (twice the checkpoint's 1024), one
+  step at learning rate 0: the step-1 checkpoint, exported as float32, must hold the HF
+  tensors bit for bit (random weights or a lost tensor fail)."""
+  from train.export import export
+
+  run_dir, log = tmp_path / "run", tmp_path / "log.txt"
+  proc = start(run_dir, log=log, cmd=_extend(run_dir, f"init_from={hf_dir}", "steps=1",
+                                                      "optimizer.lr=0"))
+  out = wait(proc, log)
+  assert proc.returncode == 0, out[-4000:]
+  assert f"initialized the model from {hf_dir}" in out
+  saved = json.loads((run_dir / "config.json").read_text())["model"]
+  assert saved["rope_theta"] == 500000.0  # from the checkpoint, not the YAML's default
+  assert saved["rope_scaling"]["kind"] == "llama3" and saved["max_seq_len"] == 8192
+  assert export(str(run_dir), str(tmp_path / "out"), "float32") == 1
+  want, got = _tensors(hf_dir), _tensors(tmp_path / "out")
+  assert sorted(got) == sorted(want)
+  for name in want:
+    assert (got[name] == want[name]).all(), name
+
+
+def test_init_from_run_dir_takes_its_newest_model(reference, tmp_path):
+  """A run initialized from the reference run_dir, one step at learning rate 0: its step-1
+  checkpoint holds the reference's step-12 model."""
+  from train.export import export
+
+  ref_dir = reference[0]
+  run_dir = tmp_path / "run"
+  out = train(run_dir, f"init_from={ref_dir}", "steps=1", "optimizer.lr=0", "eval_every=0",
+              log=tmp_path / "log")
+  assert "initialized the model from" in out and checkpoints(run_dir) == [1]
+  assert export(str(ref_dir), str(tmp_path / "ref"), "float32") == STEPS
+  assert export(str(run_dir), str(tmp_path / "new"), "float32") == 1
+  want, got = _tensors(tmp_path / "ref"), _tensors(tmp_path / "new")
+  assert all((got[n] == want[n]).all() for n in want)
+
+
+def test_export_logits_match_the_checkpoint(reference, tmp_path):
+  """`python -m train.export` of the trained reference run, read back by `models.hf.load`:
+  the same logits as the model restored from the run's checkpoint."""
+  import numpy as np
+
+  from models import hf
+  from train.export import restore_model
+
+  run_dir = reference[0]
+  proc = run([sys.executable, "-m", "train.export", str(run_dir), str(tmp_path / "hf"),
+              "--dtype", "float32"])
+  assert proc.returncode == 0 and f"wrote step {STEPS}" in proc.stdout, proc.stderr
+  _, trained = restore_model(str(run_dir))
+  tokens = np.random.default_rng(0).integers(0, 256, (2, 64))
+  want = np.asarray(trained(tokens))
+  got = np.asarray(hf.load(str(tmp_path / "hf"))(tokens))
+  np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("model.dim=64", ["model.dim=128", "model.dim=64", "shapes"]),
+    ("model.n_layers=3", ["model.n_layers=2", "model.n_layers=3"]),
+])
+def test_init_from_shape_mismatch_is_a_config_error(hf_dir, tmp_path, override, expected):
+  run_dir = tmp_path / "run"
+  proc = run(_extend(run_dir, f"init_from={hf_dir}", override))
+  assert proc.returncode == 2, proc.stdout + proc.stderr
+  assert "config error: config key 'init_from'" in proc.stderr
+  assert all(e in proc.stderr for e in expected), proc.stderr
+  assert not run_dir.exists()
+
+
+def test_init_from_missing_or_bad_source_is_a_config_error(tmp_path):
+  (tmp_path / "empty").mkdir()
+  for source, expected in ((tmp_path / "nowhere", "not a directory"),
+                           (tmp_path / "empty", "neither")):
+    proc = run(_extend(tmp_path / "run", f"init_from={source}"))
+    assert proc.returncode == 2 and expected in proc.stderr, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists()

@@ -23,7 +23,7 @@ def main(argv: list[str]) -> int:
   if not argv or argv[0] in ("-h", "--help"):
     print(__doc__ + "\nKeys:\n  " + "\n  ".join(config.valid_keys()))
     return 0 if argv else 2
-  from train import checkpoint, distributed, loop, run_dir  # imports start no jax backend
+  from train import checkpoint, distributed, init_from, loop, run_dir  # start no jax backend
 
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                       force=True)  # importing grain installed a root handler of its own
@@ -31,7 +31,7 @@ def main(argv: list[str]) -> int:
     logging.getLogger(noisy).setLevel(logging.WARNING)
   path, overrides = (None, argv) if "=" in argv[0] else (argv[0], argv[1:])
   try:
-    cfg = config.load(path, overrides)
+    cfg = init_from.resolve(config.load(path, overrides))
     run_dir.check(cfg)
     distributed.setup(cfg)  # before anything starts a jax backend
     _, stopped = loop.run(cfg)

@@ -231,3 +231,35 @@ class Checkpoints:
   def close(self) -> None:
     self.manager.wait_until_finished()
     self.manager.close()
+
+
+def restore_newest(run_dir: str, abstract_state) -> tuple[int, object]:
+  """`(step, state)` of the newest checkpoint of `run_dir`, read without changing anything
+  there (for `init_from` and `train.export`; a run resumes with `Checkpoints`).
+
+  Args:
+    run_dir: a run directory of this trainer.
+    abstract_state: the target tree, as for `Checkpoints.restore_latest`.
+
+  Raises:
+    CheckpointError: no checkpoint there, or the newest does not restore into
+      `abstract_state` (the message says why).
+  """
+  directory = pathlib.Path(run_dir).absolute() / "checkpoints"
+  steps = sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit()) \
+      if directory.is_dir() else []
+  if not steps:
+    raise CheckpointError(f"{directory} holds no checkpoint; expected a run_dir of a run that"
+                          " saved at least one step.")
+  manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(
+                                      read_only=True, create=False, save_interval_steps=0),
+                                  item_handlers={"state": ocp.StandardCheckpointHandler()})
+  try:
+    state = manager.restore(steps[-1], args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract_state)))["state"]
+  except Exception as e:  # orbax raises many types; each means this step cannot be used
+    raise CheckpointError(f"checkpoint step {steps[-1]} in {directory} does not restore:"
+                          f" {type(e).__name__}: {str(e)[:2000]}") from e
+  finally:
+    manager.close()
+  return steps[-1], state

@@ -148,6 +148,11 @@ class TrainConfig:
     the number of devices (checked). 0 = whatever is there.
   distributed: "auto", "on" or "off": whether to call `jax.distributed.initialize()`
     (see `train.distributed`).
+  init_from: "" (random initialization) or the weights to start from, with a fresh
+    optimizer at step 0: a Hugging Face Llama directory (config.json + safetensors) or a
+    run_dir of this trainer (its newest checkpoint). See `train.init_from`.
+  peak_tflops_per_device: the dense peak TFLOP/s of one device in the compute dtype, for
+    MFU; 0 = from `train.throughput.PEAK_TFLOPS` (or measured on CPU).
   """
 
   run_dir: str = "runs/default"
@@ -162,6 +167,8 @@ class TrainConfig:
   platform: str = ""
   num_devices: int = 0
   distributed: str = "auto"
+  init_from: str = ""
+  peak_tflops_per_device: float = 0.0
   model: LlamaConfig = dataclasses.field(default_factory=LlamaConfig)
   data: DataConfig = dataclasses.field(default_factory=DataConfig)
   optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
@@ -174,9 +181,9 @@ class TrainConfig:
     for name in ("steps", "seq_len", "batch_size", "log_every"):
       if getattr(self, name) < 1:
         raise ConfigError(f"{name} expects a positive int, got {getattr(self, name)}.")
-    for name in ("checkpoint_every", "eval_every", "num_devices"):
+    for name in ("checkpoint_every", "eval_every", "num_devices", "peak_tflops_per_device"):
       if getattr(self, name) < 0:
-        raise ConfigError(f"{name} expects an int >= 0, got {getattr(self, name)}.")
+        raise ConfigError(f"{name} expects a number >= 0, got {getattr(self, name)}.")
     if self.seq_len > self.model.max_seq_len:
       raise ConfigError(f"seq_len ({self.seq_len}) expects at most model.max_seq_len"
                         f" ({self.model.max_seq_len}); raise model.max_seq_len.")

@@ -1,6 +1,11 @@
-"""The training loop: model and optimizer created sharded, resumed from the latest
-checkpoint, a jitted step per batch, metrics, periodic eval and checkpoints, and a clean
-save-and-exit on SIGTERM.
+"""The training loop: model and optimizer created sharded (or the model read from
+`init_from`), resumed from the latest checkpoint, a jitted step per batch, metrics,
+periodic eval and checkpoints, and a clean save-and-exit on SIGTERM.
+
+The host does not wait for each step: it dispatches step n + 1, then fetches step n's
+metrics (evals, saves and the last step wait for their step first). A line per
+`log_every` steps goes to the `logging` module (`train.throughput.format_step`), and a
+summary at the end.
 
 Resume semantics: a run with an existing `run_dir` restores parameters, optimizer state
 (with its step) and the data iterator's position from the newest usable checkpoint at
@@ -13,17 +18,19 @@ resume refuses, and how a run starts over, is in `train.run_dir`; SIGTERM in `tr
 from __future__ import annotations
 
 import logging
+import pathlib
 import sys
 import time
 
 import jax
+import numpy as np
 import optax
 from flax import nnx
 
 import flaxattn
-from models.llama import LAYERS_AXIS, Llama, loss_fn, num_params
-from train import (data, distributed, mesh as mesh_lib, metrics, optimizer, run_dir,
-                   tokenizer as tokenizer_lib)
+from models.llama import LAYERS_AXIS, Llama, flops_per_token, loss_fn, num_params
+from train import (data, distributed, init_from, mesh as mesh_lib, metrics, optimizer,
+                   run_dir, throughput, tokenizer as tokenizer_lib)
 from train.checkpoint import Checkpoints
 from train.config import ConfigError, TrainConfig
 from train.stop import StopRequest, Stopped
@@ -143,10 +150,65 @@ def _parallelism(cfg: TrainConfig):
   return mesh, rules, cp, batches
 
 
-def _step_metrics(out: dict, lr: float, tokens_per_step: int, elapsed: float) -> dict:
-  return {"loss": float(out["loss"]), "grad_norm": float(out["grad_norm"]), "lr": lr,
-          "tokens": float(out["tokens"]), "tokens_per_s": tokens_per_step / elapsed,
-          "step_time": elapsed}
+class _Reporter:
+  """Fetches each step's metrics once the step is done, writes them every `log_every`
+  steps (metrics.jsonl, TensorBoard, a log line) and keeps totals for the summary.
+
+  Step time is the time between the completions of consecutive steps (the loop dispatches
+  step n + 1 before fetching step n's metrics), restarted after evals and saves."""
+
+  def __init__(self, cfg: TrainConfig, writer: metrics.MetricsWriter, rates: throughput.Rates,
+               bar, start_step: int):
+    self.cfg, self.writer, self.rates, self.bar = cfg, writer, rates, bar
+    # On the host once: a schedule call per step would queue behind the running step.
+    self.lrs = np.asarray(optimizer.schedule(cfg.optimizer, cfg.steps)(np.arange(cfg.steps)))
+    self.tokens_per_step = cfg.batch_size * cfg.seq_len
+    self.start_step, self.last = start_step, None
+    self.timed_tokens = self.timed_seconds = 0.0  # steps after this process's first (compile)
+    self.restart_clock()
+
+  def restart_clock(self) -> None:
+    self.done_at = time.perf_counter()
+
+  def report(self, step: int, out: dict, host_time: float, dispatch_time: float) -> float:
+    """Fetches step `step`'s metrics `out` (blocking until it is done) and reports them
+    with the host's seconds on the step (data, metrics, logging) and in the step's call
+    (its dispatch); returns the seconds waited."""
+    fetch = time.perf_counter()
+    out = jax.device_get(out)
+    now = time.perf_counter()
+    elapsed, self.done_at = now - self.done_at, now
+    m = {"loss": float(out["loss"]), "grad_norm": float(out["grad_norm"]),
+         "lr": float(self.lrs[step - 1]), "tokens": float(out["tokens"]),
+         **self.rates.of(self.tokens_per_step, elapsed), "step_time": elapsed,
+         "host_time": host_time, "dispatch_time": dispatch_time}
+    if step > self.start_step + 1:
+      self.timed_tokens += self.tokens_per_step
+      self.timed_seconds += elapsed
+    self.last = (step, m)
+    if step % self.cfg.log_every == 0 or step == self.cfg.steps:
+      self.writer.write(step, m)
+      if jax.process_index() == 0:
+        log.info("%s", throughput.format_step(step, self.cfg.steps, m, self.rates.peak))
+    self.bar.update(1)
+    self.bar.set_postfix(loss=f"{m['loss']:.3f}")
+    return now - fetch
+
+  def summary(self, step: int, ckpt_dir) -> str:
+    """The run's closing lines: steps, final loss, throughput, where its files are."""
+    run = pathlib.Path(self.cfg.run_dir).absolute()
+    lines = [f"done: step {step}/{self.cfg.steps} ({step - self.start_step} this run)"]
+    if self.last is not None:
+      lines[0] += f", final loss {self.last[1]['loss']:.4f} (step {self.last[0]})"
+    if self.timed_seconds:
+      r = self.rates.of(self.timed_tokens, self.timed_seconds)
+      mfu = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.2f}% ({self.rates.peak.source} peak)"
+      lines.append(f"throughput after the first step: tokens/s {r['tokens_per_s']:,.0f},"
+                   f" tokens/s/device {r['tokens_per_s_per_device']:,.0f}, TFLOP/s/device"
+                   f" {r['tflops_per_device']:.4g}, MFU {mfu}")
+    lines += [f"checkpoints: {ckpt_dir}", f"metrics: {run / 'metrics.jsonl'}",
+              f"TensorBoard: {run / 'tensorboard'}", f"loss plot: {run / 'loss.png'}"]
+    return "\n  ".join(lines)
 
 
 def run(cfg: TrainConfig) -> tuple[int, bool]:
@@ -172,16 +234,28 @@ def run(cfg: TrainConfig) -> tuple[int, bool]:
   except Stopped:
     log.warning("SIGTERM before the first step: nothing to save; exiting.")
     return 0, True
+  init = lambda: _make_state(cfg, cp)
+  with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
+    graphdef, abstract = nnx.get_abstract_model(init, mesh)
+    # Read before anything is written: a source that does not load is a config error.
+    weights = (init_from.load(cfg, cp, graphdef, abstract)
+               if cfg.init_from and not init_from.resuming(cfg) else None)
   run_dir.create(cfg)
   log.info("model: %.2fM parameters; mesh %s", num_params(cfg.model) / 1e6, dict(mesh.shape))
+  device = jax.devices()[0]
+  rates = throughput.Rates(flops_per_token(cfg.model, cfg.seq_len), mesh.size,
+                           throughput.peak(device.device_kind, device.platform,
+                                           cfg.peak_tflops_per_device))
 
   with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
-    init = lambda: _make_state(cfg, cp)
-    graphdef, abstract = nnx.get_abstract_model(init, mesh)
     ckpts, restored = _start(cfg, abstract)
     data_it = iter(train_ds)
     if restored is None:
       step, state = 0, nnx.jit(init)()
+      if weights is not None:
+        nnx.update(state.model, weights)
+        del weights
+        log.info("initialized the model from %s (optimizer fresh, step 0)", cfg.init_from)
     else:
       step, restored_state, position = restored
       state = nnx.merge(graphdef, restored_state)
@@ -196,31 +270,39 @@ def run(cfg: TrainConfig) -> tuple[int, bool]:
       ckpts.save(step, nnx.state(state), position)
 
     writer = metrics.MetricsWriter(cfg.run_dir, step)
-    lr = optimizer.schedule(cfg.optimizer, cfg.steps)
     bar = _progress(step, cfg.steps)
-    tokens_per_step = cfg.batch_size * cfg.seq_len
+    reporter = _Reporter(cfg, writer, rates, bar, step)
     saved, stopped = step, False
     position = data_it.get_state()  # after the last batch trained on: what a save records
+    pending = None  # (step, metrics on device, host seconds) of the step not yet reported
     try:
       try:
         while step < cfg.steps:
           start = time.perf_counter()
           batch = batches.to_global(stop.call(lambda: next(data_it)))
-          out = jax.device_get(train_step(state, batch))
-          elapsed = time.perf_counter() - start
+          dispatch = time.perf_counter()
+          out = train_step(state, batch)  # dispatched: the device runs it while the host goes on
+          dispatch = time.perf_counter() - dispatch
           step += 1
           position = data_it.get_state()
-          if step % cfg.log_every == 0 or step == cfg.steps:
-            writer.write(step, _step_metrics(out, float(lr(step - 1)), tokens_per_step, elapsed))
-          bar.update(1)
-          bar.set_postfix(loss=f"{float(out['loss']):.3f}")
-          if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+          waited = reporter.report(*pending) if pending else 0.0
+          pending = (step, out, time.perf_counter() - start - waited - dispatch, dispatch)
+          save_now = cfg.checkpoint_every and step % cfg.checkpoint_every == 0
+          eval_now = eval_ds is not None and (step % cfg.eval_every == 0 or step == cfg.steps)
+          if save_now or eval_now or step == cfg.steps:
+            reporter.report(*pending)
+            pending = None
+          if save_now:
             save(step, position)
             saved = step
-          if eval_ds is not None and (step % cfg.eval_every == 0 or step == cfg.steps):
+          if eval_now:
             writer.write(step, _evaluate(state, eval_ds, batches, cfg.data.eval_batches, stop))
+          if save_now or eval_now:
+            reporter.restart_clock()
       except Stopped:
         stopped = True
+      if pending:
+        reporter.report(*pending)
       if saved != step:
         save(step, position)
         saved = step
@@ -234,4 +316,5 @@ def run(cfg: TrainConfig) -> tuple[int, bool]:
       writer.close()
   if jax.process_index() == 0:
     metrics.plot_loss(cfg.run_dir)
+    log.info("%s", reporter.summary(step, ckpts.directory))
   return step, stopped

@@ -2,8 +2,15 @@
 TensorBoard events in `{run_dir}/tensorboard/`, and the loss curve `{run_dir}/loss.png`.
 
 Lines are `{"step": s, "loss": ..., "grad_norm": ..., "lr": ..., "tokens": ...,
-"tokens_per_s": ..., "step_time": ...}` for training steps and `{"step": s, "eval_loss":
-..., "eval_tokens": ...}` for evals. `step` counts optimizer steps done (1 after the first).
+"tokens_per_s": ..., "tokens_per_s_per_device": ..., "tflops_per_device": ..., "mfu": ...
+(null without a known peak, see `train.throughput`), "step_time": ..., "host_time": ...,
+"dispatch_time": ...}` for training steps and `{"step": s, "eval_loss": ...,
+"eval_tokens": ...}` for evals. `step` counts optimizer steps done (1 after the first).
+step_time: seconds between this step's completion and the previous one's; host_time: the
+host's own work for the step (data, metrics, logging), which overlaps the device's;
+dispatch_time: the step's call until it returns (short where dispatch is asynchronous; the
+whole step on several simulated CPU devices, whose XLA client runs a multi-device program
+before returning).
 Only process 0 writes.
 
 The file is only ever appended to. A run resumed from a checkpoint older than its last

@@ -1,0 +1,80 @@
+"""`python -m train.export RUN_DIR OUT_DIR [--dtype bfloat16]`: the model of a run's newest
+checkpoint as a Hugging Face Llama directory (`models.hf.save`), which `models.hf.load`
+and `transformers` read.
+
+The checkpoint is restored onto the host's CPU (whatever devices trained it), the model
+config is the run's config.json. Exit status 0, or 2 with a message when RUN_DIR is not a
+run with a checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import pathlib
+import sys
+
+
+def restore_model(run_dir: str):
+  """`(step, model)`: the `models.llama.Llama` of `run_dir`'s newest checkpoint, on the
+  host's CPU, with the run's model config (its config.json).
+
+  Raises:
+    ConfigError: `run_dir` has no loadable config.json.
+    CheckpointError: it has no checkpoint, or the newest does not restore.
+  """
+  import jax
+  from flax import nnx
+
+  from train import checkpoint, config, loop
+
+  path = pathlib.Path(run_dir) / "config.json"
+  if not path.is_file():
+    raise config.ConfigError(f"export expects a run_dir with config.json (a run of this trainer),"
+                             f" got {run_dir!r}, which has none.")
+  cfg = config.load(str(path))
+  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: loop._make_state(cfg, None)))
+  host = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=host),
+                          abstract)
+  step, state = checkpoint.restore_newest(run_dir, abstract)
+  return step, nnx.merge(graphdef, state).model
+
+
+def export(run_dir: str, out_dir: str, dtype: str = "bfloat16") -> int:
+  """Writes the model of `run_dir`'s newest checkpoint to `out_dir` in Hugging Face format,
+  tensors as `dtype`; returns the checkpoint's step.
+
+  Raises:
+    ConfigError, CheckpointError: as `restore_model`.
+    ValueError: unknown dtype.
+  """
+  from models import hf
+
+  step, model = restore_model(run_dir)
+  hf.save(model, out_dir, dtype=dtype)
+  return step
+
+
+def main(argv: list[str]) -> int:
+  from models.hf import DTYPES
+  from train import checkpoint, config
+
+  parser = argparse.ArgumentParser(prog="python -m train.export", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("run_dir")
+  parser.add_argument("out_dir")
+  parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+  args = parser.parse_args(argv)
+  logging.getLogger("absl").setLevel(logging.ERROR)  # orbax notes that it reads read-only
+  try:
+    step = export(args.run_dir, args.out_dir, args.dtype)
+  except (config.ConfigError, checkpoint.CheckpointError) as e:
+    print(f"export error: {e}", file=sys.stderr)
+    return 2
+  print(f"wrote step {step} of {args.run_dir} to {args.out_dir} ({args.dtype})")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,158 @@
+"""Starting a run from trained weights (config key `init_from`): a Hugging Face Llama
+directory (config.json + safetensors, read by `models.hf.load`) or a run_dir of this
+trainer (the model of its newest checkpoint). The optimizer starts fresh, at step 0.
+
+The model config comes from the source: its sizes and what defines its function
+(`rope_theta`, `norm_eps`, ...). The YAML's `model.*` options that keep the parameters'
+shapes (`OPTIONS`: compute dtype, remat, scan over layers, attention backend, and
+`max_seq_len` with `rope_scaling` for context extension) apply on top. The YAML's shape
+keys (`SHAPE_KEYS`) must equal the source's: a difference is a config error naming them.
+
+A run whose run_dir has checkpoints resumes from them and ignores `init_from` (logged);
+its model config is the one its config.json was saved with, with the YAML's options.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import pathlib
+
+from models import hf
+from models.llama import LlamaConfig
+from train.config import ConfigError, TrainConfig
+
+log = logging.getLogger(__name__)
+
+SHAPE_KEYS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
+              "tie_embeddings", "attention_sinks")
+OPTIONS = ("dtype", "remat", "scan_layers", "attention_backend", "max_seq_len", "rope_scaling")
+
+
+def resuming(cfg: TrainConfig) -> bool:
+  """Whether the run resumes from checkpoints in its own run_dir (files only)."""
+  directory = pathlib.Path(cfg.run_dir) / "checkpoints"
+  return cfg.resume and directory.is_dir() and any(p.name.isdigit() for p in directory.iterdir())
+
+
+def is_hf(path: str) -> bool:
+  """Whether `path` is a Hugging Face checkpoint directory (config.json + safetensors)."""
+  p = pathlib.Path(path)
+  return (p / "config.json").is_file() and ((p / hf.SINGLE).is_file() or (p / hf.INDEX).is_file())
+
+
+def _run_model(run_dir: pathlib.Path, what: str) -> LlamaConfig:
+  """The model config a run_dir's checkpoints were saved with (its config.json)."""
+  from train import config as config_lib
+
+  try:
+    return config_lib.load(str(run_dir / "config.json")).model
+  except (OSError, ConfigError) as e:
+    raise ConfigError(f"{what}: {run_dir / 'config.json'}, the config of its checkpoints, does"
+                      f" not load ({e}); point init_from at a run_dir of this trainer.") from None
+
+
+def _source_model(path: str) -> LlamaConfig:
+  if not path or not pathlib.Path(path).is_dir():
+    raise ConfigError(f"config key 'init_from' expects a Hugging Face Llama directory or a"
+                      f" run_dir of this trainer, got {path!r}, which is not a directory; fix"
+                      " the path, or set init_from='' to start from random weights.")
+  what = f"config key 'init_from' ({path!r})"
+  if is_hf(path):
+    try:
+      return hf.config_from_hf(hf.read_config(path), str(pathlib.Path(path) / "config.json"))
+    except hf.CheckpointError as e:
+      raise ConfigError(f"{what}: {e}") from None
+  if (pathlib.Path(path) / "checkpoints").is_dir():
+    return _run_model(pathlib.Path(path), what)
+  raise ConfigError(f"{what} expects a Hugging Face Llama directory (config.json and"
+                    f" {hf.SINGLE} or {hf.INDEX}) or a run_dir with checkpoints/, got a"
+                    " directory with neither; fix the path.")
+
+
+def _merge(model: LlamaConfig, source: LlamaConfig, what: str,
+           same: tuple[str, ...] = SHAPE_KEYS) -> LlamaConfig:
+  """`source` with `model`'s `OPTIONS` (its rope_scaling only where set); ConfigError
+  naming every key of `same` where they differ."""
+  differ = [k for k in same if getattr(model, k) != getattr(source, k)]
+  if differ:
+    raise ConfigError(
+        f"{what} holds a model with " + ", ".join(f"model.{k}={getattr(source, k)!r}" for k in differ)
+        + ", but the config has " + ", ".join(f"model.{k}={getattr(model, k)!r}" for k in differ)
+        + ". These keys set the parameters' shapes: set them to the checkpoint's values.")
+  options = {k: getattr(model, k) for k in OPTIONS}
+  if model.rope_scaling.kind == "default":  # not set: keep the source's (e.g. Llama 3.1's)
+    options["rope_scaling"] = source.rope_scaling
+  try:
+    merged = dataclasses.replace(source, **options)
+  except ValueError as e:
+    raise ConfigError(f"{what} with the config's model options: {e}") from None
+  changed = [f"model.{f.name} {getattr(model, f.name)!r} -> {getattr(merged, f.name)!r}"
+             for f in dataclasses.fields(LlamaConfig)
+             if getattr(model, f.name) != getattr(merged, f.name)]
+  if changed:
+    log.info("model config from %s: %s", what, ", ".join(changed))
+  return merged
+
+
+def resolve(cfg: TrainConfig) -> TrainConfig:
+  """`cfg` with the model config of its `init_from` source (unchanged without one). Reads
+  files only; call before anything is written.
+
+  Raises:
+    ConfigError: init_from is not a directory, not a Hugging Face Llama directory nor a
+      run_dir, its config does not load, or its shapes differ from the config's
+      `model.*` (naming each key, both values).
+  """
+  if not cfg.init_from:
+    return cfg
+  if resuming(cfg):
+    log.info("run_dir %s has checkpoints: resuming from them; init_from %r is ignored.",
+             cfg.run_dir, cfg.init_from)
+    saved = pathlib.Path(cfg.run_dir)
+    if not (saved / "config.json").is_file():
+      return cfg
+    what = f"run_dir {cfg.run_dir!r} (resuming)"
+    return _replace_model(cfg, _merge(cfg.model, _run_model(saved, what), what))
+  source = _source_model(cfg.init_from)
+  what = f"config key 'init_from' ({cfg.init_from!r})"
+  # A run_dir's checkpoint holds the tree of its scan_layers choice.
+  same = SHAPE_KEYS if is_hf(cfg.init_from) else SHAPE_KEYS + ("scan_layers",)
+  return _replace_model(cfg, _merge(cfg.model, source, what, same))
+
+
+def _replace_model(cfg: TrainConfig, model: LlamaConfig) -> TrainConfig:
+  try:
+    return dataclasses.replace(cfg, model=model)
+  except ValueError as e:
+    raise ConfigError(f"config key 'init_from' ({cfg.init_from!r}): {e}") from None
+
+
+def load(cfg: TrainConfig, context_parallel, graphdef, abstract_state):
+  """The `nnx.Param` state of the model of `cfg.init_from`, sharded like the run's; call
+  under the run's `jax.set_mesh` and `nnx.logical_axis_rules`, with `cfg` from `resolve`.
+
+  Args:
+    context_parallel: the run's `flaxattn.ContextParallel` or None.
+    graphdef, abstract_state: the run's `nnx.get_abstract_model` of its train state.
+
+  Raises:
+    ConfigError: the checkpoint does not read (naming the file and tensor, or the step).
+  """
+  from flax import nnx
+  from train import checkpoint
+
+  what = f"config key 'init_from' ({cfg.init_from!r})"
+  if is_hf(cfg.init_from):
+    try:
+      model = hf.load(cfg.init_from, context_parallel=context_parallel,
+                      **{k: getattr(cfg.model, k) for k in OPTIONS})
+    except hf.CheckpointError as e:
+      raise ConfigError(f"{what}: {e}") from None
+  else:
+    try:
+      _, state = checkpoint.restore_newest(cfg.init_from, abstract_state)
+    except checkpoint.CheckpointError as e:
+      raise ConfigError(f"{what}: {e}") from None
+    model = nnx.merge(graphdef, state).model
+  return nnx.state(model, nnx.Param)
