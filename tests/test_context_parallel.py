@@ -25,7 +25,7 @@ from helpers import CP_BF16_TOL, cp_cases, grads_of, normal, qkv, random_packing
 
 TOL = 1e-5  # float32, relative to the largest reference magnitude
 SCRIPT = os.path.join(os.path.dirname(__file__), "cp_check.py")
-TIMEOUT = 240  # a hang (e.g. a collective waiting on a dead peer) fails instead of blocking CI
+TIMEOUT = 600  # a hang (e.g. a collective waiting on a dead peer) fails instead of blocking CI
 
 
 def _start(devices, *args):
