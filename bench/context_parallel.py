@@ -44,6 +44,10 @@ random, so permuting them would change nothing measured: no permutation of data 
      (`bench/hlo.py`, loops counted by their trip counts), per-device temp memory, model
      FLOPs per device, wall time; the strategy `strategy="auto"` picks (cost_model="cpu")
      and its time over the measured best. `--parts 6` runs just this part.
+  7. the local kernel's rate against its call length, on one device: causal, forward+backward,
+     float32, D=64, at each `--strategy-lengths` T, the call Ulysses makes on 8 devices
+     (all T tokens, H/8 = 1 head) and the blockwise kernel on T/8 tokens with all 8 heads
+     (a ring step's query length); model GFLOP/s of each.
 Times are the best of `--repeats` runs after one compile-and-warm-up run.
 """
 
@@ -369,6 +373,22 @@ def print_every_strategy(rows: list[dict]):
           f" {r['measured_best']}; the pick takes {r['pick_over_best']:.2f}x the best time")
 
 
+# 7. the kernel's rate by call length ---------------------------------------------------------
+
+def bench_call_length(t: int, repeats: int) -> list[dict]:
+  """Part 7 for one T: causal fused forward+backward on one device, Ulysses' call (T tokens,
+  1 head) and a ring-step-length call (T/8 tokens, 8 heads)."""
+  rows = []
+  for tokens, heads in ((t, STRATEGY_H // 8), (t // 8, STRATEGY_H)):
+    keys = jax.random.split(jax.random.key(tokens), 3)
+    args = tuple(jax.random.normal(key, (1, tokens, heads, STRATEGY_D), jnp.float32) for key in keys)
+    loss = lambda q, k, v: jnp.sum(flaxattn.attention(q, k, v, mask=flaxattn.Causal(), backend="fused") ** 2)
+    seconds = best_time(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), args, repeats)
+    flops = 14.0 * heads * STRATEGY_D * causal_pairs(tokens)
+    rows.append(dict(t=t, tokens=tokens, heads=heads, seconds=seconds, gflops=flops / seconds / 1e9))
+  return rows
+
+
 # -------------------------------------------------------------------------------------------
 
 def main():
@@ -381,7 +401,7 @@ def main():
                       help="T of part 6 (default 16384 32768; 2048 with --quick)")
   parser.add_argument("--strategy-masks", nargs="+", default=["causal", "4096"],
                       help="masks of part 6: causal, or a Local window in tokens")
-  parser.add_argument("--parts", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6],
+  parser.add_argument("--parts", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 7],
                       help="which parts to run (default all)")
   args = parser.parse_args()
   t_mem, t_bal, t_time = (4096, 4096, 4096) if args.quick else (16384, 16384, 32768)
@@ -468,6 +488,14 @@ def main():
     rows = [r for t in lengths for mask in masks for r in bench_every_strategy(t, mask, args.repeats)]
     print_every_strategy(rows)
     results.update(every_strategy=rows)
+
+  if 7 in args.parts:
+    rows = [r for t in lengths for r in bench_call_length(t, args.repeats)]
+    print("\n7. one device, causal, forward+backward, float32, D=64: the kernel's rate by call length")
+    print(f"{'T':>6} {'tokens':>7} {'heads':>5} {'seconds':>8} {'GFLOP/s':>8}")
+    for r in rows:
+      print(f"{r['t']:>6} {r['tokens']:>7} {r['heads']:>5} {r['seconds']:>8.3f} {r['gflops']:>8.1f}")
+    results.update(call_length=rows)
 
   results["script_seconds"] = time.perf_counter() - start
   print(f"\nscript time {results['script_seconds']:.0f} s")
