@@ -276,34 +276,35 @@ def _visits(axis, n, fetches, k, v, layout):
            Layout(layout.q_segment_ids, ids[0], layout.q_positions, ids[1]))
 
 
-def _window_ring_fwd(axis, n, local, fetches, data, q, k, v, layout):
+def _merged_steps(local, data, q, v, pieces):
+  """(out in q's dtype, lse) of `local.forward` over `pieces` of (step, k, v, layout),
+  merged by lse."""
   out = jnp.zeros(q.shape[:3] + v.shape[3:], jnp.float32)
   lse = jnp.full(q.shape[:3], -jnp.inf, jnp.float32)
-  visits = list(_visits(axis, n, fetches, k, v, layout))
-  for step, k_s, v_s, lay in visits:
+  for step, k_s, v_s, lay in pieces:
     partial = local.forward(step, data, q, k_s, v_s, lay)
     if partial is not None:
       out, lse = _merge(out, lse, *partial)
-  out = out.astype(q.dtype)
+  return out.astype(q.dtype), lse
+
+
+def _window_ring_fwd(axis, n, local, fetches, data, q, k, v, layout):
+  visits = list(_visits(axis, n, fetches, k, v, layout))
+  out, lse = _merged_steps(local, data, q, v, visits)
   return (out, lse), (data, q, [visit[1:] for visit in visits], out, lse)
 
 
 def _window_ring_bwd(axis, n, local, fetches, residuals, cotangents):
   data, q, visits, out, lse = residuals
   dout, dlse = cotangents
-  dq = jnp.zeros(q.shape, jnp.float32)
-  dk = dv = None
+  k, v = visits[0][:2]
+  dq, dk, dv = (jnp.zeros(x.shape, jnp.float32) for x in (q, k, v))
   for (k_s, v_s, lay), (step, part) in zip(visits, ((0, None),) + fetches):
     grads = local.backward(step, data, q, k_s, v_s, lay, out, lse, dout, dlse)
     if grads is None:
       continue
-    dq = dq + grads[0].astype(jnp.float32)
     home = lambda g: (g if step == 0 else _move(g, axis, n, step, part, back=True)).astype(jnp.float32)
-    dk = home(grads[1]) if dk is None else dk + home(grads[1])
-    dv = home(grads[2]) if dv is None else dv + home(grads[2])
-  k, v = visits[0][0], visits[0][1]
-  dk = jnp.zeros(k.shape, jnp.float32) if dk is None else dk
-  dv = jnp.zeros(v.shape, jnp.float32) if dv is None else dv
+    dq, dk, dv = dq + grads[0].astype(jnp.float32), dk + home(grads[1]), dv + home(grads[2])
   return None, dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
 
@@ -329,13 +330,7 @@ def _shard_pieces(axis, n, k, v, layout):
 
 
 def _gathered_steps_fwd(axis, n, local, data, q, k, v, layout):
-  out = jnp.zeros(q.shape[:3] + v.shape[3:], jnp.float32)
-  lse = jnp.full(q.shape[:3], -jnp.inf, jnp.float32)
-  for step, k_j, v_j, lay in _shard_pieces(axis, n, k, v, layout):
-    partial = local.forward(step, data, q, k_j, v_j, lay)
-    if partial is not None:
-      out, lse = _merge(out, lse, *partial)
-  out = out.astype(q.dtype)
+  out, lse = _merged_steps(local, data, q, v, _shard_pieces(axis, n, k, v, layout))
   return (out, lse), (data, q, k, v, layout, out, lse)
 
 

@@ -15,9 +15,14 @@ import pathlib
 import sys
 
 
-def restore_model(run_dir: str):
-  """`(step, model)`: the `models.llama.Llama` of `run_dir`'s newest checkpoint, on the
-  host's CPU, with the run's model config (its config.json).
+def restore_model(run_dir: str, cfg=None, device=None):
+  """`(step, model)`: the `models.llama.Llama` of `run_dir`'s newest checkpoint, read
+  without changing anything in `run_dir` (a run may still be training there), with the
+  run's model config.
+
+  Args:
+    cfg: the run's `TrainConfig` where the caller has loaded it; None: its config.json.
+    device: where the parameters go (whatever devices trained them); None: the host's CPU.
 
   Raises:
     ConfigError: `run_dir` has no loadable config.json.
@@ -28,14 +33,16 @@ def restore_model(run_dir: str):
 
   from train import checkpoint, config, loop
 
-  path = pathlib.Path(run_dir) / "config.json"
-  if not path.is_file():
-    raise config.ConfigError(f"export expects a run_dir with config.json (a run of this trainer),"
-                             f" got {run_dir!r}, which has none.")
-  cfg = config.load(str(path))
+  if cfg is None:
+    path = pathlib.Path(run_dir) / "config.json"
+    if not path.is_file():
+      raise config.ConfigError(f"export expects a run_dir with config.json (a run of this"
+                               f" trainer), got {run_dir!r}, which has none.")
+    cfg = config.load(str(path))
+  # The trainer's state (model and optimizer), so the tree matches the checkpoint's.
   graphdef, abstract = nnx.split(nnx.eval_shape(lambda: loop._make_state(cfg, None)))
-  host = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
-  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=host),
+  where = jax.sharding.SingleDeviceSharding(device or jax.devices("cpu")[0])
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=where),
                           abstract)
   step, state = checkpoint.restore_newest(run_dir, abstract)
   return step, nnx.merge(graphdef, state).model

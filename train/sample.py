@@ -4,16 +4,17 @@
   python -m train.sample runs/demo --prompt "import " --max_new_tokens 64 \\
       --temperature 0.8 --top_p 0.95 --seed 1
 
-The run's config.json gives the model and the tokenizer; its newest checkpoint that restores
-gives the parameters (restored as the trainer resumes, `train.checkpoint`; a `scan_layers`
-model is decoded through `models.llama.unroll_layers`). The prompt is one document from
+The run's config.json gives the model and the tokenizer; its newest checkpoint gives the
+parameters, read without changing the run_dir (`train.export.restore_model`; a run may
+still be training there); a `scan_layers` model is decoded through
+`models.llama.unroll_layers`. The prompt is one document from
 position 0: one decode call fills the KV cache with it (prefill), then each new token is one
 decode call. Greedy at temperature 0, else temperature and nucleus (top-p) sampling with a
 JAX PRNG key from the seed. Runs on one device of the run's platform, without context
 parallelism. Prints the prompt followed by the new text.
 
-Exit status 0; 2 for a bad argument or run_dir (the message names it); 1 when checkpoints
-exist but none restores (`train.checkpoint.CheckpointError`).
+Exit status 0; 2 for a bad argument or run_dir (the message names it); 1 when the newest
+checkpoint does not restore (`train.checkpoint.CheckpointError`).
 """
 
 from __future__ import annotations
@@ -126,20 +127,19 @@ def generate(model: Llama, prompt, max_new_tokens: int, *, temperature: float = 
 
 
 def load(run_dir: str):
-  """`(model, tokenizer, step)` of `run_dir`'s newest checkpoint that restores.
+  """`(model, tokenizer, step)` of `run_dir`'s newest checkpoint.
 
   The model is unrolled (ready for `generate`) and on the default device of the run's
-  platform. As on resume, a damaged step is set aside (`train.checkpoint`) and the next
-  older one tried.
+  platform. Nothing in `run_dir` changes.
 
   Raises:
     ValueError: `run_dir` is not a directory, has no checkpoint, or no config.json that
       is a valid trainer config; the run's tokenizer file is missing
       (`train.config.ConfigError`).
-    train.checkpoint.CheckpointError: checkpoints exist but none restores.
+    train.checkpoint.CheckpointError: the newest checkpoint does not restore.
   """
-  from train import config, loop, tokenizer as tokenizer_lib
-  from train.checkpoint import Checkpoints
+  from train import config, tokenizer as tokenizer_lib
+  from train.export import restore_model
 
   path = pathlib.Path(run_dir)
   if not path.is_dir():
@@ -163,21 +163,8 @@ def load(run_dir: str):
   if cfg.platform:
     jax.config.update("jax_platforms", cfg.platform)
   tok = tokenizer_lib.make(cfg.data.tokenizer)
-  # The trainer's state (model and optimizer), so the tree matches the checkpoint's.
-  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: loop._make_state(cfg, None)))
-  one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  abstract = jax.tree.map(
-      lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one_device), abstract)
-  ckpts = Checkpoints(str(path), cfg.checkpoint)
-  try:
-    restored = ckpts.restore_latest(abstract)
-  finally:
-    ckpts.close()
-  if restored is None:
-    raise ValueError(f"RUN_DIR expects a run_dir with a checkpoint, got {run_dir!r} with none"
-                     f" that restores in {ckpt_dir}.")
-  step, state, _ = restored
-  return unroll_layers(nnx.merge(graphdef, state).model), tok, step
+  step, model = restore_model(run_dir, cfg, jax.devices()[0])
+  return unroll_layers(model), tok, step
 
 
 def main(argv: list[str]) -> int:
