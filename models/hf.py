@@ -286,7 +286,8 @@ def load(path: str, *, context_parallel: flaxattn.ContextParallel | None = None,
     ts = tensors[key]
     shape = tuple(spec.shape)
     if len(ts) == 1:
-      host = lambda index: _checked(files, ts[0], shape)[index]
+      whole = _checked(files, ts[0], shape)  # converted once, sliced per shard
+      host = lambda index: whole[index]
     else:  # stacked over layer groups: read only the groups of the shard
       def host(index):
         groups = range(len(ts))[index[0]]
