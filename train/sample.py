@@ -180,8 +180,9 @@ def main(argv: list[str]) -> int:
   args = parser.parse_args(argv)
   from train import checkpoint
 
-  for noisy in ("absl", "orbax", "jax"):
+  for noisy in ("orbax", "jax"):
     logging.getLogger(noisy).setLevel(logging.WARNING)
+  logging.getLogger("absl").setLevel(logging.ERROR)  # orbax notes that it reads read-only
   try:
     check_sampling(args.max_new_tokens, args.temperature, args.top_p)
     model, tok, _ = load(args.run_dir)
