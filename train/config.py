@@ -334,6 +334,15 @@ def load(path: str | None, overrides: list[str] = ()) -> TrainConfig:
       raise ConfigError(f"{path} expects a YAML mapping of config keys, got {type(values).__name__}.")
   for override in overrides:
     _set(values, override)
+  return from_dict(values)
+
+
+def from_dict(values: dict) -> TrainConfig:
+  """The `TrainConfig` of nested plain `values` (as `to_dict` gives), defaults elsewhere.
+
+  Raises:
+    ConfigError: `values` not a mapping, unknown keys, wrong types or invalid values.
+  """
   return _build(TrainConfig, values)
 
 
