@@ -248,3 +248,19 @@ def test_save_refuses_what_the_checkpoint_cannot_hold(tmp_path, option, value):
     hf.save(Llama(cfg, rngs=nnx.Rngs(0)), str(tmp_path / "out"))
   assert repr(value) in str(e.value)
   assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("arch, fields", [
+    ("LlamaForCausalLM", {}),
+    ("LlamaForCausalLM", dict(head_dim=32, qkv_bias=True, out_bias=True,
+                              rope_scaling=flaxattn.RoPEScaling("yarn", 4.0, 32))),
+    ("MistralForCausalLM", dict(sliding_window=8, global_every=0)),
+    ("Qwen2ForCausalLM", dict(qkv_bias=True, sliding_window=8, global_every=2, n_layers=4)),
+    ("Qwen3ForCausalLM", dict(qk_norm=True, head_dim=8, rope_theta=1e6,
+                              rope_scaling=flaxattn.RoPEScaling("linear", 2.0))),
+])
+def test_each_model_is_written_as_the_architecture_that_reads_it_back(arch, fields):
+  cfg = LlamaConfig(**dict(TINY, **fields))
+  written = hf.config_to_hf(cfg, "float32")
+  assert written["architectures"] == [arch]
+  assert hf.config_from_hf(json.loads(json.dumps(written))) == cfg

@@ -107,3 +107,16 @@ def test_config_json_not_a_config_object_is_a_config_error(tmp_path, text):
     proc = run(cmd)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "config.json" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_export_refuses_a_model_no_checkpoint_holds_before_reading_it(tmp_path, capsys):
+  """A run with a window in 3 of 4 layers and sinks: no Hugging Face architecture written
+  here holds it, so export exits 2 naming the option, and writes nothing."""
+  from train import export
+
+  runs = tmp_path / "run"
+  _saved(runs, "model.n_layers=4", "model.sliding_window=16", "model.attention_sinks=true")
+  (runs / "checkpoints" / "4").mkdir(parents=True)
+  assert export.main([str(runs), str(tmp_path / "out")]) == 2
+  assert "model.attention_sinks=True cannot be written" in capsys.readouterr().err
+  assert not (tmp_path / "out").exists()
