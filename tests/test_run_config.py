@@ -28,7 +28,8 @@ def _hf_dir(path, **fields):
             max_position_embeddings=256, tie_word_embeddings=True,
             rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0,
                                  low_freq_factor=1.0, high_freq_factor=4.0,
-                                 original_max_position_embeddings=64), **fields)
+                                 original_max_position_embeddings=64))
+  hf.update(fields)
   (path / "config.json").write_text(json.dumps(hf))
   (path / "model.safetensors.index.json").write_text('{"weight_map": {}}')
   return path
@@ -120,3 +121,21 @@ def test_export_refuses_a_model_no_checkpoint_holds_before_reading_it(tmp_path, 
   assert export.main([str(runs), str(tmp_path / "out")]) == 2
   assert "model.attention_sinks=True cannot be written" in capsys.readouterr().err
   assert not (tmp_path / "out").exists()
+
+
+def test_init_from_qwen3_and_mistral_sources(tmp_path):
+  """A Mistral source's window comes with it; a Qwen3 source's q/k norm and biases change
+  the parameters, so the YAML must set them (a config error names them otherwise)."""
+  mistral = _hf_dir(tmp_path / "mistral", architectures=["MistralForCausalLM"], sliding_window=16)
+  cfg = init_from.resolve(config.load(None, SIZES + [f"init_from={mistral}",
+                                                     f"run_dir={tmp_path / 'run'}"]))
+  assert (cfg.model.sliding_window, cfg.model.global_every) == (16, 0)
+  qwen3 = _hf_dir(tmp_path / "qwen3", architectures=["Qwen3ForCausalLM"], head_dim=32)
+  with pytest.raises(ConfigError) as e:
+    init_from.resolve(config.load(None, SIZES + [f"init_from={qwen3}",
+                                                 f"run_dir={tmp_path / 'run'}"]))
+  assert all(k in str(e.value) for k in ("model.head_dim=32", "model.qk_norm=True")), e.value
+  cfg = init_from.resolve(config.load(None, SIZES + [
+      "model.head_dim=32", "model.qk_norm=true", f"init_from={qwen3}",
+      f"run_dir={tmp_path / 'run'}"]))
+  assert cfg.model.qk_norm and cfg.model.attn_head_dim == 32
