@@ -81,23 +81,23 @@ class ExportError(ValueError):
 def _rope(hf: dict, where: str) -> tuple[float, flaxattn.RoPEScaling]:
   """`(rope_theta, scaling)` of either layout: transformers 5's `rope_parameters` or the
   top-level `rope_theta` / `rope_scaling` (both may be present; they must agree)."""
-  old_theta = hf.get("rope_theta")
-  old = _scaling(hf.get("rope_scaling"), hf, where, "rope_scaling")
+  theta = float(hf.get("rope_theta") or 10000.0)
+  scaling = _scaling(hf.get("rope_scaling"), hf, where, "rope_scaling")
   params = hf.get("rope_parameters")
   if params is None:
-    return float(10000.0 if old_theta is None else old_theta), old
+    return theta, scaling
   if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
     raise CheckpointError(f"{where}: rope_parameters={params!r} is not supported; expected one"
                           " dict of rope_type, rope_theta and its scaling fields (not one per"
                           " layer type).")
-  theta = float(params.get("rope_theta", 10000.0 if old_theta is None else old_theta))
-  new = _scaling(params, hf, where, "rope_parameters")
-  for name, a, b in (("rope_theta", old_theta, theta), ("rope_scaling", old, new)):
-    if name == "rope_theta" and a is not None and float(a) != b or (
-        name == "rope_scaling" and hf.get("rope_scaling") is not None and a != b):
-      raise CheckpointError(f"{where}: {name}={hf.get(name)!r} disagrees with rope_parameters"
-                            f"={params!r}; expected one RoPE, fix one of the two.")
-  return theta, new
+  new_theta = float(params.get("rope_theta", theta))
+  new_scaling = _scaling(params, hf, where, "rope_parameters")
+  if ("rope_theta" in hf and new_theta != theta) or (
+      hf.get("rope_scaling") is not None and new_scaling != scaling):
+    raise CheckpointError(f"{where}: rope_theta={hf.get('rope_theta')!r} and rope_scaling="
+                          f"{hf.get('rope_scaling')!r} disagree with rope_parameters={params!r};"
+                          " expected one RoPE: fix one of the two layouts.")
+  return new_theta, new_scaling
 
 
 def _scaling(rs, hf: dict, where: str, field: str) -> flaxattn.RoPEScaling:
@@ -453,6 +453,9 @@ def load(path: str, *, context_parallel: flaxattn.ContextParallel | None = None,
   used = {t.name for ts in tensors.values() for t in ts}
   # Some checkpoints carry RoPE's inverse frequencies, which the config determines.
   unused = sorted(n for n in files.where if n not in used and not n.endswith("rotary_emb.inv_freq"))
+  if cfg.tie_embeddings and "lm_head.weight" in unused and np.array_equal(
+      files.read("lm_head.weight"), files.read("model.embed_tokens.weight")):
+    unused.remove("lm_head.weight")  # a tied head written out as a copy
   if unused:
     raise CheckpointError(f"{path}: tensors {unused[:4]}{' ...' if len(unused) > 4 else ''} have"
                           f" no place in the model that {where} describes; a model without them"

@@ -94,7 +94,8 @@ class LlamaConfig:
 
   Raises:
     ValueError naming the field and value: a size that is not a positive int, `dim` not a
-    multiple of `n_heads` without `head_dim`, an odd head dim (RoPE), `n_heads` not a multiple of `n_kv_heads`,
+    multiple of `n_heads` without `head_dim`, an odd head dim (RoPE), `n_heads` not a
+    multiple of `n_kv_heads`,
     unknown `remat` or `dtype`, `norm_eps`/`rope_theta` out of range, both `chunk_size` and
     `sliding_window`, a `logit_soft_cap` that is not a positive number, or `scan_layers`
     with a layer pattern and `n_layers` not a multiple of `global_every`.

@@ -264,3 +264,29 @@ def test_each_model_is_written_as_the_architecture_that_reads_it_back(arch, fiel
   written = hf.config_to_hf(cfg, "float32")
   assert written["architectures"] == [arch]
   assert hf.config_from_hf(json.loads(json.dumps(written))) == cfg
+
+
+def test_layouts_that_disagree_are_refused():
+  old, new = _layouts(500000.0, LLAMA3)
+  with pytest.raises(hf.CheckpointError, match="disagree with rope_parameters"):
+    hf.config_from_hf(dict(new, rope_theta=10000.0))
+  with pytest.raises(hf.CheckpointError, match="disagree with rope_parameters"):
+    hf.config_from_hf(dict(new, rope_scaling=dict(rope_type="linear", factor=2.0)))
+  assert hf.config_from_hf(dict(new, rope_theta=500000.0, rope_scaling=LLAMA3)) == \
+      hf.config_from_hf(old)
+
+
+def test_a_tensor_without_a_place_in_the_model_is_refused(tmp_path):
+  """A q/k norm tensor in a checkpoint whose config says Llama: dropping it would compute
+  another model. A tied head written out as a copy of the embedding is fine."""
+  tied = dict(CONFIG, tie_word_embeddings=True)
+  tensors = write_checkpoint(tmp_path, tied, shards=1)
+  os.remove(tmp_path / "model-00001-of-00001.safetensors")
+  os.remove(tmp_path / hf.INDEX)
+  file = tmp_path / hf.SINGLE
+  extra = dict(tensors, **{"lm_head.weight": tensors["model.embed_tokens.weight"]})
+  save_file(extra, file)
+  assert hf.load(str(tmp_path)).config.tie_embeddings
+  save_file(dict(extra, **{"model.layers.0.self_attn.q_norm.weight": np.ones(16, BF16)}), file)
+  with pytest.raises(hf.CheckpointError, match="q_norm.weight.*no place in the model"):
+    hf.load(str(tmp_path))

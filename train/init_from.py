@@ -78,8 +78,9 @@ def _merge(model: LlamaConfig, source: LlamaConfig, what: str, keep_layout: bool
   differ = param_changes(reference, model)
   if differ:
     raise ConfigError(
-        f"{what} holds a model with " + ", ".join(f"model.{k}={getattr(source, k)!r}" for k in differ)
-        + ", but the config has " + ", ".join(f"model.{k}={getattr(model, k)!r}" for k in differ)
+        f"{what} holds a model with "
+        + ", ".join(f"model.{k}={getattr(source, k)!r}" for k in differ) + ", but the config has "
+        + ", ".join(f"model.{k}={getattr(model, k)!r}" for k in differ)
         + ". These keys set the parameters' shapes: set them to the checkpoint's values.")
   default = LlamaConfig()
   options = {f.name: getattr(model, f.name) for f in dataclasses.fields(LlamaConfig)
