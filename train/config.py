@@ -149,8 +149,9 @@ class TrainConfig:
   distributed: "auto", "on" or "off": whether to call `jax.distributed.initialize()`
     (see `train.distributed`).
   init_from: "" (random initialization) or the weights to start from, with a fresh
-    optimizer at step 0: a Hugging Face Llama directory (config.json + safetensors) or a
-    run_dir of this trainer (its newest checkpoint). See `train.init_from`.
+    optimizer at step 0: a Hugging Face checkpoint directory (config.json + safetensors;
+    Llama, Mistral, Qwen2, Qwen3) or a run_dir of this trainer (its newest checkpoint). See
+    `train.init_from`.
   peak_tflops_per_device: the dense peak TFLOP/s of one device in the compute dtype, for
     MFU; 0 = from `train.throughput.PEAK_TFLOPS` (or measured on CPU).
   """

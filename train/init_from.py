@@ -54,7 +54,7 @@ def _run_model(run_dir: pathlib.Path, what: str) -> LlamaConfig:
 
 def _source_model(path: str) -> LlamaConfig:
   if not path or not pathlib.Path(path).is_dir():
-    raise ConfigError(f"config key 'init_from' expects a Hugging Face Llama directory or a"
+    raise ConfigError(f"config key 'init_from' expects a Hugging Face checkpoint directory or a"
                       f" run_dir of this trainer, got {path!r}, which is not a directory; fix"
                       " the path, or set init_from='' to start from random weights.")
   what = f"config key 'init_from' ({path!r})"
@@ -65,7 +65,7 @@ def _source_model(path: str) -> LlamaConfig:
       raise ConfigError(f"{what}: {e}") from None
   if (pathlib.Path(path) / "checkpoints").is_dir():
     return _run_model(pathlib.Path(path), what)
-  raise ConfigError(f"{what} expects a Hugging Face Llama directory (config.json and"
+  raise ConfigError(f"{what} expects a Hugging Face checkpoint directory (config.json and"
                     f" {hf.SINGLE} or {hf.INDEX}) or a run_dir with checkpoints/, got a"
                     " directory with neither; fix the path.")
 
