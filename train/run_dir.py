@@ -54,8 +54,8 @@ def saved_config(run_dir: str) -> TrainConfig:
       the trainer writes (`SAVED_KEYS`), or values the schema rejects.
   """
   path = pathlib.Path(run_dir) / "config.json"
-  fix = ("restore it from the run's archive/ or a backup, or pass resume=false to start over"
-         " (the run's files are moved to archive/).")
+  fix = ("restore it from a backup or the run's archive/; to start a new run here instead, pass"
+         " resume=false (the run's files are moved to archive/).")
   try:
     values = json.loads(path.read_text())
   except FileNotFoundError:
@@ -64,11 +64,13 @@ def saved_config(run_dir: str) -> TrainConfig:
   except (UnicodeDecodeError, json.JSONDecodeError) as e:
     raise ConfigError(f"{path}, the config of the run's checkpoints, is not JSON ({e}); {fix}"
                       ) from None
-  missing = [k for k in SAVED_KEYS if _flat(values).get(k) is None] \
-      if isinstance(values, dict) else None
-  if missing is None or missing:
-    got = (f"a JSON {type(values).__name__} ({json.dumps(values)[:60]})" if missing is None
-           else f"an object without {', '.join(missing)}")
+  if not isinstance(values, dict):
+    got = f"a JSON {type(values).__name__} ({json.dumps(values)[:60]})"
+  elif missing := [k for k in SAVED_KEYS if _flat(values).get(k) is None]:
+    got = f"an object without {', '.join(missing)}"
+  else:
+    got = None
+  if got:
     raise ConfigError(f"{path}, the config of the run's checkpoints, expects a JSON object of"
                       f" the run's config keys (as the trainer writes it), got {got}; {fix}")
   try:
