@@ -12,7 +12,7 @@ import pytest
 from models.llama import LlamaConfig
 from train import config, init_from, run_dir
 from train.config import ConfigError
-from trainer import command, run
+from trainer import ROOT, command, run
 
 SIZES = ["model.vocab_size=97", "model.dim=64", "model.n_layers=2", "model.n_heads=4",
          "model.n_kv_heads=2", "model.ffn_dim=96", "seq_len=128"]
@@ -78,6 +78,18 @@ def test_resume_refuses_a_change_of_the_parameters_naming_the_key(tmp_path, save
   with pytest.raises(ConfigError) as e:
     run_dir.check(config.load(None, SIZES + [f"run_dir={tmp_path}", *now]))
   assert all(k in str(e.value) for k in keys), str(e.value)
+
+
+def test_resume_with_sinks_changed_exits_2_before_compiling(tmp_path):
+  """The trainer's exit status and message, with the config.json a run of `command` saves."""
+  runs = tmp_path / "run"
+  saved = config.load(str(ROOT / "configs" / "demo.yaml"), command(runs)[4:])
+  run_dir.create(saved)
+  run_dir.save_config(saved)
+  proc = run(command(runs, "model.attention_sinks=true"))
+  assert proc.returncode == 2, proc.stdout + proc.stderr
+  assert "model.attention_sinks (saved False, now True)" in proc.stderr, proc.stderr
+  assert "Traceback" not in proc.stderr
 
 
 def test_resume_lets_through_options_that_keep_the_parameters(tmp_path):
