@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 
-import numpy as np
 import pytest
 
 pytest.importorskip("torch", reason="needs the hf extra (pip install -e '.[hf]'): torch")

@@ -9,7 +9,6 @@ import sys
 
 import pytest
 
-from models.llama import LlamaConfig
 from train import config, init_from, run_dir
 from train.config import ConfigError
 from trainer import ROOT, command, run
