@@ -186,7 +186,8 @@ def config_from_hf(hf: dict, where: str = "config.json", **overrides) -> LlamaCo
   if arch is None:
     raise CheckpointError(f"{where}: architectures {archs} is not supported; expected one of"
                           f" {tuple(ARCHITECTURES)}.")
-  unsupported = {"hidden_act": ("silu",), "mlp_bias": (False, None)}
+  unsupported = {"hidden_act": ("silu",), "mlp_bias": (False, None),
+                 "partial_rotary_factor": (None, 1, 1.0)}
   unsupported.update({f: (None, 0) for f in MOE_FIELDS})
   for field, ok in unsupported.items():
     if hf.get(field) not in ok:

@@ -67,6 +67,7 @@ def test_the_old_config_layout_reads_the_same_model(tmp_path):
     (dict(hidden_act="gelu"), "hidden_act"),
     (dict(rope_parameters=dict(rope_type="dynamic", factor=2.0, rope_theta=1e4)), "'dynamic'"),
     (dict(mlp_bias=True), "mlp_bias"),
+    (dict(partial_rotary_factor=0.5), "partial_rotary_factor"),
 ])
 def test_what_the_model_cannot_represent_is_refused(tmp_path, change, field):
   hf_parity.hf_model("llama", "default").save_pretrained(str(tmp_path))
