@@ -3,10 +3,11 @@
   LlamaConfig, Llama     Llama-style decoder (GQA, RoPE on positions, SwiGLU, chunked layers)
   make_targets, loss_fn  next-token targets for packed rows, weighted cross entropy
   num_params, flops_per_token, layer_masks
+  param_shapes, param_changes   parameter shapes from a config; the fields that change them
 """
 
 from models.llama import (Llama, LlamaConfig, flops_per_token, layer_masks, loss_fn,
-                          make_targets, num_params)
+                          make_targets, num_params, param_changes, param_shapes)
 
 __all__ = ["LlamaConfig", "Llama", "make_targets", "loss_fn", "num_params", "flops_per_token",
-           "layer_masks"]
+           "layer_masks", "param_shapes", "param_changes"]

@@ -1,11 +1,23 @@
-"""Hugging Face Llama checkpoints <-> `models.llama`: `config.json` + safetensors.
+"""Hugging Face checkpoints <-> `models.llama`: `config.json` + safetensors.
 
-`load(path)` reads a `LlamaForCausalLM` directory (one `model.safetensors` or shards listed
-in `model.safetensors.index.json`) into `Llama`, one tensor at a time, each placed on the
+Architectures (`ARCHITECTURES`), each a `LlamaConfig` with the options it needs:
+`LlamaForCausalLM` (an explicit `head_dim`, `attention_bias`), `MistralForCausalLM` (a
+sliding window in every layer), `Qwen2ForCausalLM` (q/k/v biases, windowed layers by
+`layer_types`) and `Qwen3ForCausalLM` (RMSNorm of each q/k head, a free `head_dim`). RoPE
+options are read from both layouts: transformers 5's `rope_parameters` dict and the
+top-level `rope_theta` / `rope_scaling` of earlier versions (most published checkpoints).
+A field this model cannot represent (MoE, `hidden_act` other than silu, an unknown
+`rope_type`, `mlp_bias`, a layer pattern without period, ...) is refused, naming it.
+
+`load(path)` reads a directory (one `model.safetensors` or shards listed in
+`model.safetensors.index.json`) into `Llama`, one tensor at a time, each placed on the
 mesh shard by shard (`jax.make_array_from_callback`), so no device ever holds more than its
-shards and the host holds one tensor. `save(model, path)` writes a directory `transformers`
-loads. Parameters are float32 in the model and written back in the checkpoint's dtype, so a
-bfloat16 or float32 checkpoint round-trips bit for bit.
+shards and the host holds one tensor. `save(model, path)` writes the architecture that
+holds the model's options (`architecture`), RoPE in both layouts, or raises `ExportError`
+naming an option that no architecture here expresses (attention sinks, a logit soft cap,
+chunked layers, a window pattern on a model without Qwen's `layer_types`): a checkpoint
+never reads back as another model. Parameters are float32 in the model and written back in
+the checkpoint's dtype, so a bfloat16 or float32 checkpoint round-trips bit for bit.
 
 Names: HF's `q_proj.weight` is `[H * D, E]` (out x in); ours `attn/query/kernel` is
 `[E, H, D]`, `o_proj` `[E, H * D]` is `attn/out/kernel` `[H, D, E]`. Both rotate the two
@@ -31,29 +43,73 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 import flaxattn
-from models.llama import Llama, LlamaConfig
+from models.llama import Llama, LlamaConfig, layer_masks, param_changes
 
-ARCHITECTURES = ("LlamaForCausalLM",)
+# Architecture -> its config.json defaults where they differ between architectures
+# (transformers' config classes; a field missing from config.json takes these).
+ARCHITECTURES = {
+    "LlamaForCausalLM": dict(model_type="llama", max_position_embeddings=2048),
+    "MistralForCausalLM": dict(model_type="mistral", max_position_embeddings=131072,
+                               sliding_window=4096),
+    "Qwen2ForCausalLM": dict(model_type="qwen2", max_position_embeddings=32768,
+                             use_sliding_window=False, sliding_window=4096, max_window_layers=28),
+    "Qwen3ForCausalLM": dict(model_type="qwen3", max_position_embeddings=32768, head_dim=128,
+                             use_sliding_window=False, sliding_window=4096, max_window_layers=28),
+}
+# Fields of Mixture-of-Experts configs: none of these architectures has experts.
+MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size",
+              "num_experts_per_tok")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 
 
 class CheckpointError(ValueError):
-  """A checkpoint directory that cannot be read as a Llama: the message names the file and
-  the field or tensor."""
+  """A checkpoint directory that cannot be read as a `Llama`: the message names the file
+  and the field or tensor."""
+
+
+class ExportError(ValueError):
+  """A model that no Hugging Face architecture here holds: the message names the option."""
 
 
 # ---------------------------------------------------------------------------------------
 # config.json
 
 
-def _rope_scaling(hf: dict, where: str) -> flaxattn.RoPEScaling:
-  rs = hf.get("rope_scaling")
+def _rope(hf: dict, where: str) -> tuple[float, flaxattn.RoPEScaling]:
+  """`(rope_theta, scaling)` of either layout: transformers 5's `rope_parameters` or the
+  top-level `rope_theta` / `rope_scaling` (both may be present; they must agree)."""
+  theta = float(hf.get("rope_theta") or 10000.0)
+  scaling = _scaling(hf.get("rope_scaling"), hf, where, "rope_scaling")
+  params = hf.get("rope_parameters")
+  if params is None:
+    return theta, scaling
+  if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
+    raise CheckpointError(f"{where}: rope_parameters={params!r} is not supported; expected one"
+                          " dict of rope_type, rope_theta and its scaling fields (not one per"
+                          " layer type).")
+  new_theta = float(params.get("rope_theta", theta))
+  new_scaling = _scaling(params, hf, where, "rope_parameters")
+  if ("rope_theta" in hf and new_theta != theta) or (
+      hf.get("rope_scaling") is not None and new_scaling != scaling):
+    raise CheckpointError(f"{where}: rope_theta={hf.get('rope_theta')!r} and rope_scaling="
+                          f"{hf.get('rope_scaling')!r} disagree with rope_parameters={params!r};"
+                          " expected one RoPE: fix one of the two layouts.")
+  return new_theta, new_scaling
+
+
+def _scaling(rs, hf: dict, where: str, field: str) -> flaxattn.RoPEScaling:
   if rs is None:
     return flaxattn.RoPEScaling()
-  kind = rs.get("rope_type", rs.get("type"))
+  if not isinstance(rs, dict):
+    raise CheckpointError(f"{where}: {field}={rs!r} is not supported; expected a dict.")
+  kind = rs.get("rope_type", rs.get("type", "default"))
   get = lambda key, default=None: rs.get(key, default)
+  if get("partial_rotary_factor", 1.0) != 1.0:
+    raise CheckpointError(f"{where}: {field}.partial_rotary_factor="
+                          f"{get('partial_rotary_factor')!r} is not supported (expected 1.0).")
   try:
     if kind == "default":
       return flaxattn.RoPEScaling()
@@ -77,9 +133,39 @@ def _rope_scaling(hf: dict, where: str) -> flaxattn.RoPEScaling:
           beta_fast=float(get("beta_fast", 32.0)), beta_slow=float(get("beta_slow", 1.0)),
           attention_factor=None if attention is None else float(attention))
   except (TypeError, KeyError, ValueError) as e:
-    raise CheckpointError(f"{where}: rope_scaling {rs} is incomplete or invalid: {e}") from e
-  raise CheckpointError(f"{where}: rope_scaling type {kind!r} is not supported; expected one of"
-                        " default, linear, llama3, yarn.")
+    raise CheckpointError(f"{where}: {field} {rs} is incomplete or invalid: {e}") from e
+  raise CheckpointError(f"{where}: {field} rope_type {kind!r} is not supported; expected one of"
+                        f" {', '.join(ROPE_TYPES)}.")
+
+
+def _windows(hf: dict, arch: str, n_layers: int, where: str) -> dict:
+  """`sliding_window` and `global_every` of the architecture's windowed layers."""
+  field = lambda name: hf.get(name, ARCHITECTURES[arch].get(name))
+  if arch == "LlamaForCausalLM":
+    return {}
+  window = field("sliding_window")
+  if arch == "MistralForCausalLM":
+    return {} if window is None else dict(sliding_window=int(window), global_every=0)
+  if not field("use_sliding_window") or window is None:
+    return {}  # Qwen: layer_types of "sliding_attention" attend fully without both
+  types = hf.get("layer_types") or [
+      "sliding_attention" if i >= field("max_window_layers") else "full_attention"
+      for i in range(n_layers)]
+  if len(types) != n_layers or not set(types) <= {"sliding_attention", "full_attention"}:
+    raise CheckpointError(f"{where}: layer_types={types!r} is not supported; expected"
+                          f" {n_layers} of 'sliding_attention' / 'full_attention'.")
+  windowed = [t == "sliding_attention" for t in types]
+  if not any(windowed):
+    return {}
+  if all(windowed):
+    return dict(sliding_window=int(window), global_every=0)
+  for g in range(2, n_layers + 1):
+    if all(w == (i % g != g - 1) for i, w in enumerate(windowed)):
+      return dict(sliding_window=int(window), global_every=g)
+  raise CheckpointError(
+      f"{where}: layer_types={types!r} (or max_window_layers={field('max_window_layers')!r})"
+      " is not supported; this model windows every layer but each global_every-th, which"
+      " is full attention. Windowed layers in another pattern cannot be represented.")
 
 
 def config_from_hf(hf: dict, where: str = "config.json", **overrides) -> LlamaConfig:
@@ -87,36 +173,45 @@ def config_from_hf(hf: dict, where: str = "config.json", **overrides) -> LlamaCo
   `dtype`, `scan_layers`, `max_seq_len`).
 
   Raises:
-    CheckpointError: an architecture other than `LlamaForCausalLM`, a field with a value
-      this model does not implement (`hidden_act`, `attention_bias`, `mlp_bias`, a
-      `head_dim` other than hidden_size / num_attention_heads, an unknown `rope_scaling`),
-      or a missing size, naming `where` and the field.
+    CheckpointError: not a JSON object, an architecture not in `ARCHITECTURES`, a field
+      with a value this model does not implement (`hidden_act`, `mlp_bias`, experts, an
+      unknown `rope_type`, a window pattern without period, ...), or a missing size,
+      naming `where` and the field.
   """
+  if not isinstance(hf, dict):
+    raise CheckpointError(f"{where}: expects a JSON object of the model's fields, got a JSON"
+                          f" {type(hf).__name__} ({json.dumps(hf)[:60]}).")
   archs = hf.get("architectures") or []
-  if not any(a in ARCHITECTURES for a in archs):
+  arch = next((a for a in archs if a in ARCHITECTURES), None)
+  if arch is None:
     raise CheckpointError(f"{where}: architectures {archs} is not supported; expected one of"
-                          f" {ARCHITECTURES}.")
-  unsupported = {"hidden_act": ("silu",), "attention_bias": (False, None),
-                 "mlp_bias": (False, None)}
+                          f" {tuple(ARCHITECTURES)}.")
+  unsupported = {"hidden_act": ("silu",), "mlp_bias": (False, None),
+                 "partial_rotary_factor": (None, 1, 1.0)}
+  unsupported.update({f: (None, 0) for f in MOE_FIELDS})
   for field, ok in unsupported.items():
     if hf.get(field) not in ok:
       raise CheckpointError(f"{where}: {field}={hf.get(field)!r} is not supported (expected"
                             f" {' or '.join(map(repr, ok))}).")
   try:
     dim, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
-    values = dict(vocab_size=int(hf["vocab_size"]), dim=dim, n_layers=int(hf["num_hidden_layers"]),
+    n_layers = int(hf["num_hidden_layers"])
+    head_dim = hf.get("head_dim", ARCHITECTURES[arch].get("head_dim")) or dim // heads
+    bias = bool(hf.get("attention_bias", False))
+    values = dict(vocab_size=int(hf["vocab_size"]), dim=dim, n_layers=n_layers,
                   n_heads=heads, n_kv_heads=int(hf.get("num_key_value_heads") or heads),
                   ffn_dim=int(hf["intermediate_size"]),
-                  rope_theta=float(hf.get("rope_theta", 10000.0)),
+                  head_dim=None if int(head_dim) * heads == dim else int(head_dim),
+                  qkv_bias=bias or arch == "Qwen2ForCausalLM", out_bias=bias,
+                  qk_norm=arch == "Qwen3ForCausalLM",
                   norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
                   tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-                  max_seq_len=int(hf.get("max_position_embeddings", 2048)))
+                  max_seq_len=int(hf.get("max_position_embeddings",
+                                         ARCHITECTURES[arch]["max_position_embeddings"])))
   except KeyError as e:
     raise CheckpointError(f"{where}: required field {e.args[0]!r} is missing.") from e
-  if hf.get("head_dim") not in (None, dim // heads):
-    raise CheckpointError(f"{where}: head_dim={hf['head_dim']} is not supported; this model uses"
-                          f" hidden_size / num_attention_heads = {dim // heads}.")
-  values["rope_scaling"] = _rope_scaling(hf, where)
+  values["rope_theta"], values["rope_scaling"] = _rope(hf, where)
+  values.update(_windows(hf, arch, n_layers, where))
   values.update(overrides)
   try:
     return LlamaConfig(**values)
@@ -124,28 +219,78 @@ def config_from_hf(hf: dict, where: str = "config.json", **overrides) -> LlamaCo
     raise CheckpointError(f"{where}: {e}") from e
 
 
+def architecture(cfg: LlamaConfig) -> str:
+  """The Hugging Face architecture that holds `cfg`'s model exactly: Llama, or Mistral
+  for a sliding window in every layer, Qwen2 for q/k/v biases alone, Qwen3 for q/k norm.
+
+  Raises:
+    ExportError: naming the option none of them holds.
+  """
+  refuse = lambda option, why: ExportError(
+      f"model.{option}={getattr(cfg, option)!r} cannot be written as a Hugging Face"
+      f" checkpoint: {why} A checkpoint without it would read back as another model; train"
+      f" without it to export.")
+  for option in ("attention_sinks", "logit_soft_cap", "chunk_size"):
+    if getattr(cfg, option):
+      raise refuse(option, "no architecture written here (Llama, Mistral, Qwen2, Qwen3) has it.")
+  windowed = [m != flaxattn.Causal() for m in layer_masks(cfg)]
+  if cfg.qk_norm:
+    if cfg.qkv_bias != cfg.out_bias:
+      raise refuse("out_bias", "Qwen3 (q/k norm) biases all four projections or none.")
+    return "Qwen3ForCausalLM"
+  if cfg.qkv_bias and not cfg.out_bias:
+    return "Qwen2ForCausalLM"
+  if cfg.out_bias and not cfg.qkv_bias:
+    raise refuse("out_bias", "Llama biases all four projections or none.")
+  if not any(windowed):
+    return "LlamaForCausalLM"
+  if not all(windowed):
+    raise refuse("sliding_window", f"with global_every={cfg.global_every} some layers are"
+                 " global; of the architectures written here only Qwen2 (q/k/v biases) and"
+                 " Qwen3 (q/k norm) have per-layer windows.")
+  if cfg.qkv_bias:
+    raise refuse("sliding_window", "Mistral (a window in every layer) has no biases.")
+  return "MistralForCausalLM"
+
+
 def config_to_hf(cfg: LlamaConfig, dtype: str) -> dict:
-  """The HF `config.json` dict of `cfg`, tensors stored as `dtype`."""
-  hf = dict(architectures=list(ARCHITECTURES), model_type="llama", vocab_size=cfg.vocab_size,
-            hidden_size=cfg.dim, num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
-            num_key_value_heads=cfg.n_kv_heads, intermediate_size=cfg.ffn_dim,
-            head_dim=cfg.head_dim, hidden_act="silu", rope_theta=cfg.rope_theta,
+  """The HF `config.json` dict of `cfg` (its `architecture`), tensors stored as `dtype`.
+  RoPE is written in both layouts, so transformers 4 and 5 read the same model.
+
+  Raises:
+    ExportError: as `architecture`.
+  """
+  arch = architecture(cfg)
+  hf = dict(architectures=[arch], model_type=ARCHITECTURES[arch]["model_type"],
+            vocab_size=cfg.vocab_size, hidden_size=cfg.dim, num_hidden_layers=cfg.n_layers,
+            num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
+            intermediate_size=cfg.ffn_dim, head_dim=cfg.attn_head_dim, hidden_act="silu",
             rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
-            max_position_embeddings=cfg.max_seq_len, attention_bias=False, mlp_bias=False,
-            torch_dtype=dtype)
+            max_position_embeddings=cfg.max_seq_len, mlp_bias=False, torch_dtype=dtype)
+  if arch != "Qwen2ForCausalLM":
+    hf["attention_bias"] = cfg.qkv_bias
+  windowed = [m != flaxattn.Causal() for m in layer_masks(cfg)]
+  if arch == "MistralForCausalLM":
+    hf["sliding_window"] = cfg.sliding_window
+  elif arch != "LlamaForCausalLM":
+    hf.update(use_sliding_window=any(windowed), max_window_layers=0,
+              sliding_window=cfg.sliding_window if any(windowed) else None,
+              layer_types=["sliding_attention" if w else "full_attention" for w in windowed])
   rs = cfg.rope_scaling
+  scaling = dict(rope_type=rs.kind)
   if rs.kind == "linear":
-    hf["rope_scaling"] = dict(rope_type="linear", factor=rs.factor)
+    scaling.update(factor=rs.factor)
   elif rs.kind == "llama3":
-    hf["rope_scaling"] = dict(rope_type="llama3", factor=rs.factor,
-                              original_max_position_embeddings=rs.original_max_position,
-                              low_freq_factor=rs.low_freq_factor, high_freq_factor=rs.high_freq_factor)
+    scaling.update(factor=rs.factor, original_max_position_embeddings=rs.original_max_position,
+                   low_freq_factor=rs.low_freq_factor, high_freq_factor=rs.high_freq_factor)
   elif rs.kind == "yarn":
-    hf["rope_scaling"] = dict(rope_type="yarn", factor=rs.factor,
-                              original_max_position_embeddings=rs.original_max_position,
-                              beta_fast=rs.beta_fast, beta_slow=rs.beta_slow,
-                              **({} if rs.attention_factor is None else
-                                 dict(attention_factor=rs.attention_factor)))
+    scaling.update(factor=rs.factor, original_max_position_embeddings=rs.original_max_position,
+                   beta_fast=rs.beta_fast, beta_slow=rs.beta_slow,
+                   **({} if rs.attention_factor is None else
+                      dict(attention_factor=rs.attention_factor)))
+  hf.update(rope_theta=cfg.rope_theta, rope_parameters=dict(scaling, rope_theta=cfg.rope_theta))
+  if rs.kind != "default":
+    hf["rope_scaling"] = scaling
   return hf
 
 
@@ -171,13 +316,28 @@ def _out_proj(h, d, e):
   return (lambda w: w.T.reshape(h, d, e)), (lambda k: k.reshape(h * d, e).T)
 
 
+def _reshape(*our_shape):
+  """HF bias `[H * D]` <-> ours `[H, D]`."""
+  return (lambda b: b.reshape(our_shape)), (lambda b: b.reshape(-1))
+
+
 _SAME = (lambda x: x), (lambda x: x)
 
 
 def _layer_tensors(cfg: LlamaConfig) -> dict[tuple[str, ...], tuple[str, tuple]]:
   """Our path inside a block -> (HF name suffix inside layer i, (to_ours, to_hf))."""
-  e, h, hkv, d, f = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim
-  return {
+  e, h, hkv, d, f = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.attn_head_dim, cfg.ffn_dim
+  extra = {}
+  if cfg.qkv_bias:
+    extra.update({("attn", "query", "bias"): ("self_attn.q_proj.bias", _reshape(h, d)),
+                  ("attn", "key", "bias"): ("self_attn.k_proj.bias", _reshape(hkv, d)),
+                  ("attn", "value", "bias"): ("self_attn.v_proj.bias", _reshape(hkv, d))})
+  if cfg.out_bias:
+    extra[("attn", "out", "bias")] = ("self_attn.o_proj.bias", _SAME)
+  if cfg.qk_norm:
+    extra.update({("attn", "query_ln", "scale"): ("self_attn.q_norm.weight", _SAME),
+                  ("attn", "key_ln", "scale"): ("self_attn.k_norm.weight", _SAME)})
+  return extra | {
       ("attn_norm", "scale"): ("input_layernorm.weight", _SAME),
       ("attn", "query", "kernel"): ("self_attn.q_proj.weight", _linear(e, h, d)),
       ("attn", "key", "kernel"): ("self_attn.k_proj.weight", _linear(e, hkv, d)),
@@ -255,19 +415,30 @@ def _checked(files: _Files, t: _Tensor, shape: tuple[int, ...]) -> np.ndarray:
 
 
 def load(path: str, *, context_parallel: flaxattn.ContextParallel | None = None,
-         **overrides) -> Llama:
+         config: LlamaConfig | None = None, **overrides) -> Llama:
   """The `Llama` of the HF checkpoint directory `path`, parameters float32.
 
   Call under `jax.set_mesh(mesh)` and `nnx.logical_axis_rules(rules)` to get parameters
   sharded by their logical names, each read once on the host and placed shard by shard.
   `overrides`: `LlamaConfig` fields to change (e.g. `dtype`, `scan_layers`, `max_seq_len`,
-  `rope_scaling` for context extension).
+  `rope_scaling` for context extension). `config`: the model to build instead of the
+  checkpoint's, e.g. with a sliding window (`train.init_from`); its parameters must be
+  the checkpoint's.
 
   Raises:
-    CheckpointError: unreadable config, unsupported field, missing file or tensor, or a
-      tensor whose shape does not fit the config (naming the file and the tensor).
+    CheckpointError: unreadable config, unsupported field, missing file or tensor, a
+      tensor the model has no place for, a tensor whose shape does not fit the config
+      (naming the file and the tensor), or a `config` with other parameters.
   """
-  cfg = config_from_hf(read_config(path), os.path.join(path, "config.json"), **overrides)
+  where = os.path.join(path, "config.json")
+  cfg = config_from_hf(read_config(path), where, **overrides)
+  if config is not None:
+    differ = param_changes(dataclasses.replace(cfg, scan_layers=config.scan_layers), config)
+    if differ:
+      raise CheckpointError(f"{where}: the checkpoint's " + ", ".join(
+          f"{k}={getattr(cfg, k)!r}" for k in differ) + " give other parameters than config's "
+          + ", ".join(f"{k}={getattr(config, k)!r}" for k in differ) + ".")
+    cfg = config
   files = _Files(path)
   mesh = jax.sharding.get_abstract_mesh()
   make = lambda: Llama(cfg, context_parallel=context_parallel, rngs=nnx.Rngs(0))
@@ -280,6 +451,16 @@ def load(path: str, *, context_parallel: flaxattn.ContextParallel | None = None,
   missing = set(flat) - set(tensors)
   if missing:
     raise CheckpointError(f"{path}: parameters {sorted(missing)} have no Hugging Face tensor.")
+  used = {t.name for ts in tensors.values() for t in ts}
+  # Some checkpoints carry RoPE's inverse frequencies, which the config determines.
+  unused = sorted(n for n in files.where if n not in used and not n.endswith("rotary_emb.inv_freq"))
+  if cfg.tie_embeddings and "lm_head.weight" in unused and np.array_equal(
+      files.read("lm_head.weight"), files.read("model.embed_tokens.weight")):
+    unused.remove("lm_head.weight")  # a tied head written out as a copy
+  if unused:
+    raise CheckpointError(f"{path}: tensors {unused[:4]}{' ...' if len(unused) > 4 else ''} have"
+                          f" no place in the model that {where} describes; a model without them"
+                          " would compute something else.")
 
   def value(key, var):
     spec = var.get_value() if hasattr(var, "get_value") else var.value
@@ -303,11 +484,16 @@ def load(path: str, *, context_parallel: flaxattn.ContextParallel | None = None,
 
 
 def read_config(path: str) -> dict:
-  """The `config.json` of checkpoint directory `path` (CheckpointError if unreadable)."""
+  """The `config.json` of checkpoint directory `path` (CheckpointError if unreadable or
+  not a JSON object)."""
   file = os.path.join(path, "config.json")
   try:
     with open(file) as f:
-      return json.load(f)
+      hf = json.load(f)
+    if not isinstance(hf, dict):
+      raise CheckpointError(f"{file}: expects a JSON object of the model's fields, got a JSON"
+                            f" {type(hf).__name__} ({json.dumps(hf)[:60]}).")
+    return hf
   except FileNotFoundError as e:
     raise CheckpointError(f"{file}: missing; a Hugging Face checkpoint directory has one.") from e
   except json.JSONDecodeError as e:
@@ -320,16 +506,18 @@ def read_config(path: str) -> dict:
 
 def save(model: Llama, path: str, *, dtype: str = "bfloat16",
          max_shard_bytes: int = 5 * 2**30) -> None:
-  """Writes `model` as an HF `LlamaForCausalLM` directory: `config.json` and safetensors
+  """Writes `model` as an HF directory of its `architecture`: `config.json` and safetensors
   (shards of at most `max_shard_bytes` with `model.safetensors.index.json` when larger),
   tensors as `dtype` ("bfloat16", "float16" or "float32").
 
   Raises:
+    ExportError: an option no architecture holds (naming it); nothing is written.
     ValueError: unknown dtype.
   """
   if dtype not in DTYPES:
     raise ValueError(f"save(dtype=...) expects one of {tuple(DTYPES)}, got {dtype!r}.")
   cfg = model.config
+  hf_config = config_to_hf(cfg, dtype)
   os.makedirs(path, exist_ok=True)
   flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
   named = {}
@@ -357,7 +545,7 @@ def save(model: Llama, path: str, *, dtype: str = "bfloat16",
       json.dump(dict(metadata=dict(total_size=sum(x.nbytes for x in named.values())),
                      weight_map=where), f, indent=2)
   with open(os.path.join(path, "config.json"), "w") as f:
-    json.dump(config_to_hf(cfg, dtype), f, indent=2)
+    json.dump(hf_config, f, indent=2)
 
 
 SIZES = {"tiny": LlamaConfig(vocab_size=256, dim=128, n_layers=2, n_heads=4, n_kv_heads=2,

@@ -6,8 +6,10 @@ document gives the same logits packed or alone. Optional Llama-4-style chunked a
 with `chunk_size`, layer i attends inside aligned chunks of `chunk_size` positions unless
 `i % global_every == global_every - 1`, which is global causal (`layer_masks`). Sliding-window
 layers (gpt-oss, Gemma 2/3) follow the same pattern with `sliding_window`: `Local(window)`
-layers and every `global_every`-th global. Optional attention sinks (gpt-oss) and logit
-soft-capping (Gemma 2) in every layer.
+layers and every `global_every`-th global (`global_every=0`: every layer windowed, as
+Mistral). Optional attention sinks (gpt-oss) and logit soft-capping (Gemma 2) in every
+layer; projection biases (Qwen2: q/k/v, Llama/Qwen3 `attention_bias`: q/k/v/out), RMSNorm of
+each query and key head before RoPE (Qwen3) and a head dim of its own (`head_dim`).
 
 Parameters are float32 and carry logical axis names (`out_sharding` metadata); activations
 get logical sharding constraints (no-ops without a mesh and rules, see `flaxattn.sharding`).
@@ -66,8 +68,14 @@ class LlamaConfig:
   """Sizes and options of `Llama` (hashable; validated on construction).
 
   Fields beyond the sizes:
+    head_dim: features per attention head; None: dim // n_heads (Qwen3, Gemma: set).
+    qkv_bias, out_bias: biases of the q/k/v projections and of the output projection
+      (Qwen2: q/k/v only; Hugging Face's `attention_bias`: all four).
+    qk_norm: RMSNorm (eps `norm_eps`, one scale of head_dim) of each query and key head
+      before RoPE (Qwen3).
     chunk_size: Llama-4-style chunked attention (`flaxattn.Chunked(chunk_size)`) in every
-      layer but each `global_every`-th, which stays global causal (see `layer_masks`).
+      layer but each `global_every`-th, which stays global causal (see `layer_masks`);
+      `global_every=0`: no global layer.
     sliding_window: sliding-window attention (`flaxattn.Local(sliding_window)`) in the
       same pattern (gpt-oss alternates: global_every=2; Gemma 3: global_every=6). Not with
       `chunk_size`.
@@ -86,7 +94,8 @@ class LlamaConfig:
 
   Raises:
     ValueError naming the field and value: a size that is not a positive int, `dim` not a
-    multiple of `n_heads`, an odd head_dim (RoPE), `n_heads` not a multiple of `n_kv_heads`,
+    multiple of `n_heads` without `head_dim`, an odd head dim (RoPE), `n_heads` not a
+    multiple of `n_kv_heads`,
     unknown `remat` or `dtype`, `norm_eps`/`rope_theta` out of range, both `chunk_size` and
     `sliding_window`, a `logit_soft_cap` that is not a positive number, or `scan_layers`
     with a layer pattern and `n_layers` not a multiple of `global_every`.
@@ -98,6 +107,10 @@ class LlamaConfig:
   n_heads: int = 8
   n_kv_heads: int = 2
   ffn_dim: int = 768
+  head_dim: int | None = None
+  qkv_bias: bool = False
+  out_bias: bool = False
+  qk_norm: bool = False
   rope_theta: float = 10000.0
   rope_scaling: flaxattn.RoPEScaling = dataclasses.field(default_factory=flaxattn.RoPEScaling)
   norm_eps: float = 1e-5
@@ -115,9 +128,13 @@ class LlamaConfig:
 
   def __post_init__(self):
     for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
-                 "max_seq_len", "global_every"):
+                 "max_seq_len"):
       _check_positive_int(name, getattr(self, name))
-    for name in ("chunk_size", "sliding_window"):
+    if isinstance(self.global_every, bool) or not isinstance(self.global_every, int) or (
+        self.global_every < 0):
+      raise ValueError(f"LlamaConfig(global_every=...) expects an int >= 0 (0: no global"
+                       f" layer), got {self.global_every!r}.")
+    for name in ("chunk_size", "sliding_window", "head_dim"):
       if getattr(self, name) is not None:
         _check_positive_int(name, getattr(self, name))
     if self.chunk_size is not None and self.sliding_window is not None:
@@ -129,12 +146,15 @@ class LlamaConfig:
         or self.logit_soft_cap <= 0):
       raise ValueError(f"LlamaConfig(logit_soft_cap=...) expects a positive number or None, got"
                        f" {self.logit_soft_cap!r}.")
-    if self.dim % self.n_heads:
+    if self.head_dim is None and self.dim % self.n_heads:
       raise ValueError(f"LlamaConfig(dim=...) expects a multiple of n_heads ({self.n_heads}),"
-                       f" got {self.dim}: head_dim = dim // n_heads.")
-    if self.head_dim % 2:
+                       f" got {self.dim}: head_dim = dim // n_heads (or set head_dim).")
+    if self.head_dim is None and self.attn_head_dim % 2:
       raise ValueError(f"LlamaConfig(dim=...) expects an even head_dim for RoPE, got dim"
-                       f" {self.dim} / n_heads {self.n_heads} = {self.head_dim}.")
+                       f" {self.dim} / n_heads {self.n_heads} = {self.attn_head_dim}.")
+    if self.attn_head_dim % 2:
+      raise ValueError(f"LlamaConfig(head_dim=...) expects an even number for RoPE, got"
+                       f" {self.head_dim}.")
     if self.n_heads % self.n_kv_heads:
       raise ValueError(f"LlamaConfig(n_heads=...) expects a multiple of n_kv_heads"
                        f" ({self.n_kv_heads}), got {self.n_heads}: each KV head serves"
@@ -159,19 +179,22 @@ class LlamaConfig:
                        " Change n_layers or global_every, or set scan_layers=False.")
 
   @property
-  def head_dim(self) -> int:
-    return self.dim // self.n_heads
+  def attn_head_dim(self) -> int:
+    """Features per attention head: `head_dim`, or dim // n_heads without it."""
+    return self.dim // self.n_heads if self.head_dim is None else self.head_dim
 
   @property
   def period(self) -> int:
     """Layers in one repeat of the mask pattern (the unit `scan_layers` stacks)."""
-    return 1 if self.chunk_size is None and self.sliding_window is None else self.global_every
+    if self.chunk_size is None and self.sliding_window is None:
+      return 1
+    return self.global_every or 1
 
 
 def layer_masks(config: LlamaConfig) -> tuple[flaxattn.Mask, ...]:
   """The attention mask of each of the `n_layers` layers: `Chunked(chunk_size)` or
-  `Local(sliding_window)`, except `Causal()` where `i % global_every == global_every - 1` or
-  without either."""
+  `Local(sliding_window)`, except `Causal()` where `i % global_every == global_every - 1` (none
+  with `global_every=0`) or without either."""
   if config.chunk_size is not None:
     local = flaxattn.Chunked(config.chunk_size)
   elif config.sliding_window is not None:
@@ -179,16 +202,18 @@ def layer_masks(config: LlamaConfig) -> tuple[flaxattn.Mask, ...]:
   else:
     return (flaxattn.Causal(),) * config.n_layers
   g = config.global_every
-  return tuple(flaxattn.Causal() if i % g == g - 1 else local for i in range(config.n_layers))
+  return tuple(flaxattn.Causal() if g and i % g == g - 1 else local
+               for i in range(config.n_layers))
 
 
 class RMSNorm(nnx.Module):
-  """x / rms(x) * scale, computed in float32, returned in the compute dtype."""
+  """x / rms(x) * scale over the last axis (logical name `axis`), computed in float32,
+  returned in the compute dtype."""
 
-  def __init__(self, dim: int, *, eps: float, dtype):
+  def __init__(self, dim: int, *, eps: float, dtype, axis: str = "embed"):
     self.eps = eps
     self.dtype = dtype
-    self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), **param_metadata(("embed",), {}))
+    self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), **param_metadata((axis,), {}))
 
   def __call__(self, x_BTE: jax.Array) -> jax.Array:
     x = x_BTE.astype(jnp.float32)
@@ -220,12 +245,26 @@ class Block(nnx.Module):
                rngs: nnx.Rngs):
     dtype = DTYPES[config.dtype]
     self.attn_norm = RMSNorm(config.dim, eps=config.norm_eps, dtype=dtype)
+    d = config.attn_head_dim
     self.attn = flaxattn.MultiHeadAttention(
-        config.n_heads, config.dim, num_kv_heads=config.n_kv_heads, use_bias=False,
+        config.n_heads, config.dim, config.n_heads * d, num_kv_heads=config.n_kv_heads,
+        use_bias=config.qkv_bias or config.out_bias, normalize_qk=config.qk_norm,
         dtype=dtype, param_dtype=jnp.float32, decode=False, mask=mask,
         backend=config.attention_backend, context_parallel=context_parallel,
         rope=flaxattn.RoPE(config.rope_theta, config.rope_scaling), sinks=config.attention_sinks,
         logit_soft_cap=config.logit_soft_cap, rngs=rngs)
+    # The layer has one use_bias for all four projections and normalizes q/k with nnx's
+    # LayerNorm; Qwen2 biases q/k/v only and Qwen3 normalizes with RMSNorm. Its modules
+    # are swapped here, under the same parameter names, and run where the layer runs them
+    # (q/k norm after the projection, before RoPE).
+    for name, used in (("query", config.qkv_bias), ("key", config.qkv_bias),
+                       ("value", config.qkv_bias), ("out", config.out_bias)):
+      if not used and getattr(self.attn, name).use_bias:
+        getattr(self.attn, name).use_bias = False
+        getattr(self.attn, name).bias = nnx.data(None)
+    if config.qk_norm:
+      self.attn.query_ln = RMSNorm(d, eps=config.norm_eps, dtype=dtype, axis="head_dim")
+      self.attn.key_ln = RMSNorm(d, eps=config.norm_eps, dtype=dtype, axis="head_dim")
     self.mlp_norm = RMSNorm(config.dim, eps=config.norm_eps, dtype=dtype)
     self.mlp = MLP(config, rngs=rngs)
 
@@ -457,10 +496,42 @@ def loss_fn(model: Llama, batch: dict) -> tuple[jax.Array, dict]:
   return loss, {"tokens": tokens}
 
 
+def param_shapes(config: LlamaConfig) -> dict:
+  """The parameters of `Llama(config)`: a nested dict (`nnx.to_pure_dict` paths) of
+  `jax.ShapeDtypeStruct`, from shapes only (no memory used, no jax backend started)."""
+  return jax.eval_shape(
+      lambda: nnx.to_pure_dict(nnx.state(Llama(config, rngs=nnx.Rngs(0)), nnx.Param)))
+
+
+def param_changes(old: LlamaConfig, new: LlamaConfig) -> list[str]:
+  """The fields of `new` that give `Llama` other parameters (tree or shapes) than `old`.
+
+  Derived from the model itself: each differing field is set alone on `old` and the
+  parameter shapes compared, so a new option that changes them is found without a list.
+  Fields that change them only together (or that cannot be set alone) are all named.
+  Empty when both configs give the same parameters.
+  """
+  same = lambda a, b: jax.tree.structure(a) == jax.tree.structure(b) and all(
+      x.shape == y.shape for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+  shapes = param_shapes(old)
+  if same(shapes, param_shapes(new)):
+    return []
+  differ = [f.name for f in dataclasses.fields(LlamaConfig)
+            if getattr(old, f.name) != getattr(new, f.name)]
+
+  def changes(name):
+    try:
+      alone = dataclasses.replace(old, **{name: getattr(new, name)})
+    except ValueError:
+      return True
+    return not same(shapes, param_shapes(alone))
+
+  return [n for n in differ if changes(n)] or differ
+
+
 def num_params(config: LlamaConfig) -> int:
-  """Number of parameters of `Llama(config)`, from shapes only (`nnx.eval_shape`)."""
-  model = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
-  return sum(math.prod(p.shape) for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  """Number of parameters of `Llama(config)`, from shapes only (`param_shapes`)."""
+  return sum(math.prod(p.shape) for p in jax.tree.leaves(param_shapes(config)))
 
 
 def flops_per_token(config: LlamaConfig, seq_len: int) -> float:
@@ -480,7 +551,7 @@ def flops_per_token(config: LlamaConfig, seq_len: int) -> float:
   """
   if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0:
     raise ValueError(f"flops_per_token(seq_len=...) expects a positive int, got {seq_len!r}.")
-  d, hd = config.dim, config.head_dim
+  d, hd = config.dim, config.attn_head_dim
   attn = d * config.n_heads * hd * 2 + d * config.n_kv_heads * hd * 2
   mlp = 3 * d * config.ffn_dim
   matmul_params = config.n_layers * (attn + mlp) + config.vocab_size * d

@@ -15,7 +15,7 @@ from safetensors.numpy import save_file
 
 import flaxattn
 from models import hf
-from models.llama import LAYERS_AXIS
+from models.llama import LAYERS_AXIS, Llama, LlamaConfig
 
 BF16 = ml_dtypes.bfloat16
 CONFIG = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=97, hidden_size=64,
@@ -191,3 +191,102 @@ def test_bad_directories_name_the_file_and_the_field(tmp_path, how, words):
     assert name in str(e.value) and "model-00001-of-00003.safetensors" in str(e.value)
   if how in ("unknown architecture", "gelu"):
     assert "config.json" in str(e.value)
+
+
+# transformers 5 writes the RoPE options as one `rope_parameters` dict, older versions as
+# top-level `rope_theta` / `rope_scaling`; both layouts must give the same model.
+LLAMA3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+              original_max_position_embeddings=64)
+
+
+def _layouts(theta, scaling):
+  """The same RoPE options in the old layout and in transformers 5's."""
+  base = {k: v for k, v in CONFIG.items() if k not in ("rope_theta", "rope_scaling")}
+  old = dict(base, rope_theta=theta, **({} if scaling is None else dict(rope_scaling=scaling)))
+  new = dict(base, rope_parameters=dict(scaling or dict(rope_type="default"), rope_theta=theta))
+  return old, new
+
+
+@pytest.mark.parametrize("scaling", [None, dict(rope_type="linear", factor=2.0), LLAMA3,
+                                     dict(rope_type="yarn", factor=4.0, beta_fast=16.0,
+                                          original_max_position_embeddings=64)])
+def test_both_rope_layouts_read_the_same_model(scaling):
+  old, new = _layouts(500000.0, scaling)
+  cfg = hf.config_from_hf(new)
+  assert cfg == hf.config_from_hf(old)
+  assert cfg.rope_theta == 500000.0
+  assert cfg.rope_scaling.kind == (scaling or {}).get("rope_type", "default")
+
+
+@pytest.mark.parametrize("layout", ["old", "new"])
+def test_dynamic_and_unknown_rope_types_are_refused_in_both_layouts(layout):
+  for kind in ("dynamic", "longrope"):
+    config = _layouts(10000.0, dict(rope_type=kind, factor=2.0))[layout == "new"]
+    with pytest.raises(hf.CheckpointError, match=f"{kind!r} is not supported"):
+      hf.config_from_hf(config)
+
+
+def test_config_json_that_is_not_an_object_is_refused(tmp_path):
+  write_checkpoint(tmp_path)
+  for text in ("[]", '"x"', "3"):
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(hf.CheckpointError, match="config.json.*expects a JSON object"):
+      hf.load(str(tmp_path))
+
+
+TINY = dict(vocab_size=61, dim=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=48,
+            max_seq_len=128)
+
+
+@pytest.mark.parametrize("option, value", [
+    ("attention_sinks", True), ("logit_soft_cap", 30.0), ("chunk_size", 16),
+    ("sliding_window", 16),  # global every 4th layer: no Hugging Face Llama has that pattern
+])
+def test_save_refuses_what_the_checkpoint_cannot_hold(tmp_path, option, value):
+  cfg = LlamaConfig(**dict(TINY, n_layers=4, **{option: value}))
+  with pytest.raises(hf.ExportError, match=option) as e:
+    hf.save(Llama(cfg, rngs=nnx.Rngs(0)), str(tmp_path / "out"))
+  assert repr(value) in str(e.value)
+  assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("arch, fields", [
+    ("LlamaForCausalLM", {}),
+    ("LlamaForCausalLM", dict(head_dim=32, qkv_bias=True, out_bias=True,
+                              rope_scaling=flaxattn.RoPEScaling("yarn", 4.0, 32))),
+    ("MistralForCausalLM", dict(sliding_window=8, global_every=0)),
+    ("Qwen2ForCausalLM", dict(qkv_bias=True, sliding_window=8, global_every=2, n_layers=4)),
+    ("Qwen3ForCausalLM", dict(qk_norm=True, head_dim=8, rope_theta=1e6,
+                              rope_scaling=flaxattn.RoPEScaling("linear", 2.0))),
+])
+def test_each_model_is_written_as_the_architecture_that_reads_it_back(arch, fields):
+  cfg = LlamaConfig(**dict(TINY, **fields))
+  written = hf.config_to_hf(cfg, "float32")
+  assert written["architectures"] == [arch]
+  assert hf.config_from_hf(json.loads(json.dumps(written))) == cfg
+
+
+def test_layouts_that_disagree_are_refused():
+  old, new = _layouts(500000.0, LLAMA3)
+  with pytest.raises(hf.CheckpointError, match="disagree with rope_parameters"):
+    hf.config_from_hf(dict(new, rope_theta=10000.0))
+  with pytest.raises(hf.CheckpointError, match="disagree with rope_parameters"):
+    hf.config_from_hf(dict(new, rope_scaling=dict(rope_type="linear", factor=2.0)))
+  assert hf.config_from_hf(dict(new, rope_theta=500000.0, rope_scaling=LLAMA3)) == \
+      hf.config_from_hf(old)
+
+
+def test_a_tensor_without_a_place_in_the_model_is_refused(tmp_path):
+  """A q/k norm tensor in a checkpoint whose config says Llama: dropping it would compute
+  another model. A tied head written out as a copy of the embedding is fine."""
+  tied = dict(CONFIG, tie_word_embeddings=True)
+  tensors = write_checkpoint(tmp_path, tied, shards=1)
+  os.remove(tmp_path / "model-00001-of-00001.safetensors")
+  os.remove(tmp_path / hf.INDEX)
+  file = tmp_path / hf.SINGLE
+  extra = dict(tensors, **{"lm_head.weight": tensors["model.embed_tokens.weight"]})
+  save_file(extra, file)
+  assert hf.load(str(tmp_path)).config.tie_embeddings
+  save_file(dict(extra, **{"model.layers.0.self_attn.q_norm.weight": np.ones(16, BF16)}), file)
+  with pytest.raises(hf.CheckpointError, match="q_norm.weight.*no place in the model"):
+    hf.load(str(tmp_path))

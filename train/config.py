@@ -149,8 +149,9 @@ class TrainConfig:
   distributed: "auto", "on" or "off": whether to call `jax.distributed.initialize()`
     (see `train.distributed`).
   init_from: "" (random initialization) or the weights to start from, with a fresh
-    optimizer at step 0: a Hugging Face Llama directory (config.json + safetensors) or a
-    run_dir of this trainer (its newest checkpoint). See `train.init_from`.
+    optimizer at step 0: a Hugging Face checkpoint directory (config.json + safetensors;
+    Llama, Mistral, Qwen2, Qwen3) or a run_dir of this trainer (its newest checkpoint). See
+    `train.init_from`.
   peak_tflops_per_device: the dense peak TFLOP/s of one device in the compute dtype, for
     MFU; 0 = from `train.throughput.PEAK_TFLOPS` (or measured on CPU).
   """
@@ -334,6 +335,15 @@ def load(path: str | None, overrides: list[str] = ()) -> TrainConfig:
       raise ConfigError(f"{path} expects a YAML mapping of config keys, got {type(values).__name__}.")
   for override in overrides:
     _set(values, override)
+  return from_dict(values)
+
+
+def from_dict(values: dict) -> TrainConfig:
+  """The `TrainConfig` of nested plain `values` (as `to_dict` gives), defaults elsewhere.
+
+  Raises:
+    ConfigError: `values` not a mapping, unknown keys, wrong types or invalid values.
+  """
   return _build(TrainConfig, values)
 
 

@@ -1,10 +1,11 @@
 """`python -m train.export RUN_DIR OUT_DIR [--dtype bfloat16]`: the model of a run's newest
-checkpoint as a Hugging Face Llama directory (`models.hf.save`), which `models.hf.load`
-and `transformers` read.
+checkpoint as a Hugging Face directory (`models.hf.save`: Llama, Mistral, Qwen2 or Qwen3,
+whichever holds the model's options), which `models.hf.load` and `transformers` read.
 
 The checkpoint is restored onto the host's CPU (whatever devices trained it), the model
 config is the run's config.json. Exit status 0, or 2 with a message when RUN_DIR is not a
-run with a checkpoint.
+run with a checkpoint or its model has an option no Hugging Face architecture here holds
+(`models.hf.ExportError`, naming it; nothing is written).
 """
 
 from __future__ import annotations
@@ -31,14 +32,13 @@ def restore_model(run_dir: str, cfg=None, device=None):
   import jax
   from flax import nnx
 
-  from train import checkpoint, config, loop
+  from train import checkpoint, config, loop, run_dir as run_dir_lib
 
   if cfg is None:
-    path = pathlib.Path(run_dir) / "config.json"
-    if not path.is_file():
+    if not (pathlib.Path(run_dir) / "config.json").is_file():
       raise config.ConfigError(f"export expects a run_dir with config.json (a run of this"
                                f" trainer), got {run_dir!r}, which has none.")
-    cfg = config.load(str(path))
+    cfg = run_dir_lib.saved_config(run_dir)
   # The trainer's state (model and optimizer), so the tree matches the checkpoint's.
   graphdef, abstract = nnx.split(nnx.eval_shape(lambda: loop._make_state(cfg, None)))
   where = jax.sharding.SingleDeviceSharding(device or jax.devices("cpu")[0])
@@ -54,17 +54,21 @@ def export(run_dir: str, out_dir: str, dtype: str = "bfloat16") -> int:
 
   Raises:
     ConfigError, CheckpointError: as `restore_model`.
+    models.hf.ExportError: an option no architecture holds (before the checkpoint is read).
     ValueError: unknown dtype.
   """
   from models import hf
+  from train import run_dir as run_dir_lib
 
+  if (pathlib.Path(run_dir) / "config.json").is_file():
+    hf.architecture(run_dir_lib.saved_config(run_dir).model)  # refuse before restoring
   step, model = restore_model(run_dir)
   hf.save(model, out_dir, dtype=dtype)
   return step
 
 
 def main(argv: list[str]) -> int:
-  from models.hf import DTYPES
+  from models.hf import DTYPES, ExportError
   from train import checkpoint, config
 
   parser = argparse.ArgumentParser(prog="python -m train.export", description=__doc__,
@@ -76,7 +80,7 @@ def main(argv: list[str]) -> int:
   logging.getLogger("absl").setLevel(logging.ERROR)  # orbax notes that it reads read-only
   try:
     step = export(args.run_dir, args.out_dir, args.dtype)
-  except (config.ConfigError, checkpoint.CheckpointError) as e:
+  except (config.ConfigError, checkpoint.CheckpointError, ExportError) as e:
     print(f"export error: {e}", file=sys.stderr)
     return 2
   print(f"wrote step {step} of {args.run_dir} to {args.out_dir} ({args.dtype})")

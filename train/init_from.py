@@ -1,12 +1,16 @@
-"""Starting a run from trained weights (config key `init_from`): a Hugging Face Llama
-directory (config.json + safetensors, read by `models.hf.load`) or a run_dir of this
-trainer (the model of its newest checkpoint). The optimizer starts fresh, at step 0.
+"""Starting a run from trained weights (config key `init_from`): a Hugging Face checkpoint
+directory (Llama, Mistral, Qwen2 or Qwen3: config.json + safetensors, read by
+`models.hf.load`) or a run_dir of this trainer (the model of its newest checkpoint). The
+optimizer starts fresh, at step 0.
 
-The model config comes from the source: its sizes and what defines its function
-(`rope_theta`, `norm_eps`, ...). The YAML's `model.*` options that keep the parameters'
-shapes (`OPTIONS`: compute dtype, remat, scan over layers, attention backend, and
-`max_seq_len` with `rope_scaling` for context extension) apply on top. The YAML's shape
-keys (`SHAPE_KEYS`) must equal the source's: a difference is a config error naming them.
+The model config: the YAML's `model.*` keys must give the source's parameters (a change of
+their shapes or tree is a config error naming the keys, found by `models.llama.param_changes`).
+The run's choices (`RUN_OPTIONS`: compute dtype, remat, scan over layers, attention backend,
+`max_seq_len`) come from the YAML. Every other option (rope_theta and rope_scaling,
+norm_eps, sliding_window, chunk_size, global_every, logit_soft_cap, ...) comes from the YAML
+where it sets it (a value other than `LlamaConfig`'s default), else from the source: a
+Hugging Face Llama fine-tuned with a sliding window, or a Llama 3.1 extended with its own
+`rope_scaling`.
 
 A run whose run_dir has checkpoints resumes from them and ignores `init_from` (logged);
 its model config is the one its config.json was saved with, with the YAML's options.
@@ -19,14 +23,13 @@ import logging
 import pathlib
 
 from models import hf
-from models.llama import LlamaConfig
+from models.llama import LlamaConfig, param_changes
+from train import run_dir as run_dir_lib
 from train.config import ConfigError, TrainConfig
 
 log = logging.getLogger(__name__)
 
-SHAPE_KEYS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
-              "tie_embeddings", "attention_sinks")
-OPTIONS = ("dtype", "remat", "scan_layers", "attention_backend", "max_seq_len", "rope_scaling")
+RUN_OPTIONS = ("dtype", "remat", "scan_layers", "attention_backend", "max_seq_len")
 
 
 def resuming(cfg: TrainConfig) -> bool:
@@ -43,18 +46,15 @@ def is_hf(path: str) -> bool:
 
 def _run_model(run_dir: pathlib.Path, what: str) -> LlamaConfig:
   """The model config a run_dir's checkpoints were saved with (its config.json)."""
-  from train import config as config_lib
-
   try:
-    return config_lib.load(str(run_dir / "config.json")).model
-  except (OSError, ConfigError) as e:
-    raise ConfigError(f"{what}: {run_dir / 'config.json'}, the config of its checkpoints, does"
-                      f" not load ({e}); point init_from at a run_dir of this trainer.") from None
+    return run_dir_lib.saved_config(str(run_dir)).model
+  except ConfigError as e:
+    raise ConfigError(f"{what}: {e}") from None
 
 
 def _source_model(path: str) -> LlamaConfig:
   if not path or not pathlib.Path(path).is_dir():
-    raise ConfigError(f"config key 'init_from' expects a Hugging Face Llama directory or a"
+    raise ConfigError(f"config key 'init_from' expects a Hugging Face checkpoint directory or a"
                       f" run_dir of this trainer, got {path!r}, which is not a directory; fix"
                       " the path, or set init_from='' to start from random weights.")
   what = f"config key 'init_from' ({path!r})"
@@ -65,24 +65,26 @@ def _source_model(path: str) -> LlamaConfig:
       raise ConfigError(f"{what}: {e}") from None
   if (pathlib.Path(path) / "checkpoints").is_dir():
     return _run_model(pathlib.Path(path), what)
-  raise ConfigError(f"{what} expects a Hugging Face Llama directory (config.json and"
+  raise ConfigError(f"{what} expects a Hugging Face checkpoint directory (config.json and"
                     f" {hf.SINGLE} or {hf.INDEX}) or a run_dir with checkpoints/, got a"
                     " directory with neither; fix the path.")
 
 
-def _merge(model: LlamaConfig, source: LlamaConfig, what: str,
-           same: tuple[str, ...] = SHAPE_KEYS) -> LlamaConfig:
-  """`source` with `model`'s `OPTIONS` (its rope_scaling only where set); ConfigError
-  naming every key of `same` where they differ."""
-  differ = [k for k in same if getattr(model, k) != getattr(source, k)]
+def _merge(model: LlamaConfig, source: LlamaConfig, what: str, keep_layout: bool) -> LlamaConfig:
+  """`source` with `model`'s `RUN_OPTIONS` and the options it sets; ConfigError naming
+  every key whose value in `model` gives other parameters than the source's (with
+  `keep_layout`, `scan_layers` too: a run_dir's checkpoint holds the tree of its choice)."""
+  reference = source if keep_layout else dataclasses.replace(source, scan_layers=model.scan_layers)
+  differ = param_changes(reference, model)
   if differ:
     raise ConfigError(
-        f"{what} holds a model with " + ", ".join(f"model.{k}={getattr(source, k)!r}" for k in differ)
-        + ", but the config has " + ", ".join(f"model.{k}={getattr(model, k)!r}" for k in differ)
+        f"{what} holds a model with "
+        + ", ".join(f"model.{k}={getattr(source, k)!r}" for k in differ) + ", but the config has "
+        + ", ".join(f"model.{k}={getattr(model, k)!r}" for k in differ)
         + ". These keys set the parameters' shapes: set them to the checkpoint's values.")
-  options = {k: getattr(model, k) for k in OPTIONS}
-  if model.rope_scaling.kind == "default":  # not set: keep the source's (e.g. Llama 3.1's)
-    options["rope_scaling"] = source.rope_scaling
+  default = LlamaConfig()
+  options = {f.name: getattr(model, f.name) for f in dataclasses.fields(LlamaConfig)
+             if f.name in RUN_OPTIONS or getattr(model, f.name) != getattr(default, f.name)}
   try:
     merged = dataclasses.replace(source, **options)
   except ValueError as e:
@@ -100,9 +102,9 @@ def resolve(cfg: TrainConfig) -> TrainConfig:
   files only; call before anything is written.
 
   Raises:
-    ConfigError: init_from is not a directory, not a Hugging Face Llama directory nor a
-      run_dir, its config does not load, or its shapes differ from the config's
-      `model.*` (naming each key, both values).
+    ConfigError: init_from is not a directory, not a Hugging Face checkpoint directory nor
+      a run_dir, its config does not load, or the config's `model.*` give other parameters
+      (naming each key, both values).
   """
   if not cfg.init_from:
     return cfg
@@ -113,12 +115,10 @@ def resolve(cfg: TrainConfig) -> TrainConfig:
     if not (saved / "config.json").is_file():
       return cfg
     what = f"run_dir {cfg.run_dir!r} (resuming)"
-    return _replace_model(cfg, _merge(cfg.model, _run_model(saved, what), what))
+    return _replace_model(cfg, _merge(cfg.model, _run_model(saved, what), what, True))
   source = _source_model(cfg.init_from)
   what = f"config key 'init_from' ({cfg.init_from!r})"
-  # A run_dir's checkpoint holds the tree of its scan_layers choice.
-  same = SHAPE_KEYS if is_hf(cfg.init_from) else SHAPE_KEYS + ("scan_layers",)
-  return _replace_model(cfg, _merge(cfg.model, source, what, same))
+  return _replace_model(cfg, _merge(cfg.model, source, what, not is_hf(cfg.init_from)))
 
 
 def _replace_model(cfg: TrainConfig, model: LlamaConfig) -> TrainConfig:
@@ -145,8 +145,7 @@ def load(cfg: TrainConfig, context_parallel, graphdef, abstract_state):
   what = f"config key 'init_from' ({cfg.init_from!r})"
   if is_hf(cfg.init_from):
     try:
-      model = hf.load(cfg.init_from, context_parallel=context_parallel,
-                      **{k: getattr(cfg.model, k) for k in OPTIONS})
+      model = hf.load(cfg.init_from, context_parallel=context_parallel, config=cfg.model)
     except hf.CheckpointError as e:
       raise ConfigError(f"{what}: {e}") from None
   else:

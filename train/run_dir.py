@@ -6,13 +6,15 @@
   metrics.jsonl, tensorboard/, loss.png   (`train.metrics`)
   archive/<time>/          an earlier run's files, moved there when a run starts over
 
-`check` runs before anything else: it compares the config with the saved one. A
-difference in a key of `STATE_KEYS` would resume state that does not fit (arrays of other
-shapes) or a data stream other than the one whose position was saved, so it is refused
-with a config error, and nothing in the directory is touched; other differences (steps,
-learning rate, eval_every, ...) are logged and let through. `resume=false` skips the
-comparison and starts over, moving the earlier run's files into `archive/` (nothing is
-deleted; remove the archive to free its space).
+`check` runs before anything else: it compares the config with the saved one. A change
+that gives the model other parameters (`models.llama.param_changes`: derived from the
+model's parameter shapes, so every option that changes them is caught) or a data stream
+other than the one whose position was saved (`DATA_KEYS`) would resume state that does not
+fit, so it is refused with a config error naming the keys, and nothing in the directory is
+touched; other differences (steps, learning rate, eval_every, a sliding window, ...) are
+logged and let through. `resume=false` skips the comparison and starts over, moving the
+earlier run's files into `archive/` (nothing is deleted; remove the archive to free its
+space).
 """
 
 from __future__ import annotations
@@ -24,18 +26,17 @@ import os
 import pathlib
 import shutil
 
-from train.config import ConfigError, TrainConfig, to_dict
+from models.llama import param_changes
+from train.config import ConfigError, TrainConfig, from_dict, to_dict
 
 log = logging.getLogger(__name__)
 
-STATE_KEYS = (
-    # the shapes and tree of the parameters and of the optimizer state
-    "model.vocab_size", "model.dim", "model.n_layers", "model.n_heads", "model.n_kv_heads",
-    "model.ffn_dim", "model.tie_embeddings", "model.scan_layers",
-    # the data stream whose iterator position each checkpoint holds
-    "seq_len", "batch_size", "seed", "data.source", "data.tokenizer", "data.eval_fraction",
-    "data.packing_bins",
-)
+# The data stream whose iterator position each checkpoint holds.
+DATA_KEYS = ("seq_len", "batch_size", "seed", "data.source", "data.tokenizer",
+             "data.eval_fraction", "data.packing_bins")
+# Keys every config.json the trainer writes holds: a resume compares them.
+SAVED_KEYS = DATA_KEYS + tuple(f"model.{k}" for k in ("vocab_size", "dim", "n_layers", "n_heads",
+                                                      "n_kv_heads", "ffn_dim"))
 CHECKPOINT_FILES = ("checkpoints", "checkpoints_unusable")
 OUTPUT_FILES = ("config.json", "metrics.jsonl", "tensorboard", "loss.png")
 
@@ -43,6 +44,39 @@ OUTPUT_FILES = ("config.json", "metrics.jsonl", "tensorboard", "loss.png")
 def timestamp() -> str:
   """Local time to the microsecond, for names of set-aside and archived files."""
   return datetime.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
+
+
+def saved_config(run_dir: str) -> TrainConfig:
+  """The config that `run_dir`'s checkpoints were saved with: its config.json.
+
+  Raises:
+    ConfigError naming config.json: missing, not JSON, not a JSON object holding the keys
+      the trainer writes (`SAVED_KEYS`), or values the schema rejects.
+  """
+  path = pathlib.Path(run_dir) / "config.json"
+  fix = ("restore it from a backup or the run's archive/; to start a new run here instead, pass"
+         " resume=false (the run's files are moved to archive/).")
+  try:
+    values = json.loads(path.read_text())
+  except FileNotFoundError:
+    raise ConfigError(f"{path}: missing; the config of the run's checkpoints is written there"
+                      " with the first checkpoint.") from None
+  except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    raise ConfigError(f"{path}, the config of the run's checkpoints, is not JSON ({e}); {fix}"
+                      ) from None
+  if not isinstance(values, dict):
+    got = f"a JSON {type(values).__name__} ({json.dumps(values)[:60]})"
+  elif missing := [k for k in SAVED_KEYS if _flat(values).get(k) is None]:
+    got = f"an object without {', '.join(missing)}"
+  else:
+    got = None
+  if got:
+    raise ConfigError(f"{path}, the config of the run's checkpoints, expects a JSON object of"
+                      f" the run's config keys (as the trainer writes it), got {got}; {fix}")
+  try:
+    return from_dict(values)
+  except ConfigError as e:
+    raise ConfigError(f"{path}, the config of the run's checkpoints, does not load: {e}") from None
 
 
 def _flat(values: dict, prefix: str = "") -> dict:
@@ -56,30 +90,29 @@ def _flat(values: dict, prefix: str = "") -> dict:
 
 
 def check(cfg: TrainConfig) -> None:
-  """Refuses a config whose `STATE_KEYS` differ from the run's saved config.json (unless
-  `cfg.resume` is false); logs the other differences. Reads files only.
+  """Refuses a config whose model has other parameters than the run's saved config.json
+  (`models.llama.param_changes`) or whose `DATA_KEYS` differ (unless `cfg.resume` is
+  false); logs the other differences. Reads files only; starts no jax backend.
 
   Raises:
-    ConfigError: naming each differing state key with its saved and new value, or a
-      saved config.json that is not JSON.
+    ConfigError: naming each refused key with its saved and new value, or a saved
+      config.json that does not load (`saved_config`).
   """
   path = pathlib.Path(cfg.run_dir) / "config.json"
   if not cfg.resume or not path.is_file():
     return
-  try:
-    saved = _flat(json.loads(path.read_text()))
-  except (UnicodeDecodeError, json.JSONDecodeError) as e:
-    raise ConfigError(f"run_dir {cfg.run_dir!r}: config.json, the config of its checkpoints, is"
-                      f" not JSON ({e}); restore it, or pass resume=false to start over.") from None
-  new = _flat(to_dict(cfg))
-  changed = {k: (saved[k], new[k]) for k in new if k in saved and saved[k] != new[k]}
-  refused = [f"{k} (saved {old!r}, now {now!r})" for k, (old, now) in changed.items()
-             if k in STATE_KEYS]
+  saved_cfg = saved_config(cfg.run_dir)
+  saved, new = _flat(to_dict(saved_cfg)), _flat(to_dict(cfg))
+  changed = {k: (saved[k], new[k]) for k in new if saved.get(k) != new[k]}
+  refused = [f"model.{k} (saved {getattr(saved_cfg.model, k)!r}, now {getattr(cfg.model, k)!r})"
+             for k in param_changes(saved_cfg.model, cfg.model)]
+  refused += [f"{k} (saved {changed[k][0]!r}, now {changed[k][1]!r})" for k in DATA_KEYS
+              if k in changed]
   if refused:
     raise ConfigError(
         f"run_dir {cfg.run_dir!r} holds a run saved with another value of "
-        + ", ".join(refused) + ". These keys decide the shapes of the checkpointed state or"
-        " the data stream it resumes, so its checkpoints cannot continue under this config."
+        + ", ".join(refused) + ". These keys decide the model's parameters or the data stream"
+        " the checkpoints resume, so its checkpoints cannot continue under this config."
         " Resume with the saved values (config.json in the run_dir), use a new run_dir, or"
         " pass resume=false to start over (the run's files are moved to archive/, not deleted).")
   if changed:

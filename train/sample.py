@@ -20,7 +20,6 @@ checkpoint does not restore (`train.checkpoint.CheckpointError`).
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import pathlib
 import sys
@@ -138,7 +137,7 @@ def load(run_dir: str):
       (`train.config.ConfigError`).
     train.checkpoint.CheckpointError: the newest checkpoint does not restore.
   """
-  from train import config, tokenizer as tokenizer_lib
+  from train import config, run_dir as run_dir_lib, tokenizer as tokenizer_lib
   from train.export import restore_model
 
   path = pathlib.Path(run_dir)
@@ -150,9 +149,8 @@ def load(run_dir: str):
                      f" checkpoint), got {run_dir!r} without one; pass the run_dir of a run"
                      " that saved a checkpoint.")
   try:
-    json.loads((path / "config.json").read_text())
-    cfg = config.load(str(path / "config.json"))  # JSON is YAML
-  except (UnicodeDecodeError, json.JSONDecodeError, config.ConfigError) as e:
+    cfg = run_dir_lib.saved_config(run_dir)
+  except config.ConfigError as e:
     raise ValueError(f"RUN_DIR expects a run_dir whose config.json is a trainer config, got"
                      f" {run_dir!r}, where it is not: {str(e).rstrip('.')}. Restore"
                      " config.json or pass another run_dir.") from None

@@ -1,0 +1,152 @@
+"""The configs around a run's checkpoints: what `init_from` takes from its source and from
+the YAML, which changes a resume refuses (derived from the model's parameters), and a
+run_dir config.json that is JSON but not a config. All before any jax computation."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from train import config, init_from, run_dir
+from train.config import ConfigError
+from trainer import ROOT, command, run
+
+SIZES = ["model.vocab_size=97", "model.dim=64", "model.n_layers=2", "model.n_heads=4",
+         "model.n_kv_heads=2", "model.ffn_dim=96", "seq_len=128"]
+
+
+def _hf_dir(path, **fields):
+  """A Hugging Face config.json of the `SIZES` model (transformers 5's layout) beside an
+  empty safetensors index: enough for `init_from.resolve`, which reads no tensor."""
+  path.mkdir()
+  hf = dict(architectures=["LlamaForCausalLM"], vocab_size=97, hidden_size=64,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=96, hidden_act="silu", rms_norm_eps=1e-5,
+            max_position_embeddings=256, tie_word_embeddings=True,
+            rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0,
+                                 low_freq_factor=1.0, high_freq_factor=4.0,
+                                 original_max_position_embeddings=64))
+  hf.update(fields)
+  (path / "config.json").write_text(json.dumps(hf))
+  (path / "model.safetensors.index.json").write_text('{"weight_map": {}}')
+  return path
+
+
+def test_init_from_reads_transformers_5_rope_parameters(tmp_path):
+  source = _hf_dir(tmp_path / "hf")
+  cfg = init_from.resolve(config.load(None, SIZES + [f"init_from={source}",
+                                                     f"run_dir={tmp_path / 'run'}"]))
+  assert cfg.model.rope_theta == 500000.0
+  assert cfg.model.rope_scaling.kind == "llama3" and cfg.model.rope_scaling.factor == 8.0
+
+
+def test_init_from_takes_the_yaml_attention_options(tmp_path):
+  """Options that keep the parameters' shapes come from the YAML where it sets them (a
+  Hugging Face Llama has none of them), else from the source."""
+  source = _hf_dir(tmp_path / "hf")
+  options = ["model.sliding_window=32", "model.global_every=2", "model.logit_soft_cap=30.0"]
+  cfg = init_from.resolve(config.load(None, SIZES + options + [
+      f"init_from={source}", f"run_dir={tmp_path / 'run'}"]))
+  assert (cfg.model.sliding_window, cfg.model.global_every, cfg.model.logit_soft_cap) == (
+      32, 2, 30.0)
+  assert cfg.model.rope_theta == 500000.0  # not set in the YAML: the source's
+  cfg = init_from.resolve(config.load(None, SIZES + ["model.chunk_size=16", f"init_from={source}",
+                                                     f"run_dir={tmp_path / 'run'}"]))
+  assert cfg.model.chunk_size == 16
+
+
+def _saved(tmp_path, *overrides) -> config.TrainConfig:
+  """A run_dir whose config.json was saved with `overrides`."""
+  cfg = config.load(None, SIZES + [f"run_dir={tmp_path}", *overrides])
+  run_dir.create(cfg)
+  run_dir.save_config(cfg)
+  return cfg
+
+
+@pytest.mark.parametrize("saved, now, keys", [
+    ([], ["model.attention_sinks=true"], ["model.attention_sinks (saved False, now True)"]),
+    ([], ["model.n_layers=3"], ["model.n_layers (saved 2, now 3)"]),
+    (["model.scan_layers=true"], [], ["model.scan_layers (saved True, now False)"]),
+    ([], ["model.tie_embeddings=false", "model.dim=128"],
+     ["model.tie_embeddings (saved True, now False)", "model.dim (saved 64, now 128)"]),
+])
+def test_resume_refuses_a_change_of_the_parameters_naming_the_key(tmp_path, saved, now, keys):
+  _saved(tmp_path, *saved)
+  with pytest.raises(ConfigError) as e:
+    run_dir.check(config.load(None, SIZES + [f"run_dir={tmp_path}", *now]))
+  assert all(k in str(e.value) for k in keys), str(e.value)
+
+
+def test_resume_with_sinks_changed_exits_2_before_compiling(tmp_path):
+  """The trainer's exit status and message, with the config.json a run of `command` saves."""
+  runs = tmp_path / "run"
+  saved = config.load(str(ROOT / "configs" / "demo.yaml"), command(runs)[4:])
+  run_dir.create(saved)
+  run_dir.save_config(saved)
+  proc = run(command(runs, "model.attention_sinks=true"))
+  assert proc.returncode == 2, proc.stdout + proc.stderr
+  assert "model.attention_sinks (saved False, now True)" in proc.stderr, proc.stderr
+  assert "Traceback" not in proc.stderr
+
+
+def test_resume_lets_through_options_that_keep_the_parameters(tmp_path):
+  _saved(tmp_path)
+  run_dir.check(config.load(None, SIZES + [
+      f"run_dir={tmp_path}", "model.sliding_window=32", "model.rope_theta=500000.0",
+      "model.remat=full", "steps=7"]))
+
+
+@pytest.mark.parametrize("text", ["[]", '"x"', "{}", "null"])
+def test_config_json_not_a_config_object_is_a_config_error(tmp_path, text):
+  """In the trainer (resume check), init_from, `train.export` and `train.sample`: exit 2
+  or ConfigError, naming config.json, without a traceback."""
+  runs = tmp_path / "run"
+  _saved(runs)
+  (runs / "checkpoints" / "1").mkdir(parents=True)
+  (runs / "config.json").write_text(text)
+  with pytest.raises(ConfigError, match="config.json"):
+    run_dir.check(config.load(None, SIZES + [f"run_dir={runs}"]))
+  with pytest.raises(ConfigError, match="config.json"):
+    init_from.resolve(config.load(None, SIZES + [f"init_from={runs}",
+                                                 f"run_dir={tmp_path / 'new'}"]))
+  if text != "[]":  # one subprocess of each entry point is enough
+    return
+  for cmd in (command(runs), [sys.executable, "-m", "train.export", str(runs), str(tmp_path / "o")],
+              [sys.executable, "-m", "train.sample", str(runs), "--prompt", "a",
+               "--max_new_tokens", "1"]):
+    proc = run(cmd)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "config.json" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_export_refuses_a_model_no_checkpoint_holds_before_reading_it(tmp_path, capsys):
+  """A run with a window in 3 of 4 layers and sinks: no Hugging Face architecture written
+  here holds it, so export exits 2 naming the option, and writes nothing."""
+  from train import export
+
+  runs = tmp_path / "run"
+  _saved(runs, "model.n_layers=4", "model.sliding_window=16", "model.attention_sinks=true")
+  (runs / "checkpoints" / "4").mkdir(parents=True)
+  assert export.main([str(runs), str(tmp_path / "out")]) == 2
+  assert "model.attention_sinks=True cannot be written" in capsys.readouterr().err
+  assert not (tmp_path / "out").exists()
+
+
+def test_init_from_qwen3_and_mistral_sources(tmp_path):
+  """A Mistral source's window comes with it; a Qwen3 source's q/k norm and biases change
+  the parameters, so the YAML must set them (a config error names them otherwise)."""
+  mistral = _hf_dir(tmp_path / "mistral", architectures=["MistralForCausalLM"], sliding_window=16)
+  cfg = init_from.resolve(config.load(None, SIZES + [f"init_from={mistral}",
+                                                     f"run_dir={tmp_path / 'run'}"]))
+  assert (cfg.model.sliding_window, cfg.model.global_every) == (16, 0)
+  qwen3 = _hf_dir(tmp_path / "qwen3", architectures=["Qwen3ForCausalLM"], head_dim=32)
+  with pytest.raises(ConfigError) as e:
+    init_from.resolve(config.load(None, SIZES + [f"init_from={qwen3}",
+                                                 f"run_dir={tmp_path / 'run'}"]))
+  assert all(k in str(e.value) for k in ("model.head_dim=32", "model.qk_norm=True")), e.value
+  cfg = init_from.resolve(config.load(None, SIZES + [
+      "model.head_dim=32", "model.qk_norm=true", f"init_from={qwen3}",
+      f"run_dir={tmp_path / 'run'}"]))
+  assert cfg.model.qk_norm and cfg.model.attn_head_dim == 32
