@@ -141,6 +141,11 @@ def test_init_from_qwen3_and_mistral_sources(tmp_path):
   cfg = init_from.resolve(config.load(None, SIZES + [f"init_from={mistral}",
                                                      f"run_dir={tmp_path / 'run'}"]))
   assert (cfg.model.sliding_window, cfg.model.global_every) == (16, 0)
+  # A key the YAML sets to its default value still overrides the source's.
+  unwindowed = SIZES + ["model.sliding_window=null", f"init_from={mistral}",
+                        f"run_dir={tmp_path / 'run'}"]
+  cfg = init_from.resolve(config.load(None, unwindowed), config.set_keys(None, unwindowed))
+  assert cfg.model.sliding_window is None
   qwen3 = _hf_dir(tmp_path / "qwen3", architectures=["Qwen3ForCausalLM"], head_dim=32)
   with pytest.raises(ConfigError) as e:
     init_from.resolve(config.load(None, SIZES + [f"init_from={qwen3}",

@@ -31,7 +31,7 @@ def main(argv: list[str]) -> int:
     logging.getLogger(noisy).setLevel(logging.WARNING)
   path, overrides = (None, argv) if "=" in argv[0] else (argv[0], argv[1:])
   try:
-    cfg = init_from.resolve(config.load(path, overrides))
+    cfg = init_from.resolve(config.load(path, overrides), config.set_keys(path, overrides))
     run_dir.check(cfg)
     distributed.setup(cfg)  # before anything starts a jax backend
     _, stopped = loop.run(cfg)

@@ -327,6 +327,22 @@ def load(path: str | None, overrides: list[str] = ()) -> TrainConfig:
     ConfigError: unknown keys, wrong types, malformed overrides or invalid values.
     FileNotFoundError: `path` does not exist.
   """
+  return from_dict(_values(path, overrides))
+
+
+def set_keys(path: str | None, overrides: list[str] = ()) -> frozenset[str]:
+  """The dotted keys that YAML file `path` and the overrides set (`model.sliding_window`),
+  whether or not a value equals its default. Raises as `load`."""
+  def walk(prefix, node):
+    for key, value in node.items():
+      if isinstance(value, dict):
+        yield from walk(f"{prefix}{key}.", value)
+      else:
+        yield f"{prefix}{key}"
+  return frozenset(walk("", _values(path, overrides)))
+
+
+def _values(path: str | None, overrides: list[str]) -> dict:
   values = {}
   if path is not None:
     with open(path) as f:
@@ -335,7 +351,7 @@ def load(path: str | None, overrides: list[str] = ()) -> TrainConfig:
       raise ConfigError(f"{path} expects a YAML mapping of config keys, got {type(values).__name__}.")
   for override in overrides:
     _set(values, override)
-  return from_dict(values)
+  return values
 
 
 def from_dict(values: dict) -> TrainConfig:

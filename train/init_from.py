@@ -8,7 +8,8 @@ their shapes or tree is a config error naming the keys, found by `models.llama.p
 The run's choices (`RUN_OPTIONS`: compute dtype, remat, scan over layers, attention backend,
 `max_seq_len`) come from the YAML. Every other option (rope_theta and rope_scaling,
 norm_eps, sliding_window, chunk_size, global_every, logit_soft_cap, ...) comes from the YAML
-where it sets it (a value other than `LlamaConfig`'s default), else from the source: a
+where it sets it (a key in `set_keys`, or a value other than `LlamaConfig`'s default),
+else from the source: a
 Hugging Face Llama fine-tuned with a sliding window, or a Llama 3.1 extended with its own
 `rope_scaling`.
 
@@ -70,8 +71,10 @@ def _source_model(path: str) -> LlamaConfig:
                     " directory with neither; fix the path.")
 
 
-def _merge(model: LlamaConfig, source: LlamaConfig, what: str, keep_layout: bool) -> LlamaConfig:
-  """`source` with `model`'s `RUN_OPTIONS` and the options it sets; ConfigError naming
+def _merge(model: LlamaConfig, source: LlamaConfig, what: str, keep_layout: bool,
+           set_keys=frozenset()) -> LlamaConfig:
+  """`source` with `model`'s `RUN_OPTIONS` and the options it sets (named in `set_keys` as
+  `model.<field>`, or other than their defaults); ConfigError naming
   every key whose value in `model` gives other parameters than the source's (with
   `keep_layout`, `scan_layers` too: a run_dir's checkpoint holds the tree of its choice)."""
   reference = source if keep_layout else dataclasses.replace(source, scan_layers=model.scan_layers)
@@ -84,7 +87,8 @@ def _merge(model: LlamaConfig, source: LlamaConfig, what: str, keep_layout: bool
         + ". These keys set the parameters' shapes: set them to the checkpoint's values.")
   default = LlamaConfig()
   options = {f.name: getattr(model, f.name) for f in dataclasses.fields(LlamaConfig)
-             if f.name in RUN_OPTIONS or getattr(model, f.name) != getattr(default, f.name)}
+             if f.name in RUN_OPTIONS or f"model.{f.name}" in set_keys
+             or getattr(model, f.name) != getattr(default, f.name)}
   try:
     merged = dataclasses.replace(source, **options)
   except ValueError as e:
@@ -97,9 +101,11 @@ def _merge(model: LlamaConfig, source: LlamaConfig, what: str, keep_layout: bool
   return merged
 
 
-def resolve(cfg: TrainConfig) -> TrainConfig:
+def resolve(cfg: TrainConfig, set_keys=frozenset()) -> TrainConfig:
   """`cfg` with the model config of its `init_from` source (unchanged without one). Reads
-  files only; call before anything is written.
+  files only; call before anything is written. `set_keys`: the dotted keys the YAML and
+  overrides set (`config.set_keys`), so that a value set equal to its default (e.g.
+  `model.sliding_window: null`) also overrides the source's.
 
   Raises:
     ConfigError: init_from is not a directory, not a Hugging Face checkpoint directory nor
@@ -115,10 +121,10 @@ def resolve(cfg: TrainConfig) -> TrainConfig:
     if not (saved / "config.json").is_file():
       return cfg
     what = f"run_dir {cfg.run_dir!r} (resuming)"
-    return _replace_model(cfg, _merge(cfg.model, _run_model(saved, what), what, True))
+    return _replace_model(cfg, _merge(cfg.model, _run_model(saved, what), what, True, set_keys))
   source = _source_model(cfg.init_from)
   what = f"config key 'init_from' ({cfg.init_from!r})"
-  return _replace_model(cfg, _merge(cfg.model, source, what, not is_hf(cfg.init_from)))
+  return _replace_model(cfg, _merge(cfg.model, source, what, not is_hf(cfg.init_from), set_keys))
 
 
 def _replace_model(cfg: TrainConfig, model: LlamaConfig) -> TrainConfig:
