@@ -1,0 +1,155 @@
+"""The layer's KV cache under context parallelism: prefill and token-by-token decode on a
+mesh equal the same layer on one device; the cache is sharded, balanced and bounded."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import AxisType
+
+from flaxattn import (Causal, Chunked, ContextParallel, Local, MultiHeadAttention, RoPE,
+                      explain, load_balance, unload_balance)
+from helpers import normal
+
+E = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  n: int  # context axis size
+  strategy: str
+  mask: object
+  load_balance: bool = True
+  heads: int = 4
+  kv_heads: int = 2
+  data: int = 1  # a data axis beside the context axis (the batch is sharded over it)
+  lengths: tuple[int, ...] = (16,)  # prompt tokens per row; shorter rows end in padding
+  packed: bool = False  # explicit ids: two documents in row 0
+  sinks: bool = False
+  soft_cap: float | None = None
+  prompt: int = 16  # the padded prompt length
+  steps: tuple[int, ...] = (1, 1, 1)  # new tokens per decode call after the prompt
+
+
+CASES = [
+    Case(2, "ring", Causal()),  # default ids and (load-balanced) positions
+    Case(4, "all_gather", Local(5), data=2, lengths=(16, 9), packed=True, sinks=True),
+    Case(8, "ring", Chunked(4), load_balance=False, soft_cap=3.0, lengths=(16, 11), packed=True),
+    Case(4, "ulysses", Causal(), heads=8, sinks=True, soft_cap=5.0, lengths=(13, 16)),
+    # GQA with one K/V head for 2 devices, a second prefill into the filled cache (2 tokens
+    # split over 2 devices) and a step of 3 tokens.
+    Case(2, "ring", Local(6), load_balance=False, kv_heads=1, steps=(2, 1, 3), prompt=8),
+]
+
+
+def _ids(case: Case, b: int):
+  """Segment ids and positions `[B, prompt]` of the prompts (None: the defaults), then of
+  each decode call."""
+  if len(case.lengths) == 1 and not case.packed:
+    return (None, None), [(None, None)] * len(case.steps)
+  seg = np.zeros((b, case.prompt), np.int32)
+  pos = np.zeros((b, case.prompt), np.int32)
+  for row, length in enumerate(case.lengths):
+    seg[row, :length], pos[row, :length] = 1, np.arange(length)
+  if case.packed:  # row 0: a second document from token 5
+    seg[0, 5:case.lengths[0]], pos[0, 5:case.lengths[0]] = 2, np.arange(case.lengths[0] - 5)
+  last_seg, next_pos = seg[np.arange(b), np.array(case.lengths) - 1], pos[np.arange(b), np.array(case.lengths) - 1] + 1
+  calls = []
+  for t in case.steps:
+    calls.append((np.repeat(last_seg[:, None], t, 1), next_pos[:, None] + np.arange(t)))
+    next_pos = next_pos + t
+  return (seg, pos), calls
+
+
+def _layer(case: Case, cp):
+  m = MultiHeadAttention(case.heads, E, num_kv_heads=case.kv_heads, rope=RoPE(), mask=case.mask,
+                         sinks=case.sinks, logit_soft_cap=case.soft_cap, context_parallel=cp,
+                         backend="reference" if cp is None else "auto", rngs=nnx.Rngs(0))
+  if case.sinks:
+    m.sinks[...] = jnp.linspace(-1.0, 1.0, case.heads)
+  return m
+
+
+@nnx.jit
+def _decode(m, x, seg, pos):
+  return m(x, decode=True, segment_ids=seg, positions=pos)
+
+
+def _run(m, case, prompt, steps, ids, calls, balance):
+  """Outputs of the prompt then of each decode call, the prompt's in the original order."""
+  seg, pos = (None if a is None else jnp.asarray(balance(a)) for a in ids)
+  outs = [_decode(m, balance(prompt), seg, pos)]
+  for x, (seg, pos) in zip(steps, calls):
+    outs.append(_decode(m, x, *(None if a is None else jnp.asarray(a) for a in (seg, pos))))
+  return [np.asarray(outs[0] if balance is _same else unload_balance(outs[0], case.n))] + [
+      np.asarray(o) for o in outs[1:]]
+
+
+def _same(x):
+  return x
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"cp{c.n}-{c.strategy}-{c.mask}")
+def test_prefill_and_decode_equal_one_device(case):
+  b = len(case.lengths)
+  slots = case.prompt + sum(case.steps) + (-(case.prompt + sum(case.steps))) % case.n
+  prompt = normal((b, case.prompt, E), 1)
+  steps = [normal((b, t, E), 2 + i) for i, t in enumerate(case.steps)]
+  ids, calls = _ids(case, b)
+  ref = _layer(case, None)
+  ref.init_cache((b, slots, E))
+  want = _run(ref, case, prompt, steps, ids, calls, _same)
+
+  axes = ("data", "context")
+  mesh = jax.make_mesh((case.data, case.n), axes, axis_types=(AxisType.Auto,) * 2,
+                       devices=jax.devices()[:case.data * case.n])
+  cp = ContextParallel(strategy=case.strategy, load_balance=case.load_balance)
+  with jax.set_mesh(mesh):
+    m = _layer(case, cp)
+    nnx.update(m, nnx.state(ref, nnx.Param))
+    m.init_cache((b, slots, E))
+    balance = (lambda x: load_balance(x, case.n)) if case.load_balance else _same
+    got = _run(m, case, prompt, steps, ids, calls, balance)
+    shard = m.cached_key[...].addressable_shards[0].data
+  assert shard.shape == (b // case.data, slots // case.n, case.kv_heads, E // case.heads)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * np.abs(w).max())
+  # Balanced: every device holds its share of the written tokens, within one.
+  filled = np.asarray(m.cached_segment_ids[...] != 0).reshape(b, case.n, -1).sum(-1)
+  written = case.prompt + sum(case.steps)
+  if ids[0] is None:
+    assert filled.min() >= written // case.n and filled.max() <= -(-written // case.n)
+  assert int(m.cache_index[...]) == written
+
+
+def _mesh(n):
+  return jax.make_mesh((n,), ("context",), axis_types=(AxisType.Auto,), devices=jax.devices()[:n])
+
+
+def test_cache_errors_name_the_numbers():
+  with jax.set_mesh(_mesh(4)):
+    m = MultiHeadAttention(2, E, context_parallel=ContextParallel(), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"max_length divisible by the 4 sequence shards.*got"
+                       r" max_length 10; round it up to 12"):
+      m.init_cache((1, 10, E))
+    m.init_cache((1, 8, E))
+    m(normal((1, 8, E)), decode=True)
+    with pytest.raises(Exception, match=r"writing 1 token\(s\) at cache index 8 needs 9 slots"):
+      m(normal((1, 1, E)), decode=True)
+  with pytest.raises(ValueError, match=r"needs a mesh"):
+    MultiHeadAttention(2, E, context_parallel=ContextParallel(), rngs=nnx.Rngs(0)).init_cache(
+        (1, 8, E))
+
+
+def test_explain_says_what_a_decode_step_moves():
+  with jax.set_mesh(_mesh(4)):
+    q = jax.ShapeDtypeStruct((2, 1, 8, 16), jnp.float32)
+    cache = jax.ShapeDtypeStruct((2, 4096, 2, 16), jnp.float32)
+    text = explain(q, cache, cache, decode=True, context_parallel=ContextParallel(),
+                   print_fn=None)
+  # 4 x [2, 1, 8] lse + [2, 1, 8, 16] partial output, float32
+  assert "1024 of 4096 cache slots" in text and "256 bytes" in text and "1024 bytes" in text
+  assert "k/v (2, 1024, 2, 16)" in text  # the kernel serves one shard of the cache
