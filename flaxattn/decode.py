@@ -46,11 +46,16 @@ def check_length(cp: ContextParallel, max_length: int) -> None:
         f" max_length {max_length}; round it up to {-(-max_length // n) * n}.")
 
 
+def prefill_multiple(cp: ContextParallel) -> int:
+  """What a prefill's length must be a multiple of: the sequence shards (and, load
+  balanced, 2 chunks per balanced shard)."""
+  return math.lcm(shards(cp), 2 * cp.balanced_shards() if cp.load_balance else 1)
+
+
 def is_prefill(cp: ContextParallel, t: int) -> bool:
-  """Whether T new tokens run the context-parallel strategy (a prefill): T splits into the
-  sequence shards (and, load balanced, into 2 chunks per balanced shard)."""
-  parts = math.lcm(shards(cp), 2 * cp.balanced_shards() if cp.load_balance else 1)
-  return t % parts == 0
+  """Whether T new tokens run the context-parallel strategy (a prefill) rather than a
+  decode step: T is a multiple of `prefill_multiple`."""
+  return t % prefill_multiple(cp) == 0
 
 
 def last_token(cp: ContextParallel | None, t: int, prefill: bool) -> int:

@@ -13,6 +13,8 @@ from jax.sharding import AxisType
 from flaxattn import (Causal, Chunked, ContextParallel, Local, MultiHeadAttention, RoPE,
                       explain, load_balance, unload_balance)
 from helpers import normal
+from models.llama import Llama, LlamaConfig
+from train import sample
 
 E = 16
 
@@ -153,3 +155,21 @@ def test_explain_says_what_a_decode_step_moves():
   # 4 x [2, 1, 8] lse + [2, 1, 8, 16] partial output, float32
   assert "1024 of 4096 cache slots" in text and "256 bytes" in text and "1024 bytes" in text
   assert "k/v (2, 1024, 2, 16)" in text  # the kernel serves one shard of the cache
+
+
+def test_greedy_sample_on_a_mesh_gives_the_same_tokens(tmp_path):
+  cfg = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64,
+                    max_seq_len=32, sliding_window=3, global_every=2, attention_sinks=True)
+  model = Llama(cfg, rngs=nnx.Rngs(0))
+  for b in model.layers:
+    b.attn.sinks[...] = normal(b.attn.sinks.shape, 5)
+  prompt = np.array([5, 17, 3, 40, 22, 9, 31], np.int32)
+  want = sample.generate(model, prompt, 8)
+  assert len(set(want.tolist())) > 2  # not a degenerate model
+  # As `python -m train.sample --context_parallel 4` does, with the run's strategy.
+  (tmp_path / "config.json").write_text('{"context_parallel": {"strategy": "all_gather"}}')
+  with sample.on_mesh(model, str(tmp_path), 4) as cp:
+    got = sample.generate(model, prompt, 8, context_parallel=cp)
+    assert model.layers[0].attn.cached_key[...].addressable_shards[0].data.shape[1] == 16 // 4
+  assert cp == ContextParallel(strategy="all_gather")
+  np.testing.assert_array_equal(got, want)
