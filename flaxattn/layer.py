@@ -263,7 +263,11 @@ class MultiHeadAttention(nnx.Module):
       mask: a `flaxattn` mask overriding the constructor's for this call.
       is_causal: also apply `Causal()` (as nnx).
       decode: use the KV cache (see `init_cache`); T may be > 1 (prefill). Default: the
-        constructor's `decode`, else False.
+        constructor's `decode`, else False. With `context_parallel` the cache is sharded
+        (`flaxattn.decode`): T a multiple of the strategy's split is a prefill, sequence
+        sharded like a training batch (load-balanced order with `load_balance`), run with
+        the strategy; any other T is a decode step, merged across the shards by lse.
+        `attention_fn` must then take `return_lse=True`.
       segment_ids, positions: `[B, T]` int (packed documents; see `flaxattn.attention`).
         In decode they describe the new tokens. Left out, the new tokens continue the last
         cached token's document (its segment id) and position (+1, +2, ...); from an empty
@@ -506,16 +510,25 @@ class MultiHeadAttention(nnx.Module):
     cache = tuple(c[...] for c in (self.cached_key, self.cached_value, self.cached_segment_ids,
                                    self.cached_positions))
     new = (k.astype(cache[0].dtype), v.astype(cache[1].dtype), ids_BT, pos_BT)
-    if prefill:  # the new tokens among themselves, then against what was cached before
-      out, lse = self.attention_fn(q, k, v, segment_ids=ids_BT, positions=pos_BT,
-                                   context_parallel=cp, **options)
-      before = cp_decode.attend(local, q, cache, ids_BT, pos_BT, specs.sequence_sharded(),
-                                sequence_sharded=True, when=i > 0)
-      out, lse = _merge(out.astype(jnp.float32), lse, *before)
-      cache = cp_decode.write(cache, new, i, specs.sequence_sharded(), prefill=True)
-    else:
+
+    def run(cache):
+      if prefill:  # the new tokens among themselves, then against what was cached before
+        out, lse = self.attention_fn(q, k, v, segment_ids=ids_BT, positions=pos_BT,
+                                     context_parallel=cp, **options)
+        before = cp_decode.attend(local, q, cache, ids_BT, pos_BT, specs.sequence_sharded(),
+                                  sequence_sharded=True, when=i > 0)
+        out, lse = _merge(out.astype(jnp.float32), lse, *before)
+        return cp_decode.write(cache, new, i, specs.sequence_sharded(), prefill=True), out, lse
       cache = cp_decode.write(cache, new, i, specs, prefill=False)
-      out, lse = cp_decode.attend(local, q, cache, ids_BT, pos_BT, specs)
+      return (cache, *cp_decode.attend(local, q, cache, ids_BT, pos_BT, specs))
+
+    def skip(cache):  # the tokens do not fit: `_check_room` raises from the program
+      shape = q.shape[:3]
+      return cache, jnp.zeros(shape + v.shape[3:], jnp.float32), jnp.full(shape, -jnp.inf)
+
+    # A failed check stops one device; skipping the collectives keeps the others from
+    # waiting for it forever.
+    cache, out, lse = lax.cond(i + t <= self.cached_key.shape[1], run, skip, cache)
     for variable, value in zip((self.cached_key, self.cached_value, self.cached_segment_ids,
                                 self.cached_positions), cache):
       variable[...] = value

@@ -37,13 +37,12 @@ class Case:
 
 
 CASES = [
-    Case(2, "ring", Causal()),  # default ids and (load-balanced) positions
+    # Default ids and load-balanced default positions; GQA with one K/V head for 2 devices;
+    # a second prefill (4 tokens, load balanced) into the filled cache, then 1 and 3 tokens.
+    Case(2, "ring", Local(6), kv_heads=1, steps=(4, 1, 3), prompt=8),
     Case(4, "all_gather", Local(5), data=2, lengths=(16, 9), packed=True, sinks=True),
     Case(8, "ring", Chunked(4), load_balance=False, soft_cap=3.0, lengths=(16, 11), packed=True),
     Case(4, "ulysses", Causal(), heads=8, sinks=True, soft_cap=5.0, lengths=(13, 16)),
-    # GQA with one K/V head for 2 devices, a second prefill into the filled cache (2 tokens
-    # split over 2 devices) and a step of 3 tokens.
-    Case(2, "ring", Local(6), load_balance=False, kv_heads=1, steps=(2, 1, 3), prompt=8),
 ]
 
 
@@ -58,7 +57,8 @@ def _ids(case: Case, b: int):
     seg[row, :length], pos[row, :length] = 1, np.arange(length)
   if case.packed:  # row 0: a second document from token 5
     seg[0, 5:case.lengths[0]], pos[0, 5:case.lengths[0]] = 2, np.arange(case.lengths[0] - 5)
-  last_seg, next_pos = seg[np.arange(b), np.array(case.lengths) - 1], pos[np.arange(b), np.array(case.lengths) - 1] + 1
+  last_B = (np.arange(b), np.array(case.lengths) - 1)
+  last_seg, next_pos = seg[last_B], pos[last_B] + 1
   calls = []
   for t in case.steps:
     calls.append((np.repeat(last_seg[:, None], t, 1), next_pos[:, None] + np.arange(t)))
@@ -80,14 +80,15 @@ def _decode(m, x, seg, pos):
   return m(x, decode=True, segment_ids=seg, positions=pos)
 
 
-def _run(m, case, prompt, steps, ids, calls, balance):
-  """Outputs of the prompt then of each decode call, the prompt's in the original order."""
-  seg, pos = (None if a is None else jnp.asarray(balance(a)) for a in ids)
-  outs = [_decode(m, balance(prompt), seg, pos)]
-  for x, (seg, pos) in zip(steps, calls):
-    outs.append(_decode(m, x, *(None if a is None else jnp.asarray(a) for a in (seg, pos))))
-  return [np.asarray(outs[0] if balance is _same else unload_balance(outs[0], case.n))] + [
-      np.asarray(o) for o in outs[1:]]
+def _run(m, prompt, steps, ids, calls, balance, unbalance, multiple=1):
+  """Outputs `[B, T, E]` of the prompt then of each decode call, in the original order.
+  Calls of a `multiple` of tokens are prefills: their arrays go in `balance`d order."""
+  outs = []
+  for x, (seg, pos) in [(prompt, ids)] + list(zip(steps, calls)):
+    order, back = (balance, unbalance) if x.shape[1] % multiple == 0 else (_same, _same)
+    seg, pos = (None if a is None else jnp.asarray(order(a)) for a in (seg, pos))
+    outs.append(np.asarray(back(_decode(m, order(x), seg, pos))))
+  return outs
 
 
 def _same(x):
@@ -103,7 +104,7 @@ def test_prefill_and_decode_equal_one_device(case):
   ids, calls = _ids(case, b)
   ref = _layer(case, None)
   ref.init_cache((b, slots, E))
-  want = _run(ref, case, prompt, steps, ids, calls, _same)
+  want = _run(ref, prompt, steps, ids, calls, _same, _same)
 
   axes = ("data", "context")
   mesh = jax.make_mesh((case.data, case.n), axes, axis_types=(AxisType.Auto,) * 2,
@@ -113,8 +114,9 @@ def test_prefill_and_decode_equal_one_device(case):
     m = _layer(case, cp)
     nnx.update(m, nnx.state(ref, nnx.Param))
     m.init_cache((b, slots, E))
-    balance = (lambda x: load_balance(x, case.n)) if case.load_balance else _same
-    got = _run(m, case, prompt, steps, ids, calls, balance)
+    balance, unbalance = ((lambda x: load_balance(x, case.n)), (lambda x: unload_balance(x, case.n))
+                          ) if case.load_balance else (_same, _same)
+    got = _run(m, prompt, steps, ids, calls, balance, unbalance, 2 * case.n)
     shard = m.cached_key[...].addressable_shards[0].data
   assert shard.shape == (b // case.data, slots // case.n, case.kv_heads, E // case.heads)
   for g, w in zip(got, want):
@@ -138,9 +140,9 @@ def test_cache_errors_name_the_numbers():
                        r" max_length 10; round it up to 12"):
       m.init_cache((1, 10, E))
     m.init_cache((1, 8, E))
-    m(normal((1, 8, E)), decode=True)
+    _decode(m, normal((1, 8, E)), None, None)
     with pytest.raises(Exception, match=r"writing 1 token\(s\) at cache index 8 needs 9 slots"):
-      m(normal((1, 1, E)), decode=True)
+      jax.block_until_ready(_decode(m, normal((1, 1, E)), None, None))
   with pytest.raises(ValueError, match=r"needs a mesh"):
     MultiHeadAttention(2, E, context_parallel=ContextParallel(), rngs=nnx.Rngs(0)).init_cache(
         (1, 8, E))
