@@ -164,35 +164,34 @@ def attend(local, q, cache, q_ids, q_pos, s: Specs, sequence_sharded: bool = Fal
 
   `sequence_sharded`: q and its ids arrive sharded over the sequence axes (a prefill); they
   are gathered (queries, not keys) and each device keeps its own rows of the result.
-  `when`: a scalar bool; where false the result is zeros / -inf without any work.
+  `when`: None, or a scalar bool; where false the result is zeros / -inf without any work.
   """
   def body(when, q, cache, q_ids, q_pos):
-    if sequence_sharded:
-      gather = lambda x: lax.all_gather(x, s.axes, axis=1, tiled=True)
-      rows = q.shape[1]
-      q, q_ids, q_pos = gather(q), gather(q_ids), gather(q_pos)
+    rows = q.shape[1]
 
     def run():
-      out, lse = local(q, cache[0], cache[1], q_ids, q_pos, cache[2], cache[3])
+      q_all, ids_all, pos_all = q, q_ids, q_pos
+      if sequence_sharded:
+        gather = lambda x: lax.all_gather(x, s.axes, axis=1, tiled=True)
+        q_all, ids_all, pos_all = gather(q), gather(q_ids), gather(q_pos)
+      out, lse = local(q_all, cache[0], cache[1], ids_all, pos_all, cache[2], cache[3])
       out, lse = merge(out, lse, s.axes)
       if sequence_sharded:
         start = lax.axis_index(s.axes) * rows
         out, lse = (lax.dynamic_slice_in_dim(x, start, rows, axis=1) for x in (out, lse))
       return out, lse
 
-    if when is None:
-      return run()
-    shape = q.shape[:1] + ((rows,) if sequence_sharded else q.shape[1:2]) + q.shape[2:3]
-    none = lambda: (jnp.zeros(shape + cache[1].shape[3:], jnp.float32),
-                    jnp.full(shape, -jnp.inf, jnp.float32))
-    return lax.cond(when, run, none)
+    def nothing():
+      shape = q.shape[:3]
+      return (jnp.zeros(shape + cache[1].shape[3:], jnp.float32),
+              jnp.full(shape, -jnp.inf, jnp.float32))
+
+    return run() if when is None else lax.cond(when, run, nothing)
 
   q_spec, ids_spec = (s.kv, s.ids) if sequence_sharded else (s.q, s.q_ids)
   cache_specs = (s.kv, s.kv, s.ids, s.ids)
-  flag = jnp.bool_(True) if when is None else when
-  return _shard_map(lambda w, *args: body(None if when is None else w, *args),
-                    (P(), q_spec, cache_specs, ids_spec, ids_spec),
-                    (q_spec, q_spec))(flag, q, cache, q_ids, q_pos)
+  return _shard_map(body, (P(), q_spec, cache_specs, ids_spec, ids_spec),
+                    (q_spec, q_spec))(when, q, cache, q_ids, q_pos)
 
 
 def communication(cp: ContextParallel, q_shape, v_head_dim: int, max_length: int) -> str:
