@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 from jax.sharding import AxisType
 
+from bench import hlo
 from flaxattn import (Causal, Chunked, ContextParallel, Local, MultiHeadAttention, RoPE,
                       explain, load_balance, unload_balance)
 from helpers import normal
@@ -175,3 +176,21 @@ def test_greedy_sample_on_a_mesh_gives_the_same_tokens(tmp_path):
     assert model.layers[0].attn.cached_key[...].addressable_shards[0].data.shape[1] == 16 // 4
   assert cp == ContextParallel(strategy="all_gather")
   np.testing.assert_array_equal(got, want)
+
+
+def test_a_decode_step_moves_the_same_bytes_at_any_cache_length():
+  """The compiled step's collectives: an lse all-gather (4 x [B, 1, H] float32) and one
+  all-reduce of the partial output ([B, 1, H, D] float32), at 64 and 1024 slots."""
+  moved = []
+  for slots in (64, 1024):
+    with jax.set_mesh(_mesh(4)):
+      m = MultiHeadAttention(4, E, num_kv_heads=2, mask=Causal(),
+                             context_parallel=ContextParallel(), rngs=nnx.Rngs(0))
+      m.init_cache((2, slots, E))
+      graphdef, state = nnx.split(m)
+      step = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x, decode=True))
+      moved.append(hlo.collectives(step.lower(state, normal((2, 1, E))).compile().as_text()))
+  n, b, h, d, f32 = 4, 2, 4, E // 4, 4
+  want = {"all-gather": {"count": 1, "bytes": n * b * h * f32},
+          "all-reduce": {"count": 1, "bytes": b * h * d * f32}}
+  assert moved == [want, want]
