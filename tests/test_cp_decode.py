@@ -2,6 +2,7 @@
 mesh equal the same layer on one device; the cache is sharded, balanced and bounded."""
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +29,8 @@ class Case:
   load_balance: bool = True
   heads: int = 4
   kv_heads: int = 2
-  data: int = 1  # a data axis beside the context axis (the batch is sharded over it)
+  ring: int = 1  # > 1: Ulysses over `context` x a ring over `context_ring` of this size
+  data: int = 1  # a data axis beside the context axes (the batch is sharded over it)
   lengths: tuple[int, ...] = (16,)  # prompt tokens per row; shorter rows end in padding
   packed: bool = False  # explicit ids: two documents in row 0
   sinks: bool = False
@@ -44,6 +46,7 @@ CASES = [
     Case(4, "all_gather", Local(5), data=2, lengths=(16, 9), packed=True, sinks=True),
     Case(8, "ring", Chunked(4), load_balance=False, soft_cap=3.0, lengths=(16, 11), packed=True),
     Case(4, "ulysses", Causal(), heads=8, sinks=True, soft_cap=5.0, lengths=(13, 16)),
+    pytest.param(Case(2, "ulysses", Causal(), ring=2, steps=(8, 1)), marks=pytest.mark.slow),
 ]
 
 
@@ -96,10 +99,12 @@ def _same(x):
   return x
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"cp{c.n}-{c.strategy}-{c.mask}")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"cp{c.ring * c.n}-{c.strategy}"
+                         f"{'-x-ring' if c.ring > 1 else ''}-{c.mask}")
 def test_prefill_and_decode_equal_one_device(case):
-  b = len(case.lengths)
-  slots = case.prompt + sum(case.steps) + (-(case.prompt + sum(case.steps))) % case.n
+  b, n = len(case.lengths), case.ring * case.n  # n: the sequence shards
+  written = case.prompt + sum(case.steps)
+  slots = written + (-written) % n
   prompt = normal((b, case.prompt, E), 1)
   steps = [normal((b, t, E), 2 + i) for i, t in enumerate(case.steps)]
   ids, calls = _ids(case, b)
@@ -107,26 +112,28 @@ def test_prefill_and_decode_equal_one_device(case):
   ref.init_cache((b, slots, E))
   want = _run(ref, prompt, steps, ids, calls, _same, _same)
 
-  axes = ("data", "context")
-  mesh = jax.make_mesh((case.data, case.n), axes, axis_types=(AxisType.Auto,) * 2,
-                       devices=jax.devices()[:case.data * case.n])
-  cp = ContextParallel(strategy=case.strategy, load_balance=case.load_balance)
+  mesh = jax.make_mesh((case.data, case.ring, case.n), ("data", "context_ring", "context"),
+                       axis_types=(AxisType.Auto,) * 3, devices=jax.devices()[:case.data * n])
+  cp = ContextParallel(strategy=case.strategy, load_balance=case.load_balance,
+                       ring_axis="context_ring" if case.ring > 1 else None)
+  balanced = case.ring if case.ring > 1 else case.n  # ContextParallel.balanced_shards
+  balance, unbalance = _same, _same
+  if case.load_balance:
+    balance = lambda x: load_balance(x, balanced)
+    unbalance = lambda x: unload_balance(x, balanced)
   with jax.set_mesh(mesh):
     m = _layer(case, cp)
     nnx.update(m, nnx.state(ref, nnx.Param))
     m.init_cache((b, slots, E))
-    balance, unbalance = ((lambda x: load_balance(x, case.n)), (lambda x: unload_balance(x, case.n))
-                          ) if case.load_balance else (_same, _same)
-    got = _run(m, prompt, steps, ids, calls, balance, unbalance, 2 * case.n)
+    got = _run(m, prompt, steps, ids, calls, balance, unbalance, math.lcm(n, 2 * balanced))
     shard = m.cached_key[...].addressable_shards[0].data
-  assert shard.shape == (b // case.data, slots // case.n, case.kv_heads, E // case.heads)
+  assert shard.shape == (b // case.data, slots // n, case.kv_heads, E // case.heads)
   for g, w in zip(got, want):
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * np.abs(w).max())
   # Balanced: every device holds its share of the written tokens, within one.
-  filled = np.asarray(m.cached_segment_ids[...] != 0).reshape(b, case.n, -1).sum(-1)
-  written = case.prompt + sum(case.steps)
+  filled = np.asarray(m.cached_segment_ids[...] != 0).reshape(b, n, -1).sum(-1)
   if ids[0] is None:
-    assert filled.min() >= written // case.n and filled.max() <= -(-written // case.n)
+    assert filled.min() >= written // n and filled.max() <= -(-written // n)
   assert int(m.cache_index[...]) == written
 
 
@@ -160,6 +167,7 @@ def test_explain_says_what_a_decode_step_moves():
   assert "k/v (2, 1024, 2, 16)" in text  # the kernel serves one shard of the cache
 
 
+@pytest.mark.slow
 def test_greedy_sample_on_a_mesh_gives_the_same_tokens(tmp_path):
   cfg = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64,
                     max_seq_len=32, sliding_window=3, global_every=2, attention_sinks=True)
