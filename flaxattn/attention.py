@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flaxattn import planner, registry
+from flaxattn import decode as cp_decode, planner, registry
 from flaxattn.context_parallel import ContextParallel, axis_size, choose, context_parallel_attention
 from flaxattn.layout import Layout, resolve, shape_error
 from flaxattn.masks import Causal, Mask, check_mask
@@ -161,12 +161,27 @@ def attention(q, k, v, *, mask: Mask = Causal(), segment_ids=None, positions=Non
 def explain(q, k, v, *, mask: Mask = Causal(), segment_ids=None, positions=None,
             kv_segment_ids=None, kv_positions=None, backend="auto", context_parallel=None,
             return_lse: bool = False, sinks=None, logit_soft_cap: float | None = None,
-            print_fn=print) -> str:
+            decode: bool = False, print_fn=print) -> str:
   """Prints (and returns) which kernel `attention` would use for these arguments on this
   platform, why each registered kernel accepts or declines, and what `backend` would run
   on each platform (cpu, gpu, tpu) with the reasons of the kernels it passed over (e.g.
   "blockwise (cudnn declines: ...)"). Arrays or
-  `jax.ShapeDtypeStruct`s work; with `context_parallel`, call it under the mesh."""
+  `jax.ShapeDtypeStruct`s work; with `context_parallel`, call it under the mesh.
+
+  `decode=True` with `context_parallel`: q are a decode step's new tokens and k/v the
+  layer's whole KV cache `[B, max_length, Hkv, D]` (`MultiHeadAttention.init_cache`); it
+  describes the kernel each device runs on its shard of the cache and what a step moves
+  between the shards (`flaxattn.decode`)."""
+  if decode and context_parallel is not None:
+    n = cp_decode.shards(context_parallel)
+    cp_decode.check_length(context_parallel, k.shape[1])
+    shard = lambda x: jax.ShapeDtypeStruct((x.shape[0], x.shape[1] // n, *x.shape[2:]), x.dtype)
+    text = explain(q, shard(k), shard(v), mask=mask, backend=backend, return_lse=True,
+                   sinks=sinks, logit_soft_cap=logit_soft_cap, print_fn=None)
+    text += "\n" + cp_decode.communication(context_parallel, q.shape, v.shape[-1], k.shape[1])
+    if print_fn is not None:
+      print_fn(text)
+    return text
   check_qkv(q, k, v)
   _check_sinks(q, sinks)
   soft_cap = check_soft_cap(logit_soft_cap)

@@ -30,8 +30,9 @@ from flax.nnx.nn import dtypes, initializers
 from flax.nnx.nn.linear import default_kernel_init
 from jax import lax
 
-from flaxattn import checks
-from flaxattn.attention import attention, check_soft_cap
+from flaxattn import balance, checks, decode as cp_decode
+from flaxattn.attention import apply_sinks, attention, check_soft_cap
+from flaxattn.context_parallel import _merge
 from flaxattn.layout import Layout, resolve
 from flaxattn.masks import Causal, Full, Mask, check_mask
 from flaxattn.rope import RoPE
@@ -233,6 +234,7 @@ class MultiHeadAttention(nnx.Module):
     self.cached_value = nnx.data(None)
     self.cached_segment_ids = nnx.data(None)
     self.cached_positions = nnx.data(None)
+    self.cached_last = nnx.data(None)
     self.cache_index = nnx.data(None)
 
   def __call__(
@@ -261,7 +263,11 @@ class MultiHeadAttention(nnx.Module):
       mask: a `flaxattn` mask overriding the constructor's for this call.
       is_causal: also apply `Causal()` (as nnx).
       decode: use the KV cache (see `init_cache`); T may be > 1 (prefill). Default: the
-        constructor's `decode`, else False.
+        constructor's `decode`, else False. With `context_parallel` the cache is sharded
+        (`flaxattn.decode`): T a multiple of the strategy's split is a prefill, sequence
+        sharded like a training batch (load-balanced order with `load_balance`), run with
+        the strategy; any other T is a decode step, merged across the shards by lse.
+        `attention_fn` must then take `return_lse=True`.
       segment_ids, positions: `[B, T]` int (packed documents; see `flaxattn.attention`).
         In decode they describe the new tokens. Left out, the new tokens continue the last
         cached token's document (its segment id) and position (+1, +2, ...); from an empty
@@ -298,31 +304,37 @@ class MultiHeadAttention(nnx.Module):
     # kernel masks with (under load balancing, default positions are the permuted index).
     layout = resolve(q_BTHD.shape, k_BSKD.shape, segment_ids, positions, kv_segment_ids,
                      kv_positions, self.context_parallel)
+    cp = self.context_parallel if decode else None
+    prefill = cp is not None and cp_decode.is_prefill(cp, q_BTHD.shape[1])
     if decode:
       self._check_cache(k_BSKD)
+      shards = cp.balanced_shards() if prefill else 1
       ids_BT, pos_BT = self._decode_layout(*q_BTHD.shape[:2], layout.q_segment_ids,
-                                           layout.q_positions)
+                                           layout.q_positions, shards)
       layout = Layout(ids_BT, ids_BT, pos_BT, pos_BT)
     if self.rope is not None:
       q_pos_BT, k_pos_BS = layout.positions(*q_BTHD.shape[:2], k_BSKD.shape[1])
       q_BTHD, k_BSKD = self.rope(q_BTHD, q_pos_BT), self.rope(k_BSKD, k_pos_BS)
-    if decode:  # attend to the whole cache, the new tokens included
-      k_BSKD, v_BSKD, kv_ids_BS, kv_pos_BS = self._update_cache(
-          k_BSKD, v_BSKD, layout.q_segment_ids, layout.q_positions)
-      layout = dataclasses.replace(layout, kv_segment_ids=kv_ids_BS, kv_positions=kv_pos_BS)
-
-    q_BTHD, k_BSKD, v_BSKD = dtypes.promote_dtype((q_BTHD, k_BSKD, v_BSKD), dtype=self.dtype)
     # Passed only when set, so an `attention_fn` without them keeps working.
     extras = {}
     if self.sinks is not None:
       extras["sinks"] = self.sinks[...]
     if self.logit_soft_cap is not None:
       extras["logit_soft_cap"] = self.logit_soft_cap
-    x_BTHD = self.attention_fn(
-        q_BTHD, k_BSKD, v_BSKD, mask=mask, segment_ids=layout.q_segment_ids,
-        positions=layout.q_positions, kv_segment_ids=layout.kv_segment_ids,
-        kv_positions=layout.kv_positions, backend=self.backend,
-        context_parallel=self.context_parallel, **extras)
+    if cp is not None:  # the cache is sharded over the sequence axes
+      q_BTHD, k_BSKD, v_BSKD = dtypes.promote_dtype((q_BTHD, k_BSKD, v_BSKD), dtype=self.dtype)
+      x_BTHD = self._decode_sharded(q_BTHD, k_BSKD, v_BSKD, layout, mask, prefill, extras)
+    else:
+      if decode:  # attend to the whole cache, the new tokens included
+        k_BSKD, v_BSKD, kv_ids_BS, kv_pos_BS = self._update_cache(
+            k_BSKD, v_BSKD, layout.q_segment_ids, layout.q_positions)
+        layout = dataclasses.replace(layout, kv_segment_ids=kv_ids_BS, kv_positions=kv_pos_BS)
+      q_BTHD, k_BSKD, v_BSKD = dtypes.promote_dtype((q_BTHD, k_BSKD, v_BSKD), dtype=self.dtype)
+      x_BTHD = self.attention_fn(
+          q_BTHD, k_BSKD, v_BSKD, mask=mask, segment_ids=layout.q_segment_ids,
+          positions=layout.q_positions, kv_segment_ids=layout.kv_segment_ids,
+          kv_positions=layout.kv_positions, backend=self.backend,
+          context_parallel=self.context_parallel, **extras)
     x_BTHD = constrain(x_BTHD, Q_NAMES)
     return constrain(self.out(x_BTHD, out_sharding=out_sharding), X_NAMES)
 
@@ -370,21 +382,35 @@ class MultiHeadAttention(nnx.Module):
       dtype: dtype of the cached keys and values.
 
     The cache holds the unrepeated GQA keys/values `[B, max_length, num_kv_heads, head_dim]`,
-    the segment id of each slot (0 = empty, so empty slots are never attended) and its
-    position. A decode call that would write past `max_length` raises; nothing is written.
+    the segment id of each slot (0 = empty, so empty slots are never attended), its position,
+    and the segment id and position of the last token written (`cached_last` `[B, 2]`). A
+    decode call that would write past `max_length` raises; nothing is written.
+
+    With `context_parallel`, call it under the mesh (`jax.set_mesh`): the slots are sharded
+    over the sequence axes (`max_length / n` per device), the batch and heads as inside
+    `flaxattn.attention`'s context parallelism; where tokens go is `flaxattn.decode`'s
+    placement.
 
     Raises:
-      ValueError: `input_shape` is not `(batch, max_length, features)` of positive ints.
+      ValueError: `input_shape` is not `(batch, max_length, features)` of positive ints;
+        with `context_parallel`, no mesh, or `max_length` not divisible by the sequence shards.
     """
     if len(input_shape) != 3 or any(not isinstance(n, int) or n <= 0 for n in input_shape):
       raise ValueError(f"init_cache(input_shape=...) expects (batch, max_length, features) of"
                        f" positive ints, got {input_shape!r}.")
     b, max_length = input_shape[:2]
     shape = (b, max_length, self.num_kv_heads)
-    self.cached_key = nnx.Cache(jnp.zeros(shape + (self.head_dim,), dtype))
-    self.cached_value = nnx.Cache(jnp.zeros(shape + (self.v_head_dim,), dtype))
-    self.cached_segment_ids = nnx.Cache(jnp.zeros((b, max_length), jnp.int32))
-    self.cached_positions = nnx.Cache(jnp.zeros((b, max_length), jnp.int32))
+    zeros = lambda shape, dtype, spec: jnp.zeros(shape, dtype)
+    kv_spec = ids_spec = None
+    if self.context_parallel is not None:
+      cp_decode.check_length(self.context_parallel, max_length)
+      specs = cp_decode.specs(self.context_parallel, b, self.num_heads, self.num_kv_heads)
+      zeros, kv_spec, ids_spec = cp_decode.zeros, specs.kv, specs.ids
+    self.cached_key = nnx.Cache(zeros(shape + (self.head_dim,), dtype, kv_spec))
+    self.cached_value = nnx.Cache(zeros(shape + (self.v_head_dim,), dtype, kv_spec))
+    self.cached_segment_ids = nnx.Cache(zeros((b, max_length), jnp.int32, ids_spec))
+    self.cached_positions = nnx.Cache(zeros((b, max_length), jnp.int32, ids_spec))
+    self.cached_last = nnx.Cache(jnp.zeros((b, 2), jnp.int32))
     self.cache_index = nnx.Cache(jnp.array(0, dtype=jnp.int32))
 
   def _check_cache(self, k) -> None:
@@ -396,13 +422,19 @@ class MultiHeadAttention(nnx.Module):
       raise ValueError(f"decode expects keys of shape ({b}, <= {max_length}, {hkv}, {d}) to fit"
                        f" the cache, got {k.shape}; call init_cache with this batch size.")
 
-  def _decode_layout(self, b: int, t: int, segment_ids, positions):
-    """Segment ids and positions `[B, T]` of T new tokens, defaults filled in (see `__call__`)."""
+  def _decode_layout(self, b: int, t: int, segment_ids, positions, shards: int = 1):
+    """Segment ids and positions `[B, T]` of T new tokens, defaults filled in (see `__call__`).
+
+    `shards` > 1: the tokens are in `flaxattn.load_balance` order (a context-parallel
+    prefill); defaults follow their original order."""
+    if shards > 1:
+      unload = lambda x: None if x is None else balance.unload_balance(x, shards)
+      ids_BT, pos_BT = self._decode_layout(b, t, unload(segment_ids), unload(positions))
+      return balance.load_balance(ids_BT, shards), balance.load_balance(pos_BT, shards)
     i = self.cache_index[...]
     empty = i == 0
-    last = jnp.maximum(i - 1, 0)
-    last_seg_B1 = lax.dynamic_slice_in_dim(self.cached_segment_ids[...], last, 1, axis=1)
-    last_pos_B1 = lax.dynamic_slice_in_dim(self.cached_positions[...], last, 1, axis=1)
+    last_B2 = self.cached_last[...]
+    last_seg_B1, last_pos_B1 = last_B2[:, :1], last_B2[:, 1:]
     if segment_ids is None:
       checks.raise_if(
           ~empty & jnp.any(last_seg_B1 == 0),
@@ -421,10 +453,9 @@ class MultiHeadAttention(nnx.Module):
       positions = iota_T - run_start_BT + jnp.where(continued_BT, last_pos_B1 + 1, 0)
     return segment_ids, positions
 
-  def _update_cache(self, k, v, segment_ids, positions):
-    """Writes the new tokens at `cache_index`; returns the whole cache for attention.
-
-    Raises (from inside the program when the index is traced) if they do not fit."""
+  def _check_room(self, k, segment_ids, positions):
+    """The cache index; raises (from inside the program when it is traced) unless the T new
+    tokens fit, and unless their ids and positions are `[B, T]`."""
     for arg, ids in (("segment_ids", segment_ids), ("positions", positions)):
       if ids.shape != k.shape[:2]:
         raise ValueError(f"{arg} expects shape {k.shape[:2]} [batch, new tokens] in decode, got"
@@ -439,14 +470,74 @@ class MultiHeadAttention(nnx.Module):
             f" index {i} needs {i + t} slots, the cache has max_length {max_length}. Nothing was"
             " written; call init_cache with a larger max_length."),
         i)
+    return i
+
+  def _update_cache(self, k, v, segment_ids, positions):
+    """Writes the new tokens at `cache_index`; returns the whole cache for attention.
+
+    Raises (from inside the program when the index is traced) if they do not fit."""
+    i = self._check_room(k, segment_ids, positions)
+    t = k.shape[1]
     zero = jnp.zeros((), jnp.int32)
     for cache, new in ((self.cached_key, k), (self.cached_value, v)):
       cache[...] = lax.dynamic_update_slice(cache[...], new.astype(cache.dtype), (zero, i, zero, zero))
     for cache, new in ((self.cached_segment_ids, segment_ids), (self.cached_positions, positions)):
       cache[...] = lax.dynamic_update_slice(cache[...], new, (zero, i))
+    self.cached_last[...] = jnp.stack([segment_ids[:, -1], positions[:, -1]], axis=1)
     self.cache_index[...] = i + t
     return (self.cached_key[...].astype(k.dtype), self.cached_value[...].astype(v.dtype),
             self.cached_segment_ids[...], self.cached_positions[...])
+
+  def _decode_sharded(self, q, k, v, layout: Layout, mask, prefill: bool, extras) -> jax.Array:
+    """Decode with the cache sharded over the context axes (`flaxattn.decode`): a prefill
+    runs the context-parallel strategy over the new tokens, merged by lse with what the
+    cache held before; a decode step attends on every shard and merges. Each device writes
+    its own slots. Returns `[B, T, H, Dv]` in q's dtype."""
+    cp = self.context_parallel
+    ids_BT, pos_BT = layout.q_segment_ids, layout.q_positions
+    i = self._check_room(k, ids_BT, pos_BT)
+    t = k.shape[1]
+    specs = cp_decode.specs(cp, q.shape[0], self.num_heads, self.num_kv_heads)
+    options = {"mask": mask, "backend": self.backend, "return_lse": True}
+    if "logit_soft_cap" in extras:
+      options["logit_soft_cap"] = extras["logit_soft_cap"]
+
+    def local(q, k, v, q_ids, q_pos, kv_ids, kv_pos):  # one device's slots
+      return self.attention_fn(q, k.astype(q.dtype), v.astype(q.dtype), segment_ids=q_ids,
+                               positions=q_pos, kv_segment_ids=kv_ids, kv_positions=kv_pos,
+                               **options)
+
+    cache = tuple(c[...] for c in (self.cached_key, self.cached_value, self.cached_segment_ids,
+                                   self.cached_positions))
+    new = (k.astype(cache[0].dtype), v.astype(cache[1].dtype), ids_BT, pos_BT)
+
+    def run(cache):
+      if prefill:  # the new tokens among themselves, then against what was cached before
+        out, lse = self.attention_fn(q, k, v, segment_ids=ids_BT, positions=pos_BT,
+                                     context_parallel=cp, **options)
+        before = cp_decode.attend(local, q, cache, ids_BT, pos_BT, specs.sequence_sharded(),
+                                  sequence_sharded=True, when=i > 0)
+        out, lse = _merge(out.astype(jnp.float32), lse, *before)
+        return cp_decode.write(cache, new, i, specs.sequence_sharded(), prefill=True), out, lse
+      cache = cp_decode.write(cache, new, i, specs, prefill=False)
+      return (cache, *cp_decode.attend(local, q, cache, ids_BT, pos_BT, specs))
+
+    def skip(cache):  # the tokens do not fit: `_check_room` raises from the program
+      shape = q.shape[:3]
+      return cache, jnp.zeros(shape + v.shape[3:], jnp.float32), jnp.full(shape, -jnp.inf)
+
+    # A failed check stops one device; skipping the collectives keeps the others from
+    # waiting for it forever.
+    cache, out, lse = lax.cond(i + t <= self.cached_key.shape[1], run, skip, cache)
+    for variable, value in zip((self.cached_key, self.cached_value, self.cached_segment_ids,
+                                self.cached_positions), cache):
+      variable[...] = value
+    last = cp_decode.last_token(cp, t, prefill)
+    self.cached_last[...] = jnp.stack([ids_BT[:, last], pos_BT[:, last]], axis=1)
+    self.cache_index[...] = i + t
+    if "sinks" in extras:
+      out, lse = apply_sinks(out, lse, extras["sinks"])
+    return out.astype(q.dtype)
 
   def set_view(self, deterministic: bool | None = None, decode: bool | None = None,
                batch_size: int | None = None, max_length: int | None = None):

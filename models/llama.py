@@ -327,16 +327,25 @@ class Llama(nnx.Module):
                                 param_dtype=jnp.float32, rngs=rngs,
                                 kernel_metadata=param_metadata(("embed", "vocab"), {}))
 
-  def init_cache(self, batch_size: int, max_length: int) -> None:
+  def init_cache(self, batch_size: int, max_length: int, *,
+                 context_parallel=dataclasses.MISSING) -> None:
     """Allocates an empty KV cache in every layer for `decode=True` calls.
 
     Each layer caches keys and values `[batch_size, max_length, n_kv_heads, head_dim]` in
     the compute dtype, with each slot's segment id and position (see
     `flaxattn.MultiHeadAttention.init_cache`). A new call starts over with an empty cache.
 
+    Args:
+      context_parallel: the `flaxattn.ContextParallel` to decode with (e.g. the run's), which
+        the model keeps for later calls; None decodes on one device; left out, the model's.
+        With one, call under the mesh: each layer's cache is sharded over its sequence axes
+        (`max_length / n` slots per device), a prompt whose length splits over them is
+        prefilled with its strategy, and later tokens merge the shards' results by lse.
+
     Raises:
       ValueError: `scan_layers` (decode the model of `unroll_layers(model)`), or
-        `batch_size` / `max_length` not positive ints, or `max_length` > `max_seq_len`.
+        `batch_size` / `max_length` not positive ints, or `max_length` > `max_seq_len`;
+        with context parallelism, no mesh or `max_length` not divisible by its shards.
     """
     cfg = self.config
     self._check_unrolled()
@@ -347,6 +356,14 @@ class Llama(nnx.Module):
       raise ValueError(f"Llama.init_cache(max_length=...) expects at most max_seq_len="
                        f"{cfg.max_seq_len}, got {max_length}; RoPE and the masks are defined"
                        " up to max_seq_len. Decode fewer tokens or raise LlamaConfig.max_seq_len.")
+    if context_parallel is not dataclasses.MISSING:
+      if context_parallel is not None and not isinstance(context_parallel,
+                                                         flaxattn.ContextParallel):
+        raise TypeError(f"Llama.init_cache(context_parallel=...) expects a"
+                        f" flaxattn.ContextParallel or None, got {context_parallel!r}.")
+      self.context_parallel = context_parallel
+      for b in self.layers:
+        b.attn.context_parallel = context_parallel
     for b in self.layers:
       b.attn.init_cache((batch_size, max_length, cfg.dim), DTYPES[cfg.dtype])
 

@@ -10,8 +10,11 @@ still be training there); a `scan_layers` model is decoded through
 `models.llama.unroll_layers`. The prompt is one document from
 position 0: one decode call fills the KV cache with it (prefill), then each new token is one
 decode call. Greedy at temperature 0, else temperature and nucleus (top-p) sampling with a
-JAX PRNG key from the seed. Runs on one device of the run's platform, without context
-parallelism. Prints the prompt followed by the new text.
+JAX PRNG key from the seed. Runs on one device of the run's platform; with
+`--context_parallel N`, on a mesh of N devices (axis `context`) with the run's
+`context_parallel` strategy and load balancing: each layer's KV cache is sharded over them
+(N simulated devices on a CPU host need XLA_FLAGS=--xla_force_host_platform_device_count=N).
+Greedy tokens are the same either way. Prints the prompt followed by the new text.
 
 Exit status 0; 2 for a bad argument or run_dir (the message names it); 1 when the newest
 checkpoint does not restore (`train.checkpoint.CheckpointError`).
@@ -20,6 +23,7 @@ checkpoint does not restore (`train.checkpoint.CheckpointError`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import pathlib
 import sys
@@ -29,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from flaxattn import balance, decode as cp_decode
 from models.llama import Llama, unroll_layers
 
 
@@ -58,10 +63,27 @@ def next_token(logits_BV: jax.Array, key: jax.Array, temperature, top_p) -> jax.
 
 
 @nnx.jit(static_argnames="greedy")
-def _decode(model: Llama, tokens_BT, key, temperature, top_p, greedy: bool):
+def _decode(model: Llama, tokens_BT, key, temperature, top_p, greedy: bool, ids=(None, None),
+            last=-1):
   # One program for every temperature > 0 and top_p: only greediness is static.
-  logits_BTV = model(tokens_BT, decode=True)
-  return next_token(logits_BTV[:, -1], key, 0 if greedy else temperature, top_p)
+  logits_BTV = model(tokens_BT, segment_ids=ids[0], positions=ids[1], decode=True)
+  return next_token(logits_BTV[:, last], key, 0 if greedy else temperature, top_p)
+
+
+def _sharded_prompt(cp, prompt):
+  """A prompt laid out for a context-parallel prefill: padded (segment id 0) to a length
+  that splits over the sequence shards, in load-balanced order when `cp` balances; returns
+  (tokens, (segment ids, positions)) `[1, T]` and the array index of the last prompt token."""
+  parts = cp_decode.prefill_multiple(cp)
+  t = -(-prompt.size // parts) * parts
+  tokens, seg, pos = (np.zeros((1, t), np.int32) for _ in range(3))
+  real = slice(0, prompt.size)
+  tokens[0, real], seg[0, real], pos[0, real] = prompt, 1, np.arange(prompt.size)
+  order = np.arange(t)[None]
+  if cp.load_balance and cp.balanced_shards() > 1:
+    tokens, seg, pos, order = (balance.load_balance(x, cp.balanced_shards())
+                               for x in (tokens, seg, pos, order))
+  return tokens, (seg, pos), int(np.argmax(order[0] == prompt.size - 1))
 
 
 def check_sampling(max_new_tokens: int, temperature: float, top_p: float) -> None:
@@ -79,12 +101,17 @@ def check_sampling(max_new_tokens: int, temperature: float, top_p: float) -> Non
 
 
 def generate(model: Llama, prompt, max_new_tokens: int, *, temperature: float = 0.0,
-             top_p: float = 1.0, seed: int = 0) -> np.ndarray:
+             top_p: float = 1.0, seed: int = 0, context_parallel=None) -> np.ndarray:
   """`max_new_tokens` tokens continuing `prompt`, decoded with a KV cache.
 
   Args:
     model: a `Llama` of the unrolled layout (see `models.llama.unroll_layers`); its KV
-      cache is (re)allocated for `len(prompt) + max_new_tokens` tokens.
+      cache is (re)allocated for `len(prompt) + max_new_tokens` tokens. With its
+      `context_parallel` set, call under the mesh: the prompt is padded to a length that
+      splits over the sequence shards (in load-balanced order where it balances), prefilled
+      with the strategy, and the cache is sharded (`Llama.init_cache`).
+    context_parallel: a `flaxattn.ContextParallel` the model decodes with from now on (see
+      `Llama.init_cache`); None: the model's own.
     prompt: token ids `[P]` int, one document from position 0.
     max_new_tokens: how many tokens to generate.
     temperature: 0 for greedy decoding, else the sampling temperature.
@@ -114,13 +141,22 @@ def generate(model: Llama, prompt, max_new_tokens: int, *, temperature: float = 
     raise ValueError(f"--max_new_tokens expects at most {limit - prompt.size} after a prompt of"
                      f" {prompt.size} tokens (max_seq_len={limit}), got {max_new_tokens};"
                      " generate fewer tokens or shorten the prompt.")
-  model.init_cache(1, prompt.size + max_new_tokens)
   keys = jax.random.split(jax.random.key(seed), max_new_tokens)
   args = (jnp.float32(temperature), jnp.float32(top_p), temperature == 0)
-  token_B = _decode(model, jnp.asarray(prompt)[None], keys[0], *args)
+  cp = context_parallel or model.context_parallel
+  if cp is None:
+    model.init_cache(1, prompt.size + max_new_tokens)
+    token_B = _decode(model, jnp.asarray(prompt)[None], keys[0], *args)
+  else:  # explicit ids: the padding of the prompt is never attended
+    tokens, ids, last = _sharded_prompt(cp, prompt)
+    slots = tokens.shape[1] + max_new_tokens
+    model.init_cache(1, slots + (-slots) % cp_decode.shards(cp), context_parallel=cp)
+    token_B = _decode(model, jnp.asarray(tokens), keys[0], *args, ids=ids, last=last)
   out = [token_B]
-  for key in keys[1:]:
-    token_B = _decode(model, token_B[:, None], key, *args)
+  for i, key in enumerate(keys[1:]):
+    ids = (None, None) if cp is None else (np.ones((1, 1), np.int32),
+                                           np.full((1, 1), prompt.size + i, np.int32))
+    token_B = _decode(model, token_B[:, None], key, *args, ids=ids)
     out.append(token_B)
   return np.asarray(jnp.concatenate(out))
 
@@ -165,6 +201,35 @@ def load(run_dir: str):
   return unroll_layers(model), tok, step
 
 
+@contextlib.contextmanager
+def on_mesh(model: Llama, run_dir: str, n: int):
+  """With n > 1: a mesh of n devices (axis `context`) set around the block, the model's
+  parameters replicated on it; yields the run's `ContextParallel` (strategy and load
+  balancing) over `context`. n = 1: nothing changes, yields None.
+
+  Raises:
+    ValueError: n < 1 or more than the devices there are.
+  """
+  import flaxattn
+  from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+  from train import run_dir as run_dir_lib
+
+  if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= len(jax.devices()):
+    raise ValueError(f"--context_parallel expects a number of devices in [1,"
+                     f" {len(jax.devices())}], got {n!r}; on a CPU host set XLA_FLAGS="
+                     f"--xla_force_host_platform_device_count={n} to simulate them.")
+  if n == 1:
+    yield None
+    return
+  run = run_dir_lib.saved_config(run_dir).context_parallel
+  mesh = jax.make_mesh((n,), ("context",), axis_types=(AxisType.Auto,), devices=jax.devices()[:n])
+  state = jax.device_put(nnx.state(model), NamedSharding(mesh, PartitionSpec()))
+  nnx.update(model, state)
+  with jax.set_mesh(mesh):
+    yield flaxattn.ContextParallel("context", strategy=run.strategy, load_balance=run.load_balance)
+
+
 def main(argv: list[str]) -> int:
   parser = argparse.ArgumentParser(
       prog="python -m train.sample", description=__doc__.split("\n\n")[0],
@@ -175,6 +240,9 @@ def main(argv: list[str]) -> int:
   parser.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
   parser.add_argument("--top_p", type=float, default=1.0, help="nucleus mass in (0, 1]")
   parser.add_argument("--seed", type=int, default=0, help="PRNG seed of the sampling")
+  parser.add_argument("--context_parallel", type=int, default=1, metavar="N",
+                      help="shard the KV cache over N devices with the run's context_parallel"
+                      " strategy (default 1: one device)")
   args = parser.parse_args(argv)
   from train import checkpoint
 
@@ -184,8 +252,10 @@ def main(argv: list[str]) -> int:
   try:
     check_sampling(args.max_new_tokens, args.temperature, args.top_p)
     model, tok, _ = load(args.run_dir)
-    new = generate(model, tok.encode(args.prompt), args.max_new_tokens,
-                   temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    with on_mesh(model, args.run_dir, args.context_parallel) as cp:
+      new = generate(model, tok.encode(args.prompt), args.max_new_tokens,
+                     temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                     context_parallel=cp)
   except checkpoint.CheckpointError as e:
     print(f"checkpoint error: {e}", file=sys.stderr)
     return 1

@@ -1,0 +1,149 @@
+"""Decoding with the KV cache sharded over the context axis, on simulated CPU devices.
+
+  python -m bench.decode [--json bench/results/decode_cpu.json] [--lengths 32768 131072]
+
+Sets XLA_FLAGS=--xla_force_host_platform_device_count=8 before importing jax. One
+`flaxattn.MultiHeadAttention` layer: in_features 512, H=8 query heads, Hkv=2, D=64,
+causal, float32, B=1, `context_parallel=ContextParallel()` (ring, load balanced) on a mesh
+`jax.make_mesh((cp,), ("context",))` of the first cp devices, no context parallelism at
+cp = 1. For each cache length S and cp:
+  1. per-device cache memory: the bytes of device 0's shard of the cached keys, values,
+     segment ids and positions (`addressable_shards`), against cp = 1;
+  2. per-token decode time: the cache is filled to S - 64 tokens (random keys and values,
+     placed as decode steps place them: token j on device j % cp, local slot j // cp),
+     then `--steps` one-token decode calls of `nnx.jit(layer, donate the layer)`; the
+     median. The cp devices share this host's CPU cores (and the host is shared with other
+     work), so wall time compares total work, not parallel speed-up;
+  3. bytes one decode step moves between devices: the collectives of the compiled step
+     (`bench/hlo.py`: each collective's result bytes, per device), at every S.
+And, compile only, what a ring prefill of `--prefill` tokens moves (cp = 4): collective
+permutes of its ring, and an all-gather only of the queries (for the merge with an
+already filled cache, skipped at run time while the cache is empty).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           " --xla_force_host_platform_device_count=8").strip()
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+from jax.sharding import AxisType  # noqa: E402
+
+from bench import hlo  # noqa: E402
+from flaxattn import Causal, ContextParallel, MultiHeadAttention  # noqa: E402
+
+E, H, HKV, D, B = 512, 8, 2, 64, 1
+MIB = 2**20
+ROOM = 64  # empty slots left for the timed steps
+
+
+def _layer(cp):
+  return MultiHeadAttention(H, E, num_kv_heads=HKV, mask=Causal(), context_parallel=cp,
+                            rngs=nnx.Rngs(0))
+
+
+def _fill(m, length: int, n: int, filled: int):
+  """The cache as `filled` decode steps would leave it (random keys and values)."""
+  slot_J = np.arange(filled) % n * (length // n) + np.arange(filled) // n
+  ids, pos = np.zeros((B, length), np.int32), np.zeros((B, length), np.int32)
+  ids[:, slot_J], pos[:, slot_J] = 1, np.arange(filled)
+  k, v = (jax.random.normal(jax.random.key(i), (B, length, HKV, D), jnp.float32)
+          * jnp.asarray(ids)[..., None, None] for i in range(2))
+  for var, value in ((m.cached_key, k), (m.cached_value, v), (m.cached_segment_ids, ids),
+                     (m.cached_positions, pos)):
+    var[...] = jax.device_put(jnp.asarray(value), var[...].sharding)
+  m.cached_last[...] = jnp.asarray([[1, filled - 1]], jnp.int32)
+  m.cache_index[...] = jnp.int32(filled)
+
+
+@nnx.jit(donate_argnums=0)
+def _step(m, x):
+  return m(x, decode=True)
+
+
+def _cache_bytes(m) -> int:
+  return sum(v[...].addressable_shards[0].data.nbytes
+             for v in (m.cached_key, m.cached_value, m.cached_segment_ids, m.cached_positions))
+
+
+def decode_case(length: int, n: int, steps: int) -> dict:
+  """Cache bytes on device 0, median decode-step seconds and the step's collectives."""
+  cp = None if n == 1 else ContextParallel()
+  mesh = jax.make_mesh((n,), ("context",), axis_types=(AxisType.Auto,), devices=jax.devices()[:n])
+  with jax.set_mesh(mesh):
+    m = _layer(cp)
+    m.init_cache((B, length, E))
+    _fill(m, length, n, length - ROOM)
+    x = jax.random.normal(jax.random.key(1), (B, 1, E), jnp.float32)
+    graphdef, state = nnx.split(m)
+    text = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x, decode=True)).lower(
+        state, x).compile().as_text()
+    jax.block_until_ready(_step(m, x))  # compile and warm up
+    times = []
+    for _ in range(steps):
+      start = time.perf_counter()
+      jax.block_until_ready(_step(m, x))
+      times.append(time.perf_counter() - start)
+    cache = _cache_bytes(m)
+  moved = hlo.collectives(text)
+  return dict(length=length, cp=n, cache_bytes_per_device=cache,
+              step_seconds=float(np.median(times)),
+              collectives={k: v for k, v in moved.items()},
+              step_bytes=sum(v["bytes"] for v in moved.values()))
+
+
+def prefill_collectives(t: int, n: int) -> dict:
+  """Collectives of a ring prefill of t tokens into an empty cache of 2t slots (compiled)."""
+  mesh = jax.make_mesh((n,), ("context",), axis_types=(AxisType.Auto,), devices=jax.devices()[:n])
+  with jax.set_mesh(mesh):
+    m = _layer(ContextParallel())
+    m.init_cache((B, 2 * t, E))
+    graphdef, state = nnx.split(m)
+    x = jax.ShapeDtypeStruct((B, t, E), jnp.float32)
+    text = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x, decode=True)).lower(
+        state, x).compile().as_text()
+  return hlo.collectives(text)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--lengths", type=int, nargs="+", default=[32768, 131072])
+  parser.add_argument("--cps", type=int, nargs="+", default=[1, 4, 8])
+  parser.add_argument("--steps", type=int, default=20)
+  parser.add_argument("--prefill", type=int, default=8192)
+  parser.add_argument("--json", default=None)
+  args = parser.parse_args()
+  rows = []
+  print("| cache length | cp | cache per device (MiB) | x cp=1 | decode step (ms) | bytes per step"
+        " (collectives) |")
+  print("|---:|---:|---:|---:|---:|---|")
+  for length in args.lengths:
+    base = None
+    for n in args.cps:
+      row = decode_case(length, n, args.steps)
+      base = base or row["cache_bytes_per_device"]
+      rows.append(row)
+      kinds = ", ".join(f"{k} {v['count']}x {v['bytes']} B" for k, v in row["collectives"].items())
+      print(f"| {length} | {n} | {row['cache_bytes_per_device'] / MIB:.2f} |"
+            f" {row['cache_bytes_per_device'] / base:.3f} | {row['step_seconds'] * 1e3:.2f} |"
+            f" {row['step_bytes']} ({kinds or 'none'}) |", flush=True)
+  prefill = prefill_collectives(args.prefill, 4)
+  print(f"\nring prefill of {args.prefill} tokens, cp=4, per device: "
+        + ", ".join(f"{k} {v['count']}x {v['bytes']} B" for k, v in prefill.items()))
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(dict(decode=rows, prefill=dict(tokens=args.prefill, cp=4, collectives=prefill)),
+                f, indent=1)
+
+
+if __name__ == "__main__":
+  main()

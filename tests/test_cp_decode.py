@@ -1,0 +1,204 @@
+"""The layer's KV cache under context parallelism: prefill and token-by-token decode on a
+mesh equal the same layer on one device; the cache is sharded, balanced and bounded."""
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import AxisType
+
+from bench import hlo
+from flaxattn import (Causal, Chunked, ContextParallel, Local, MultiHeadAttention, RoPE,
+                      explain, load_balance, unload_balance)
+from helpers import normal
+from models.llama import Llama, LlamaConfig
+from train import sample
+
+E = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  n: int  # context axis size
+  strategy: str
+  mask: object
+  load_balance: bool = True
+  heads: int = 4
+  kv_heads: int = 2
+  ring: int = 1  # > 1: Ulysses over `context` x a ring over `context_ring` of this size
+  data: int = 1  # a data axis beside the context axes (the batch is sharded over it)
+  lengths: tuple[int, ...] = (16,)  # prompt tokens per row; shorter rows end in padding
+  packed: bool = False  # explicit ids: two documents in row 0
+  sinks: bool = False
+  soft_cap: float | None = None
+  prompt: int = 16  # the padded prompt length
+  steps: tuple[int, ...] = (1, 1, 1)  # new tokens per decode call after the prompt
+
+
+CASES = [
+    # Default ids and load-balanced default positions; GQA with one K/V head for 2 devices;
+    # a second prefill (4 tokens, load balanced) into the filled cache, then 1 and 3 tokens.
+    Case(2, "ring", Local(6), kv_heads=1, steps=(4, 1, 3), prompt=8),
+    Case(4, "all_gather", Local(5), data=2, lengths=(16, 9), packed=True, sinks=True),
+    Case(8, "ring", Chunked(4), load_balance=False, soft_cap=3.0, lengths=(16, 11), packed=True),
+    Case(4, "ulysses", Causal(), heads=8, sinks=True, soft_cap=5.0, lengths=(13, 16)),
+    pytest.param(Case(2, "ulysses", Causal(), ring=2, steps=(8, 1)), marks=pytest.mark.slow),
+]
+
+
+def _ids(case: Case, b: int):
+  """Segment ids and positions `[B, prompt]` of the prompts (None: the defaults), then of
+  each decode call."""
+  if len(case.lengths) == 1 and not case.packed:
+    return (None, None), [(None, None)] * len(case.steps)
+  seg = np.zeros((b, case.prompt), np.int32)
+  pos = np.zeros((b, case.prompt), np.int32)
+  for row, length in enumerate(case.lengths):
+    seg[row, :length], pos[row, :length] = 1, np.arange(length)
+  if case.packed:  # row 0: a second document from token 5
+    seg[0, 5:case.lengths[0]], pos[0, 5:case.lengths[0]] = 2, np.arange(case.lengths[0] - 5)
+  last_B = (np.arange(b), np.array(case.lengths) - 1)
+  last_seg, next_pos = seg[last_B], pos[last_B] + 1
+  calls = []
+  for t in case.steps:
+    calls.append((np.repeat(last_seg[:, None], t, 1), next_pos[:, None] + np.arange(t)))
+    next_pos = next_pos + t
+  return (seg, pos), calls
+
+
+def _layer(case: Case, cp):
+  m = MultiHeadAttention(case.heads, E, num_kv_heads=case.kv_heads, rope=RoPE(), mask=case.mask,
+                         sinks=case.sinks, logit_soft_cap=case.soft_cap, context_parallel=cp,
+                         backend="reference" if cp is None else "auto", rngs=nnx.Rngs(0))
+  if case.sinks:
+    m.sinks[...] = jnp.linspace(-1.0, 1.0, case.heads)
+  return m
+
+
+@nnx.jit
+def _decode(m, x, seg, pos):
+  return m(x, decode=True, segment_ids=seg, positions=pos)
+
+
+def _run(m, prompt, steps, ids, calls, balance, unbalance, multiple=1):
+  """Outputs `[B, T, E]` of the prompt then of each decode call, in the original order.
+  Calls of a `multiple` of tokens are prefills: their arrays go in `balance`d order."""
+  outs = []
+  for x, (seg, pos) in [(prompt, ids)] + list(zip(steps, calls)):
+    order, back = (balance, unbalance) if x.shape[1] % multiple == 0 else (_same, _same)
+    seg, pos = (None if a is None else jnp.asarray(order(a)) for a in (seg, pos))
+    outs.append(np.asarray(back(_decode(m, order(x), seg, pos))))
+  return outs
+
+
+def _same(x):
+  return x
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"cp{c.ring * c.n}-{c.strategy}"
+                         f"{'-x-ring' if c.ring > 1 else ''}-{c.mask}")
+def test_prefill_and_decode_equal_one_device(case):
+  b, n = len(case.lengths), case.ring * case.n  # n: the sequence shards
+  written = case.prompt + sum(case.steps)
+  slots = written + (-written) % n
+  prompt = normal((b, case.prompt, E), 1)
+  steps = [normal((b, t, E), 2 + i) for i, t in enumerate(case.steps)]
+  ids, calls = _ids(case, b)
+  ref = _layer(case, None)
+  ref.init_cache((b, slots, E))
+  want = _run(ref, prompt, steps, ids, calls, _same, _same)
+
+  mesh = jax.make_mesh((case.data, case.ring, case.n), ("data", "context_ring", "context"),
+                       axis_types=(AxisType.Auto,) * 3, devices=jax.devices()[:case.data * n])
+  cp = ContextParallel(strategy=case.strategy, load_balance=case.load_balance,
+                       ring_axis="context_ring" if case.ring > 1 else None)
+  balanced = case.ring if case.ring > 1 else case.n  # ContextParallel.balanced_shards
+  balance, unbalance = _same, _same
+  if case.load_balance:
+    balance = lambda x: load_balance(x, balanced)
+    unbalance = lambda x: unload_balance(x, balanced)
+  with jax.set_mesh(mesh):
+    m = _layer(case, cp)
+    nnx.update(m, nnx.state(ref, nnx.Param))
+    m.init_cache((b, slots, E))
+    got = _run(m, prompt, steps, ids, calls, balance, unbalance, math.lcm(n, 2 * balanced))
+    shard = m.cached_key[...].addressable_shards[0].data
+  assert shard.shape == (b // case.data, slots // n, case.kv_heads, E // case.heads)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * np.abs(w).max())
+  # Balanced: every device holds its share of the written tokens, within one.
+  filled = np.asarray(m.cached_segment_ids[...] != 0).reshape(b, n, -1).sum(-1)
+  if ids[0] is None:
+    assert filled.min() >= written // n and filled.max() <= -(-written // n)
+  assert int(m.cache_index[...]) == written
+
+
+def _mesh(n):
+  return jax.make_mesh((n,), ("context",), axis_types=(AxisType.Auto,), devices=jax.devices()[:n])
+
+
+def test_cache_errors_name_the_numbers():
+  with jax.set_mesh(_mesh(4)):
+    m = MultiHeadAttention(2, E, context_parallel=ContextParallel(), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"max_length divisible by the 4 sequence shards.*got"
+                       r" max_length 10; round it up to 12"):
+      m.init_cache((1, 10, E))
+    m.init_cache((1, 8, E))
+    _decode(m, normal((1, 8, E)), None, None)
+    with pytest.raises(Exception, match=r"writing 1 token\(s\) at cache index 8 needs 9 slots"):
+      jax.block_until_ready(_decode(m, normal((1, 1, E)), None, None))
+  with pytest.raises(ValueError, match=r"needs a mesh"):
+    MultiHeadAttention(2, E, context_parallel=ContextParallel(), rngs=nnx.Rngs(0)).init_cache(
+        (1, 8, E))
+
+
+def test_explain_says_what_a_decode_step_moves():
+  with jax.set_mesh(_mesh(4)):
+    q = jax.ShapeDtypeStruct((2, 1, 8, 16), jnp.float32)
+    cache = jax.ShapeDtypeStruct((2, 4096, 2, 16), jnp.float32)
+    text = explain(q, cache, cache, decode=True, context_parallel=ContextParallel(),
+                   print_fn=None)
+  # 4 x [2, 1, 8] lse + [2, 1, 8, 16] partial output, float32
+  assert "1024 of 4096 cache slots" in text and "256 bytes" in text and "1024 bytes" in text
+  assert "k/v (2, 1024, 2, 16)" in text  # the kernel serves one shard of the cache
+
+
+@pytest.mark.slow
+def test_greedy_sample_on_a_mesh_gives_the_same_tokens(tmp_path):
+  cfg = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64,
+                    max_seq_len=32, sliding_window=3, global_every=2, attention_sinks=True)
+  model = Llama(cfg, rngs=nnx.Rngs(0))
+  for b in model.layers:
+    b.attn.sinks[...] = normal(b.attn.sinks.shape, 5)
+  prompt = np.array([5, 17, 3, 40, 22, 9, 31], np.int32)
+  want = sample.generate(model, prompt, 8)
+  assert len(set(want.tolist())) > 2  # not a degenerate model
+  # As `python -m train.sample --context_parallel 4` does, with the run's strategy.
+  (tmp_path / "config.json").write_text('{"context_parallel": {"strategy": "all_gather"}}')
+  with sample.on_mesh(model, str(tmp_path), 4) as cp:
+    got = sample.generate(model, prompt, 8, context_parallel=cp)
+    assert model.layers[0].attn.cached_key[...].addressable_shards[0].data.shape[1] == 16 // 4
+  assert cp == ContextParallel(strategy="all_gather")
+  np.testing.assert_array_equal(got, want)
+
+
+def test_a_decode_step_moves_the_same_bytes_at_any_cache_length():
+  """The compiled step's collectives: an lse all-gather (4 x [B, 1, H] float32) and one
+  all-reduce of the partial output ([B, 1, H, D] float32), at 64 and 1024 slots."""
+  moved = []
+  for slots in (64, 1024):
+    with jax.set_mesh(_mesh(4)):
+      m = MultiHeadAttention(4, E, num_kv_heads=2, mask=Causal(),
+                             context_parallel=ContextParallel(), rngs=nnx.Rngs(0))
+      m.init_cache((2, slots, E))
+      graphdef, state = nnx.split(m)
+      step = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x, decode=True))
+      moved.append(hlo.collectives(step.lower(state, normal((2, 1, E))).compile().as_text()))
+  n, b, h, d, f32 = 4, 2, 4, E // 4, 4
+  want = {"all-gather": {"count": 1, "bytes": n * b * h * f32},
+          "all-reduce": {"count": 1, "bytes": b * h * d * f32}}
+  assert moved == [want, want]
