@@ -26,10 +26,12 @@ def _reach(mask: Mask) -> int | None:
   return min((x for x in (normal.window, normal.chunk) if x), default=None)
 
 
-def ring_fetches(mask: Mask, t: int, n: int, load_balance: bool):
+def ring_fetches(mask: Mask, t: int, n: int, load_balance: bool | str):
   """The ring steps a mask with a bounded reach R (`Local`, `Chunked`) needs besides step 0,
   as `((step, part), ...)`: at step s the keys of shard (r - s) mod n, whole (`part` None) or
-  only their first (0) or second (1) half. None: every step is needed.
+  only their first (0) or second (1) half. None: every step is needed, always so in
+  per-document order (`load_balance="document"`), where a document's neighbouring tokens
+  may be on any shard.
 
   Load balanced (chunks of c = T / 2n, device r holds chunks r and 2n-1-r), a query reaches
   m = ceil((R - 1) / c) chunks back. m <= 1 and n >= 3: chunk r - 1 (first half of device
@@ -38,7 +40,7 @@ def ring_fetches(mask: Mask, t: int, n: int, load_balance: bool):
   Contiguous (shards of L = T / n): ceil((R - 1) / L) steps back. Exact when positions
   follow the token index inside documents (docs/design.md)."""
   reach = _reach(mask)
-  if reach is None:
+  if reach is None or load_balance == "document":
     return None
   if load_balance:
     back = -(-(reach - 1) // (t // (2 * n)))
@@ -51,10 +53,22 @@ def ring_fetches(mask: Mask, t: int, n: int, load_balance: bool):
   return tuple((step, None) for step in range(1, steps + 1)) if steps < n - 1 else None
 
 
-def communication(strategy: str, load_balance: bool, mask: Mask, t: int, n: int,
+def communication(strategy: str, load_balance: bool | str, mask: Mask, t: int, n: int,
                   has_positions: bool, n_ring: int | None = None) -> str:
-  """One line for `explain`: what each device receives (`n` devices on the context axis;
-  `n_ring`: the ring axis of Ulysses x ring)."""
+  """The lines `explain` prints about the context parallelism: what each device receives
+  (`n` devices on the context axis; `n_ring`: the ring axis of Ulysses x ring) and, in
+  per-document order, which paths do not apply."""
+  text = _transfers(strategy, load_balance, mask, t, n, has_positions, n_ring)
+  if load_balance != "document":
+    return text
+  return text + (
+      "\ntoken order: per document (load_balance='document'): every device holds the same"
+      " attention work; kernels that mask on the token index (splash, cuDNN) run only after a"
+      " per-batch check that positions follow it, which a batch with a document split over shards fails,"
+      " so such a batch runs the blockwise steps")
+
+
+def _transfers(strategy, load_balance, mask, t, n, has_positions, n_ring) -> str:
   if strategy == "all_gather":
     return f"context parallel (all_gather): every device gathers the keys of all {n} shards."
   lines = []
@@ -70,6 +84,10 @@ def communication(strategy: str, load_balance: bool, mask: Mask, t: int, n: int,
   if fetches is None:
     lines.append(f"ring over {n} devices: keys of every other shard visit,"
                  f" {n - 1} step{'s' if n > 2 else ''}")
+    if load_balance == "document" and _reach(mask) is not None:
+      lines[-1] += (f" (per-document order: {mask!r} is short, but a document's neighbouring"
+                    " tokens may be on any shard, so the window-aware ring's neighbour fetches"
+                    " do not apply)")
   else:
     reach = _reach(mask) - 1
     chunk = t // (2 * n)
