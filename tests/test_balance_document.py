@@ -111,18 +111,20 @@ def _mesh(shape, names):
                            axis_types=(AxisType.Auto,) * len(names))
 
 
-CASES = [  # strategy, mesh shape, ring axis, mask, heads
-    ("ring", (2,), None, flaxattn.Causal(), 2),
-    ("ring", (4,), None, flaxattn.Local(7), 2),
-    ("ring", (8,), None, flaxattn.Causal(), 2),
-    ("all_gather", (4,), None, flaxattn.Chunked(24), 2),
-    ("ulysses", (4,), None, flaxattn.Causal(), 4),
-    ("ulysses", (2, 2), "context_ring", flaxattn.Local(7), 4),
+CASES = [  # strategy, mesh shape, ring axis, mask, heads, backend
+    ("ring", (2,), None, flaxattn.Causal(), 2, "auto"),
+    ("ring", (4,), None, flaxattn.Local(7), 2, "auto"),
+    ("ring", (8,), None, flaxattn.Causal(), 2, "auto"),
+    ("all_gather", (4,), None, flaxattn.Chunked(24), 2, "auto"),
+    ("ulysses", (4,), None, flaxattn.Causal(), 4, "auto"),
+    ("ulysses", (2, 2), "context_ring", flaxattn.Local(7), 4, "auto"),
+    # Splash masks on the token index: its per-batch check sends these rows to blockwise.
+    ("ring", (2,), None, flaxattn.Causal(), 2, "splash"),
 ]
 
 
-@pytest.mark.parametrize("strategy,shape,ring_axis,mask,heads", CASES)
-def test_document_order_matches_reference(strategy, shape, ring_axis, mask, heads):
+@pytest.mark.parametrize("strategy,shape,ring_axis,mask,heads,backend", CASES)
+def test_document_order_matches_reference(strategy, shape, ring_axis, mask, heads, backend):
   names = ("context_ring", "context") if ring_axis else ("context",)
   mesh = _mesh(shape, names)
   cp = flaxattn.ContextParallel(strategy=strategy, load_balance="document", ring_axis=ring_axis)
@@ -140,7 +142,7 @@ def test_document_order_matches_reference(strategy, shape, ring_axis, mask, head
   def parallel(q, k, v):
     out, lse = flaxattn.attention(
         plan.apply(q), plan.apply(k), plan.apply(v), mask=mask, segment_ids=plan.apply(seg),
-        positions=plan.apply(pos), context_parallel=cp, return_lse=True)
+        positions=plan.apply(pos), context_parallel=cp, return_lse=True, backend=backend)
     return plan.undo(out), plan.undo(lse)
 
   want_grads, (want_out, want_lse) = grads_of(reference)(q, k, v)
