@@ -7,8 +7,9 @@ document filling the row is even. Only reshapes, flips and concatenation: no gat
 
 Document order (`segment_ids=`): packed rows hold many documents, and a row's dual chunk
 leaves the shard that holds the long documents' tails with most of the work. Each document
-is cut into 2 * cp pieces instead, pieces i and 2cp-1-i to one shard; what does not split
-evenly goes where the work is least; padding goes last on every shard. The order depends
+is cut into 2 * cp pieces instead (of whole kernel blocks), pieces i and 2cp-1-i to one
+shard; what does not split evenly goes where the work is least; padding goes last on
+every shard. The order depends
 on the data, so it is planned on the host (`balance_plan`, numpy, O(T) per row) and applied
 with a gather. Cost model: docs/design.md, "Load balancing".
 """
@@ -209,37 +210,66 @@ class BalancePlan:
     np.put_along_axis(inverse, self.order, np.arange(self.order.shape[-1]), axis=-1)
     return self._gather(x, inverse, axis)
 
+  def segment_ids(self, segment_ids):
+    """`apply(segment_ids)` with the documents renumbered 1, 2, ... in order of first
+    appearance (padding stays 0): the same documents (ids only ever compare for equality),
+    but each shard's whole documents get a narrow range of ids, which kernels that skip
+    blocks by the range of ids in them (blockwise) need to skip across documents."""
+    seg = self.apply(np.asarray(segment_ids), axis=-1)
+    flat = seg.reshape(-1, seg.shape[-1])
+    out = np.zeros_like(flat)
+    for row, seg_T in zip(out, flat):
+      starts = np.flatnonzero(np.r_[True, seg_T[1:] != seg_T[:-1]])
+      ids = seg_T[starts]
+      # Each id's first run, in order: its rank among them is its new id.
+      first = np.unique(ids[ids != 0], return_index=True)
+      new = np.zeros(len(starts), seg_T.dtype)
+      rank = np.empty(len(first[0]), np.int64)
+      rank[np.argsort(first[1], kind="stable")] = np.arange(1, len(first[0]) + 1)
+      new[ids != 0] = rank[np.searchsorted(first[0], ids[ids != 0])]
+      row[:] = np.repeat(new, np.diff(np.r_[starts, seg_T.shape[0]]))
+    out = out.reshape(seg.shape)
+    return out if isinstance(segment_ids, np.ndarray) else jnp.asarray(out)
+
   def max_over_mean(self) -> np.ndarray:
     """`[...]` float: the busiest shard's work over the mean (1 is perfect balance)."""
     mean = self.shard_work.mean(-1)
     return self.shard_work.max(-1) / np.where(mean > 0, mean, 1)
 
 
-def balance_plan(segment_ids, cp: int, masks: Sequence[Mask] | None = None) -> BalancePlan:
+def balance_plan(segment_ids, cp: int, masks: Sequence[Mask] | None = None, *,
+                 block: int = 128) -> BalancePlan:
   """The per-document order of packed rows over cp shards, weighed by `masks`.
 
-  Each document of n tokens is cut into 2cp pieces of n // 2cp tokens; pieces i and 2cp-1-i
-  form pair i, and a document's cp pairs go one to each shard, the heaviest pair to the
-  shard with least work so far (for a causal mask all pairs weigh the same and pair i goes
-  to shard i). The tokens that do not split evenly (each document's middle n mod 2cp, and
-  documents shorter than 2cp) then go, heaviest first, cp at a time, to the shards with
-  least work: every shard holds the same number of tokens, to one. Padding fills each shard
-  to T / cp, last. Inside a shard the tokens keep their original order. Work is
-  `token_work` summed over `masks`, so one order serves a model whose layers mix masks.
+  A document of n tokens is cut into 2k pieces of q tokens, k = min(cp, n // 2 block) and q
+  the most whole blocks with 2kq <= n; pieces i and 2k-1-i form pair i (head and tail:
+  for a causal mask all pairs weigh the same). The middle n - 2kq tokens are cut the same
+  way, down to fewer than 2 blocks, which stay whole, as do documents that short. Then
+  every unit (a pair or a whole piece), heaviest first, goes to the shard with the least
+  work that has room for it (a unit no shard has room for is spread over the least loaded
+  ones). Inside a shard: pieces of whole blocks first, in the original order, so they stay
+  aligned to the kernels' blocks, then the shorter pieces, then padding up to T / cp. Work
+  is `token_work` summed over `masks`, so one order serves a model whose layers mix masks.
+  Pieces smaller than a block would balance finer but cost block-skipping kernels more
+  than they save; `block` is the trade (docs/design.md, "Load balancing").
 
-  O(T) per row (plus a sort of the tokens that do not split, fewer than 2cp per document);
-  never `[T, T]`.
+  O(T) per row plus a sort of the units (fewer than 2cp per document, and the short
+  documents); never `[T, T]`.
 
   Args:
     segment_ids: `[..., T]` int, numpy or a concrete jax array, in the original order; 0 is
       padding, a document is a run of one non-zero id (positions counting from 0 in it).
     cp: the number of shards; T must be divisible by it.
     masks: the model's masks, one per layer (default `[Causal()]`).
+    block: the granularity of pieces of documents, in tokens: the attention kernel's block
+      (the blockwise kernel's CPU default is 512).
   Raises:
-    ValueError: cp not a positive int, T not divisible by cp.
+    ValueError: cp or block not a positive int, T not divisible by cp.
     TypeError: a mask that is not a flaxattn mask; traced segment ids.
   """
   _check_cp(cp)
+  if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+    raise ValueError(f"block expects a positive int (tokens per kernel block), got {block!r}.")
   seg = _host_ids(segment_ids)
   t = seg.shape[-1]
   if t % cp:
@@ -251,40 +281,66 @@ def balance_plan(segment_ids, cp: int, masks: Sequence[Mask] | None = None) -> B
   orders = np.empty(flat.shape, np.int64)
   loads = np.empty((flat.shape[0], cp), np.int64)
   for i, (seg_T, work_T) in enumerate(zip(flat, work)):
-    orders[i], loads[i] = _row_plan(seg_T, work_T, cp)
+    orders[i], loads[i] = _row_plan(seg_T, work_T, cp, block)
   return BalancePlan(orders.reshape(seg.shape), loads.reshape(seg.shape[:-1] + (cp,)), cp)
 
 
-def _row_plan(seg_T: np.ndarray, work_T: np.ndarray, cp: int) -> tuple[np.ndarray, np.ndarray]:
+def _pairs(start: int, n: int, cp: int, block: int):
+  """The units of one document's tokens start .. start + n - 1: (head, tail) slices of
+  head-tail pairs, tail None for a unit placed whole (see `balance_plan`)."""
+  k = min(cp, n // (2 * block))
+  if not k:
+    return [(slice(start, start + n), None)]
+  q = n // (2 * k) // block * block
+  pairs = [(slice(start + i * q, start + (i + 1) * q),
+            slice(start + n - (i + 1) * q, start + n - i * q)) for i in range(k)]
+  middle = n - 2 * k * q
+  return pairs + (_pairs(start + k * q, middle, cp, block) if middle else [])
+
+
+def _row_plan(seg_T: np.ndarray, work_T: np.ndarray, cp: int,
+              block: int) -> tuple[np.ndarray, np.ndarray]:
   """(order `[T]`, work per shard `[cp]`) of one row (see `balance_plan`)."""
   t = seg_T.shape[0]
-  shard_T = np.full(t, -1, np.int64)
+  cum = np.concatenate([[0], np.cumsum(work_T)])
+  units = [u for start, n in zip(*_runs(seg_T)) for u in _pairs(start, n, cp, block)]
+  size = lambda s: 0 if s is None else s.stop - s.start
+  work = lambda s: 0 if s is None else cum[s.stop] - cum[s.start]
+  units.sort(key=lambda u: -(work(u[0]) + work(u[1])))
+  room = np.full(cp, t // cp)
   load = np.zeros(cp, np.int64)
-  for start, n in zip(*_runs(seg_T)):
-    q = n // (2 * cp)
-    if not q:
+  shard_T = np.full(t, -1, np.int64)
+  for head, tail in units:
+    n = size(head) + size(tail)
+    fits = room >= n
+    if fits.any():  # to the least loaded shard with room
+      s = int(np.argmin(np.where(fits, load, np.iinfo(np.int64).max)))
+      for part in (head, tail):
+        if part is not None:
+          shard_T[part] = s
+      load[s] += work(head) + work(tail)
+      room[s] -= n
       continue
-    head = slice(start, start + cp * q)
-    tail = slice(start + n - cp * q, start + n)  # the middle n mod 2cp tokens are left over
-    pair = work_T[head].reshape(cp, q).sum(1) + work_T[tail].reshape(cp, q).sum(1)[::-1]
-    shard = np.empty(cp, np.int64)
-    # Heaviest pair to the least loaded shard; stable sorts keep pair i on shard i on ties.
-    shard[np.argsort(-pair, kind="stable")] = np.argsort(load, kind="stable")
-    load[shard] += pair
-    shard_T[head] = np.repeat(shard, q)
-    shard_T[tail] = np.repeat(shard[::-1], q)
-  left = np.flatnonzero((shard_T < 0) & (seg_T != 0))
-  left = left[np.argsort(-work_T[left], kind="stable")]
-  for lo in range(0, left.shape[0], cp):
-    tokens = left[lo:lo + cp]
-    shards = np.argsort(load, kind="stable")[:tokens.shape[0]]
-    shard_T[tokens] = shards
-    load[shards] += work_T[tokens]
-  # Padding fills every shard up to T / cp, after its tokens.
-  real = np.bincount(shard_T[shard_T >= 0], minlength=cp)
+    for part in (head, tail):  # no shard has room: over the least loaded ones
+      start, stop = (0, 0) if part is None else (part.start, part.stop)
+      while start < stop:
+        s = int(np.argmin(np.where(room > 0, load, np.iinfo(np.int64).max)))
+        m = min(stop - start, int(room[s]))
+        shard_T[start:start + m] = s
+        load[s] += cum[start + m] - cum[start]
+        room[s] -= m
+        start += m
+  # Inside a shard: whole blocks first (so they stay aligned to the kernels' blocks), then
+  # the pieces shorter than a block, then padding up to T / cp; each in the original order.
+  kind_T = np.ones(t, np.int64)
+  for head, tail in units:
+    if size(head) % block == 0 and size(tail) % block == 0:
+      kind_T[head] = 0
+      if tail is not None:
+        kind_T[tail] = 0
   pad = np.flatnonzero(shard_T < 0)
-  shard_T[pad] = np.repeat(np.arange(cp), t // cp - real)
+  shard_T[pad] = np.repeat(np.arange(cp), room)
+  kind_T[pad] = 2
   # 16-bit keys: numpy's stable sort of them is a radix sort, O(T).
-  key = (2 * shard_T).astype(np.int16 if 2 * cp < 2**15 else np.int32)
-  key[pad] += 1
+  key = (3 * shard_T + kind_T).astype(np.int16 if 3 * cp < 2**15 else np.int32)
   return np.argsort(key, kind="stable"), load

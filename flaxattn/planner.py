@@ -193,7 +193,7 @@ class Shapes:
   d: int
   itemsize: int
   mask: Mask
-  load_balance: bool
+  load_balance: bool | str  # True: row order, "document", False
 
   def flops(self) -> float:
     """Forward (2 matmuls) + backward (5): 7 x 2 B H D flops per visible pair."""
@@ -277,10 +277,12 @@ def hybrid(s: Shapes, n_ulysses: int, n_ring: int, p: Platform) -> Cost:
               a2a + r.bytes_moved, r.kv_memory)
 
 
-def plan(q_shape, kv_shape, itemsize: int, mask: Mask, load_balance: bool, n: int,
+def plan(q_shape, kv_shape, itemsize: int, mask: Mask, load_balance: bool | str, n: int,
          platform: str | Platform, n_ring: int | None = None) -> tuple[Cost, list[Cost]]:
   """The fastest strategy for q `[B, T, H, D]` and k/v `[B, T, Hkv, D]` sharded over n
-  devices (ties: less K/V memory), and every strategy's estimate.
+  devices (ties: less K/V memory), and every strategy's estimate. `load_balance` is
+  `ContextParallel`'s: per-document order ("document") counts as balanced with every ring
+  step, and with a short window adds the row order's window-aware ring for comparison.
 
   `n_ring`: a 2-D context mesh (Ulysses over n devices, a ring over n_ring), on which the
   hybrid is the one strategy that uses both axes. `platform`: a `PLATFORMS` key or numbers.
@@ -296,11 +298,29 @@ def plan(q_shape, kv_shape, itemsize: int, mask: Mask, load_balance: bool, n: in
   else:
     costs = [ring(s, n, p, ring_fetches(mask, t, n, load_balance)), all_gather(s, n, p),
              ulysses(s, n, p)]
+    costs += _row_order_ring(s, n, p, costs[0])
   possible = [c for c in costs if c.seconds is not None]
   if not possible:
     raise ValueError("no context-parallel strategy serves this call: "
                      + "; ".join(f"{c.strategy}: {c.why_not}" for c in costs))
   return min(possible, key=lambda c: (c.seconds, c.kv_memory)), costs
+
+
+def _row_order_ring(s: Shapes, n: int, p: Platform, here: Cost) -> list[Cost]:
+  """In per-document order with a short window or chunks: the window-aware ring that row
+  order would allow, as a line for `explain` (the token order is the data's, not the
+  call's to choose)."""
+  if s.load_balance != "document":
+    return []
+  fetches = ring_fetches(s.mask, s.t, n, True)
+  if fetches is None:
+    return []
+  alt = ring(dataclasses.replace(s, load_balance=True), n, p, fetches)
+  return [Cost("ring, row order", None, why_not=(
+      f"the data is in per-document order; in row order (load_balance=True) the window-aware"
+      f" ring would take {alt.seconds * 1e3:.3f} ms ({alt.bytes_moved / 2**20:.1f} MiB moved)"
+      f" against {here.seconds * 1e3:.3f} ms here, if its rows are as even as one document"
+      " per row (packed rows of long-tailed lengths are not: bench/README.md)"))]
 
 
 def describe_plan(best: Cost, costs: list[Cost]) -> str:

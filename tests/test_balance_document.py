@@ -53,26 +53,47 @@ def test_round_trip_padding_last_numpy_and_jax():
 
 
 def test_head_tail_pieces_and_even_work():
-  # One document of 3 x 2cp tokens + 5, one short document, padding: cp = 4.
+  # One document of 3 x 2cp tokens + 5, one short document, padding: cp = 4, pieces of
+  # whole tokens (block=1).
   seg = np.zeros((1, 64), np.int32)
   seg[0, :29], seg[0, 29:32] = 1, 2
-  plan = balance.balance_plan(seg, 4)
+  plan = balance.balance_plan(seg, 4, block=1)
   shard_of = np.empty(64, int)
   shard_of[plan.order[0]] = np.arange(64) // 16
   # Pieces of 3 tokens: i and 7-i on shard i (the causal pairs weigh the same).
   for i in range(4):
     assert set(shard_of[3 * i:3 * i + 3]) == {i}
     assert set(shard_of[26 - 3 * i:29 - 3 * i]) == {i}
-  # The 5 + 3 leftover tokens: every shard gets two, the heaviest to the lightest shards.
-  assert np.bincount(shard_of[np.r_[12:17, 29:32]], minlength=4).tolist() == [2, 2, 2, 2]
   work = balance.token_work(seg)
   np.testing.assert_array_equal(plan.shard_work[0], np.bincount(shard_of, work[0], 4))
+  assert plan.max_over_mean()[0] < 1.1
+  # Pieces of whole blocks: cp 2, block 4, a document of 2cp blocks + 3 tokens: pieces
+  # 0..3 and 15..18 form a pair, 4..7 and 11..14 the other, the middle 3 tokens a unit.
+  seg = np.ones((1, 20), np.int32)
+  seg[0, -1] = 0
+  shard_of = np.empty(20, int)
+  shard_of[balance.balance_plan(seg, 2, block=4).order[0]] = np.arange(20) // 10
+  pairs = [set(shard_of[np.r_[0:4, 15:19]]), set(shard_of[np.r_[4:8, 11:15]])]
+  assert pairs == [{0}, {1}], shard_of
+
+
+def test_renumbered_segment_ids_are_the_same_documents():
+  seg = lognormal_rows(2, 2, 1024, 30, 1.0)
+  seg[0, 500:520] = 3  # an id on two separate runs is one document
+  plan = balance.balance_plan(seg, 4)
+  got, moved = plan.segment_ids(seg), plan.apply(seg)
+  for row_got, row_moved in zip(got, moved):
+    assert np.array_equal(row_got == 0, row_moved == 0)
+    same = lambda ids: ids[:, None] == ids[None, :]
+    np.testing.assert_array_equal(same(row_got), same(row_moved))
+    starts = row_got[np.r_[True, row_got[1:] != row_got[:-1]] & (row_got > 0)]
+    assert np.all(np.maximum.accumulate(starts) <= np.arange(1, len(starts) + 1))
 
 
 @pytest.mark.parametrize("cp,median,sigma", [(8, 200, 1.2), (4, 1000, 1.0)])
 def test_causal_work_even_on_packed_rows(cp, median, sigma):
   seg = lognormal_rows(cp, 4, 8192, median, sigma)
-  doc = balance.balance_plan(seg, cp).max_over_mean()
+  doc = balance.balance_plan(seg, cp, block=16).max_over_mean()  # 64 blocks a shard
   work = balance.token_work(seg)
   row = flaxattn.load_balance(work, cp).reshape(4, cp, -1).sum(-1)
   assert doc.max() <= 1.02, doc
@@ -82,7 +103,7 @@ def test_causal_work_even_on_packed_rows(cp, median, sigma):
 def test_mixed_masks_weigh_every_layer():
   seg = lognormal_rows(3, 4, 16384, 400, 1.2)
   masks = [flaxattn.Local(256)] * 3 + [flaxattn.Causal()]
-  mixed = balance.balance_plan(seg, 8, masks)
+  mixed = balance.balance_plan(seg, 8, masks, block=16)
   assert mixed.max_over_mean().max() <= 1.05, mixed.max_over_mean()
   # The per-layer work is the normal form's: a window caps each token's keys.
   w = balance.token_work(np.r_[[1] * 300, [2] * 4][None], [flaxattn.Local(256),
@@ -132,7 +153,7 @@ def test_document_order_matches_reference(strategy, shape, ring_axis, mask, head
   assert shards == shape[0]
   t = 256
   seg, pos = random_packing(11, 2, t, max_docs=7, cp=shards)
-  plan = balance.balance_plan(seg, shards, [mask])
+  plan = balance.balance_plan(seg, shards, [mask], block=1)  # split documents finely
   q, k, v = qkv(5, 2, t, t, heads, 2, 16)
 
   def reference(q, k, v):
@@ -171,3 +192,20 @@ def test_document_order_needs_positions_and_explains():
   assert planner.ring_fetches(flaxattn.Local(4), 64, 4, True) is not None
   with pytest.raises(ValueError, match="load_balance"):
     flaxattn.ContextParallel(load_balance="rows")
+
+
+def test_planner_counts_the_document_order():
+  shapes = (1, 131072, 8, 128), (1, 131072, 8, 128)
+  local = flaxattn.Local(4096)
+  best, costs = planner.plan(*shapes, 2, local, "document", 8, "tpu")
+  by_name = {c.strategy: c for c in costs}
+  row_best, row_costs = planner.plan(*shapes, 2, local, True, 8, "tpu")
+  # Document order: every ring step moves (3n - 2) shards; row order two half shards.
+  assert by_name["ring"].bytes_moved > {c.strategy: c for c in row_costs}["ring"].bytes_moved
+  assert by_name["ring, row order"].seconds is None
+  assert "window-aware ring would take" in by_name["ring, row order"].why_not
+  assert best.strategy in ("ring", "all_gather", "ulysses")
+  causal = planner.plan(*shapes, 2, flaxattn.Causal(), "document", 8, "tpu")[1]
+  unbalanced = planner.plan(*shapes, 2, flaxattn.Causal(), False, 8, "tpu")[1]
+  assert [c.strategy for c in causal] == ["ring", "all_gather", "ulysses"]
+  assert causal[0].compute_s < unbalanced[0].compute_s  # balanced: no 2x imbalance

@@ -288,8 +288,8 @@ class GlobalBatches:
       plan = flaxattn.balance_plan(local["segment_ids"], self.cp, self.masks)
     for key in KEYS:
       x = local[key]
-      if plan is not None:
-        x = plan.apply(x)
+      if plan is not None:  # renumbered ids: the same documents, narrower ranges per block
+        x = plan.segment_ids(x) if key == "segment_ids" else plan.apply(x)
       elif self.cp is not None:
         x = flaxattn.load_balance(x, self.cp)
       out[key] = jax.make_array_from_process_local_data(self.sharding, x[:, self.cols],
