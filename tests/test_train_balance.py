@@ -31,3 +31,20 @@ def test_document_balance_matches_row_balance(tmp_path):
   assert all(got[s] == pytest.approx(want[s], rel=1e-5) for s in want), (got, want)
   assert all(r["tokens_per_s"] > 0 for r in metrics(runs["document"][0]) if "tokens_per_s" in r)
   assert any("tokens_per_s" in r for r in metrics(runs["document"][0]))
+
+
+def test_balance_choices_and_the_context_parallel_they_set():
+  from train import config  # pylint: disable=import-outside-toplevel
+  with pytest.raises(config.ConfigError, match="'data.balance' expects one of 'document'"):
+    config.load("configs/demo.yaml", ["data.balance=rows"])
+  from train import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
+  on_8 = ["mesh.data=2", "batch_size=2"]  # the 8 devices tests see: data 2 x context 4
+  for balance, expected in (("document", "document"), ("row", True), ("none", False)):
+    cfg = config.load("configs/demo.yaml", [*on_8, f"data.balance={balance}"])
+    cp = mesh_lib.context_parallel(cfg, mesh_lib.make(cfg))
+    assert cp.load_balance == expected
+  # Row order needs seq_len divisible by 2 x 4 chunks; document order by the 4 shards.
+  cfg = config.load("configs/demo.yaml", [*on_8, "seq_len=4092", "data.balance=row"])
+  with pytest.raises(config.ConfigError, match="data.balance=row"):
+    mesh_lib.make(cfg)
+  mesh_lib.make(config.load("configs/demo.yaml", [*on_8, "seq_len=4092"]))
