@@ -173,9 +173,9 @@ def work_tables(quick: bool) -> list[dict]:
                  np.mean([len(np.unique(s[s > 0])) for s in seg])),
              seconds=time.perf_counter() - start)
     results.append(r)
-    print(f"| {name} | {r['docs_per_row']:.0f} | {r['contiguous']['mean']:.2f} ({r['contiguous']['worst']:.2f})"
-          f" | {r['row']['mean']:.2f} ({r['row']['worst']:.2f})"
-          f" | {r['document']['mean']:.3f} ({r['document']['worst']:.3f}) |", flush=True)
+    cells = [f"{r[o]['mean']:.{digits}f} ({r[o]['worst']:.{digits}f})"
+             for o, digits in (("contiguous", 2), ("row", 2), ("document", 3))]
+    print(f"| {name} | {r['docs_per_row']:.0f} | {' | '.join(cells)} |", flush=True)
   return results
 
 
@@ -202,8 +202,8 @@ def timed_step(repeats: int) -> dict:
   q, k, v = (jnp.asarray(rng.standard_normal((1, t, h, d)), jnp.float32) for _ in range(3))
   mesh = jax.make_mesh((cp,), ("context",), axis_types=(AxisType.Auto,), devices=jax.devices()[:cp])
   plan = balance.balance_plan(seg, cp, block=BLOCK)
-  orders = {"row": (lambda x: flaxattn.load_balance(x, cp), lambda x: flaxattn.load_balance(x, cp), True),
-            "document": (plan.apply, plan.segment_ids, "document")}
+  row = lambda x: flaxattn.load_balance(x, cp)
+  orders = {"row": (row, row, True), "document": (plan.apply, plan.segment_ids, "document")}
   out = {}
   for name, (permute, ids, lb) in orders.items():
     cpar = flaxattn.ContextParallel(load_balance=lb)

@@ -9,7 +9,7 @@ Public API:
   nnx_attention_fn                       flaxattn kernels inside stock nnx.MultiHeadAttention
   ContextParallel, load_balance,         ring / all-gather / Ulysses (and Ulysses x ring) attention
     unload_balance                       over a sharded sequence, and the load-balanced token order
-  balance_plan, BalancePlan              (row: dual chunk; per document, weighed by the model's masks)
+  balance_plan, BalancePlan              (row: dual chunk; per document, weighed by the masks)
   sharding                               default logical-axis rules for (data, fsdp, tensor,
                                          context_ring, context)
   selftest                               every kernel against the reference on this machine, and timings

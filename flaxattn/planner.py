@@ -64,8 +64,8 @@ def communication(strategy: str, load_balance: bool | str, mask: Mask, t: int, n
   return text + (
       "\ntoken order: per document (load_balance='document'): every device holds the same"
       " attention work; kernels that mask on the token index (splash, cuDNN) run only after a"
-      " per-batch check that positions follow it, which a batch with a document split over shards fails,"
-      " so such a batch runs the blockwise steps")
+      " per-batch check that positions follow it, which a batch with a document split over"
+      " shards fails, so such a batch runs the blockwise steps")
 
 
 def _transfers(strategy, load_balance, mask, t, n, has_positions, n_ring) -> str:
