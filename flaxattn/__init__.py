@@ -8,7 +8,8 @@ Public API:
                                          embeddings with Hugging Face rope_scaling (linear, llama3, yarn)
   nnx_attention_fn                       flaxattn kernels inside stock nnx.MultiHeadAttention
   ContextParallel, load_balance,         ring / all-gather / Ulysses (and Ulysses x ring) attention
-    unload_balance                       over a sharded sequence, and the dual-chunk permutation
+    unload_balance                       over a sharded sequence, and the load-balanced token order
+  balance_plan, BalancePlan              (row: dual chunk; per document, weighed by the masks)
   sharding                               default logical-axis rules for (data, fsdp, tensor,
                                          context_ring, context)
   selftest                               every kernel against the reference on this machine, and timings
@@ -16,7 +17,7 @@ Public API:
 
 from flaxattn import sharding
 from flaxattn.attention import attention, explain
-from flaxattn.balance import load_balance, unload_balance
+from flaxattn.balance import BalancePlan, balance_plan, load_balance, unload_balance
 from flaxattn.context_parallel import ContextParallel
 from flaxattn.layer import MultiHeadAttention
 from flaxattn.masks import Causal, Chunked, Full, Local, Mask
@@ -28,7 +29,7 @@ __all__ = [
     "attention", "explain",
     "Mask", "Full", "Causal", "Local", "Chunked",
     "seqlens_and_offsets", "SeqlensOffsets",
-    "ContextParallel", "load_balance", "unload_balance",
+    "ContextParallel", "load_balance", "unload_balance", "balance_plan", "BalancePlan",
     "MultiHeadAttention", "RoPE", "RoPEScaling", "nnx_attention_fn", "sharding", "selftest",
 ]
 

@@ -39,10 +39,14 @@ class ContextParallel:
       sequence and turns the result back: the query heads, and the key/value heads after
       repeating each as little as needed, must divide by the axis size (heads sharded over
       `head_axes` count per shard).
-    load_balance: the per-token arrays are in `flaxattn.load_balance` order (dual chunk)
-      over `balanced_shards()` shards. Only the default positions depend on it (they become
-      the permuted token indices); explicit positions are used as given. Ulysses alone
-      gains nothing from it (each device sees every query) and undoes it locally.
+    load_balance: the token order of the per-token arrays, over `balanced_shards()` shards.
+      True: `flaxattn.load_balance` row order (dual chunk); only the default positions
+      depend on it (they become the permuted token indices), explicit positions are used
+      as given. "document": per-document order (`flaxattn.load_balance(...,
+      segment_ids=)`), which only the data knows: positions must be explicit, and the fast
+      paths that read the row order (the window-aware ring, splash's and cuDNN's index
+      masks) do not apply (`explain` says so). False: the original order. Ulysses alone
+      gains nothing from it (each device sees every query) and undoes row order locally.
     ring_axis: with strategy "ulysses", a second mesh axis for a 2-D hybrid: the sequence
       is sharded over (`ring_axis`, `axis`), ring outer; the all-to-all over `axis` gives
       each device its ring shard's whole sequence for its share of the heads, and a ring
@@ -54,13 +58,13 @@ class ContextParallel:
     cost_model: the platform numbers `strategy="auto"` estimates with: a key of
       `flaxattn.planner.PLATFORMS` or a `planner.Platform`; None: the current backend's.
   Raises:
-    ValueError: unknown strategy or cost model, a non-string axis, or a `ring_axis` that is
-      `axis` or comes without strategy "ulysses" or "auto".
+    ValueError: unknown strategy, load balancing or cost model, a non-string axis, or a
+      `ring_axis` that is `axis` or comes without strategy "ulysses" or "auto".
   """
 
   axis: str = "context"
   strategy: str = "ring"
-  load_balance: bool = True
+  load_balance: bool | str = True
   ring_axis: str | None = None
   batch_axes: tuple[str, ...] = ("data", "fsdp")
   head_axes: tuple[str, ...] = ("tensor",)
@@ -71,6 +75,9 @@ class ContextParallel:
       raise ValueError(f"ContextParallel(axis=...) expects a mesh axis name, got {self.axis!r}.")
     if self.strategy not in STRATEGIES:
       raise ValueError(f"ContextParallel(strategy=...) expects one of {STRATEGIES}, got {self.strategy!r}.")
+    if self.load_balance not in (True, False, "document"):
+      raise ValueError(f"ContextParallel(load_balance=...) expects True (row order), False or"
+                       f" 'document' (per-document order), got {self.load_balance!r}.")
     if self.ring_axis is not None:
       if not isinstance(self.ring_axis, str) or self.ring_axis in ("", self.axis):
         raise ValueError(f"ContextParallel(ring_axis=...) expects None or a mesh axis name other"
@@ -86,14 +93,20 @@ class ContextParallel:
                        f" {self.cost_model!r}.")
 
   @property
+  def row_balanced(self) -> bool:
+    """Whether the tokens are in row (dual-chunk) order, the one order a kernel can compute
+    from the token index."""
+    return self.load_balance is True
+
+  @property
   def seq_axes(self) -> tuple[str, ...]:
     """The mesh axes the sequence is sharded over, outer first."""
     return (self.axis,) if self.ring_axis is None else (self.ring_axis, self.axis)
 
   def balanced_shards(self, mesh=None) -> int:
-    """Shards the tokens are load-balanced over: the ring's size (`axis`, or `ring_axis`
-    under Ulysses x ring), Ulysses's axis size alone, 1 without load balancing. Needs the
-    mesh: `mesh`, else the one set with `jax.set_mesh`."""
+    """Shards the tokens are load-balanced over (row or document order): the ring's size
+    (`axis`, or `ring_axis` under Ulysses x ring), Ulysses's axis size alone, 1 without
+    load balancing. Needs the mesh: `mesh`, else the one set with `jax.set_mesh`."""
     if not self.load_balance:
       return 1
     return axis_size(self, self.ring_axis or self.axis, mesh)
@@ -433,12 +446,13 @@ def context_parallel_attention(q, k, v, layout: Layout, *, mask: Mask, scale: fl
   `kernel` is the registry's kernel; its `context_parallel_local` gives the per-device
   computation of the ring and all-gather strategies, Ulysses calls it on the whole
   sequence. `layout` comes from `flaxattn.layout.resolve` (default positions in
-  load-balanced order when `cp.load_balance`).
+  load-balanced order when `cp.load_balance` is True).
 
   Raises:
     ValueError: no mesh set, an axis not in the mesh, keys and queries of different
       lengths, T not divisible by the number of sequence shards (and by 2 x the balanced
-      shards with load balancing), or, for Ulysses, heads that do not split over its axis.
+      shards with row load balancing), default positions under document load balancing,
+      or, for Ulysses, heads that do not split over its axis.
   """
   mesh = jax.sharding.get_abstract_mesh()
   n = axis_size(cp, mesh=mesh)
@@ -448,13 +462,21 @@ def context_parallel_attention(q, k, v, layout: Layout, *, mask: Mask, scale: fl
   if k.shape[1] != t:
     raise ValueError(f"context_parallel expects keys as long as queries (self attention), got"
                      f" q {q.shape} and k {k.shape}.")
-  parts = math.lcm(n * ring_n, 2 * balanced if cp.load_balance else 1)
+  if cp.load_balance == "document":
+    if layout.q_positions is None or layout.kv_positions is None:
+      raise ValueError(
+          f"context_parallel={cp} expects explicit positions: the original token order of a"
+          " per-document balanced row is known only to the data, got positions=None. Pass"
+          " positions=flaxattn.load_balance(positions, cp, segment_ids=segment_ids) (each"
+          " token's position in its document, moved with the tokens).")
+    layout = dataclasses.replace(layout, shards=1)  # kernels mask on the array index
+  parts = math.lcm(n * ring_n, 2 * balanced if cp.row_balanced else 1)
   if t % parts:
     if cp.ring_axis is None:
-      why = " (2 x axis size, load balancing)" if cp.load_balance else ""
+      why = " (2 x axis size, load balancing)" if cp.row_balanced else ""
     else:
       why = (f" ({ring_n} x {n} shards over {cp.seq_axes}"
-             f"{', each ring shard 2 chunks, load balancing' if cp.load_balance else ''})")
+             f"{', each ring shard 2 chunks, load balancing' if cp.row_balanced else ''})")
     raise ValueError(f"context_parallel over {cp.axis!r} (size {n}) expects the sequence length"
                      f" ({t}) divisible by {parts}{why}.")
 
@@ -483,7 +505,7 @@ def context_parallel_attention(q, k, v, layout: Layout, *, mask: Mask, scale: fl
     shards = ring_n if cp.ring_axis else n
     local, data, data_specs = kernel.context_parallel_local(
         strategy="ring" if ulysses else cp.strategy, mask=mask, scale=scale,
-        shards=shards, axis=ring_axis, load_balance=cp.load_balance,
+        shards=shards, axis=ring_axis, load_balance=cp.row_balanced,
         q_shape=q.shape, kv_shape=kv_shape, layout=layout, **capped)
     if cp.strategy != "all_gather":  # a ring, alone or inside Ulysses: window-aware?
       fetches = ring_fetches(mask, t, shards, cp.load_balance)
@@ -499,7 +521,8 @@ def context_parallel_attention(q, k, v, layout: Layout, *, mask: Mask, scale: fl
     body = _ring_body(cp.axis, n, local, fetches, near is not None)
   else:
     inner = (_ring_body(cp.ring_axis, ring_n, local, fetches, near is not None) if cp.ring_axis
-             else functools.partial(_whole_sequence, kernel, mask, scale, capped, balanced))
+             else functools.partial(_whole_sequence, kernel, mask, scale, capped,
+                                    balanced if cp.row_balanced else 1))
     body = functools.partial(_ulysses, cp.axis, inner, kv_repeat)
   manual = frozenset(mesh.axis_names) - frozenset(mesh.manual_axes)
   out, lse = jax.shard_map(body, in_specs=(data_specs, qkv, qkv, qkv, jax.tree.map(lambda _: seq, layout)),

@@ -26,10 +26,12 @@ def _reach(mask: Mask) -> int | None:
   return min((x for x in (normal.window, normal.chunk) if x), default=None)
 
 
-def ring_fetches(mask: Mask, t: int, n: int, load_balance: bool):
+def ring_fetches(mask: Mask, t: int, n: int, load_balance: bool | str):
   """The ring steps a mask with a bounded reach R (`Local`, `Chunked`) needs besides step 0,
   as `((step, part), ...)`: at step s the keys of shard (r - s) mod n, whole (`part` None) or
-  only their first (0) or second (1) half. None: every step is needed.
+  only their first (0) or second (1) half. None: every step is needed, always so in
+  per-document order (`load_balance="document"`), where a document's neighbouring tokens
+  may be on any shard.
 
   Load balanced (chunks of c = T / 2n, device r holds chunks r and 2n-1-r), a query reaches
   m = ceil((R - 1) / c) chunks back. m <= 1 and n >= 3: chunk r - 1 (first half of device
@@ -38,7 +40,7 @@ def ring_fetches(mask: Mask, t: int, n: int, load_balance: bool):
   Contiguous (shards of L = T / n): ceil((R - 1) / L) steps back. Exact when positions
   follow the token index inside documents (docs/design.md)."""
   reach = _reach(mask)
-  if reach is None:
+  if reach is None or load_balance == "document":
     return None
   if load_balance:
     back = -(-(reach - 1) // (t // (2 * n)))
@@ -51,10 +53,22 @@ def ring_fetches(mask: Mask, t: int, n: int, load_balance: bool):
   return tuple((step, None) for step in range(1, steps + 1)) if steps < n - 1 else None
 
 
-def communication(strategy: str, load_balance: bool, mask: Mask, t: int, n: int,
+def communication(strategy: str, load_balance: bool | str, mask: Mask, t: int, n: int,
                   has_positions: bool, n_ring: int | None = None) -> str:
-  """One line for `explain`: what each device receives (`n` devices on the context axis;
-  `n_ring`: the ring axis of Ulysses x ring)."""
+  """The lines `explain` prints about the context parallelism: what each device receives
+  (`n` devices on the context axis; `n_ring`: the ring axis of Ulysses x ring) and, in
+  per-document order, which paths do not apply."""
+  text = _transfers(strategy, load_balance, mask, t, n, has_positions, n_ring)
+  if load_balance != "document":
+    return text
+  return text + (
+      "\ntoken order: per document (load_balance='document'): every device holds the same"
+      " attention work; kernels that mask on the token index (splash, cuDNN) run only after a"
+      " per-batch check that positions follow it, which a batch with a document split over"
+      " shards fails, so such a batch runs the blockwise steps")
+
+
+def _transfers(strategy, load_balance, mask, t, n, has_positions, n_ring) -> str:
   if strategy == "all_gather":
     return f"context parallel (all_gather): every device gathers the keys of all {n} shards."
   lines = []
@@ -70,6 +84,10 @@ def communication(strategy: str, load_balance: bool, mask: Mask, t: int, n: int,
   if fetches is None:
     lines.append(f"ring over {n} devices: keys of every other shard visit,"
                  f" {n - 1} step{'s' if n > 2 else ''}")
+    if load_balance == "document" and _reach(mask) is not None:
+      lines[-1] += (f" (per-document order: {mask!r} is short, but a document's neighbouring"
+                    " tokens may be on any shard, so the window-aware ring's neighbour fetches"
+                    " do not apply)")
   else:
     reach = _reach(mask) - 1
     chunk = t // (2 * n)
@@ -175,7 +193,7 @@ class Shapes:
   d: int
   itemsize: int
   mask: Mask
-  load_balance: bool
+  load_balance: bool | str  # True: row order, "document", False
 
   def flops(self) -> float:
     """Forward (2 matmuls) + backward (5): 7 x 2 B H D flops per visible pair."""
@@ -259,10 +277,12 @@ def hybrid(s: Shapes, n_ulysses: int, n_ring: int, p: Platform) -> Cost:
               a2a + r.bytes_moved, r.kv_memory)
 
 
-def plan(q_shape, kv_shape, itemsize: int, mask: Mask, load_balance: bool, n: int,
+def plan(q_shape, kv_shape, itemsize: int, mask: Mask, load_balance: bool | str, n: int,
          platform: str | Platform, n_ring: int | None = None) -> tuple[Cost, list[Cost]]:
   """The fastest strategy for q `[B, T, H, D]` and k/v `[B, T, Hkv, D]` sharded over n
-  devices (ties: less K/V memory), and every strategy's estimate.
+  devices (ties: less K/V memory), and every strategy's estimate. `load_balance` is
+  `ContextParallel`'s: per-document order ("document") counts as balanced with every ring
+  step, and with a short window adds the row order's window-aware ring for comparison.
 
   `n_ring`: a 2-D context mesh (Ulysses over n devices, a ring over n_ring), on which the
   hybrid is the one strategy that uses both axes. `platform`: a `PLATFORMS` key or numbers.
@@ -278,11 +298,29 @@ def plan(q_shape, kv_shape, itemsize: int, mask: Mask, load_balance: bool, n: in
   else:
     costs = [ring(s, n, p, ring_fetches(mask, t, n, load_balance)), all_gather(s, n, p),
              ulysses(s, n, p)]
+    costs += _row_order_ring(s, n, p, costs[0])
   possible = [c for c in costs if c.seconds is not None]
   if not possible:
     raise ValueError("no context-parallel strategy serves this call: "
                      + "; ".join(f"{c.strategy}: {c.why_not}" for c in costs))
   return min(possible, key=lambda c: (c.seconds, c.kv_memory)), costs
+
+
+def _row_order_ring(s: Shapes, n: int, p: Platform, here: Cost) -> list[Cost]:
+  """In per-document order with a short window or chunks: the window-aware ring that row
+  order would allow, as a line for `explain` (the token order is the data's, not the
+  call's to choose)."""
+  if s.load_balance != "document":
+    return []
+  fetches = ring_fetches(s.mask, s.t, n, True)
+  if fetches is None:
+    return []
+  alt = ring(dataclasses.replace(s, load_balance=True), n, p, fetches)
+  return [Cost("ring, row order", None, why_not=(
+      f"the data is in per-document order; in row order (load_balance=True) the window-aware"
+      f" ring would take {alt.seconds * 1e3:.3f} ms ({alt.bytes_moved / 2**20:.1f} MiB moved)"
+      f" against {here.seconds * 1e3:.3f} ms here, if its rows are as even as one document"
+      " per row (packed rows of long-tailed lengths are not: bench/README.md)"))]
 
 
 def describe_plan(best: Cost, costs: list[Cost]) -> str:

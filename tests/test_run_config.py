@@ -155,3 +155,16 @@ def test_init_from_qwen3_and_mistral_sources(tmp_path):
       "model.head_dim=32", "model.qk_norm=true", f"init_from={qwen3}",
       f"run_dir={tmp_path / 'run'}"]))
   assert cfg.model.qk_norm and cfg.model.attn_head_dim == 32
+
+
+def test_saved_config_with_load_balance_key_still_reads(tmp_path):
+  """config.json of runs saved before data.balance holds context_parallel.load_balance:
+  read as data.balance row / none, so those runs resume; a disagreeing pair is an error."""
+  values = config.to_dict(config.load(None, SIZES))
+  values["data"].pop("balance")
+  for old, balance in ((True, "row"), (False, "none")):
+    values["context_parallel"]["load_balance"] = old
+    assert config.from_dict(values).data.balance == balance
+  values["data"]["balance"] = "document"
+  with pytest.raises(ConfigError, match="disagree"):
+    config.from_dict(values)

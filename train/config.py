@@ -44,6 +44,11 @@ class DataConfig:
   eval_batches: batches of held-out rows in each eval.
   packing_bins: rows the packer fills at once (more bins, less padding).
   read_threads: threads reading and tokenizing documents.
+  balance: the token order of packed rows under context parallelism (ignored without it),
+    set on the host before the step: "document" (each document split over the devices,
+    `flaxattn.balance_plan` weighed by the model's layer masks: the same attention work
+    on every device), "row" (`flaxattn.load_balance` dual chunk of the whole row: even for
+    one document per row) or "none" (the original order). The loss is the same in each.
   """
 
   source: str = "stdlib"
@@ -53,6 +58,7 @@ class DataConfig:
   eval_batches: int = 2
   packing_bins: int = 16
   read_threads: int = 2
+  balance: str = "document"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +112,8 @@ class MeshConfig:
 
 
 MESH_AXES = ("data", "fsdp", "tensor", "context_ring", "context")
+# data.balance -> ContextParallel(load_balance=...).
+BALANCE = {"document": "document", "row": True, "none": False}
 PLATFORMS = ("cpu", "gpu", "cuda", "rocm", "tpu")
 
 
@@ -115,10 +123,10 @@ class ContextParallelConfig:
   `context_ring` is > 1). strategy: "ring", "all_gather", "ulysses" or "auto" (per attention
   layer, the strategy `flaxattn.planner` estimates fastest); with mesh `context_ring` > 1
   it must be "ulysses" (or "auto", which then has only it), which runs a ring over
-  `context_ring` (`ContextParallel(ring_axis="context_ring")`)."""
+  `context_ring` (`ContextParallel(ring_axis="context_ring")`). Its token order (load
+  balancing) is `data.balance`."""
 
   strategy: str = "ring"
-  load_balance: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,7 +200,8 @@ class TrainConfig:
                          ("context_parallel.strategy", STRATEGIES),
                          ("platform", ("",) + PLATFORMS),
                          ("model.attention_backend", tuple(registry.backend_names())),
-                         ("data.bad_records", ("skip", "error"))):
+                         ("data.bad_records", ("skip", "error")),
+                         ("data.balance", tuple(BALANCE))):
       _check_choice(key, _get(self, key), choices)
     if self.mesh.context_ring != 1 and self.context_parallel.strategy not in ("ulysses", "auto"):
       raise ConfigError(f"config key 'mesh.context_ring' ({self.mesh.context_ring}) runs a ring"
@@ -360,7 +369,27 @@ def from_dict(values: dict) -> TrainConfig:
   Raises:
     ConfigError: `values` not a mapping, unknown keys, wrong types or invalid values.
   """
-  return _build(TrainConfig, values)
+  return _build(TrainConfig, _legacy(values))
+
+
+def _legacy(values):
+  """Reads `context_parallel.load_balance` (true / false), which configs and the config.json
+  of runs saved before `data.balance` carry, as data.balance "row" / "none", so that those
+  runs still resume."""
+  section = values.get("context_parallel") if isinstance(values, dict) else None
+  if not isinstance(section, dict) or "load_balance" not in section:
+    return values
+  old = section["load_balance"]
+  if not isinstance(old, bool):
+    raise ConfigError(f"config key 'context_parallel.load_balance' expects true or false (it is"
+                      f" data.balance row / none now), got {old!r}.")
+  data = values.get("data") if isinstance(values.get("data"), dict) else {}
+  if "balance" in data and data["balance"] != ("row" if old else "none"):
+    raise ConfigError(f"config keys 'context_parallel.load_balance' ({old}) and 'data.balance'"
+                      f" ({data['balance']!r}) disagree; set data.balance only.")
+  section = {k: v for k, v in section.items() if k != "load_balance"}
+  return {**values, "context_parallel": section,
+          "data": {**data, "balance": "row" if old else "none"}}
 
 
 def to_dict(cfg) -> dict:

@@ -6,8 +6,9 @@ Per process:
   pieces of <= seq_len -> first-fit packed into rows of seq_len (`segment_ids` 1, 2, ...
   and `positions` restarting at 0; 0 = padding) -> batched -> next-token targets and
   weights (`models.llama.make_targets`, in the original token order).
-Then `GlobalBatches` permutes every per-token array with `flaxattn.load_balance` (under
-load-balanced context parallelism) and assembles global arrays with
+Then `GlobalBatches` permutes every per-token array into the load-balanced order (under
+context parallelism, `data.balance`: per document by one `flaxattn.balance_plan` of the
+batch, or the whole row by `flaxattn.load_balance`) and assembles global arrays with
 `jax.make_array_from_process_local_data`: batch over (data, fsdp), sequence over
 (context_ring, context).
 The grain iterator's state (`get_state`/`set_state`) is what checkpoints save.
@@ -259,12 +260,17 @@ class GlobalBatches:
     mesh: the training mesh (`train.config.MESH_AXES`).
     cp: the number of shards to load-balance for (`ContextParallel.balanced_shards`), or
       None for no permutation.
+    balance: `DataConfig.balance`: "document", "row" or "none".
+    masks: with "document", the model's masks, one per layer (`models.llama.layer_masks`),
+      which weigh each token's work.
   """
 
-  def __init__(self, mesh, *, batch_size: int, seq_len: int, cp: int | None):
+  def __init__(self, mesh, *, batch_size: int, seq_len: int, cp: int | None,
+               balance: str = "row", masks=None):
     self.sharding = NamedSharding(mesh, BATCH_SPEC)
     self.shape = (batch_size, seq_len)
-    self.cp = cp
+    self.cp = None if balance == "none" else cp
+    self.balance, self.masks = balance, masks
     index = self.sharding.addressable_devices_indices_map(self.shape).values()
     rows = [i[0].indices(batch_size) for i in index]
     cols = [i[1].indices(seq_len) for i in index]
@@ -277,9 +283,14 @@ class GlobalBatches:
   def to_global(self, local: dict) -> dict:
     """Global arrays of a local batch (dict of `[local_batch, seq_len]` numpy arrays)."""
     out = {}
+    plan = None
+    if self.cp is not None and self.balance == "document":  # one plan for every array
+      plan = flaxattn.balance_plan(local["segment_ids"], self.cp, self.masks)
     for key in KEYS:
       x = local[key]
-      if self.cp is not None:
+      if plan is not None:  # renumbered ids: the same documents, narrower ranges per block
+        x = plan.segment_ids(x) if key == "segment_ids" else plan.apply(x)
+      elif self.cp is not None:
         x = flaxattn.load_balance(x, self.cp)
       out[key] = jax.make_array_from_process_local_data(self.sharding, x[:, self.cols],
                                                         self.shape)

@@ -28,7 +28,7 @@ import optax
 from flax import nnx
 
 import flaxattn
-from models.llama import LAYERS_AXIS, Llama, flops_per_token, loss_fn, num_params
+from models.llama import LAYERS_AXIS, Llama, flops_per_token, layer_masks, loss_fn, num_params
 from train import (data, distributed, init_from, mesh as mesh_lib, metrics, optimizer,
                    run_dir, throughput, tokenizer as tokenizer_lib)
 from train.checkpoint import Checkpoints
@@ -146,7 +146,8 @@ def _parallelism(cfg: TrainConfig):
   cp = mesh_lib.context_parallel(cfg, mesh)
   shards = 1 if cp is None else cp.balanced_shards(mesh)
   batches = data.GlobalBatches(mesh, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
-                               cp=shards if shards > 1 else None)
+                               cp=shards if shards > 1 else None, balance=cfg.data.balance,
+                               masks=layer_masks(cfg.model))
   return mesh, rules, cp, batches
 
 

@@ -9,7 +9,7 @@ import jax
 from jax.sharding import AxisType
 
 import flaxattn
-from train.config import MESH_AXES, ConfigError, TrainConfig
+from train.config import BALANCE, MESH_AXES, ConfigError, TrainConfig
 
 
 def make(cfg: TrainConfig) -> jax.sharding.Mesh:
@@ -19,7 +19,7 @@ def make(cfg: TrainConfig) -> jax.sharding.Mesh:
   Raises:
     ConfigError: sizes that do not multiply to the device count; `batch_size` not a
       multiple of data x fsdp; `seq_len` not a multiple of context_ring x context (and of
-      2 x the load-balanced shards with load balancing).
+      2 x the load-balanced shards with row load balancing).
   """
   shape = cfg.mesh.shape(jax.device_count())
   sizes = dict(zip(MESH_AXES, shape))
@@ -30,10 +30,10 @@ def make(cfg: TrainConfig) -> jax.sharding.Mesh:
   mesh = jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
   cp = context_parallel(cfg, mesh)
   shards = sizes["context_ring"] * sizes["context"]
-  balanced = 1 if cp is None else cp.balanced_shards(mesh)
+  balanced = 1 if cp is None or not cp.row_balanced else cp.balanced_shards(mesh)
   seq_parts = math.lcm(shards, 2 * balanced if balanced > 1 else 1)
   if cfg.seq_len % seq_parts:
-    why = ", and 2 x the load-balanced shards" if balanced > 1 else ""
+    why = ", and 2 x the load-balanced shards (data.balance=row)" if balanced > 1 else ""
     raise ConfigError(f"seq_len ({cfg.seq_len}) expects a multiple of {seq_parts} (mesh"
                       f" context_ring x context{why}).")
   return mesh
@@ -46,4 +46,4 @@ def context_parallel(cfg: TrainConfig, mesh) -> flaxattn.ContextParallel | None:
     return None
   ring_axis = "context_ring" if mesh.shape["context_ring"] > 1 else None
   return flaxattn.ContextParallel("context", cfg.context_parallel.strategy,
-                                  cfg.context_parallel.load_balance, ring_axis)
+                                  BALANCE[cfg.data.balance], ring_axis)

@@ -204,8 +204,8 @@ def load(run_dir: str):
 @contextlib.contextmanager
 def on_mesh(model: Llama, run_dir: str, n: int):
   """With n > 1: a mesh of n devices (axis `context`) set around the block, the model's
-  parameters replicated on it; yields the run's `ContextParallel` (strategy and load
-  balancing) over `context`. n = 1: nothing changes, yields None.
+  parameters replicated on it; yields a `ContextParallel` over `context` with the run's
+  strategy and the dual-chunk order. n = 1: nothing changes, yields None.
 
   Raises:
     ValueError: n < 1 or more than the devices there are.
@@ -227,7 +227,9 @@ def on_mesh(model: Llama, run_dir: str, n: int):
   state = jax.device_put(nnx.state(model), NamedSharding(mesh, PartitionSpec()))
   nnx.update(model, state)
   with jax.set_mesh(mesh):
-    yield flaxattn.ContextParallel("context", strategy=run.strategy, load_balance=run.load_balance)
+    # The prompt's token order is the sampler's own: dual chunk (the prefill's output is the
+    # same in any order), whatever order the run trained in.
+    yield flaxattn.ContextParallel("context", strategy=run.strategy, load_balance=True)
 
 
 def main(argv: list[str]) -> int:
