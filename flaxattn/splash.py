@@ -144,6 +144,8 @@ def _kernel(normal: Band, order: TokenOrder, q_len: int, kv_len: int, groups: in
     return None
   q_sequence = None if mask_function is None else _q_sequence(q_len, order.shards, order.load_balance)
   infos = (splash_blocks.forward_info(blocks, None), splash_blocks.dkv_info(blocks, order.shards, None))
+  if not interpret:
+    _check_smem(infos, order.shards, q_len, kv_len, bq, bkv)
   # Mask infos must be concrete constants even when first built inside a jit trace.
   with jax.ensure_compile_time_eval():
     fwd, dkv = (info._replace(q_sequence=q_sequence) for info in jax.tree.map(jnp.asarray, infos))
@@ -152,6 +154,26 @@ def _kernel(normal: Band, order: TokenOrder, q_len: int, kv_len: int, groups: in
       mask_value=sk.DEFAULT_MASK_VALUE, attn_logits_soft_cap=soft_cap,
       residual_checkpoint_name=None, mask_function=mask_function,
       interpret=interpret)
+
+
+def _check_smem(infos, shards: int, q_len: int, kv_len: int, bq: int, bkv: int):
+  """Raises before compiling where a kernel's block metadata cannot fit TPU scalar memory
+  (Mosaic would fail with an allocation error), naming the block sizes that fit."""
+  used = max(splash_blocks.smem_bytes(info, shards) for info in infos)
+  if used <= splash_blocks.SMEM_BYTES:
+    return
+  rows = q_len // shards
+  fits = next(((block_size(rows, f * bq), block_size(kv_len, f * bkv)) for f in (2, 4, 8, 16, 32)
+               if splash_blocks.smem_bound(rows, kv_len, block_size(rows, f * bq),
+                                           block_size(kv_len, f * bkv)) <= splash_blocks.SMEM_BYTES),
+              None)
+  hint = ("" if fits is None else
+          f" Raise them, e.g. backend=flaxattn.splash.Splash(block_q={fits[0]}, block_kv={fits[1]}),")
+  raise ValueError(
+      f"splash's block metadata for {rows} query tokens per device and {kv_len} keys with"
+      f" block_q={bq}, block_kv={bkv} needs {used} bytes of TPU scalar memory per kernel, more"
+      f" than its {splash_blocks.SMEM_BYTES} bytes.{hint} or shard the sequence over more"
+      " devices (context_parallel).")
 
 
 @functools.lru_cache(maxsize=8)

@@ -17,6 +17,9 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ma
 from flaxattn.masks import Band, floor_div
 
 EMPTY, PARTIAL, FULL = 0, 1, 2  # splash's block_mask values
+# TPU scalar memory for one kernel's prefetched operands (1 MiB on v4 / v5: the limit in the
+# "would exceed memory (size=1048576)" compile error MaxText met with splash at 1M tokens).
+SMEM_BYTES = 1 << 20
 
 
 def _runs(order, shard, lo, length: int, shard_len: int):
@@ -118,3 +121,18 @@ def _info(blocks, data_next, q_sequence) -> mask_info_lib.MaskInfo:
   return mask_info_lib.MaskInfo(data_next=small(data_next[None]), mask_next=None,
                                 block_mask=small(blocks[None]), partial_mask_blocks=None,
                                 q_sequence=q_sequence)
+
+
+def smem_bytes(info: mask_info_lib.MaskInfo, q_shards: int) -> int:
+  """Bytes of scalar memory one device's kernel holds for `info` (its query shard's rows of
+  data_next, block_mask and mask_next, which splash prefetches whole)."""
+  return sum(a.size * a.dtype.itemsize // q_shards
+             for a in (info.data_next, info.block_mask, info.mask_next) if a is not None)
+
+
+def smem_bound(q_rows: int, kv_len: int, bq: int, bkv: int) -> int:
+  """Upper bound of `smem_bytes` for `q_rows` query tokens per device and `kv_len` keys: the
+  unshrunk grid, one byte of block_mask and the smallest type that holds a block index."""
+  q_blocks, kv_blocks = q_rows // bq, kv_len // bkv
+  index = 1 if max(q_blocks, kv_blocks) <= 127 else 2 if max(q_blocks, kv_blocks) <= 32767 else 4
+  return q_blocks * kv_blocks * (1 + index)

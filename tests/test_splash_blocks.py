@@ -10,7 +10,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ma
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask_info as mask_info_lib
 
 import flaxattn
-from flaxattn import splash
+from flaxattn import splash, splash_blocks
 from flaxattn.masks import band
 
 T = 1024
@@ -74,3 +74,16 @@ def test_closed_form_metadata_equals_per_pair_evaluation(mask, order):
       continue
     _assert_same(kernel.fwd_mask_info, fwd, ("fwd", bq, bkv))
     _assert_same(kernel.dkv_mask_info, dkv, ("dkv", bq, bkv))
+
+
+def test_metadata_that_cannot_fit_scalar_memory_raises_naming_block_sizes():
+  """128K tokens on one device with 128-blocks: 1024 x 1024 blocks of metadata (3 MiB) cannot
+  fit TPU scalar memory; the error names blocks that fit, and those build. Interpret mode
+  (no scalar memory) is not limited."""
+  t, causal = 131072, band(flaxattn.Causal())
+  with pytest.raises(ValueError, match=r"block_q=128, block_kv=128 needs 3145728 bytes of TPU"
+                     r" scalar memory.*Splash\(block_q=256, block_kv=256\)"):
+    splash._kernel.__wrapped__(causal, splash.TokenOrder(), t, t, 2, 128, 128, False)
+  kernel = splash._kernel.__wrapped__(causal, splash.TokenOrder(), t, t, 2, 256, 256, False)
+  assert max(splash_blocks.smem_bytes(i, 1) for i in (kernel.fwd_mask_info, kernel.dkv_mask_info)) == 512 * 512 * 3
+  assert splash._kernel.__wrapped__(causal, splash.TokenOrder(), t, t, 2, 128, 128, True) is not None
