@@ -415,6 +415,18 @@ class Splash(registry.Kernel):
     return _SplashLocal(float(scale), mask, fallback), (kernels, exact), (specs, P())
 
 
+# The blockwise ring step takes a traced step (it runs in a scan), so as a jitted call it is
+# traced once for all of splash's unrolled ring steps instead of once per step.
+@functools.partial(jax.jit, static_argnums=0)
+def _fallback_forward(fallback, step, q, k, v, layout):
+  return fallback.forward(step, None, q, k, v, layout)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _fallback_backward(fallback, step, q, k, v, layout, out, lse, dout, dlse):
+  return fallback.backward(step, None, q, k, v, layout, out, lse, dout, dlse)
+
+
 @dataclasses.dataclass(frozen=True)
 class _SplashLocal:
   """Per-device splash computation for context parallelism; its data is the shard-local
@@ -434,7 +446,7 @@ class _SplashLocal:
         exact,
         lambda: forward(kernel, q, k, v, layout.q_segment_ids, layout.kv_segment_ids,
                         scale=self.scale),
-        lambda: self.fallback.forward(step, None, q, k, v, layout))
+        lambda: _fallback_forward(self.fallback, jnp.int32(step), q, k, v, layout))
 
   def backward(self, step: int, data, q, k, v, layout: Layout, out, lse, dout, dlse):
     kernels, exact = data
@@ -445,7 +457,8 @@ class _SplashLocal:
         exact,
         lambda: backward(kernel, q, k, v, layout.q_segment_ids, layout.kv_segment_ids, out, lse,
                          dout, dlse, scale=self.scale),
-        lambda: self.fallback.backward(step, None, q, k, v, layout, out, lse, dout, dlse))
+        lambda: _fallback_backward(self.fallback, jnp.int32(step), q, k, v, layout, out, lse,
+                                   dout, dlse))
 
   def gathered(self, data, q, k, v, layout: Layout):
     kernels, exact = data
