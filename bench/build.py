@@ -76,7 +76,8 @@ def run_case(case: dict) -> dict:
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
-  from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # pylint: disable=import-outside-toplevel
+  from jax.sharding import (  # pylint: disable=import-outside-toplevel
+      AxisType, NamedSharding, PartitionSpec as P)
 
   import flaxattn  # pylint: disable=import-outside-toplevel
   from flaxattn import splash  # pylint: disable=import-outside-toplevel
@@ -136,7 +137,8 @@ def _smem(splash, flaxattn, mask, cp, n: int, t: int) -> int:
     kernels, shards = [kernel.kernel(mask, splash.TokenOrder(), q_shape, kv_shape)], 1
   elif cp.strategy == "ring":
     kv_step = (1, t // n, 4, 128)
-    kernels = [kernel.kernel(mask, splash.TokenOrder(n, True, s), q_shape, kv_step) for s in range(n)]
+    kernels = [kernel.kernel(mask, splash.TokenOrder(n, True, s), q_shape, kv_step)
+               for s in range(n)]
     shards = n
   else:
     kernels, shards = [kernel.kernel(mask, splash.TokenOrder(n, True, None), q_shape, kv_shape)], n
@@ -146,11 +148,13 @@ def _smem(splash, flaxattn, mask, cp, n: int, t: int) -> int:
 
 def run_train() -> dict:
   """The full-size train step of the 128K extension config, lowered for TPU."""
-  sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  sys.path.insert(0, os.path.join(root, "tests"))
   import tpu_train_step  # pylint: disable=import-outside-toplevel
   start = time.perf_counter()
   held = tpu_train_step.lower(*tpu_train_step.PRESETS["full_128k"])
-  return dict(case="train-8b-128k-fsdp16xcontext4", tpu_export_s=round(time.perf_counter() - start, 2),
+  return dict(case="train-8b-128k-fsdp16xcontext4",
+              tpu_export_s=round(time.perf_counter() - start, 2),
               rss_gib=round(_rss_gib(), 2), **held)
 
 
@@ -159,13 +163,13 @@ def _spawn(case, timeout: float) -> dict:
   env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
              JAX_PLATFORMS="cpu")
   cmd = [sys.executable, "-m", "bench.build", "--one", json.dumps(case)]
+  label = "train" if case == "train" else name(case)
   try:
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
   except subprocess.TimeoutExpired:
-    return dict(case="train" if case == "train" else name(case), error=f"timeout after {timeout:.0f} s")
+    return dict(case=label, error=f"timeout after {timeout:.0f} s")
   if out.returncode:
-    return dict(case="train" if case == "train" else name(case),
-                error=(out.stderr.strip().splitlines() or ["?"])[-1][:300])
+    return dict(case=label, error=(out.stderr.strip().splitlines() or ["?"])[-1][:300])
   return json.loads(out.stdout.strip().splitlines()[-1])
 
 

@@ -2,7 +2,7 @@
 
 Public API:
   attention, explain                     the functional entry point and its dispatch report
-  lowering_for                           trace kernels for another platform (TPU export on a CPU host)
+  lowering_for                           trace kernels for another platform (TPU export on CPU)
   Full, Causal, Local, Chunked, Mask     masks on positions and segments (combine with &)
   seqlens_and_offsets                    THD descriptor from segment ids, O(T + max_segments)
   MultiHeadAttention, RoPE, RoPEScaling  NNX layer (a drop-in for flax.nnx.MultiHeadAttention), rotary

@@ -142,8 +142,10 @@ def _kernel(normal: Band, order: TokenOrder, q_len: int, kv_len: int, groups: in
   blocks = splash_blocks.block_mask(normal, order, q_len, kv_len, bq, bkv)
   if not blocks.any():
     return None
-  q_sequence = None if mask_function is None else _q_sequence(q_len, order.shards, order.load_balance)
-  infos = (splash_blocks.forward_info(blocks, None), splash_blocks.dkv_info(blocks, order.shards, None))
+  q_sequence = (None if mask_function is None else
+                _q_sequence(q_len, order.shards, order.load_balance))
+  infos = (splash_blocks.forward_info(blocks, None),
+           splash_blocks.dkv_info(blocks, order.shards, None))
   if not interpret:
     _check_smem(infos, order.shards, q_len, kv_len, bq, bkv)
   # Mask infos must be concrete constants even when first built inside a jit trace.
@@ -163,12 +165,11 @@ def _check_smem(infos, shards: int, q_len: int, kv_len: int, bq: int, bkv: int):
   if used <= splash_blocks.SMEM_BYTES:
     return
   rows = q_len // shards
-  fits = next(((block_size(rows, f * bq), block_size(kv_len, f * bkv)) for f in (2, 4, 8, 16, 32)
-               if splash_blocks.smem_bound(rows, kv_len, block_size(rows, f * bq),
-                                           block_size(kv_len, f * bkv)) <= splash_blocks.SMEM_BYTES),
-              None)
-  hint = ("" if fits is None else
-          f" Raise them, e.g. backend=flaxattn.splash.Splash(block_q={fits[0]}, block_kv={fits[1]}),")
+  larger = [(block_size(rows, f * bq), block_size(kv_len, f * bkv)) for f in (2, 4, 8, 16, 32)]
+  fits = next((b for b in larger
+               if splash_blocks.smem_bound(rows, kv_len, *b) <= splash_blocks.SMEM_BYTES), None)
+  hint = ("" if fits is None else " Raise them, e.g. backend=flaxattn.splash.Splash("
+          f"block_q={fits[0]}, block_kv={fits[1]}),")
   raise ValueError(
       f"splash's block metadata for {rows} query tokens per device and {kv_len} keys with"
       f" block_q={bq}, block_kv={bkv} needs {used} bytes of TPU scalar memory per kernel, more"
@@ -181,7 +182,8 @@ def _q_sequence(q_len: int, shards: int, load_balance: bool) -> jax.Array:
   """Each kernel row's original token index, one constant shared by every ring step's kernel."""
   rows = np.arange(q_len, dtype=np.int32)
   shard_len = q_len // shards
-  original = TokenOrder(shards, load_balance).original(rows // shard_len, rows % shard_len, shard_len)
+  order = TokenOrder(shards, load_balance)
+  original = order.original(rows // shard_len, rows % shard_len, shard_len)
   with jax.ensure_compile_time_eval():
     return jnp.asarray(original, jnp.int32)
 

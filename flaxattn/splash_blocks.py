@@ -12,7 +12,8 @@ mask function, so no block is ever materialized. Derivation: docs/design.md (Spl
 from __future__ import annotations
 
 import numpy as np
-from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask_info as mask_info_lib
+from jax.experimental.pallas.ops.tpu.splash_attention import (
+    splash_attention_mask_info as mask_info_lib)
 
 from flaxattn.masks import Band, floor_div
 

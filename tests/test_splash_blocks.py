@@ -7,7 +7,8 @@ keys (all_gather), load balancing on and off, and every mask normal form."""
 import numpy as np
 import pytest
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
-from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask_info as mask_info_lib
+from jax.experimental.pallas.ops.tpu.splash_attention import (
+    splash_attention_mask_info as mask_info_lib)
 
 import flaxattn
 from flaxattn import splash, splash_blocks
@@ -56,7 +57,7 @@ def _assert_same(got, want, what):
     assert (a is None) == (b is None), (what, field, a, b)
     if b is not None:
       a = np.asarray(a)
-      assert a.dtype == b.dtype and a.shape == b.shape, (what, field, a.dtype, b.dtype, a.shape, b.shape)
+      assert (a.dtype, a.shape) == (b.dtype, b.shape), (what, field)
       np.testing.assert_array_equal(a, b, err_msg=f"{what} {field}")
 
 
@@ -85,5 +86,7 @@ def test_metadata_that_cannot_fit_scalar_memory_raises_naming_block_sizes():
                      r" scalar memory.*Splash\(block_q=256, block_kv=256\)"):
     splash._kernel.__wrapped__(causal, splash.TokenOrder(), t, t, 2, 128, 128, False)
   kernel = splash._kernel.__wrapped__(causal, splash.TokenOrder(), t, t, 2, 256, 256, False)
-  assert max(splash_blocks.smem_bytes(i, 1) for i in (kernel.fwd_mask_info, kernel.dkv_mask_info)) == 512 * 512 * 3
-  assert splash._kernel.__wrapped__(causal, splash.TokenOrder(), t, t, 2, 128, 128, True) is not None
+  infos = (kernel.fwd_mask_info, kernel.dkv_mask_info)
+  assert max(splash_blocks.smem_bytes(i, 1) for i in infos) == 512 * 512 * 3
+  interpreted = splash._kernel.__wrapped__(causal, splash.TokenOrder(), t, t, 2, 128, 128, True)
+  assert interpreted is not None
