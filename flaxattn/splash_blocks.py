@@ -64,6 +64,46 @@ def block_mask(normal: Band, order, q_len: int, kv_len: int, bq: int, bkv: int) 
   block) of a kernel whose rows and columns are in `order` (a `splash.TokenOrder`).
   Query blocks lie inside one shard (`bq` divides `q_len / order.shards`); so do key blocks."""
   shard_len = q_len // order.shards
+  segment = shard_len // 2 if order.load_balance else shard_len
+  if segment % bq or segment % bkv:  # blocks cross a load-balanced shard's two chunks
+    return _block_mask_by_runs(normal, order, q_len, kv_len, bq, bkv)
+  # Blocks tile segments of contiguous original indices (a shard, or a balanced shard's
+  # chunk). A band mask on a pair of segments depends only on their offset (and on the
+  # alignment to the chunk size), so each distinct pair is classified once and copied.
+  starts = lambda shard: ([order.original(shard, 0, shard_len)] if not order.load_balance else
+                          [order.original(shard, 0, shard_len),
+                           order.original(shard, segment, shard_len)])
+  q_blocks, kv_blocks = segment // bq, segment // bkv
+  period = normal.chunk or 1
+  blocks = np.empty((q_len // bq, kv_len // bkv), np.int32)
+  pairs = {}
+  for shard in range(order.shards):
+    if order.step is None:
+      keys = [k for s in range(kv_len // shard_len) for k in starts(s)]
+    else:
+      keys = starts((shard - order.step) % order.shards)
+    for i, q_start in enumerate(starts(shard)):
+      row = (shard * len(starts(shard)) + i) * q_blocks
+      for j, k_start in enumerate(keys):
+        key = (q_start % period, k_start - q_start)
+        if key not in pairs:
+          pairs[key] = _segment_pair(normal, key[0], key[0] + key[1], segment, bq, bkv)
+        blocks[row:row + q_blocks, j * kv_blocks:(j + 1) * kv_blocks] = pairs[key]
+  return blocks
+
+
+def _segment_pair(normal: Band, q_start: int, k_start: int, length: int, bq: int, bkv: int):
+  """Block kinds of queries `q_start ..` against keys `k_start ..`, `length` each."""
+  q_lo = q_start + np.arange(length // bq, dtype=np.int64)[:, None] * bq
+  k_lo = k_start + np.arange(length // bkv, dtype=np.int64)[None] * bkv
+  some, every = _pair_kinds(normal, q_lo, q_lo + bq - 1, k_lo, k_lo + bkv - 1)
+  return np.where(some, np.where(every, FULL, PARTIAL), EMPTY)
+
+
+def _block_mask_by_runs(normal: Band, order, q_len: int, kv_len: int, bq: int,
+                        bkv: int) -> np.ndarray:
+  """`block_mask` where a block may cover two runs (every block classified on its own)."""
+  shard_len = q_len // order.shards
   rows = np.arange(q_len // bq, dtype=np.int64) * bq
   q_shard = rows // shard_len
   q_runs = [(a[:, None], b[:, None], v[:, None])
@@ -91,11 +131,13 @@ def forward_info(blocks: np.ndarray, q_sequence) -> mask_info_lib.MaskInfo:
   """The forward MaskInfo of `blocks` (from `block_mask`, not all EMPTY): splash's shrunk
   grid, each query row's non-empty key blocks first, in order, padded with EMPTY / 0."""
   nonempty = blocks != EMPTY
-  counts = nonempty.sum(1)
-  cols = np.argsort(~nonempty, axis=1, kind="stable")[:, :counts.max()].astype(np.int32)
-  valid = np.arange(cols.shape[1]) < counts[:, None]
-  shrunk = np.where(valid, np.take_along_axis(blocks, cols, 1), EMPTY).astype(np.int32)
-  data_next = np.where(valid, cols, 0).astype(np.int32)
+  col = np.arange(blocks.shape[1], dtype=np.int32)
+  # Sorting puts each row's non-empty columns first, in order (empty ones shifted past them).
+  first = np.sort(np.where(nonempty, col, col + blocks.shape[1]), axis=1)
+  first = first[:, :nonempty.sum(1).max()]
+  valid = first < blocks.shape[1]
+  data_next = np.where(valid, first, 0).astype(np.int32)
+  shrunk = np.where(valid, np.take_along_axis(blocks, data_next, 1), EMPTY).astype(np.int32)
   return _info(shrunk, data_next, q_sequence)
 
 
@@ -108,7 +150,7 @@ def dkv_info(blocks: np.ndarray, q_shards: int, q_sequence) -> mask_info_lib.Mas
   per = nq // q_shards
   walk = blocks.reshape(q_shards, per, nk).transpose(0, 2, 1).reshape(q_shards, nk * per)
   none = nk * per
-  at = np.where(walk != EMPTY, np.arange(nk * per), none)
+  at = np.where(walk != EMPTY, np.arange(nk * per, dtype=np.int32), np.int32(none))
   following = np.minimum.accumulate(at[:, ::-1], axis=1)[:, ::-1]
   following = np.where(following == none, following[:, :1], following)
   local = np.where(following == none, 0, following % per).astype(np.int32)
