@@ -168,13 +168,14 @@ def _check_smem(infos, shards: int, q_len: int, kv_len: int, bq: int, bkv: int):
   larger = [(block_size(rows, f * bq), block_size(kv_len, f * bkv)) for f in (2, 4, 8, 16, 32)]
   fits = next((b for b in larger
                if splash_blocks.smem_bound(rows, kv_len, *b) <= splash_blocks.SMEM_BYTES), None)
-  hint = ("" if fits is None else " Raise them, e.g. backend=flaxattn.splash.Splash("
-          f"block_q={fits[0]}, block_kv={fits[1]}),")
+  shard = "shard the sequence over more devices (context_parallel)."
+  hint = (" Shard the sequence over more devices (context_parallel)." if fits is None else
+          " Raise them, e.g. backend=flaxattn.splash.Splash(block_q="
+          f"{fits[0]}, block_kv={fits[1]}), or {shard}")
   raise ValueError(
       f"splash's block metadata for {rows} query tokens per device and {kv_len} keys with"
       f" block_q={bq}, block_kv={bkv} needs {used} bytes of TPU scalar memory per kernel, more"
-      f" than its {splash_blocks.SMEM_BYTES} bytes.{hint} or shard the sequence over more"
-      " devices (context_parallel).")
+      f" than its {splash_blocks.SMEM_BYTES} bytes.{hint}")
 
 
 @functools.lru_cache(maxsize=8)
