@@ -148,9 +148,9 @@ def _kernel(normal: Band, order: TokenOrder, q_len: int, kv_len: int, groups: in
            splash_blocks.dkv_info(blocks, order.shards, None))
   if not interpret:
     _check_smem(infos, order.shards, q_len, kv_len, bq, bkv)
-  # Mask infos must be concrete constants even when first built inside a jit trace.
-  with jax.ensure_compile_time_eval():
-    fwd, dkv = (info._replace(q_sequence=q_sequence) for info in jax.tree.map(jnp.asarray, infos))
+  # Host (numpy) constants, concrete inside any trace: a jax array made under `jax.set_mesh`
+  # would be replicated on every device of the mesh (128 host copies on simulated devices).
+  fwd, dkv = (info._replace(q_sequence=q_sequence) for info in infos)
   return sk.SplashAttentionKernel(
       fwd, None, dkv, block_sizes=sizes, is_mqa=True, save_residuals=True,
       mask_value=sk.DEFAULT_MASK_VALUE, attn_logits_soft_cap=soft_cap,
@@ -179,14 +179,14 @@ def _check_smem(infos, shards: int, q_len: int, kv_len: int, bq: int, bkv: int):
 
 
 @functools.lru_cache(maxsize=8)
-def _q_sequence(q_len: int, shards: int, load_balance: bool) -> jax.Array:
+def _q_sequence(q_len: int, shards: int, load_balance: bool) -> np.ndarray:
   """Each kernel row's original token index, one constant shared by every ring step's kernel."""
   rows = np.arange(q_len, dtype=np.int32)
   shard_len = q_len // shards
   order = TokenOrder(shards, load_balance)
-  original = order.original(rows // shard_len, rows % shard_len, shard_len)
-  with jax.ensure_compile_time_eval():
-    return jnp.asarray(original, jnp.int32)
+  original = order.original(rows // shard_len, rows % shard_len, shard_len).astype(np.int32)
+  original.flags.writeable = False  # shared by every kernel of this order
+  return original
 
 
 def _kernel_spec(kernel: sk.SplashAttentionKernel, axis: str | None):
