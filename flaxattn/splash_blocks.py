@@ -3,10 +3,12 @@
 JAX's `process_mask` evaluates the mask on every token pair of every block to classify it
 (empty / partial / full). Here each block's rows and columns are at most two runs of
 contiguous original indices (a load-balanced shard is two chunks), and a band mask (causal,
-window, chunk) on two runs is classified exactly from their bounds. The arrays are those
-`process_mask` / `process_mask_dkv` produce for one mask shared by all heads, one head shard,
-fused backward (the dK/dV grid unshrunk); partial blocks are masked in the kernel by the
-mask function, so no block is ever materialized. Derivation: docs/design.md (Splash).
+window, chunk) on two runs is classified exactly from their bounds; where blocks tile whole
+segments of contiguous indices, each distinct pair of segments is classified once. The
+arrays are those `process_mask` / `process_mask_dkv` produce for one mask shared by all
+heads, one head shard, fused backward (the dK/dV grid unshrunk); partial blocks are masked
+in the kernel by the mask function, so no block is ever materialized. Derivation:
+docs/design.md (Splash).
 """
 
 from __future__ import annotations
