@@ -20,8 +20,9 @@ from flaxattn.context_parallel import Gathered
 from flaxattn.layout import Layout
 from flaxattn.masks import Mask
 
-# Per platform, fastest first. Kernel modules load when first consulted, so `import
-# flaxattn` touches no JAX private API and a change to one breaks one backend.
+# Per platform, fastest first. Kernel modules load when first consulted, so a JAX change to
+# the private API one uses breaks that backend only (`import flaxattn` itself uses one:
+# `jax._src.config`, for `lowering_for`'s config state).
 BACKENDS: dict[str, list[str]] = {
     "tpu": ["splash",      # Pallas TPU kernel with lazy masks; exact by a run-time check
             "blockwise"],  # whatever splash declines
