@@ -2,6 +2,7 @@
 
 Public API:
   attention, explain                     the functional entry point and its dispatch report
+  lowering_for                           trace kernels for another platform (TPU export on CPU)
   Full, Causal, Local, Chunked, Mask     masks on positions and segments (combine with &)
   seqlens_and_offsets                    THD descriptor from segment ids, O(T + max_segments)
   MultiHeadAttention, RoPE, RoPEScaling  NNX layer (a drop-in for flax.nnx.MultiHeadAttention), rotary
@@ -21,12 +22,13 @@ from flaxattn.balance import BalancePlan, balance_plan, load_balance, unload_bal
 from flaxattn.context_parallel import ContextParallel
 from flaxattn.layer import MultiHeadAttention
 from flaxattn.masks import Causal, Chunked, Full, Local, Mask
+from flaxattn.registry import lowering_for
 from flaxattn.rope import RoPE, RoPEScaling
 from flaxattn.segments import SeqlensOffsets, seqlens_and_offsets
 from flaxattn.stock_nnx import nnx_attention_fn
 
 __all__ = [
-    "attention", "explain",
+    "attention", "explain", "lowering_for",
     "Mask", "Full", "Causal", "Local", "Chunked",
     "seqlens_and_offsets", "SeqlensOffsets",
     "ContextParallel", "load_balance", "unload_balance", "balance_plan", "BalancePlan",

@@ -146,7 +146,8 @@ def attention(q, k, v, *, mask: Mask = Causal(), segment_ids=None, positions=Non
     return lambda q, k, v, layout: context_parallel_attention(
         q, k, v, layout, cp=context_parallel, kernel=kernel, **options)
 
-  # One traced program, each platform's kernel: the lowering keeps the one it is for.
+  # The kernel of each platform the program is lowered for (one unless `lowering_for` names
+  # several: then `platform_dependent`, and the lowering keeps its own).
   others = {p: run(kernel) for p, kernel in kernels.items() if kernel != here}
   if not others:
     result = run(here)(q, k, v, layout)

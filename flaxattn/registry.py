@@ -8,18 +8,21 @@ an explicit kernel that declines raises with its reason and the kernels that wou
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 
 import jax
 import numpy as np
+from jax._src import config as jax_config
 
 from flaxattn.context_parallel import Gathered
 from flaxattn.layout import Layout
 from flaxattn.masks import Mask
 
-# Per platform, fastest first. Kernel modules load when first consulted, so `import
-# flaxattn` touches no JAX private API and a change to one breaks one backend.
+# Per platform, fastest first. Kernel modules load when first consulted, so a JAX change to
+# the private API one uses breaks that backend only (`import flaxattn` itself uses one:
+# `jax._src.config`, for `lowering_for`'s config state).
 BACKENDS: dict[str, list[str]] = {
     "tpu": ["splash",      # Pallas TPU kernel with lazy masks; exact by a run-time check
             "blockwise"],  # whatever splash declines
@@ -41,6 +44,45 @@ _KERNELS: dict[str, Kernel] = {}
 PLATFORMS = ("cpu", "gpu", "tpu")
 # `jax.lax.platform_dependent`'s names of the platforms a program may be lowered for.
 LOWERING = {"cpu": "cpu", "cuda": "gpu", "tpu": "tpu"}
+# The platforms programs traced now are lowered for ("tpu", "cpu,tpu"), "" for the devices'
+# own. A JAX config state, so that it keys JAX's trace caches: a function traced for CPU
+# and then exported for TPU is traced again (env FLAXATTN_LOWERING_PLATFORMS sets it too).
+_LOWERING_FOR = jax_config.string_or_object_state(
+    "flaxattn_lowering_platforms", "", "Platforms flaxattn traces kernels for (see"
+    " flaxattn.lowering_for); empty: the platform of the devices the program runs on.",
+    include_in_trace_context=True)
+
+
+@contextlib.contextmanager
+def lowering_for(*platforms: str):
+  """Programs traced inside hold the attention kernels of `platforms` ("cpu", "gpu" or
+  "cuda", "tpu") instead of those of the devices they run on: how a host exports a program
+  for another platform, e.g. on a CPU host
+  `with flaxattn.lowering_for("tpu"): jax.export.export(jax.jit(f), platforms=("tpu",))(x)`
+  (compiled splash kernels). The tracing must happen inside. Several platforms: one program
+  holds each one's kernel under `jax.lax.platform_dependent` (tracing costs each kernel's
+  build).
+
+  Raises:
+    ValueError: no platform, or one not among cpu, gpu (cuda), tpu.
+  """
+  names = [LOWERING.get(p, p) for p in platforms]
+  if not names or any(n not in PLATFORMS for n in names):
+    raise ValueError(f"lowering_for expects one or more of {PLATFORMS} (or 'cuda'), got"
+                     f" {platforms!r}; e.g. flaxattn.lowering_for('tpu').")
+  with _LOWERING_FOR(",".join(dict.fromkeys(names))):
+    yield
+
+
+def lowering_platforms() -> tuple[str, ...]:
+  """The platforms a program traced now holds kernels for (the first is its `Call`'s): those
+  of `lowering_for`, else the platform of the devices it runs on (the mesh's devices under
+  `jax.set_mesh`, else the default backend)."""
+  chosen = _LOWERING_FOR.value
+  if chosen:
+    return tuple(LOWERING.get(p, p) for p in chosen.split(","))
+  device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+  return (device.platform if device is not None else jax.default_backend(),)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,8 +113,9 @@ class Call:
   def of(cls, q, k, v, mask: Mask, layout: Layout, return_lse: bool, cp_size: int = 1,
          cp_strategy: str | None = None, ring_size: int | None = None, has_sinks: bool = False,
          soft_cap: float | None = None) -> Call:
-    """The call of `flaxattn.attention` on the current platform for these arguments."""
-    return cls(platform=jax.default_backend(), q_shape=tuple(q.shape), kv_shape=tuple(k.shape),
+    """The call of `flaxattn.attention` for these arguments, on the (first) platform it is
+    lowered for (`lowering_platforms`)."""
+    return cls(platform=lowering_platforms()[0], q_shape=tuple(q.shape), kv_shape=tuple(k.shape),
                dtype=str(np.dtype(q.dtype)), mask=mask,
                has_segment_ids=layout.q_segment_ids is not None,
                has_positions=layout.q_positions is not None or layout.kv_positions is not None,
@@ -249,25 +292,24 @@ def select(backend, call: Call, traced_here: bool = False) -> Kernel:
 
 
 def per_platform(backend, call: Call) -> dict[str, Kernel]:
-  """The kernel each platform runs, keyed by `LOWERING` name, resolved for that platform
-  (`Kernel.on`): one traced program holds them all and `jax.lax.platform_dependent` keeps
-  the one of the platform it is lowered for. The call's own platform is always present
-  (and raises as `select` does); another platform is left out when no kernel that can be
-  traced here serves it (its lowering then takes the call's own platform's kernel).
+  """The kernel of each platform the program is lowered for (`lowering_platforms`; the
+  first is `call.platform`), keyed by `LOWERING` name and resolved for it (`Kernel.on`):
+  only these are traced. A platform other than this process's backend skips kernels that
+  cannot be traced here (`traces_anywhere = False`).
+
+  Raises:
+    ValueError: as `select`, or an explicit kernel that cannot be traced on this host.
   """
-  here = call.platform
+  here = jax.default_backend()
   kernels = {}
-  for lowering, platform in LOWERING.items():
-    on = dataclasses.replace(call, platform=platform)
-    if platform == here:
-      kernels[lowering] = select(backend, on).on(platform)
-      continue
-    try:
-      kernel = select(backend, on, traced_here=True)
-    except ValueError:
-      continue
-    if kernel.traces_anywhere:
-      kernels[lowering] = kernel.on(platform)
+  for platform in lowering_platforms():
+    away = platform != here
+    kernel = select(backend, dataclasses.replace(call, platform=platform), traced_here=away)
+    if away and not kernel.traces_anywhere:
+      raise ValueError(f"backend={backend!r}: {kernel.name} needs its platform's libraries"
+                       f" while tracing, so a {here} host cannot trace it for {platform}; trace"
+                       f" on a {platform} host, or pass backend='auto'.")
+    kernels[lowering_name(platform)] = kernel.on(platform)
   return kernels
 
 
@@ -314,18 +356,10 @@ def describe(backend, call: Call) -> str:
   lines += [f"  {p}: {_resolve(backend, dataclasses.replace(call, platform=p))}" for p in PLATFORMS]
   try:
     traced = per_platform(backend, call)
-  except ValueError:
-    return "\n".join(lines)
-  here = traced[lowering_name(call.platform)]
-  held = {p: traced.get(p, here).name for p in LOWERING}
-  lines.append(f"a program traced here ({call.platform}) holds, per lowering platform: "
-               + ", ".join(f"{p}: {name}" for p, name in held.items()))
-  for p, name in held.items():
-    try:
-      wanted = select(backend, dataclasses.replace(call, platform=LOWERING[p])).name
-    except ValueError:
-      continue
-    if wanted != name:
-      lines.append(f"  ({p} runs {wanted} only in a program traced on a {p} host: {wanted}"
-                   " needs its platform's libraries while tracing)")
+  except ValueError as e:
+    return "\n".join(lines + [f"a program traced now: error: {e}"])
+  why = ("set by flaxattn.lowering_for" if _LOWERING_FOR.value else "the platform of the devices"
+         " it runs on; flaxattn.lowering_for(...) to lower for another")
+  lines.append(f"a program traced now holds kernels for ({why}): "
+               + ", ".join(f"{LOWERING[p]}: {k.name}" for p, k in traced.items()))
   return "\n".join(lines)

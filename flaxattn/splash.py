@@ -17,10 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
-from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask_info as mask_info_lib
 from jax.sharding import PartitionSpec as P
 
-from flaxattn import blockwise, registry, sharding
+from flaxattn import blockwise, registry, sharding, splash_blocks
 from flaxattn.layout import Layout, index_check, needs_index_check
 from flaxattn.masks import Band, Mask, NoBand, band, floor_div
 
@@ -81,40 +80,33 @@ class TokenOrder:
     return first_start + second * (second_start - first_start) + (col - second * chunk_len)
 
 
-class _OrderedMask(sm._ComputableMask):  # pylint: disable=protected-access
-  """A lazy mask on original indices for a kernel whose rows/columns are in `order`."""
+@dataclasses.dataclass(frozen=True)
+class _OrderedRule:
+  """The mask function of a kernel whose rows and columns are in `order`: the mask's own rule
+  on original indices (numpy on the host, jax inside the kernel). Hashable, and holds no
+  per-token state: one exists per ring step."""
 
-  def __init__(self, normal: Band, shape: tuple[int, int], order: TokenOrder):
-    self.normal, self.order = normal, order
-    self.shard_len = shape[0] // order.shards
-    super().__init__(shape, self._mask_function)
-    rows = np.arange(shape[0], dtype=np.int32)
-    self.q_sequence = order.original(rows // self.shard_len, rows % self.shard_len,
-                                     self.shard_len).astype(np.int32)
+  normal: Band
+  order: TokenOrder
+  shard_len: int
 
-  def _mask_function(self, q_index, col):
-    # The mask's own rule, on indices: numpy on the host, jax inside the kernel.
+  def __call__(self, q_index, col):
     return self.normal.mask.allows(q_index, self.order.key_original(q_index, col, self.shard_len))
 
-  def __eq__(self, other):
-    return (isinstance(other, _OrderedMask) and (self.normal, self.shape, self.order)
-            == (other.normal, other.shape, other.order))
 
-  def __hash__(self):
-    return hash((self.normal, self.shape, self.order))
-
-
-def _splash_mask(normal: Band, shape: tuple[int, int], order: TokenOrder) -> sm.Mask:
+def _mask_function(normal: Band, shape: tuple[int, int], order: TokenOrder):
+  """What splash evaluates inside partial blocks, on (original query index, key column);
+  None for Full (no partial blocks)."""
   if normal == Band():
-    return sm.FullMask(shape)
+    return None
   if order.shards > 1 or normal.chunk is not None:
     # Our rule on original indices (splash's own chunked mask divides with an op Mosaic
     # cannot lower for TPU from another host).
-    return _OrderedMask(normal, shape, order)
+    return _OrderedRule(normal, order, shape[0] // order.shards)
   if normal.window is None:
-    return sm.CausalMask(shape)
+    return sm.CausalMask(shape).mask_function
   # ours: p - w < k <= p, i.e. w - 1 keys to the left
-  return sm.LocalMask(shape, window_size=(normal.window - 1, 0), offset=0)
+  return sm.LocalMask(shape, window_size=(normal.window - 1, 0), offset=0).mask_function
 
 
 def block_size(length: int, requested: int) -> int:
@@ -132,7 +124,7 @@ def default_block(head_dim: int) -> int:
   return max(LANES, 512 * 128 // max(head_dim, 128) // LANES * LANES)
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=512)  # a kernel per ring step, cp up to 128, a few masks
 def _kernel(normal: Band, order: TokenOrder, q_len: int, kv_len: int, groups: int, bq: int,
             bkv: int, interpret: bool,
             soft_cap: float | None = None) -> sk.SplashAttentionKernel | None:
@@ -141,26 +133,60 @@ def _kernel(normal: Band, order: TokenOrder, q_len: int, kv_len: int, groups: in
   nothing (a ring step whose keys no query may see)."""
   sizes = sk.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq,
                         block_kv_dkv=bkv, block_kv_dkv_compute=bkv, use_fused_bwd_kernel=True)
-  mask = sm.MultiHeadMask([_splash_mask(normal, (q_len, kv_len), order)] * groups)
-  # Mask infos must be concrete constants even when first built inside a jit trace.
-  with jax.ensure_compile_time_eval():
-    if order.shards == 1:
-      return sk.make_splash_mqa(mask, block_sizes=sizes, save_residuals=True, head_shards=1,
-                                q_seq_shards=1, interpret=interpret,
-                                attn_logits_soft_cap=soft_cap)
-    # Sharded queries: the dK/dV MaskInfo's indices are relative to each query shard; the
-    # forward MaskInfo is the same for any number of shards, so it is built for one (jax
-    # 0.10 fails to shrink a sharded grid without partial blocks, and any empty grid).
-    dkv, _ = mask_info_lib.process_mask_dkv(mask, (bq, bkv), head_shards=1,
-                                            q_seq_shards=order.shards, shrink_grid=False)
-    if not dkv.block_mask.any():
-      return None
-    fwd, mask_function = mask_info_lib.process_mask(mask, (bq, bkv), head_shards=1, q_seq_shards=1)
-    return sk.SplashAttentionKernel(
-        jax.tree.map(jnp.asarray, fwd), None, jax.tree.map(jnp.asarray, dkv), block_sizes=sizes,
-        is_mqa=True, save_residuals=True, mask_value=sk.DEFAULT_MASK_VALUE,
-        attn_logits_soft_cap=soft_cap, residual_checkpoint_name=None, mask_function=mask_function,
-        interpret=interpret)
+  del groups  # every head has the same mask: splash keeps one copy of its metadata
+  mask_function = _mask_function(normal, (q_len, kv_len), order)
+  # The block metadata in closed form (splash_blocks), exactly what splash's `process_mask`
+  # builds by evaluating the mask on every token pair. Sharded queries: the dK/dV indices
+  # are relative to each query shard; the forward MaskInfo is the same for any number of
+  # shards, so it is built for one.
+  blocks = splash_blocks.block_mask(normal, order, q_len, kv_len, bq, bkv)
+  if not blocks.any():
+    return None
+  q_sequence = (None if mask_function is None else
+                _q_sequence(q_len, order.shards, order.load_balance))
+  infos = (splash_blocks.forward_info(blocks, None),
+           splash_blocks.dkv_info(blocks, order.shards, None))
+  if not interpret:
+    _check_smem(infos, order.shards, q_len, kv_len, bq, bkv)
+  # Host (numpy) constants, concrete inside any trace: a jax array made under `jax.set_mesh`
+  # would be replicated on every device of the mesh (128 host copies on simulated devices).
+  fwd, dkv = (info._replace(q_sequence=q_sequence) for info in infos)
+  return sk.SplashAttentionKernel(
+      fwd, None, dkv, block_sizes=sizes, is_mqa=True, save_residuals=True,
+      mask_value=sk.DEFAULT_MASK_VALUE, attn_logits_soft_cap=soft_cap,
+      residual_checkpoint_name=None, mask_function=mask_function,
+      interpret=interpret)
+
+
+def _check_smem(infos, shards: int, q_len: int, kv_len: int, bq: int, bkv: int):
+  """Raises before compiling where a kernel's block metadata cannot fit TPU scalar memory
+  (Mosaic would fail with an allocation error), naming the block sizes that fit."""
+  used = max(splash_blocks.smem_bytes(info, shards) for info in infos)
+  if used <= splash_blocks.SMEM_BYTES:
+    return
+  rows = q_len // shards
+  larger = [(block_size(rows, f * bq), block_size(kv_len, f * bkv)) for f in (2, 4, 8, 16, 32)]
+  fits = next((b for b in larger
+               if splash_blocks.smem_bound(rows, kv_len, *b) <= splash_blocks.SMEM_BYTES), None)
+  shard = "shard the sequence over more devices (context_parallel)."
+  hint = (" Shard the sequence over more devices (context_parallel)." if fits is None else
+          " Raise them, e.g. backend=flaxattn.splash.Splash(block_q="
+          f"{fits[0]}, block_kv={fits[1]}), or {shard}")
+  raise ValueError(
+      f"splash's block metadata for {rows} query tokens per device and {kv_len} keys with"
+      f" block_q={bq}, block_kv={bkv} needs {used} bytes of TPU scalar memory per kernel, more"
+      f" than its {splash_blocks.SMEM_BYTES} bytes.{hint}")
+
+
+@functools.lru_cache(maxsize=8)
+def _q_sequence(q_len: int, shards: int, load_balance: bool) -> np.ndarray:
+  """Each kernel row's original token index, one constant shared by every ring step's kernel."""
+  rows = np.arange(q_len, dtype=np.int32)
+  shard_len = q_len // shards
+  order = TokenOrder(shards, load_balance)
+  original = order.original(rows // shard_len, rows % shard_len, shard_len).astype(np.int32)
+  original.flags.writeable = False  # shared by every kernel of this order
+  return original
 
 
 def _kernel_spec(kernel: sk.SplashAttentionKernel, axis: str | None):
@@ -392,6 +418,18 @@ class Splash(registry.Kernel):
     return _SplashLocal(float(scale), mask, fallback), (kernels, exact), (specs, P())
 
 
+# The blockwise ring step takes a traced step (it runs in a scan), so as a jitted call it is
+# traced once for all of splash's unrolled ring steps instead of once per step.
+@functools.partial(jax.jit, static_argnums=0)
+def _fallback_forward(fallback, step, q, k, v, layout):
+  return fallback.forward(step, None, q, k, v, layout)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _fallback_backward(fallback, step, q, k, v, layout, out, lse, dout, dlse):
+  return fallback.backward(step, None, q, k, v, layout, out, lse, dout, dlse)
+
+
 @dataclasses.dataclass(frozen=True)
 class _SplashLocal:
   """Per-device splash computation for context parallelism; its data is the shard-local
@@ -411,7 +449,7 @@ class _SplashLocal:
         exact,
         lambda: forward(kernel, q, k, v, layout.q_segment_ids, layout.kv_segment_ids,
                         scale=self.scale),
-        lambda: self.fallback.forward(step, None, q, k, v, layout))
+        lambda: _fallback_forward(self.fallback, jnp.int32(step), q, k, v, layout))
 
   def backward(self, step: int, data, q, k, v, layout: Layout, out, lse, dout, dlse):
     kernels, exact = data
@@ -422,7 +460,8 @@ class _SplashLocal:
         exact,
         lambda: backward(kernel, q, k, v, layout.q_segment_ids, layout.kv_segment_ids, out, lse,
                          dout, dlse, scale=self.scale),
-        lambda: self.fallback.backward(step, None, q, k, v, layout, out, lse, dout, dlse))
+        lambda: _fallback_backward(self.fallback, jnp.int32(step), q, k, v, layout, out, lse,
+                                   dout, dlse))
 
   def gathered(self, data, q, k, v, layout: Layout):
     kernels, exact = data

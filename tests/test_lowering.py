@@ -1,6 +1,7 @@
-"""Programs lowered for TPU from this CPU host (`jax.export`, platforms=("tpu",)): the
-traced program holds splash compiled by Mosaic (`tpu_custom_call`), never an interpret-mode
-loop, alone and under context parallelism on simulated CPU device meshes."""
+"""Programs lowered for TPU from this CPU host (`flaxattn.lowering_for("tpu")` around
+`jax.export`, platforms=("tpu",)): the traced program holds splash compiled by Mosaic
+(`tpu_custom_call`), never an interpret-mode loop, alone and under context parallelism on
+simulated CPU device meshes. Without the switch a program holds only its devices' kernels."""
 
 import json
 import os
@@ -25,7 +26,8 @@ def _packed(b, t):
 
 
 def tpu_program(fn, *args) -> str:
-  return jax.export.export(jax.jit(fn), platforms=("tpu",))(*args).mlir_module()
+  with flaxattn.lowering_for("tpu"):
+    return jax.export.export(jax.jit(fn), platforms=("tpu",))(*args).mlir_module()
 
 
 def _grad_fn(**kwargs):
@@ -47,14 +49,33 @@ def test_auto_lowers_compiled_splash_for_tpu(mask, dtype):
   assert "stablehlo.while" not in text
 
 
-def test_same_program_lowers_blockwise_for_cpu():
+def test_default_program_holds_only_its_devices_kernel(monkeypatch):
+  """On this CPU host a program holds the blockwise kernel and builds no splash metadata, even
+  after the same function was traced for TPU (the switch keys JAX's trace caches); with
+  `lowering_for("cpu", "tpu")` one program holds both and each lowering keeps its own."""
+  from flaxattn import splash_blocks  # pylint: disable=import-outside-toplevel
   q = jnp.zeros((1, 256, 4, 64), jnp.bfloat16)
   kv = jnp.zeros((1, 256, 2, 64), jnp.bfloat16)
-  fn = _grad_fn(segment_ids=_packed(1, 256))
-  cpu = jax.export.export(jax.jit(fn), platforms=("cpu",))(q, kv, kv).mlir_module()
-  assert "tpu_custom_call" not in cpu and "stablehlo.while" in cpu
+  fn = _grad_fn(segment_ids=_packed(1, 256), mask=flaxattn.Local(96))  # uncached: a new mask
   assert "tpu_custom_call" in tpu_program(fn, q, kv, kv)
+  built = []
+  monkeypatch.setattr(splash_blocks, "block_mask", lambda *a: built.append(a))
+  cpu = jax.jit(fn).lower(q, kv, kv).as_text()
+  assert "tpu_custom_call" not in cpu and "while" in cpu and not built
   assert jax.jit(fn)(q, kv, kv)[0].shape == q.shape  # and it runs here
+  text = flaxattn.explain(q, kv, kv, print_fn=None)
+  assert "holds kernels for (the platform of the devices it runs on" in text
+  assert "cpu: blockwise" in text
+  monkeypatch.undo()
+  with flaxattn.lowering_for("cpu", "tpu"):  # each export keeps its platform's branch
+    assert "holds kernels for (set by flaxattn.lowering_for): cpu: blockwise, tpu: splash" in (
+        flaxattn.explain(q, kv, kv, print_fn=None))
+    cpu = jax.export.export(jax.jit(fn), platforms=("cpu",))(q, kv, kv).mlir_module()
+    tpu = jax.export.export(jax.jit(fn), platforms=("tpu",))(q, kv, kv).mlir_module()
+  assert "tpu_custom_call" not in cpu and "tpu_custom_call" in tpu
+  with pytest.raises(ValueError, match=r"lowering_for expects one or more of .*got \('tpuu',\)"):
+    with flaxattn.lowering_for("tpuu"):
+      pass
 
 
 def test_explicit_positions_keep_the_exact_path_next_to_the_kernel():
@@ -87,14 +108,27 @@ def test_context_parallel_lowers_compiled_splash_for_tpu(n):
     assert (r["collective_permutes"] > 0) == (name == "ulysses_ring"), r
 
 
+def _train_step(devices: int, preset: str) -> dict:
+  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+             JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+  out = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "tpu_train_step.py"), preset],
+                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  return json.loads(out.stdout.splitlines()[-1])
+
+
 def test_llama_train_step_of_the_tpu_config_lowers_for_tpu():
   """configs/tpu_v5p_8b.yaml's model and mesh axes scaled down (tests/tpu_train_step.py):
   the whole train step (scanned layers, remat, ring over context) lowers for TPU with
   compiled splash kernels and the ring's collective-permutes."""
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-             JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
-  out = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "tpu_train_step.py")],
-                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
-  assert out.returncode == 0, out.stderr[-3000:]
-  held = json.loads(out.stdout.splitlines()[-1])
+  held = _train_step(8, "small_8b")
+  assert held["tpu_custom_calls"] >= 8 and held["collective_permutes"] > 0, held
+
+
+def test_train_step_of_the_128k_config_lowers_for_tpu_at_full_length():
+  """configs/tpu_v5p_8b_extend_128k.yaml at its full sequence length, batch and mesh
+  (fsdp 16 x context 4 over 64 simulated devices), narrow and shallow."""
+  held = _train_step(64, "small_128k")
+  assert held["mesh"] == {"data": 1, "fsdp": 16, "tensor": 1, "context_ring": 1, "context": 4}, held
+  assert (held["seq_len"], held["batch_size"]) == (131072, 16), held
   assert held["tpu_custom_calls"] >= 8 and held["collective_permutes"] > 0, held

@@ -35,7 +35,7 @@ def main(n: int):
       out = flaxattn.attention(q, k, v, segment_ids=seg, context_parallel=cp)
       return jnp.sum(out.astype(jnp.float32) ** 2)
 
-    with jax.set_mesh(mesh):
+    with jax.set_mesh(mesh), flaxattn.lowering_for("tpu"):
       text = jax.export.export(jax.jit(jax.grad(loss, (0, 1, 2))), platforms=("tpu",))(
           q, kv, kv).mlir_module()
     gathers = re.findall(r'"stablehlo.all_gather"\(.*?\) -> tensor<[^>]*x(f32|bf16|f16)>', text)

@@ -1,26 +1,39 @@
-"""The trainer's step for `configs/tpu_v5p_8b.yaml`'s model, scaled down to few layers and
-short rows, on its mesh axes (fsdp x context over 8 simulated CPU devices), lowered for
-TPU; run by test_lowering.py as `XLA_FLAGS=--xla_force_host_platform_device_count=8
-python tests/tpu_train_step.py`. Prints one JSON line of what the program holds."""
+"""The trainer's step for a TPU config, lowered for TPU from this CPU host on the config's
+mesh axes over simulated CPU devices; run by test_lowering.py as
+`XLA_FLAGS=--xla_force_host_platform_device_count=N python tests/tpu_train_step.py PRESET`
+(N: the mesh's devices; PRESET a key of `PRESETS`). Prints one JSON line of what the
+program holds. `bench.build --train` lowers the 128K extension config at full size."""
 
 import json
+import sys
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+import flaxattn
 from train import config, loop
 from train.data import KEYS
 
-# The 8B shape's ratios (GQA 4:1, head_dim 128), 2 layers, 2 x 1024-token rows.
-SMALL = ["model.dim=512", "model.n_heads=4", "model.n_kv_heads=1", "model.ffn_dim=1024",
-         "model.n_layers=2", "model.vocab_size=1024", "model.max_seq_len=4096", "seq_len=4096",
-         "batch_size=2", "mesh.fsdp=2", "mesh.context=4", "platform=cpu"]
+# configs/tpu_v5p_8b.yaml: the 8B shape's ratios (GQA 4:1, head_dim 128), 2 layers, 2 x
+# 4096-token rows, fsdp 2 x context 4 (8 devices).
+SMALL_8B = ["model.dim=512", "model.n_heads=4", "model.n_kv_heads=1", "model.ffn_dim=1024",
+            "model.n_layers=2", "model.vocab_size=1024", "model.max_seq_len=4096", "seq_len=4096",
+            "batch_size=2", "mesh.fsdp=2", "mesh.context=4", "platform=cpu"]
+# configs/tpu_v5p_8b_extend_128k.yaml at its full sequence length (131072), batch (16) and
+# mesh (fsdp 16 x context 4: 64 devices), width and depth scaled down (GQA 4:1 kept).
+SMALL_128K = ["model.dim=256", "model.n_heads=4", "model.n_kv_heads=1", "model.ffn_dim=512",
+              "model.n_layers=2", "model.vocab_size=1024", "platform=cpu"]
+FULL_128K = ["platform=cpu"]  # the 8B model itself (abstract: no parameter memory)
+PRESETS = {"small_8b": ("configs/tpu_v5p_8b.yaml", SMALL_8B),
+           "small_128k": ("configs/tpu_v5p_8b_extend_128k.yaml", SMALL_128K),
+           "full_128k": ("configs/tpu_v5p_8b_extend_128k.yaml", FULL_128K)}
 
 
-def main():
-  cfg = config.load("configs/tpu_v5p_8b.yaml", SMALL)
+def lower(path: str, overrides: list[str]) -> dict:
+  """Lowers the train step of config `path` for TPU; what the program holds."""
+  cfg = config.load(path, overrides)
   mesh, rules, cp, _ = loop._parallelism(cfg)  # pylint: disable=protected-access
   with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
     graphdef, abstract = nnx.get_abstract_model(lambda: loop._make_state(cfg, cp), mesh)  # pylint: disable=protected-access
@@ -34,11 +47,13 @@ def main():
     batch = {k: jax.ShapeDtypeStruct((cfg.batch_size, cfg.seq_len),
                                      jnp.float32 if k == "weights" else jnp.int32, sharding=rows)
              for k in KEYS}
-    text = jax.export.export(jax.jit(step), platforms=("tpu",))(abstract, batch).mlir_module()
-  print(json.dumps(dict(tpu_custom_calls=text.count("tpu_custom_call"),
-                        collective_permutes=text.count("collective_permute"),
-                        while_loops=text.count("stablehlo.while"))), flush=True)
+    with flaxattn.lowering_for("tpu"):
+      text = jax.export.export(jax.jit(step), platforms=("tpu",))(abstract, batch).mlir_module()
+  return dict(devices=mesh.size, mesh=dict(mesh.shape), seq_len=cfg.seq_len,
+              batch_size=cfg.batch_size, tpu_custom_calls=text.count("tpu_custom_call"),
+              collective_permutes=text.count("collective_permute"),
+              while_loops=text.count("stablehlo.while"))
 
 
 if __name__ == "__main__":
-  main()
+  print(json.dumps(lower(*PRESETS[sys.argv[1]])), flush=True)

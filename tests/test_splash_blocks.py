@@ -1,0 +1,92 @@
+"""Splash's block metadata in closed form (`flaxattn.splash_blocks`) equals, array for array and
+dtype for dtype, what JAX's `process_mask` / `process_mask_dkv` build by evaluating the mask on
+every token pair (today's construction), for every token order splash runs in: alone and under
+Ulysses (one shard), each ring step (ring, Ulysses x ring, the window-aware ring), gathered
+keys (all_gather), load balancing on and off, and every mask normal form."""
+
+import numpy as np
+import pytest
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+from jax.experimental.pallas.ops.tpu.splash_attention import (
+    splash_attention_mask_info as mask_info_lib)
+
+import flaxattn
+from flaxattn import splash, splash_blocks
+from flaxattn.masks import band
+
+T = 1024
+MASKS = [flaxattn.Full(), flaxattn.Causal(), flaxattn.Local(200), flaxattn.Chunked(256),
+         flaxattn.Chunked(384) & flaxattn.Local(300), flaxattn.Chunked(128) & flaxattn.Local(64)]
+ORDERS = ([splash.TokenOrder()]
+          + [splash.TokenOrder(4, lb, step) for lb in (False, True) for step in (None, 0, 1, 2, 3)]
+          + [splash.TokenOrder(2, True, step) for step in (None, 0, 1)])
+
+
+class _Evaluated(sm._ComputableMask):  # pylint: disable=protected-access
+  """A splash mask evaluated per token pair on the host: `rule` on rows `q_sequence`."""
+
+  def __init__(self, rule, shape, q_sequence):
+    super().__init__(shape, rule)
+    self.q_sequence = q_sequence
+
+  __eq__, __hash__ = object.__eq__, object.__hash__
+
+
+def _today(normal, order, kv_len, bq, bkv):
+  """Splash's own MaskInfos (forward, dK/dV) for the mask the kernel evaluates."""
+  mask_function = splash._mask_function(normal, (T, kv_len), order)
+  if mask_function is None:
+    one = sm.FullMask((T, kv_len))
+  else:
+    rows = np.arange(T)
+    shard_len = T // order.shards
+    q_sequence = order.original(rows // shard_len, rows % shard_len, shard_len).astype(np.int32)
+    one = _Evaluated(mask_function, (T, kv_len), q_sequence)
+  mask = sm.MultiHeadMask([one] * 2)
+  dkv, _ = mask_info_lib.process_mask_dkv(mask, (bq, bkv), head_shards=1,
+                                          q_seq_shards=order.shards, shrink_grid=False)
+  if not dkv.block_mask.any():
+    return None, dkv
+  fwd, _ = mask_info_lib.process_mask(mask, (bq, bkv), head_shards=1, q_seq_shards=1)
+  return fwd, dkv
+
+
+def _assert_same(got, want, what):
+  for field in want._fields:
+    a, b = getattr(got, field), getattr(want, field)
+    assert (a is None) == (b is None), (what, field, a, b)
+    if b is not None:
+      a = np.asarray(a)
+      assert (a.dtype, a.shape) == (b.dtype, b.shape), (what, field)
+      np.testing.assert_array_equal(a, b, err_msg=f"{what} {field}")
+
+
+@pytest.mark.parametrize("order", ORDERS, ids=str)
+@pytest.mark.parametrize("mask", MASKS, ids=str)
+def test_closed_form_metadata_equals_per_pair_evaluation(mask, order):
+  normal = band(mask)
+  kv_len = T if order.step is None else T // order.shards
+  blocks = [(128, 128), (256, 128), (128, 256)]  # (256, x) under 2 x 2 balanced shards: a
+  for bq, bkv in blocks:                          # block crosses its shard's two chunks
+    kernel = splash._kernel.__wrapped__(normal, order, T, kv_len, 2, bq, bkv, True)  # uncached
+    fwd, dkv = _today(normal, order, kv_len, bq, bkv)
+    if kernel is None:
+      assert fwd is None, "an empty step has no kernel"
+      continue
+    _assert_same(kernel.fwd_mask_info, fwd, ("fwd", bq, bkv))
+    _assert_same(kernel.dkv_mask_info, dkv, ("dkv", bq, bkv))
+
+
+def test_metadata_that_cannot_fit_scalar_memory_raises_naming_block_sizes():
+  """128K tokens on one device with 128-blocks: 1024 x 1024 blocks of metadata (3 MiB) cannot
+  fit TPU scalar memory; the error names blocks that fit, and those build. Interpret mode
+  (no scalar memory) is not limited."""
+  t, causal = 131072, band(flaxattn.Causal())
+  with pytest.raises(ValueError, match=r"block_q=128, block_kv=128 needs 3145728 bytes of TPU"
+                     r" scalar memory.*Splash\(block_q=256, block_kv=256\)"):
+    splash._kernel.__wrapped__(causal, splash.TokenOrder(), t, t, 2, 128, 128, False)
+  kernel = splash._kernel.__wrapped__(causal, splash.TokenOrder(), t, t, 2, 256, 256, False)
+  infos = (kernel.fwd_mask_info, kernel.dkv_mask_info)
+  assert max(splash_blocks.smem_bytes(i, 1) for i in infos) == 512 * 512 * 3
+  interpreted = splash._kernel.__wrapped__(causal, splash.TokenOrder(), t, t, 2, 128, 128, True)
+  assert interpreted is not None
