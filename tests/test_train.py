@@ -20,7 +20,7 @@ import portpicker
 import pytest
 
 from trainer import (STEPS, checkpoints, clean_env, command, kill_group, losses, metrics,
-                     poll, run, start, train, wait)
+                     poll, run, start, train, train_together, wait)
 
 
 @pytest.fixture(scope="module")
@@ -216,20 +216,10 @@ def test_ulysses_ring_demo_matches_ring(tmp_path):
           "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1", "model.ffn_dim=64",
           "optimizer.warmup_steps=2"]
   ring = ["mesh.context_ring=1", "mesh.context=4", "context_parallel.strategy=ring"]
-  runs = {name: (tmp_path / name, tmp_path / f"{name}.txt") for name in ("usp", "ring")}
-  procs = {name: start(run_dir, log=log, cmd=[
-      sys.executable, "-m", "train", "configs/demo_usp.yaml", f"run_dir={run_dir}", *tiny,
-      *(ring if name == "ring" else [])]) for name, (run_dir, log) in runs.items()}
-  try:
-    outs = {name: wait(p, runs[name][1]) for name, p in procs.items()}
-  finally:
-    for p in procs.values():
-      if p.poll() is None:
-        kill_group(p)
-  for name, p in procs.items():
-    assert p.returncode == 0, outs[name][-4000:]
+  outs = train_together(tmp_path, {"usp": tiny, "ring": tiny + ring},
+                        config="configs/demo_usp.yaml")
   assert "'context_ring': 2, 'context': 2" in outs["usp"] and "'context': 4" in outs["ring"]
-  got, want = losses(runs["usp"][0]), losses(runs["ring"][0])
+  got, want = losses(tmp_path / "usp"), losses(tmp_path / "ring")
   assert sorted(got) == [1, 2, 3] and all(math.isfinite(v) for v in got.values()), got
   assert all(got[s] == pytest.approx(want[s], abs=1e-4) for s in want), (got, want)
 

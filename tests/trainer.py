@@ -78,6 +78,27 @@ def train(run_dir, *overrides, log: pathlib.Path, env=None) -> str:
   return out
 
 
+def train_together(tmp_path, overrides: dict[str, list[str]], config=None) -> dict[str, str]:
+  """One run per name at once (run_dir `tmp_path / name`; `config` with the name's overrides,
+  or without `config` the demo made tiny), to completion; asserts every exit is 0 and returns
+  the outputs."""
+  runs = {name: (tmp_path / name, tmp_path / f"{name}.txt") for name in overrides}
+  procs = {}
+  try:
+    for name, (run_dir, log) in runs.items():
+      cmd = None if config is None else [sys.executable, "-m", "train", config,
+                                         f"run_dir={run_dir}", *overrides[name]]
+      procs[name] = start(run_dir, *overrides[name], log=log, cmd=cmd)
+    outs = {name: wait(p, runs[name][1]) for name, p in procs.items()}
+  finally:
+    for p in procs.values():
+      if p.poll() is None:
+        kill_group(p)
+  for name, p in procs.items():
+    assert p.returncode == 0, outs[name][-4000:]
+  return outs
+
+
 def run(cmd: list[str], timeout=120) -> subprocess.CompletedProcess:
   """`cmd` (e.g. a trainer run expected to fail fast) to completion, output captured."""
   return subprocess.run(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True,
