@@ -39,10 +39,6 @@ def _pair(batch=(2,), **kw):
   return ours, theirs, params
 
 
-def _ours(model, x, decode=False):
-  return model(x, decode=decode)
-
-
 def _decode_both(ours, theirs, params, x_BTF, dtype):
   """Both decoders fed `x` one token at a time from an empty cache of T slots: outputs
   `[..., T, out]`, ours then linen's."""
@@ -53,7 +49,7 @@ def _decode_both(ours, theirs, params, x_BTF, dtype):
   got, want = [], []
   for i in range(x_BTF.shape[-2]):
     x = x_BTF[..., i:i + 1, :]
-    got.append(_ours(ours, x, decode=True))
+    got.append(ours(x, decode=True))
     out, variables = step(cache, x)
     cache = variables["cache"]
     want.append(out)
@@ -74,7 +70,7 @@ def test_matches_linen(use_bias, dtype, param_dtype, precision, decode, normaliz
   if decode:
     got, want = _decode_both(ours, theirs, params, x, dtype)
   else:
-    got, want = _ours(ours, x), theirs.apply({"params": params}, x)
+    got, want = ours(x), theirs.apply({"params": params}, x)
   assert got.shape == want.shape == (2, T, F) and got.dtype == want.dtype == dtype
   assert rel_error(got, want) < TOL[dtype]
 
@@ -89,7 +85,7 @@ def test_leading_axes_match_linen(batch, decode):
   if decode:
     got, want = _decode_both(ours, theirs, params, x, jnp.float32)
   else:
-    got, want = _ours(ours, x), theirs.apply({"params": params}, x)
+    got, want = ours(x), theirs.apply({"params": params}, x)
   assert got.shape == want.shape == batch + (T, F)
   assert rel_error(got, want) < TOL[jnp.float32]
 
