@@ -157,7 +157,7 @@ def _kernel(normal: Band, order: TokenOrder, q_len: int, kv_len: int, groups: in
       return None
     fwd, mask_function = mask_info_lib.process_mask(mask, (bq, bkv), head_shards=1, q_seq_shards=1)
     return sk.SplashAttentionKernel(
-        jax.tree.map(jnp.asarray, fwd), None, jax.tree.map(jnp.asarray, dkv), block_sizes=sizes,
+        jax.tree.map(np.asarray, fwd), None, jax.tree.map(np.asarray, dkv), block_sizes=sizes,
         is_mqa=True, save_residuals=True, mask_value=sk.DEFAULT_MASK_VALUE,
         attn_logits_soft_cap=soft_cap, residual_checkpoint_name=None, mask_function=mask_function,
         interpret=interpret)
