@@ -103,19 +103,25 @@ def _schedule(mask, layout: Layout, b, t_pad, s_pad, t, s, bq, bk):
   return (q_seg, kv_seg, q_pos, kv_pos), kinds
 
 
+def _int32(*idx):
+  """Slice indices as int32: dynamic slices take one index dtype, and under x64 a Python int
+  would become int64 beside the int32 loop counters."""
+  return tuple(jnp.asarray(i, jnp.int32) for i in idx)
+
+
 def _at(x, *idx):
   """x[idx] for traced scalar indices, as a dynamic slice (not a gather)."""
-  return jax.lax.dynamic_slice(x, idx, (1,) * len(idx)).reshape(())
+  return jax.lax.dynamic_slice(x, _int32(*idx), (1,) * len(idx)).reshape(())
 
 
 def _tokens(x_BL, bi, start, size):
   """`x_BL[bi, start:start + size]` of ids or positions, as a dynamic slice."""
-  return jax.lax.dynamic_slice(x_BL, (bi, start), (1, size))[0]
+  return jax.lax.dynamic_slice(x_BL, _int32(bi, start), (1, size))[0]
 
 
 def _block(x, bi, start, size):
   """Row `bi`, tokens `start:start + size` (axis 2) of a `[B, K, L, ...]` array: `[K, size, ...]`."""
-  return jax.lax.dynamic_slice(x, (bi, 0, start) + (0,) * (x.ndim - 3),
+  return jax.lax.dynamic_slice(x, _int32(bi, 0, start, *(0,) * (x.ndim - 3)),
                                (1, x.shape[1], size) + x.shape[3:])[0]
 
 
@@ -183,7 +189,7 @@ def _blockwise_fwd(q, k, v, arrays, kinds, lo, hi, *, mask, bq, bk, soft_cap):
     lse = jnp.where(empty, -jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
     return out.astype(q.dtype), lse
 
-  out, lse = jax.lax.map(one_query_block, jnp.arange(b * nq))
+  out, lse = jax.lax.map(one_query_block, jnp.arange(b * nq, dtype=jnp.int32))
   out = out.reshape(b, nq, hkv, bq, g, dv).transpose(0, 2, 1, 3, 4, 5).reshape(b, hkv, t_pad, g, dv)
   lse = lse.reshape(b, nq, hkv, bq, g).transpose(0, 2, 1, 3, 4).reshape(b, hkv, t_pad, g)
   return out, lse
@@ -226,7 +232,7 @@ def _blockwise_bwd(q, k, v, out, lse, dout, dlse, arrays, kinds, lo_t, hi_t, *, 
                            preferred_element_type=jnp.float32)
       dq_blk = jnp.einsum("hmk,hkd->hmd", ds.astype(k.dtype), k_blk,
                           preferred_element_type=jnp.float32).reshape(1, hkv, bq, g, d)
-      start = (bi, 0, i * bq, 0, 0)
+      start = _int32(bi, 0, i * bq, 0, 0)
       dq = jax.lax.dynamic_update_slice(
           dq, jax.lax.dynamic_slice(dq, start, dq_blk.shape) + dq_blk, start)
       return dq, dk, dv
@@ -242,7 +248,7 @@ def _blockwise_bwd(q, k, v, out, lse, dout, dlse, arrays, kinds, lo_t, hi_t, *, 
     return dq, (dk, dv)
 
   dq0 = jnp.zeros(q.shape, jnp.float32)
-  dq, (dk, dv) = jax.lax.scan(one_key_block, dq0, jnp.arange(b * nk))
+  dq, (dk, dv) = jax.lax.scan(one_key_block, dq0, jnp.arange(b * nk, dtype=jnp.int32))
   to_kv = lambda x: (x.reshape(b, nk, hkv, bk, x.shape[-1]).transpose(0, 2, 1, 3, 4)
                      .reshape(b, hkv, s_pad, x.shape[-1]))
   return dq, to_kv(dk), to_kv(dv)

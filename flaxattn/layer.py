@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
@@ -33,7 +34,7 @@ from jax import lax
 from flaxattn import balance, checks, decode as cp_decode
 from flaxattn.attention import apply_sinks, attention, check_soft_cap
 from flaxattn.context_parallel import _merge
-from flaxattn.layout import Layout, resolve
+from flaxattn.layout import Layout, resolve, shape_error
 from flaxattn.masks import Causal, Full, Mask, check_mask
 from flaxattn.rope import RoPE
 from flaxattn.sharding import constrain, param_metadata
@@ -55,12 +56,27 @@ def _check_size(arg: str, value, optional: bool = False) -> None:
 
 
 def _check_input(arg: str, x, features: int, features_arg: str) -> None:
-  if getattr(x, "ndim", None) != 3:
-    raise ValueError(f"{arg} expects a 3-D array [batch, seq, features], got shape"
-                     f" {getattr(x, 'shape', None)}; reshape extra batch axes into the first.")
+  if getattr(x, "ndim", 0) < 2:
+    raise ValueError(f"{arg} expects an array [..., seq, features] (any number of leading batch"
+                     f" axes, as nnx), got shape {getattr(x, 'shape', None)}.")
   if x.shape[-1] != features:
     raise ValueError(f"{arg} expects {features} features ({features_arg}={features}), got shape"
                      f" {x.shape}.")
+
+
+def _fold_batch(shape) -> tuple[int, ...]:
+  """`(..., L, F)` -> `(B, L, F)`, B the product of the leading axes (1 when there are none):
+  the kernels take one batch axis, nnx any number."""
+  return (math.prod(shape[:-2]),) + tuple(shape[-2:])
+
+
+def _fold_ids(arg: str, x, batch: tuple[int, ...], length: int):
+  """Segment ids or positions `[..., L]` with the inputs' leading axes `batch`, as `[B, L]`."""
+  if x is None or len(batch) == 1:  # one batch axis: checked as it is by `resolve`
+    return x
+  if getattr(x, "shape", None) != batch + (length,):
+    raise shape_error(arg, x, f"shape {batch + (length,)} (the inputs' leading axes, then tokens)")
+  return x.reshape(math.prod(batch), length)
 
 
 def _check_config(num_heads, in_features, qkv_features, out_features, num_kv_heads,
@@ -256,7 +272,9 @@ class MultiHeadAttention(nnx.Module):
       kv_segment_ids: jax.Array | None = None,
       kv_positions: jax.Array | None = None,
   ) -> jax.Array:
-    """Attention of `inputs_q` `[B, T, in_features]` over `inputs_k`/`inputs_v` `[B, S, in_kv_features]`.
+    """Attention of `inputs_q` `[..., T, in_features]` over `inputs_k`/`inputs_v`
+    `[..., S, in_kv_features]`: any leading batch axes (none or several, as nnx), the same
+    for all three; below, `B` stands for them.
 
     Args:
       inputs_q: queries; `inputs_k` defaults to `inputs_q`, `inputs_v` to `inputs_k`.
@@ -282,13 +300,23 @@ class MultiHeadAttention(nnx.Module):
       `[B, T, out_features]`.
 
     Raises:
-      ValueError: inputs not 3-D or with the wrong feature size, a boolean `mask` array,
+      ValueError: inputs of rank < 2, with the wrong feature size or other leading axes than
+        inputs_q, a boolean `mask` array,
         `sow_weights=True`, ids or positions not `[B, T]` integers that fit in int32, decode
         without `init_cache` or with a mismatched cache, decode that would write past the
         cache, or default segment ids in decode after a cache that ends in padding. Checks
         on traced values raise from inside the compiled program.
     """
     inputs_k, inputs_v = self._check_inputs(inputs_q, inputs_k, inputs_v)
+    # Any leading batch axes (none, or several) fold into one, and unfold on the way out.
+    batch, t, s = inputs_q.shape[:-2], inputs_q.shape[-2], inputs_k.shape[-2]
+    inputs_q, inputs_k, inputs_v = (x.reshape(_fold_batch(x.shape))
+                                    for x in (inputs_q, inputs_k, inputs_v))
+    segment_ids, positions = (_fold_ids(a, x, batch, t) for a, x in
+                              (("segment_ids", segment_ids), ("positions", positions)))
+    kv_segment_ids, kv_positions = (_fold_ids(a, x, batch, s) for a, x in
+                                    (("kv_segment_ids", kv_segment_ids),
+                                     ("kv_positions", kv_positions)))
     mask = self._call_mask(mask, is_causal)
     if sow_weights:
       raise ValueError("sow_weights expects False: flaxattn never materializes the [T, S]"
@@ -336,7 +364,8 @@ class MultiHeadAttention(nnx.Module):
           kv_positions=layout.kv_positions, backend=self.backend,
           context_parallel=self.context_parallel, **extras)
     x_BTHD = constrain(x_BTHD, Q_NAMES)
-    return constrain(self.out(x_BTHD, out_sharding=out_sharding), X_NAMES)
+    out_BTE = constrain(self.out(x_BTHD, out_sharding=out_sharding), X_NAMES)
+    return out_BTE.reshape(batch + out_BTE.shape[1:])
 
   def _check_inputs(self, inputs_q, inputs_k, inputs_v):
     """`inputs_k` and `inputs_v` with nnx's defaults, all three checked."""
@@ -350,6 +379,13 @@ class MultiHeadAttention(nnx.Module):
     _check_input("inputs_q", inputs_q, self.in_features, "in_features")
     _check_input("inputs_k", inputs_k, self.in_kv_features, "in_kv_features")
     _check_input("inputs_v", inputs_v, self.in_kv_features, "in_kv_features")
+    for arg, x in (("inputs_k", inputs_k), ("inputs_v", inputs_v)):
+      if x.shape[:-2] != inputs_q.shape[:-2]:
+        raise ValueError(f"{arg} expects the leading (batch) axes of inputs_q,"
+                         f" {inputs_q.shape[:-2]}, got shape {x.shape}.")
+    if inputs_v.shape[-2] != inputs_k.shape[-2]:
+      raise ValueError(f"inputs_v expects as many tokens as inputs_k ({inputs_k.shape[-2]}), got"
+                       f" shape {inputs_v.shape}.")
     return inputs_k, inputs_v
 
   def _project(self, inputs_q, inputs_k, inputs_v, qkv_sharding):
@@ -378,13 +414,15 @@ class MultiHeadAttention(nnx.Module):
     """Allocates an empty KV cache for `decode=True` calls.
 
     Args:
-      input_shape: `(batch, max_length, features)`, the shape of the longest input.
+      input_shape: `(..., max_length, features)`, the shape of the longest input, with the
+        leading batch axes of the decode calls (none, one or several, as nnx).
       dtype: dtype of the cached keys and values.
 
     The cache holds the unrepeated GQA keys/values `[B, max_length, num_kv_heads, head_dim]`,
     the segment id of each slot (0 = empty, so empty slots are never attended), its position,
-    and the segment id and position of the last token written (`cached_last` `[B, 2]`). A
-    decode call that would write past `max_length` raises; nothing is written.
+    and the segment id and position of the last token written (`cached_last` `[B, 2]`); B is
+    the product of the leading axes. A decode call that would write past `max_length`
+    raises; nothing is written.
 
     With `context_parallel`, call it under the mesh (`jax.set_mesh`): the slots are sharded
     over the sequence axes (`max_length / n` per device), the batch and heads as inside
@@ -392,13 +430,14 @@ class MultiHeadAttention(nnx.Module):
     placement.
 
     Raises:
-      ValueError: `input_shape` is not `(batch, max_length, features)` of positive ints;
+      ValueError: `input_shape` is not `(..., max_length, features)` of positive ints;
         with `context_parallel`, no mesh, or `max_length` not divisible by the sequence shards.
     """
-    if len(input_shape) != 3 or any(not isinstance(n, int) or n <= 0 for n in input_shape):
-      raise ValueError(f"init_cache(input_shape=...) expects (batch, max_length, features) of"
+    if (not isinstance(input_shape, (tuple, list)) or len(input_shape) < 2
+        or any(not isinstance(n, int) or n <= 0 for n in input_shape)):
+      raise ValueError(f"init_cache(input_shape=...) expects (..., max_length, features) of"
                        f" positive ints, got {input_shape!r}.")
-    b, max_length = input_shape[:2]
+    b, max_length = _fold_batch(tuple(input_shape))[:2]
     shape = (b, max_length, self.num_kv_heads)
     zeros = lambda shape, dtype, spec: jnp.zeros(shape, dtype)
     kv_spec = ids_spec = None

@@ -1,30 +1,36 @@
-"""Context-parallel checks on N simulated CPU devices, run by test_context_parallel.py.
+"""Context-parallel checks on simulated CPU devices, which test_context_parallel.py runs in
+process on the first devices of the 8 that conftest.py makes.
 
-`XLA_FLAGS=--xla_force_host_platform_device_count=N python tests/cp_check.py N` runs the
-cases of `helpers.cp_cases(N)` and prints one `CASE {json}` line each: the largest error of the
-output, lse and dq/dk/dv against `backend="reference"` without context parallelism,
-relative to the largest reference magnitude, and the collectives of the compiled program.
-With N == 4 it also prints a `LAYER` line, with N == 8 a `SPLASH` line and `WINDOW` lines. One process per N: JAX reads the device count
-once, and every case shares the process so only compiling costs time.
+`run_case` runs one case of `helpers.cp_cases(N)`: the largest error of the output, lse and
+dq/dk/dv against `backend="reference"` without context parallelism, relative to the largest
+reference magnitude, and the collectives of the compiled program. `layer`, `model`,
+`splash_sharded` and `window_traffic` check the layer, a model, splash on a 3-D mesh and the
+bytes the windowed ring moves.
 
-`python tests/cp_check.py dist PORT I` (two processes, 2 devices each) prints a `DIST` line per
-strategy.
+`python tests/cp_check.py dist PORT I` (two processes, 2 devices each: the process boundary is
+the point) prints a `DIST` line per strategy.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import sys
 import zlib
 
 import jax
 import numpy as np
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import flaxattn
-from helpers import CP_MASKS, cp_cases, grads_of, legal_layout, normal, qkv, random_packing, rel_error
+from helpers import CP_MASKS, grads_of, legal_layout, normal, qkv, random_packing, rel_error
+
+
+def mesh_of(axes: dict[str, int]) -> jax.sharding.Mesh:
+  """A mesh of `axes` (automatic sharding) on the first devices of this process."""
+  return jax.make_mesh(tuple(axes.values()), tuple(axes), axis_types=(AxisType.Auto,) * len(axes),
+                       devices=jax.devices()[:math.prod(axes.values())])
 
 def _hlo_collectives(text: str) -> dict:
   """Result dtypes of every all-gather op line and the numbers of collective-permutes and
@@ -56,10 +62,9 @@ def permute_bytes(text: str) -> dict:
 def window_traffic(n: int) -> list[dict]:
   """What the ring moves per device, fwd+bwd, for windowed and chunked masks next to a causal
   mask, from the compiled programs (B=1, T=128n, 2 KV heads, D=8, float32, default positions)."""
-  from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
   b, t, h, hkv, d = 1, 128 * n, 4, 2, 8
   q, k, v = qkv(3, b, t, t, h, hkv, d)
-  mesh = jax.make_mesh((n,), ("context",), axis_types=(AxisType.Auto,))
+  mesh = mesh_of(dict(context=n))
   rows = []
   for lb in (True, False):
     for name, mask in (("causal", flaxattn.Causal()), ("local16", flaxattn.Local(16)),
@@ -88,8 +93,7 @@ def _errors(got, want) -> dict:
 
 
 def run_case(c) -> dict:
-  from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
-  mesh = jax.make_mesh(tuple(c["mesh"].values()), tuple(c["mesh"]), axis_types=(AxisType.Auto,) * len(c["mesh"]))
+  mesh = mesh_of(c["mesh"])
   ring_axis = "context_ring" if "context_ring" in c["mesh"] else None
   cpar = flaxattn.ContextParallel(strategy=c["strategy"], load_balance=c["lb"], ring_axis=ring_axis)
   cp = cpar.balanced_shards(mesh) if c["lb"] else mesh.shape["context"]  # load_balance's shards
@@ -157,7 +161,6 @@ def layer() -> dict:
   """The layer with and without context parallelism on a 4-device context mesh, jitted, under
   the default sharding rules, fed through load_balance / unload_balance."""
   from flax import nnx
-  from jax.sharding import AxisType
   b, t, e, cp = 2, 64, 16, 4
   x = normal((b, t, e))
   seg, pos = random_packing(0, b, t, max_docs=8, pad_tail=3, cp=cp)
@@ -169,7 +172,7 @@ def layer() -> dict:
   plain = make(None, "reference")
   want_packed = nnx.jit(lambda m, x, s, p: m(x, segment_ids=s, positions=p))(plain, x, seg, pos)
   want_default = nnx.jit(lambda m, x: m(x))(plain, x)
-  mesh = jax.make_mesh((cp,), ("context",), axis_types=(AxisType.Auto,))
+  mesh = mesh_of(dict(context=cp))
   with jax.set_mesh(mesh), nnx.logical_axis_rules(flaxattn.sharding.rules(mesh, kv_heads=2)):
     m = nnx.jit(lambda: make(flaxattn.ContextParallel()))()
     call = nnx.jit(lambda m, x, s, p: m(x, segment_ids=s, positions=p))
@@ -185,9 +188,7 @@ def model() -> dict:
   out through unload_balance), against the same model without context parallelism:
   logits and the gradients of every parameter (sinks included)."""
   from flax import nnx
-  from jax.sharding import AxisType
   import jax.numpy as jnp
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
   from models import llama
   b, t, cp = 2, 64, 4
   config = llama.LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
@@ -212,7 +213,7 @@ def model() -> dict:
   want = nnx.jit(logits_and_grads)(make(None), tokens, seg, pos)
   lb = lambda a: flaxattn.load_balance(a, cp)
   un = lambda a: flaxattn.unload_balance(a, cp)
-  mesh = jax.make_mesh((cp,), ("context",), axis_types=(AxisType.Auto,))
+  mesh = mesh_of(dict(context=cp))
   with jax.set_mesh(mesh):
     got = nnx.jit(lambda m, *a: logits_and_grads(m, *a, un=un))(
         make(flaxattn.ContextParallel()), lb(tokens), lb(seg), lb(pos))
@@ -227,14 +228,13 @@ def model() -> dict:
 def splash_sharded() -> dict:
   """Splash without context parallelism on a (data, fsdp, tensor) mesh: it runs per batch and
   head shard (shard_map), so nothing floating-point is gathered; fwd and grads vs reference."""
-  from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
   b, t, h, hkv, d = 4, 256, 4, 2, 8
   q, k, v = qkv(7, b, t, t, h, hkv, d)
   seg, pos = random_packing(7, b, t, max_docs=4, pad_tail=5)
   attend = lambda backend: lambda q, k, v: flaxattn.attention(
       q, k, v, segment_ids=seg, positions=pos, backend=backend, return_lse=True)
   want = grads_of(attend("reference"))(q, k, v)
-  mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), axis_types=(AxisType.Auto,) * 3)
+  mesh = mesh_of(dict(data=2, fsdp=2, tensor=2))
   with jax.set_mesh(mesh):
     shard = lambda x: jax.device_put(x, NamedSharding(mesh, P(("data", "fsdp"), None, "tensor")))
     args = shard(q), shard(k), shard(v)
@@ -251,7 +251,6 @@ def distributed(port: int, process_id: int) -> list[dict]:
   jax.config.update("jax_cpu_collectives_implementation", "gloo")  # before initialize
   jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
                              process_id=process_id, initialization_timeout=120)
-  from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
   assert (jax.process_count(), jax.device_count(), jax.local_device_count()) == (2, 4, 2)
   b, t = 2, 64
   q, k, v = map(np.asarray, qkv(0, b, t, t, 4, 2, 8))  # the same data in both processes
@@ -286,22 +285,7 @@ def distributed(port: int, process_id: int) -> list[dict]:
   return results
 
 
-def main(n: int):
-  assert jax.device_count() == n, jax.devices()
-  for c in cp_cases(n):
-    print("CASE " + json.dumps(run_case(c)), flush=True)
-  if n == 4:
-    print("LAYER " + json.dumps(layer()), flush=True)
-    print("MODEL " + json.dumps(model()), flush=True)
-  if n == 8:
-    print("SPLASH " + json.dumps(splash_sharded()), flush=True)
-    for row in window_traffic(n):
-      print("WINDOW " + json.dumps(row), flush=True)
-
-
 if __name__ == "__main__":
-  if sys.argv[1] == "dist":
-    for r in distributed(int(sys.argv[2]), int(sys.argv[3])):
-      print("DIST " + json.dumps(r), flush=True)
-  else:
-    main(int(sys.argv[1]))
+  assert sys.argv[1] == "dist", sys.argv
+  for r in distributed(int(sys.argv[2]), int(sys.argv[3])):
+    print("DIST " + json.dumps(r), flush=True)

@@ -1,12 +1,9 @@
-"""cuDNN as the ring's per-step kernel (and per gathered shard under all_gather), on N simulated CPU devices with the CPU model of
-cuDNN (`cudnn_model.py`); run by test_cudnn.py as `XLA_FLAGS=--xla_force_host_platform_
-device_count=N python tests/cudnn_ring_check.py N`. Prints one JSON line per case: the
-largest errors of the loss (of out and lse) and of dq, dk, dv against the reference,
-relative to its largest magnitude. Cases named "only-cudnn" run after the blockwise
-fallbacks are poisoned with NaN, so they pass only if every step really ran cuDNN."""
-
-import json
-import sys
+"""cuDNN as the ring's per-step kernel (and per gathered shard under all_gather), on N
+simulated CPU devices with the CPU model of cuDNN (`cudnn_model.py`), which test_cudnn.py
+runs in process. `run` returns the largest errors of the loss (of out and lse) and of dq,
+dk, dv against the reference, relative to its largest magnitude. Cases named "only-cudnn"
+run with the blockwise fallbacks poisoned with NaN, so they pass only if every step really
+ran cuDNN."""
 
 import jax
 import jax.numpy as jnp
@@ -19,20 +16,20 @@ from flaxattn.context_parallel import context_parallel_attention
 from flaxattn.layout import resolve
 from flaxattn.reference import reference_attention
 
-import cudnn_model
 from helpers import random_packing, rel_error
 
 
-def _poison(monkey: bool):
-  """Blockwise fallbacks that return NaN (when `monkey`), else the real ones."""
-  if not monkey:
-    return
+def poison(monkeypatch):
+  """Blockwise fallbacks that return NaN, until `monkeypatch` undoes them."""
   nan = lambda x: jnp.full_like(x, jnp.nan)
   forward = lambda q, k, v, layout, **kw: (nan(q), jnp.full(q.shape[:3], jnp.nan, jnp.float32))
   backward = lambda q, k, v, layout, out, lse, dout, dlse, **kw: (nan(q), nan(k), nan(v))
-  blockwise.forward, blockwise.backward = forward, backward
-  blockwise.RingStep.forward = lambda self, step, data, q, k, v, layout: forward(q, k, v, layout)
-  blockwise.RingStep.backward = lambda self, step, data, q, k, v, layout, *a: backward(q, k, v, layout, *a)
+  monkeypatch.setattr(blockwise, "forward", forward)
+  monkeypatch.setattr(blockwise, "backward", backward)
+  monkeypatch.setattr(blockwise.RingStep, "forward",
+                      lambda self, step, data, q, k, v, layout: forward(q, k, v, layout))
+  monkeypatch.setattr(blockwise.RingStep, "backward",
+                      lambda self, step, data, q, k, v, layout, *a: backward(q, k, v, layout, *a))
 
 
 def _loss(out, lse):
@@ -41,7 +38,8 @@ def _loss(out, lse):
   return jnp.sum(out * jnp.cos(out)) + 0.5 * jnp.sum(jnp.sin(finite))
 
 
-def run(n, name, mask, lb, layout_kind, hkv, strategy, mesh):
+def run(n, mask, lb, layout_kind, hkv, strategy) -> list[float]:
+  mesh = jax.make_mesh((n,), ("context",), axis_types=(AxisType.Auto,), devices=jax.devices()[:n])
   b, t, h, d = 2, 64 * n, 4, 16
   rng = np.random.default_rng(n)
   q, k, v = (jnp.asarray(rng.standard_normal(s, np.float32), jnp.bfloat16)
@@ -71,8 +69,7 @@ def run(n, name, mask, lb, layout_kind, hkv, strategy, mesh):
   want = jax.jit(jax.value_and_grad(reference, (0, 1, 2)))(q, k, v)
   with jax.set_mesh(mesh):
     got = jax.jit(jax.value_and_grad(ring, (0, 1, 2)))(q, k, v)
-  errors = [rel_error(g, w) for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want))]
-  print(json.dumps(dict(name=name, errors=errors)), flush=True)
+  return [rel_error(g, w) for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want))]
 
 
 CAUSAL, FULL = flaxattn.Causal(), flaxattn.Full()
@@ -86,19 +83,12 @@ ONLY_CUDNN = [(CAUSAL, True, "default", 2, "ring"), (CAUSAL, True, "aligned", 1,
               (CAUSAL, True, "aligned", 2, "all_gather"), (CAUSAL, False, "default", 1, "all_gather")]
 
 
-def main(n: int):
-  mesh = jax.make_mesh((n,), ("context",), axis_types=(AxisType.Auto,))
+def cases(n: int) -> list[tuple[str, bool, tuple]]:
+  """(name, only cuDNN, `run`'s arguments after n) of each case on n devices."""
   # Eight unrolled steps compile slowly: at cp=8 one case of each kind and strategy.
   runs = (((False, CASES), (True, ONLY_CUDNN)) if n < 8 else
           ((False, CASES[:1]), (True, [ONLY_CUDNN[1], ONLY_CUDNN[4]])))
-  with cudnn_model.installed():
-    for only_cudnn, cases in runs:
-      _poison(only_cudnn)
-      for mask, lb, kind, hkv, strategy in cases:
-        name = (f"{'only-cudnn-' if only_cudnn else ''}{strategy}-"
-                f"{'causal' if mask == CAUSAL else 'full'}-{'lb' if lb else 'nolb'}-{kind}-hkv{hkv}")
-        run(n, name, mask, lb, kind, hkv, strategy, mesh)
-
-
-if __name__ == "__main__":
-  main(int(sys.argv[1]))
+  return [(f"{'only-cudnn-' if only_cudnn else ''}{strategy}-"
+           f"{'causal' if mask == CAUSAL else 'full'}-{'lb' if lb else 'nolb'}-{kind}-hkv{hkv}",
+           only_cudnn, (mask, lb, kind, hkv, strategy))
+          for only_cudnn, group in runs for mask, lb, kind, hkv, strategy in group]

@@ -235,7 +235,8 @@ def cp_cases(n: int) -> list[dict]:
           case(c4, u, mask="local", hkv=2, features=True),
           case(c4, mask="causal", hkv=2, features=True, dtype="bfloat16")],
       8: [case(c8, mask="causal", hkv=2, t=128),
-          case(c8, mask="local", hkv=2, packed=False, t=16),  # Local(3) reaches 2 chunks of 1 case(dc4, mask="chunked", hkv=1, packed=False, pipeline=True),
+          case(c8, mask="local", hkv=2, packed=False, t=16),  # Local(3) reaches 2 chunks of 1
+          case(dc4, mask="chunked", hkv=1, packed=False, pipeline=True),
           case(dc4, "all_gather", lb=False, mask="local", hkv=2),
           case(dict(data=2, tensor=2, context=2), mask="causal", hkv=2),
           case(dict(data=2, tensor=2, context=2), mask="causal", hkv=2, t=256, backend="splash"),

@@ -1,9 +1,8 @@
 """Context parallelism: ring, all-gather, Ulysses and Ulysses x ring attention on simulated
 CPU devices, load balancing.
 
-Multi-device checks run tests/cp_check.py in subprocesses (XLA reads the device count once
-per process). All of them start together on first use, so their compiles overlap each other
-and the in-process tests; each test then reads its own process's lines.
+Multi-device checks run in process on the first n of the 8 devices conftest.py makes (the
+checks themselves are in cp_check.py); only the two-process check starts processes.
 """
 
 import functools
@@ -20,34 +19,46 @@ import portpicker
 import pytest
 from jax.sharding import AbstractMesh, AxisType, Mesh
 
+import cp_check
 import flaxattn
 from helpers import CP_BF16_TOL, cp_cases, grads_of, normal, qkv, random_packing, rel_error
 
 TOL = 1e-5  # float32, relative to the largest reference magnitude
 SCRIPT = os.path.join(os.path.dirname(__file__), "cp_check.py")
 TIMEOUT = 600  # a hang (e.g. a collective waiting on a dead peer) fails instead of blocking CI
+CASES = [(n, c["name"]) for n in (2, 4, 8) for c in cp_cases(n)]
+# Each case compiles a sharded program and its gradient (seconds to a minute on 2 cores):
+# the quick tier keeps the 2-device cases without splash (interpret mode), the slow tier
+# has the rest.
+SLOW = {name for n, name in CASES if n > 2 or name.startswith("splash")}
 
 
-def _start(devices, *args):
-  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-             JAX_PLATFORMS="cpu")
-  return subprocess.Popen([sys.executable, SCRIPT, *map(str, args)], env=env, text=True,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+@functools.cache
+def _case(n, name) -> dict:
+  """One case of `cp_cases(n)`, run once per process (several tests read the same one)."""
+  return cp_check.run_case({c["name"]: c for c in cp_cases(n)}[name])
 
 
 @pytest.fixture(scope="module")
-def procs():
+def two_processes():
+  """Two processes of 2 devices each, one mesh across both: the process boundary is what
+  this checks, so it stays a pair of subprocesses."""
   port = portpicker.pick_unused_port()
-  started = {n: _start(n, n) for n in (8, 4, 2)}
-  started.update({f"dist{i}": _start(2, "dist", port, i) for i in range(2)})
-  yield {name: functools.cache(functools.partial(_finish, p)) for name, p in started.items()}
-  for p in started.values():
-    if p.poll() is None:  # a test failed before reading it
-      p.kill()
-      p.wait()
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+             JAX_PLATFORMS="cpu")
+  procs = [subprocess.Popen([sys.executable, SCRIPT, "dist", str(port), str(i)], env=env,
+                            text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+           for i in range(2)]
+  try:
+    yield [r for p in procs for r in _finish(p)]
+  finally:
+    for p in procs:
+      if p.poll() is None:  # a test failed before reading it
+        p.kill()
+        p.wait()
 
 
-def _finish(proc) -> dict[str, list[dict]]:
+def _finish(proc) -> list[dict]:
   try:
     out, err = proc.communicate(timeout=TIMEOUT)
   except subprocess.TimeoutExpired:
@@ -55,50 +66,57 @@ def _finish(proc) -> dict[str, list[dict]]:
     out, err = proc.communicate()
     pytest.fail(f"subprocess timed out after {TIMEOUT} s:\n{out[-2000:]}\n{err[-3000:]}")
   assert proc.returncode == 0, f"{out[-2000:]}\n{err[-3000:]}"
-  lines = {}
-  for line in out.splitlines():
-    tag, _, body = line.partition(" ")
-    if tag.isupper() and body.startswith("{"):
-      lines.setdefault(tag, []).append(json.loads(body))
-  return lines
-
-
-def _case(procs, n, name) -> dict:
-  return {c["name"]: c for c in procs[n]()["CASE"]}[name]
+  return [json.loads(line[len("DIST "):]) for line in out.splitlines() if line.startswith("DIST {")]
 
 
 def _errors(r) -> dict:
   return {k: r[k] for k in ("out", "lse", "dq", "dk", "dv", "dsinks") if k in r}
 
 
-@pytest.mark.parametrize("n,name", [(n, c["name"]) for n in (2, 4, 8) for c in cp_cases(n)])
-def test_matches_reference_forward_and_gradients(procs, n, name):
-  r = _case(procs, n, name)
+def test_every_listed_case_is_collected():
+  """Each case `cp_cases` lists has a name of its own, so none hides another, and is one of
+  the parametrized cases below (a case the parametrization missed would never run)."""
+  for n in (2, 4, 8):
+    names = [c["name"] for c in cp_cases(n)]
+    assert len(set(names)) == len(names), names
+  (params,) = [m.args[1] for m in test_matches_reference_forward_and_gradients.pytestmark
+               if m.name == "parametrize"]
+  assert [tuple(p.values) for p in params] == CASES
+  # The count of cases, so that one a comment or an edit swallows fails here.
+  assert len(CASES) == 44
+
+
+@pytest.mark.parametrize("n,name", [
+    pytest.param(n, name, marks=[pytest.mark.slow] * (name in SLOW)) for n, name in CASES])
+def test_matches_reference_forward_and_gradients(n, name):
+  r = _case(n, name)
   errors = _errors(r)
   assert ("dsinks" in errors) == ("sinks" in name), errors
   assert max(errors.values()) < (CP_BF16_TOL if name.endswith("bfloat16") else TOL), errors
   if not name.endswith("pipeline"):  # the output stays sequence-sharded
-    assert r["out_spec"][1] == (["context_ring", "context"] if "context_ring" in name else "context")
+    assert r["out_spec"][1] == (("context_ring", "context") if "context_ring" in name else "context")
 
 
-def test_ring_program_passes_kv_with_collective_permute_not_all_gather(procs):
+@pytest.mark.slow
+def test_ring_program_passes_kv_with_collective_permute_not_all_gather():
   for name in ["ring-lb-causal-hkv2-packed-context4", "ring-nolb-causal-hkv1-default-context4"]:
-    r = _case(procs, 4, name)
+    r = _case(4, name)
     assert r["collective_permutes"] > 0, r
     # Integer all-gathers (of per-block ids) would be cheap; gathering K/V would make it O(T).
     assert not {"f32", "bf16", "f16"} & set(r["all_gather_dtypes"]), r
   # The same parse does see K/V gathered in the baseline's program, so the check can fail.
-  assert "f32" in _case(procs, 4, "all_gather-lb-causal-hkv2-packed-context4")["all_gather_dtypes"]
+  assert "f32" in _case(4, "all_gather-lb-causal-hkv2-packed-context4")["all_gather_dtypes"]
 
 
-def test_windowed_ring_moves_only_the_neighbouring_keys(procs):
+@pytest.mark.slow
+def test_windowed_ring_moves_only_the_neighbouring_keys():
   """Local(16) and Chunked(16) reach one chunk back: load balanced, the ring fetches half a
   shard of K and of V from each neighbour (and sends their gradients back), contiguous one
   whole shard from the previous device; a window of 300 spans three contiguous shards, one
   of 100 two load-balanced chunks (two whole shards from each side). Per
   device, fwd+bwd, from the compiled programs at cp=8; outside any loop, so the bytes of
   each collective-permute are what moves."""
-  rows = {(r["mask"], r["lb"]): r for r in procs[8]()["WINDOW"]}
+  rows = {(r["mask"], r["lb"]): r for r in cp_check.window_traffic(8)}
   r = rows["causal", True]
   shard = r["t"] // 8 * r["hkv"] * r["d"] * 4  # bytes of K (or V) on one device
   # K and V, there and back: 2 halves (balanced), 1 or 3 shards (contiguous).
@@ -111,43 +129,47 @@ def test_windowed_ring_moves_only_the_neighbouring_keys(procs):
   assert rows["local300", True]["bytes"] == rows["causal", True]["bytes"]
 
 
-def test_ring_keeps_batch_sharded_over_data(procs):
-  r = _case(procs, 4, "ring-lb-causal-hkv1-default-data2xcontext2")
+@pytest.mark.slow
+def test_ring_keeps_batch_sharded_over_data():
+  r = _case(4, "ring-lb-causal-hkv1-default-data2xcontext2")
   assert r["out_spec"] == ["data", "context"] and "f32" not in r["all_gather_dtypes"], r
 
 
-def test_ulysses_program_moves_qkv_with_all_to_all_not_all_gather(procs):
+@pytest.mark.slow
+def test_ulysses_program_moves_qkv_with_all_to_all_not_all_gather():
   # q, k, v, out and lse each take one all-to-all forward and one backward; ids (int32)
   # may be gathered, floating-point values never. The ring inside the 2-D hybrid permutes.
   for n, name in [(2, "ulysses-lb-causal-hkv1-packed-context2"), (4, "ulysses-lb-chunked-hkv2-packed-context4"),
                   (8, "ulysses-lb-local-hkv2-packed-data2xtensor2xcontext2"),
                   (4, "ulysses-lb-causal-hkv2-packed-context_ring2xcontext2"),
                   (8, "ulysses-lb-causal-hkv1-packed-context_ring2xcontext4")]:
-    r = _case(procs, n, name)
+    r = _case(n, name)
     assert r["all_to_alls"] >= 10 and set(r["all_gather_dtypes"]) <= {"s32"}, r
     assert (r["collective_permutes"] > 0) == ("context_ring" in name), r
   # Batch and heads stay sharded over data and tensor.
-  assert _case(procs, 8, "ulysses-lb-local-hkv2-packed-data2xtensor2xcontext2")["out_spec"] == [
+  assert _case(8, "ulysses-lb-local-hkv2-packed-data2xtensor2xcontext2")["out_spec"] == [
       "data", "context", "tensor"]
 
 
-def test_layer_matches_without_context_parallel(procs):
+def test_layer_matches_without_context_parallel():
   # Inputs through load_balance, output through unload_balance, vs. the plain layer on the
   # unpermuted inputs: with packed positions, and with default ones (RoPE must permute too).
-  r = procs[4]()["LAYER"][0]
+  r = cp_check.layer()
   assert r["packed"] < TOL and r["default"] < TOL, r
 
 
-def test_model_with_windows_sinks_and_soft_cap_matches_without_context_parallel(procs):
-  r = procs[4]()["MODEL"][0]
+@pytest.mark.slow
+def test_model_with_windows_sinks_and_soft_cap_matches_without_context_parallel():
+  r = cp_check.model()
   assert r["logits"] < TOL and r["grads"] < 1e-4 and r["dsinks"] < 1e-4, r
   assert r["dsinks_nonzero"] > 0, r
 
 
-def test_two_processes_two_devices_each(procs):
+@pytest.mark.slow
+def test_two_processes_two_devices_each(two_processes):
   # Each process checks its own shards of out, lse, dq, dk, dv: 5 arrays x 2 local devices,
   # for each strategy.
-  results = [r for i in range(2) for r in procs[f"dist{i}"]()["DIST"]]
+  results = two_processes
   assert sorted((r["strategy"], r["process"]) for r in results) == [
       (s, p) for s in sorted(("ring", "all_gather", "ulysses", "ulysses_ring")) for p in (0, 1)]
   for r in results:
@@ -284,10 +306,11 @@ def test_context_axis_of_size_one_is_plain_attention():
     assert rel_error(g, w) < TOL
 
 
-def test_splash_runs_per_batch_and_head_shard(procs):
+@pytest.mark.slow
+def test_splash_runs_per_batch_and_head_shard():
   """Splash without context parallelism on a (data, fsdp, tensor) mesh: shard_map keeps the
   batch and heads sharded (no floating-point all-gather) and matches the reference."""
-  r = procs[8]()["SPLASH"][0]
+  r = cp_check.splash_sharded()
   assert max(_errors(r).values()) < TOL, _errors(r)
   assert r["out_spec"] == ["('data', 'fsdp')", "None", "tensor"]
   assert r["all_gather_dtypes"] == []

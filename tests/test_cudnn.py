@@ -7,16 +7,13 @@ that models cuDNN; everything above it is JAX's real code.
 
 import dataclasses
 import functools
-import json
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import cudnn_ring_check
 import flaxattn
 from flaxattn import cudnn, registry
 from flaxattn.layout import Layout
@@ -103,23 +100,33 @@ def test_ring_plan_covers_each_visible_chunk_pair_once(n, load_balance, causal):
 
 
 @pytest.mark.parametrize("n", [2, 4, 8])
-def test_ring_steps_on_cudnn_match_reference(n):
-  """cuDNN (the CPU model) as the ring's kernel, and per gathered shard under all_gather, on
-  n simulated devices: exact on packings
+def test_ring_cases_on_cudnn_cover_both_strategies(n):
+  """What `test_ring_steps_on_cudnn_match_reference` runs on n devices: exact on packings
   crossing chunk and shard edges, and with the blockwise fallbacks poisoned, so every step
   of those cases ran cuDNN (causal own tokens, unmasked halves; GQA; with and without load
-  balancing); loss (out and lse) and gradients against the reference."""
-  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={n}",
-             JAX_PLATFORMS="cpu")
-  out = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "cudnn_ring_check.py"),
-                        str(n)], capture_output=True, text=True, env=env, timeout=600)
-  assert out.returncode == 0, out.stderr[-3000:]
-  results = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-  only_cudnn = sum(r["name"].startswith("only-cudnn") for r in results)
-  assert (len(results), only_cudnn) == ((9, 6) if n < 8 else (3, 2)), results
-  assert {r["name"].split("-")[-5] for r in results} == {"ring", "all_gather"}, results
-  for r in results:
-    assert max(r["errors"]) < 2e-2, r
+  balancing)."""
+  cases = cudnn_ring_check.cases(n)
+  only_cudnn = sum(name.startswith("only-cudnn") for name, _, _ in cases)
+  assert (len(cases), only_cudnn) == ((9, 6) if n < 8 else (3, 2)), cases
+  assert {name.split("-")[-5] for name, _, _ in cases} == {"ring", "all_gather"}, cases
+
+
+# Each case compiles a ring of cuDNN steps and its reference (seconds to tens of seconds):
+# the quick tier keeps the cheapest case of each strategy.
+QUICK_RING_CASES = {"2-only-cudnn-ring-causal-lb-default-hkv2",
+                    "2-only-cudnn-all_gather-causal-nolb-default-hkv1"}
+
+
+@pytest.mark.parametrize("n,only_cudnn,args", [
+    pytest.param(n, only, args, id=f"{n}-{name}",
+                 marks=[pytest.mark.slow] * (f"{n}-{name}" not in QUICK_RING_CASES))
+    for n in (2, 4, 8) for name, only, args in cudnn_ring_check.cases(n)])
+def test_ring_steps_on_cudnn_match_reference(fake_cudnn, monkeypatch, n, only_cudnn, args):
+  """cuDNN (the CPU model) as the ring's kernel, and per gathered shard under all_gather, on
+  n of the simulated devices: loss (out and lse) and gradients against the reference."""
+  if only_cudnn:
+    cudnn_ring_check.poison(monkeypatch)
+  assert max(cudnn_ring_check.run(n, *args)) < 2e-2
 
 
 def test_mask_band():

@@ -177,7 +177,13 @@ def test_constructor_errors(make, match):
 
 
 @pytest.mark.parametrize("call, match", [
-    (lambda m: m(normal((B, T, E))[0]), r"inputs_q expects a 3-D array .* got shape \(8, 16\)"),
+    (lambda m: m(normal((E,))),
+     r"inputs_q expects an array \[\.\.\., seq, features\] .* got shape \(16,\)"),
+    (lambda m: m(normal((B, T, E)), normal((3, T, E))),
+     r"inputs_k expects the leading \(batch\) axes of inputs_q, \(2,\), got shape \(3, 8, 16\)"),
+    (lambda m: m(normal((3, B, T, E)), segment_ids=jnp.ones((B, T), jnp.int32)),
+     r"segment_ids expects shape \(3, 2, 8\) \(the inputs' leading axes, then tokens\), got"
+     r" shape \(2, 8\)"),
     (lambda m: m(normal((B, T, 12))), r"inputs_q expects 16 features \(in_features=16\), got shape"),
     (lambda m: m(normal((B, T, E)), mask=nnx.make_causal_mask(jnp.ones((B, T)))),
      r"mask expects a flaxattn mask .* got ArrayImpl of shape \(2, 1, 8, 8\).*segment_ids"),

@@ -90,6 +90,7 @@ def run_dir(tmp_path_factory):
   return d / "run"
 
 
+@pytest.mark.slow  # runs the trainer
 def test_sample_command_prints_text(run_dir):
   out = trainer.run([sys.executable, "-m", "train.sample", str(run_dir), "--prompt", "def f(",
                      "--max_new_tokens", "8", "--temperature", "0.7", "--top_p", "0.9",
@@ -98,6 +99,7 @@ def test_sample_command_prints_text(run_dir):
   assert out.stdout.startswith("def f(") and len(out.stdout.encode()) > len("def f(")
 
 
+@pytest.mark.slow  # runs the trainer
 def test_sample_command_errors(run_dir, tmp_path, capsys):
   no_ckpt = tmp_path / "no_ckpt"
   no_ckpt.mkdir()

@@ -1,18 +1,15 @@
-"""flaxattn.sharding rules, and the layer on 8 simulated CPU devices (in a subprocess)."""
+"""flaxattn.sharding rules, and the layer on 8 simulated CPU devices."""
 
-import json
-import os
-import subprocess
-import sys
-import textwrap
-
+import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
-from jax.sharding import AbstractMesh
+from jax.sharding import AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from flaxattn import sharding
+from flaxattn.layer import MultiHeadAttention
+from flaxattn.rope import RoPE
 
 
 def _mesh(**axes):
@@ -54,22 +51,17 @@ def test_constrain_is_a_no_op_without_mesh_or_rules():
     sharding.constrain(x, ("batch", "seq"))
 
 
-SCRIPT = textwrap.dedent("""
-  import json
-  import jax, jax.numpy as jnp, numpy as np
-  from flax import nnx
-  from jax.sharding import AxisType, NamedSharding
-  from flaxattn import sharding
-  from flaxattn.layer import MultiHeadAttention
-  from flaxattn.rope import RoPE
-
-  B, T, E, H = 4, 16, 32, 8
-  x = jax.random.normal(jax.random.key(1), (B, T, E))
-  seg = jnp.array([[1] * 6 + [2] * 9 + [0]] * B, jnp.int32)
-  pos = jnp.array([list(range(6)) + list(range(9)) + [0]] * B, jnp.int32)
+@pytest.fixture(scope="module")
+def eight_devices():
+  """The layer under the default rules on 2-D meshes of 8 devices (parameter and output
+  specs, error against one device), one entry per mesh."""
+  b, t, e, h = 4, 16, 32, 8
+  x = jax.random.normal(jax.random.key(1), (b, t, e))
+  seg = jnp.array([[1] * 6 + [2] * 9 + [0]] * b, jnp.int32)
+  pos = jnp.array([list(range(6)) + list(range(9)) + [0]] * b, jnp.int32)
 
   def make(num_kv_heads):
-    return MultiHeadAttention(H, E, num_kv_heads=num_kv_heads, rope=RoPE(), backend="reference",
+    return MultiHeadAttention(h, e, num_kv_heads=num_kv_heads, rope=RoPE(), backend="reference",
                               rngs=nnx.Rngs(0))
 
   def spec(a):
@@ -81,8 +73,9 @@ SCRIPT = textwrap.dedent("""
                          ("fsdp_tensor", dict(fsdp=2, tensor=4), None),
                          ("data_context", dict(data=2, context=4), 2)]:
     want = make(kv)(x, segment_ids=seg, positions=pos)
-    mesh = jax.make_mesh(tuple(axes.values()), tuple(axes), axis_types=(AxisType.Auto,) * len(axes))
-    with jax.set_mesh(mesh), nnx.logical_axis_rules(sharding.rules(mesh, kv_heads=kv or H)):
+    mesh = jax.make_mesh(tuple(axes.values()), tuple(axes), axis_types=(AxisType.Auto,) * len(axes),
+                         devices=jax.devices()[:8])
+    with jax.set_mesh(mesh), nnx.logical_axis_rules(sharding.rules(mesh, kv_heads=kv or h)):
       m = nnx.jit(lambda: make(kv))()
       x_spec = sharding.logical_to_spec(("batch", "seq", "embed"), x.shape)
       xs = jax.device_put(x, NamedSharding(mesh, x_spec))
@@ -91,18 +84,7 @@ SCRIPT = textwrap.dedent("""
         params={k: spec(v) for k, v in [("query", m.query.kernel[...]), ("key", m.key.kernel[...]),
                                         ("key_bias", m.key.bias[...]), ("out", m.out.kernel[...])]},
         out=spec(got), err=float(jnp.abs(got - want).max()))
-  print("RESULT " + json.dumps(result))
-""")
-
-
-@pytest.fixture(scope="module")
-def eight_devices():
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-  proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True,
-                        timeout=300)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")][-1]
-  return json.loads(line[len("RESULT "):])
+  return result
 
 
 def test_param_specs_under_default_rules(eight_devices):

@@ -39,6 +39,7 @@ def reference(tmp_path_factory):
   return run_dir, out, env
 
 
+@pytest.mark.slow  # runs the trainer
 def test_end_to_end_context_parallel(reference):
   run_dir, out, _ = reference
   train_losses = losses(run_dir)
@@ -56,6 +57,7 @@ def test_end_to_end_context_parallel(reference):
   assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
 
 
+@pytest.mark.slow  # runs the trainer
 def test_kill_and_resume_is_bit_identical(reference, tmp_path):
   """SIGKILL after a finished checkpoint (step >= 2) and a logged step past it; the rerun
   (compiling afresh) must reproduce every loss and eval loss of the reference exactly, and
@@ -108,6 +110,7 @@ BLOCKING_READS = ("import pathlib, sys, threading\n"
                   "sys.exit(main(sys.argv[1:]))\n")
 
 
+@pytest.mark.slow  # runs the trainer
 @pytest.mark.parametrize("reads", ["flowing", "blocked after steps", "blocked from the start"])
 def test_sigterm_saves_and_exits_zero(tmp_path, reads):
   """SIGTERM after some steps saves the last step done and exits 0, within seconds, also
@@ -207,6 +210,7 @@ def test_bad_config_exit_status_of_module(tmp_path):
   assert not run_dir.exists()
 
 
+@pytest.mark.slow  # runs the trainer
 def test_ulysses_ring_demo_matches_ring(tmp_path):
   """configs/demo_usp.yaml (Ulysses x ring, 2 x 2, batch over fsdp 2, 8 simulated devices),
   made tiny, beside the same run with a ring over context=4: the same data and parameters
@@ -224,6 +228,7 @@ def test_ulysses_ring_demo_matches_ring(tmp_path):
   assert all(got[s] == pytest.approx(want[s], abs=1e-4) for s in want), (got, want)
 
 
+@pytest.mark.slow  # runs the trainer
 def test_damaged_checkpoints_fall_back(reference, tmp_path):
   """The newest checkpoint lacks an item (the data position) and the one before has
   truncated array files: each is warned about as damaged and set aside, the third newest
@@ -262,6 +267,7 @@ def _files(run_dir) -> dict:
           if p.is_file() and "tensorboard" not in p.parts}
 
 
+@pytest.mark.slow  # runs the trainer
 def test_config_change_is_refused_and_nothing_is_lost(reference, tmp_path):
   """A finished run (checkpoints at steps 8, 10, 12) rerun with model.n_layers=2 by
   mistake: a config error naming the key, and nothing in the run_dir moved or rewritten.
@@ -327,6 +333,7 @@ def _two_processes(run_dir, logs) -> list[str]:
   return outs
 
 
+@pytest.mark.slow  # runs the trainer
 def test_two_processes_context_parallel(reference, tmp_path):
   """Two processes, mesh context=4 spanning both; the losses match the single-process
   4-device run up to reduction order. Then the newest checkpoint loses process 1's data
@@ -353,6 +360,7 @@ def test_two_processes_context_parallel(reference, tmp_path):
   assert all(losses(run_dir)[s] == pytest.approx(want[s], abs=1e-4) for s in want)
 
 
+@pytest.mark.slow  # runs the trainer
 def test_log_lines_and_summary_without_a_terminal(reference):
   """stdout is a file (`trainer.start`): each step's line and the summary reach it through
   `logging`, with throughput, MFU against the measured CPU peak, and the run's paths."""
@@ -391,6 +399,7 @@ def _extend(run_dir, *overrides) -> list[str]:
           "seq_len=2048", "eval_every=0", "checkpoint_every=0", *overrides]
 
 
+@pytest.mark.slow  # runs the trainer
 def test_init_from_hf_extends_context_and_exports(hf_dir, tmp_path):
   """extend_demo from the HF directory at 2048 tokens (twice the checkpoint's 1024), one
   step at learning rate 0: the step-1 checkpoint, exported as float32, must hold the HF
@@ -413,6 +422,7 @@ def test_init_from_hf_extends_context_and_exports(hf_dir, tmp_path):
     assert (got[name] == want[name]).all(), name
 
 
+@pytest.mark.slow  # runs the trainer
 def test_init_from_run_dir_takes_its_newest_model(reference, tmp_path):
   """A run initialized from the reference run_dir, one step at learning rate 0: its step-1
   checkpoint holds the reference's step-12 model."""
@@ -429,6 +439,7 @@ def test_init_from_run_dir_takes_its_newest_model(reference, tmp_path):
   assert all((got[n] == want[n]).all() for n in want)
 
 
+@pytest.mark.slow  # runs the trainer
 def test_export_logits_match_the_checkpoint(reference, tmp_path):
   """`python -m train.export` of the trained reference run, read back by `models.hf.load`:
   the same logits as the model restored from the run's checkpoint."""

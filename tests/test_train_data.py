@@ -14,6 +14,7 @@ import pytest
 from trainer import checkpoints, clean_env, command, losses, run, train
 
 
+@pytest.mark.slow  # runs the trainer
 @pytest.mark.parametrize("split", ["train", "eval"])
 def test_corpus_without_usable_documents_is_a_config_error(tmp_path, split):
   """Every training document (or every held-out one) is empty or one byte, so no piece
@@ -56,6 +57,7 @@ def _corpus_with_bad_records(corpus) -> list[str]:
   return ["binary.txt"] + [f"corpus.jsonl line {2 + 6 * i}" for i in range(len(bad))]
 
 
+@pytest.mark.slow  # runs the trainer
 def test_bad_records_are_skipped_and_counted(tmp_path):
   """Five bad `.jsonl` lines (not JSON, no "text", a number for "text", not an object, not
   UTF-8) and a binary `.txt` among good documents: the run trains past them and counts
