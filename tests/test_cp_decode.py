@@ -2,6 +2,7 @@
 mesh equal the same layer on one device; the cache is sharded, balanced and bounded."""
 
 import dataclasses
+import json
 import math
 
 import jax
@@ -178,7 +179,9 @@ def test_greedy_sample_on_a_mesh_gives_the_same_tokens(tmp_path):
   want = sample.generate(model, prompt, 8)
   assert len(set(want.tolist())) > 2  # not a degenerate model
   # As `python -m train.sample --context_parallel 4` does, with the run's strategy.
-  (tmp_path / "config.json").write_text('{"context_parallel": {"strategy": "all_gather"}}')
+  from train import config  # pylint: disable=import-outside-toplevel
+  saved = config.to_dict(config.load(None, ["context_parallel.strategy=all_gather"]))
+  (tmp_path / "config.json").write_text(json.dumps(saved))
   with sample.on_mesh(model, str(tmp_path), 4) as cp:
     got = sample.generate(model, prompt, 8, context_parallel=cp)
     assert model.layers[0].attn.cached_key[...].addressable_shards[0].data.shape[1] == 16 // 4
