@@ -148,8 +148,11 @@ def axis_size(cp: ContextParallel, axis: str | None = None, mesh=None) -> int:
   return mesh.shape[axis]
 
 
-def _merge(out, lse, out_s, lse_s):
-  """Combines two partial softmax results over disjoint key sets (float32)."""
+def merge_partials(out, lse, out_s, lse_s):
+  """Combines two partial softmax results over disjoint key sets: out `[B, T, H, Dv]`
+  float32 with lse `[B, T, H]`, and another such pair (out_s in any float dtype); rows
+  with no key on either side stay zeros / -inf. Used by the ring and by the layer's
+  prefill into a filled sharded cache."""
   new = jnp.logaddexp(lse, lse_s)
   safe = jnp.where(jnp.isfinite(new), new, 0.0)  # rows with no key anywhere stay 0 / -inf
   w, w_s = jnp.exp(lse - safe), jnp.exp(lse_s - safe)
@@ -210,7 +213,7 @@ def _ring_fwd(axis, n, local, data, q, k, v, layout):
   def compute(out, lse, kv, ids, step):
     lay = Layout(layout.q_segment_ids, ids[0], layout.q_positions, ids[1])
     partial = local.forward(step, data, q, *kv, lay)
-    return (out, lse) if partial is None else _merge(out, lse, *partial)
+    return (out, lse) if partial is None else merge_partials(out, lse, *partial)
 
   def step(carry, i):
     out, lse, kv, ids = carry
@@ -297,7 +300,7 @@ def _merged_steps(local, data, q, v, pieces):
   for step, k_s, v_s, lay in pieces:
     partial = local.forward(step, data, q, k_s, v_s, lay)
     if partial is not None:
-      out, lse = _merge(out, lse, *partial)
+      out, lse = merge_partials(out, lse, *partial)
   return out.astype(q.dtype), lse
 
 

@@ -33,7 +33,7 @@ from jax import lax
 
 from flaxattn import balance, checks, decode as cp_decode
 from flaxattn.attention import apply_sinks, attention, check_soft_cap
-from flaxattn.context_parallel import _merge
+from flaxattn.context_parallel import merge_partials
 from flaxattn.layout import Layout, resolve, shape_error
 from flaxattn.masks import Causal, Full, Mask, check_mask
 from flaxattn.rope import RoPE
@@ -556,7 +556,7 @@ class MultiHeadAttention(nnx.Module):
                                      context_parallel=cp, **options)
         before = cp_decode.attend(local, q, cache, ids_BT, pos_BT, specs.sequence_sharded(),
                                   sequence_sharded=True, when=i > 0)
-        out, lse = _merge(out.astype(jnp.float32), lse, *before)
+        out, lse = merge_partials(out.astype(jnp.float32), lse, *before)
         return cp_decode.write(cache, new, i, specs.sequence_sharded(), prefill=True), out, lse
       cache = cp_decode.write(cache, new, i, specs, prefill=False)
       return (cache, *cp_decode.attend(local, q, cache, ids_BT, pos_BT, specs))
