@@ -80,18 +80,28 @@ def _call(q, k, v, mask, layout: Layout, return_lse: bool, context_parallel, has
                           cp.strategy, ring, has_sinks=has_sinks, soft_cap=soft_cap)
 
 
-def _layout(q, k, mask, segment_ids, positions, kv_segment_ids, kv_positions, context_parallel):
+def _layout(q, k, mask, segment_ids, positions, kv_segment_ids, kv_positions, context_parallel,
+            layout):
   if context_parallel is not None and not isinstance(context_parallel, ContextParallel):
     raise TypeError(f"context_parallel expects a flaxattn.ContextParallel or None, got"
                     f" {context_parallel!r}.")
-  return check_mask(mask), resolve(q.shape, k.shape, segment_ids, positions, kv_segment_ids,
-                                   kv_positions, context_parallel)
+  if layout is None:
+    return check_mask(mask), resolve(q.shape, k.shape, segment_ids, positions, kv_segment_ids,
+                                     kv_positions, context_parallel)
+  given = [name for name, x in (("segment_ids", segment_ids), ("positions", positions),
+                                ("kv_segment_ids", kv_segment_ids),
+                                ("kv_positions", kv_positions)) if x is not None]
+  if not isinstance(layout, Layout) or given:
+    raise TypeError(f"layout expects a flaxattn.layout.Layout from flaxattn.layout.resolve, in"
+                    f" place of segment_ids/positions/kv_segment_ids/kv_positions; got"
+                    f" {type(layout).__name__} with {given or 'no'} id arguments.")
+  return check_mask(mask), layout
 
 
 def attention(q, k, v, *, mask: Mask = Causal(), segment_ids=None, positions=None,
               kv_segment_ids=None, kv_positions=None, scale: float | None = None,
               backend: str = "auto", context_parallel=None, return_lse: bool = False,
-              sinks=None, logit_soft_cap: float | None = None):
+              sinks=None, logit_soft_cap: float | None = None, layout: Layout | None = None):
   """Exact attention over packed sequences.
 
   Args:
@@ -113,6 +123,9 @@ def attention(q, k, v, *, mask: Mask = Causal(), segment_ids=None, positions=Non
       with no value (attention sinks, as in gpt-oss); differentiable. None: no sinks.
     logit_soft_cap: scores become `cap * tanh(scale * q.k / cap)` before masking (Gemma 2:
       the scale is applied first), forward and backward. None: no cap.
+    layout: the ids already resolved by `flaxattn.layout.resolve` (with this
+      `context_parallel`), in place of the four id arguments: how `MultiHeadAttention`
+      passes what it resolved for RoPE. Used as it is, unchecked.
 
   Returns:
     `[B, T, H, Dv]` in q's dtype (and the log-sum-exp if asked). A query with nothing to
@@ -126,7 +139,7 @@ def attention(q, k, v, *, mask: Mask = Causal(), segment_ids=None, positions=Non
   _check_sinks(q, sinks)
   soft_cap = check_soft_cap(logit_soft_cap)
   mask, layout = _layout(q, k, mask, segment_ids, positions, kv_segment_ids, kv_positions,
-                         context_parallel)
+                         context_parallel, layout)
   if scale is None:
     scale = q.shape[-1] ** -0.5
   if context_parallel is not None:  # strategy="auto": chosen per call
@@ -187,7 +200,7 @@ def explain(q, k, v, *, mask: Mask = Causal(), segment_ids=None, positions=None,
   _check_sinks(q, sinks)
   soft_cap = check_soft_cap(logit_soft_cap)
   mask, layout = _layout(q, k, mask, segment_ids, positions, kv_segment_ids, kv_positions,
-                         context_parallel)
+                         context_parallel, None)
   plan = None
   if context_parallel is not None:
     context_parallel, plan = choose(context_parallel, q.shape, k.shape, np.dtype(q.dtype).itemsize, mask)

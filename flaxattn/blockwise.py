@@ -17,6 +17,7 @@ import numpy as np
 from flaxattn import registry
 from flaxattn.layout import Layout
 from flaxattn.masks import Mask
+from flaxattn.ring import RingStep
 
 SKIP, FULL, PARTIAL = 0, 1, 2
 DEFAULT_BLOCK_Q = 512
@@ -356,22 +357,23 @@ def ring_block(t: int, n: int, load_balance: bool) -> int:
   return min(DEFAULT_BLOCK_Q, t // (2 * n)) if load_balance else DEFAULT_BLOCK_Q
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=[],
+                   meta_fields=["mask", "scale", "block", "soft_cap"])
 @dataclasses.dataclass(frozen=True)
-class RingStep:
-  """The blockwise passes as the ring's per-device computation (a `lax.scan` over steps:
-  the same computation at every step, its block schedule from the visiting positions)."""
+class BlockwiseStep(RingStep):
+  """The blockwise passes as the ring's per-device step: the same computation at every step
+  (so the ring runs a `lax.scan`), its block schedule from the visiting positions."""
 
   mask: Mask
   scale: float
   block: int
   soft_cap: float | None = None
-  unrolled: bool = False
 
-  def forward(self, step, data, q, k, v, layout):
+  def forward(self, step, q, k, v, layout):
     return forward(q, k, v, layout, mask=self.mask, scale=self.scale, block_q=self.block,
                    block_kv=self.block, soft_cap=self.soft_cap)
 
-  def backward(self, step, data, q, k, v, layout, out, lse, dout, dlse):
+  def backward(self, step, q, k, v, layout, out, lse, dout, dlse):
     return backward(q, k, v, layout, out, lse, dout, dlse, mask=self.mask, scale=self.scale,
                     block_q=self.block, block_kv=self.block, soft_cap=self.soft_cap)
 
@@ -392,14 +394,18 @@ class Blockwise(registry.Kernel):
     return blockwise_attention(q, k, v, layout, mask=mask, scale=scale, return_lse=return_lse,
                                block_q=self.block_q, block_kv=self.block_kv, soft_cap=soft_cap)
 
-  def context_parallel_local(self, *, strategy: str, mask: Mask, scale: float, **call):
+  def ring_step(self, *, strategy: str, mask: Mask, scale: float, shards: int, axis: str,
+                load_balance: bool, q_shape, kv_shape, layout: Layout,
+                soft_cap: float | None = None) -> RingStep:
     if strategy != "ring":
-      return super().context_parallel_local(strategy=strategy, mask=mask, scale=scale, **call)
-    return ring_step(mask, scale, call["q_shape"][1], call["shards"], call["load_balance"],
-                     call.get("soft_cap")), None, None
+      return super().ring_step(strategy=strategy, mask=mask, scale=scale, shards=shards,
+                               axis=axis, load_balance=load_balance, q_shape=q_shape,
+                               kv_shape=kv_shape, layout=layout, soft_cap=soft_cap)
+    return ring_step(mask, scale, q_shape[1], shards, load_balance, soft_cap)
 
 
 def ring_step(mask: Mask, scale: float, t: int, shards: int, load_balance: bool,
-              soft_cap: float | None = None) -> RingStep:
-  """The blockwise ring step for T = t over `shards` devices (also splash's exact path)."""
-  return RingStep(mask, scale, ring_block(t, shards, load_balance), soft_cap)
+              soft_cap: float | None = None) -> BlockwiseStep:
+  """The blockwise ring step for T = t over `shards` devices (also the exact path of the
+  kernels that mask on the token index)."""
+  return BlockwiseStep(mask, scale, ring_block(t, shards, load_balance), soft_cap)

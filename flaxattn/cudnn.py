@@ -16,11 +16,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax._src.cudnn import fused_attention_stablehlo as fsa
-from jax.sharding import PartitionSpec as P
 
-from flaxattn import blockwise, context_parallel, registry
+from flaxattn import blockwise, cudnn_ring, registry
 from flaxattn.layout import Layout, index_check
-from flaxattn.masks import Full, Mask, NoBand, band
+from flaxattn.masks import Mask, NoBand, band
 from flaxattn.segments import SeqlensOffsets, seqlens_and_offsets
 
 DTYPES = ("bfloat16", "float16")
@@ -522,138 +521,6 @@ def _ring_reason(call: registry.Call) -> str | None:
   return None
 
 
-# The pieces of a ring step on cuDNN (docs/design.md, "cuDNN in the ring").
-OWN, ALL, FIRST_KEYS, LAST_QUERIES, NOTHING = range(5)
-PIECES = ("own tokens, the call's mask", "all keys, unmasked", "first key chunk, unmasked",
-          "second query chunk, unmasked", "nothing")
-
-
-def ring_plan(mask: Mask, shards: int, load_balance: bool) -> np.ndarray:
-  """`[step, device]` int: the piece (index into `PIECES`) device r computes at ring step s,
-  when the keys of shard (r - s) mod n visit. Step 0 is the device's own tokens with the
-  call's mask (their index order is their original order). Later steps, causal: without
-  load balancing an earlier shard is seen whole and a later one not at all; with it, an
-  earlier shard's first chunk is seen by all local queries and a later shard by the local
-  second chunk. Full: every later step sees all keys.
-
-  Raises:
-    NoBand: a mask cuDNN has no band for (Chunked).
-  """
-  causal, _ = mask_band(mask)
-  plan = np.full((shards, shards), OWN, np.int32)
-  for step in range(1, shards):
-    for r in range(shards):
-      earlier = (r - step) % shards < r
-      if not causal:
-        plan[step, r] = ALL
-      elif load_balance:
-        plan[step, r] = FIRST_KEYS if earlier else LAST_QUERIES
-      else:
-        plan[step, r] = ALL if earlier else NOTHING
-  return plan
-
-
-@dataclasses.dataclass(frozen=True)
-class RingStep:
-  """cuDNN calls as the ring's per-device step, one piece of `ring_plan` per step and
-  device. Each call checks its documents at run time (cudnn's own check); `data` is the
-  global `index_check` (positions must follow the token index inside each document), and a
-  batch that fails it runs `fallback`, the blockwise step."""
-
-  mask: Mask
-  scale: float
-  axis: str
-  shards: int
-  load_balance: bool
-  packed: bool
-  max_segments: int | None
-  fallback: object
-  unrolled: bool = True
-
-  def _call(self, q, k, v, layout, mask):
-    lay = layout if self.packed else Layout()
-    return forward(q, k, v, lay, mask=mask, scale=self.scale, max_segments=self.max_segments)
-
-  def _grads(self, q, k, v, layout, out, lse, dout, dlse, mask):
-    lay = layout if self.packed else Layout()
-    return backward(q, k, v, lay, out, lse, dout, dlse, mask=mask, scale=self.scale,
-                    max_segments=self.max_segments)
-
-  def _run_piece(self, step, piece_fn):
-    """`piece_fn(piece)` for this device's piece of `step`: a Python int (the ring's
-    unrolled steps) traces only the pieces that step uses; a traced step (the all-gather
-    strategy's, which depends on the device index) traces all the plan uses."""
-    plan = ring_plan(self.mask, self.shards, self.load_balance)
-    used = sorted(set(np.unique(plan[step] if isinstance(step, int) else plan)))
-    if len(used) == 1:
-      return piece_fn(used[0])
-    branch = np.zeros(len(PIECES), np.int32)
-    branch[used] = np.arange(len(used))
-    piece = jnp.asarray(plan)[step, jax.lax.axis_index(self.axis)]
-    return jax.lax.switch(jnp.asarray(branch)[piece], [functools.partial(piece_fn, p) for p in used])
-
-  def forward(self, step, data, q, k, v, layout: Layout):
-    def piece_fn(piece):
-      if piece == NOTHING:
-        return _no_keys(q)
-      rows, cols, lay, mask = ring_piece(piece, layout, self.mask)
-      out, lse = self._call(q[:, rows], k[:, cols], v[:, cols], lay, mask)
-      return _place(out, rows, q.shape[1], 0), _place(lse, rows, q.shape[1], -jnp.inf)
-
-    by_cudnn = lambda: self._run_piece(step, piece_fn)
-    if data is None:
-      return by_cudnn()
-    return jax.lax.cond(data, by_cudnn, lambda: self.fallback.forward(step, None, q, k, v, layout))
-
-  def backward(self, step, data, q, k, v, layout: Layout, out, lse, dout, dlse):
-    def piece_fn(piece):
-      if piece == NOTHING:
-        return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)
-      rows, cols, lay, mask = ring_piece(piece, layout, self.mask)
-      dq, dk, dv = self._grads(q[:, rows], k[:, cols], v[:, cols], lay, out[:, rows],
-                               lse[:, rows], dout[:, rows], None if dlse is None else dlse[:, rows],
-                               mask)
-      s = k.shape[1]
-      return _place(dq, rows, q.shape[1], 0), _place(dk, cols, s, 0), _place(dv, cols, s, 0)
-
-    by_cudnn = lambda: self._run_piece(step, piece_fn)
-    if data is None:
-      return by_cudnn()
-    return jax.lax.cond(data, by_cudnn, lambda: self.fallback.backward(
-        step, None, q, k, v, layout, out, lse, dout, dlse))
-
-  def gathered(self, data, q, k, v, layout: Layout):
-    return context_parallel.gathered_steps(self.axis, self.shards, self, data, q, k, v, layout)
-
-
-def ring_piece(piece: int, layout: Layout, mask: Mask) -> tuple[slice, slice, Layout, Mask]:
-  """The cuDNN call of a ring piece (not `NOTHING`) on the visiting shard's `layout` (local
-  queries, visiting keys, `[B, T]` each): (query rows, key rows, the call's layout, mask)."""
-  half = layout.q_segment_ids.shape[1] // 2
-  rows, cols = {OWN: (slice(None), slice(None)), ALL: (slice(None), slice(None)),
-                FIRST_KEYS: (slice(None), slice(None, half)),
-                LAST_QUERIES: (slice(half, None), slice(None))}[piece]
-  if piece == OWN:  # the device's own tokens: queries and keys are one array
-    return rows, cols, Layout(layout.q_segment_ids, layout.q_segment_ids, layout.q_positions,
-                              layout.q_positions), mask
-  lay = Layout(layout.q_segment_ids[:, rows], layout.kv_segment_ids[:, cols],
-               layout.q_positions[:, rows], layout.kv_positions[:, cols])
-  return rows, cols, lay, Full()
-
-
-def _place(x, rows: slice, n: int, fill):
-  """`x`, the rows `rows` of a length-`n` sequence axis (axis 1), padded with `fill`."""
-  start, stop, _ = rows.indices(n)
-  pad = [(0, 0)] * x.ndim
-  pad[1] = (start, n - stop)
-  return jnp.pad(x, pad, constant_values=fill)
-
-
-def _no_keys(q):
-  b, t, h, _ = q.shape
-  return jnp.zeros_like(q), jnp.full((b, t, h), -jnp.inf, jnp.float32)
-
-
 @dataclasses.dataclass(frozen=True)
 class Cudnn(registry.Kernel):
   """`backend="cudnn"`: cuDNN fused attention on NVIDIA GPUs (docs/design.md)."""
@@ -683,12 +550,16 @@ class Cudnn(registry.Kernel):
     return cudnn_attention(q, k, v, layout, mask=mask, scale=scale, return_lse=return_lse,
                            max_segments=self.max_segments)
 
-  def context_parallel_local(self, *, strategy: str, mask: Mask, scale: float, shards: int,
-                             axis: str, load_balance: bool, q_shape, kv_shape, layout: Layout):
+  def ring_step(self, *, strategy: str, mask: Mask, scale: float, shards: int, axis: str,
+                load_balance: bool, q_shape, kv_shape, layout: Layout) -> cudnn_ring.CudnnStep:
+    """cuDNN calls per ring step or gathered shard (`flaxattn.cudnn_ring`), with the global
+    run-time check that positions follow the token index; a batch that fails it runs the
+    blockwise step."""
     _kv_offsets_per_key_head()  # probed here, outside the shard_map (it evaluates eagerly)
     index = layout.index(q_shape[0], q_shape[1])
-    exact = index_check(mask, layout, index, index)
-    fallback = blockwise.ring_step(mask, scale, q_shape[1], shards, load_balance)
-    step = RingStep(mask, scale, axis, shards, load_balance, layout.q_segment_ids is not None,
-                    self.max_segments, fallback)
-    return step, exact, None if exact is None else P()
+    return cudnn_ring.CudnnStep(
+        exact=index_check(mask, layout, index, index), mask=mask, causal=mask_band(mask)[0],
+        scale=scale, axis=axis, shards=shards, load_balance=load_balance,
+        packed=layout.q_segment_ids is not None, max_segments=self.max_segments,
+        fused_forward=forward, fused_backward=backward,
+        fallback=blockwise.ring_step(mask, scale, q_shape[1], shards, load_balance))

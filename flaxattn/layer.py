@@ -33,7 +33,7 @@ from jax import lax
 
 from flaxattn import balance, checks, decode as cp_decode
 from flaxattn.attention import apply_sinks, attention, check_soft_cap
-from flaxattn.context_parallel import merge_partials
+from flaxattn.ring import merge_partials
 from flaxattn.layout import Layout, resolve, shape_error
 from flaxattn.masks import Causal, Full, Mask, check_mask
 from flaxattn.rope import RoPE
@@ -123,7 +123,8 @@ class MultiHeadAttention(nnx.Module):
     v_head_dim: head dim of the values (and of the out projection's input); default
       head_dim. The value kernel is `(embed, kv_heads, v_head_dim)`.
     attention_fn: called as `flaxattn.attention` is (default), e.g. a `functools.partial` of
-      it with `scale=`.
+      it with `scale=`. `flaxattn.attention` (or a partial of it) gets the layout the layer
+      resolved as `layout=`; any other function the four id arrays.
     dropout_rate: must be 0; attention dropout needs the `[T, S]` probabilities.
     broadcast_dropout, deterministic, keep_rngs: accepted for compatibility; unused.
 
@@ -358,14 +359,20 @@ class MultiHeadAttention(nnx.Module):
             k_BSKD, v_BSKD, layout.q_segment_ids, layout.q_positions)
         layout = dataclasses.replace(layout, kv_segment_ids=kv_ids_BS, kv_positions=kv_pos_BS)
       q_BTHD, k_BSKD, v_BSKD = dtypes.promote_dtype((q_BTHD, k_BSKD, v_BSKD), dtype=self.dtype)
-      x_BTHD = self.attention_fn(
-          q_BTHD, k_BSKD, v_BSKD, mask=mask, segment_ids=layout.q_segment_ids,
-          positions=layout.q_positions, kv_segment_ids=layout.kv_segment_ids,
-          kv_positions=layout.kv_positions, backend=self.backend,
-          context_parallel=self.context_parallel, **extras)
+      x_BTHD = self.attention_fn(q_BTHD, k_BSKD, v_BSKD, mask=mask, backend=self.backend,
+                                 context_parallel=self.context_parallel,
+                                 **self._ids(layout), **extras)
     x_BTHD = constrain(x_BTHD, Q_NAMES)
     out_BTE = constrain(self.out(x_BTHD, out_sharding=out_sharding), X_NAMES)
     return out_BTE.reshape(batch + out_BTE.shape[1:])
+
+  def _ids(self, layout: Layout) -> dict:
+    """The ids argument(s) of `attention_fn`: `flaxattn.attention` (or a partial of it) takes
+    the layout resolved here as it is; any other function the four arrays."""
+    if getattr(self.attention_fn, "func", self.attention_fn) is attention:
+      return {"layout": layout}
+    return dict(segment_ids=layout.q_segment_ids, positions=layout.q_positions,
+                kv_segment_ids=layout.kv_segment_ids, kv_positions=layout.kv_positions)
 
   def _check_inputs(self, inputs_q, inputs_k, inputs_v):
     """`inputs_k` and `inputs_v` with nnx's defaults, all three checked."""

@@ -13,44 +13,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from flaxattn.masks import Mask, NoBand, band
-
-
-def _reach(mask: Mask) -> int | None:
-  """R: a query sees keys at most R - 1 tokens back (the smallest window or chunk size), or
-  None when the mask has no bound."""
-  try:
-    normal = band(mask)
-  except NoBand:
-    return None
-  return min((x for x in (normal.window, normal.chunk) if x), default=None)
-
-
-def ring_fetches(mask: Mask, t: int, n: int, load_balance: bool | str):
-  """The ring steps a mask with a bounded reach R (`Local`, `Chunked`) needs besides step 0,
-  as `((step, part), ...)`: at step s the keys of shard (r - s) mod n, whole (`part` None) or
-  only their first (0) or second (1) half. None: every step is needed, always so in
-  per-document order (`load_balance="document"`), where a document's neighbouring tokens
-  may be on any shard.
-
-  Load balanced (chunks of c = T / 2n, device r holds chunks r and 2n-1-r), a query reaches
-  m = ceil((R - 1) / c) chunks back. m <= 1 and n >= 3: chunk r - 1 (first half of device
-  r - 1, step 1) and chunk 2n-2-r (second half of device r + 1, step n - 1). Larger m, while
-  2m < n - 1: the whole shards of devices r - m .. r + m (steps 1..m and n-m..n-1).
-  Contiguous (shards of L = T / n): ceil((R - 1) / L) steps back. Exact when positions
-  follow the token index inside documents (docs/design.md)."""
-  reach = _reach(mask)
-  if reach is None or load_balance == "document":
-    return None
-  if load_balance:
-    back = -(-(reach - 1) // (t // (2 * n)))
-    if n >= 3 and back <= 1:
-      return ((1, 0), (n - 1, 1))
-    if 2 * back < n - 1:
-      return tuple((s, None) for s in range(1, back + 1)) + tuple((n - s, None) for s in range(back, 0, -1))
-    return None
-  steps = -(-(reach - 1) // (t // n))
-  return tuple((step, None) for step in range(1, steps + 1)) if steps < n - 1 else None
+from flaxattn.masks import Mask, NoBand, band, reach
+from flaxattn.ring import ring_fetches
 
 
 def communication(strategy: str, load_balance: bool | str, mask: Mask, t: int, n: int,
@@ -84,12 +48,12 @@ def _transfers(strategy, load_balance, mask, t, n, has_positions, n_ring) -> str
   if fetches is None:
     lines.append(f"ring over {n} devices: keys of every other shard visit,"
                  f" {n - 1} step{'s' if n > 2 else ''}")
-    if load_balance == "document" and _reach(mask) is not None:
+    if load_balance == "document" and reach(mask) is not None:
       lines[-1] += (f" (per-document order: {mask!r} is short, but a document's neighbouring"
                     " tokens may be on any shard, so the window-aware ring's neighbour fetches"
                     " do not apply)")
   else:
-    reach = _reach(mask) - 1
+    back = reach(mask) - 1
     chunk = t // (2 * n)
     if load_balance and all(part is not None for _, part in fetches):
       what = (f"at most one chunk (T/2cp = {chunk} tokens), so each device receives only"
@@ -103,7 +67,7 @@ def _transfers(strategy, load_balance, mask, t, n, has_positions, n_ring) -> str
               f" the {len(fetches)} shard(s) before its own ({len(fetches)} of {n - 1} steps)")
     check = ("; positions checked per batch at run time, a batch whose positions do not"
              " follow the token index runs every step" if has_positions else "")
-    lines.append(f"ring over {n} devices: {mask!r} reaches back {reach} tokens, within {what}{check}")
+    lines.append(f"ring over {n} devices: {mask!r} reaches back {back} tokens, within {what}{check}")
   return ("context parallel: " if len(lines) == 1 else "") + "; then ".join(lines) + "."
 
 
@@ -213,7 +177,7 @@ class Shapes:
 
 
 def ring(s: Shapes, n: int, p: Platform, fetches=None) -> Cost:
-  """The ring over n devices (`fetches`: `context_parallel.ring_fetches`, None = every step)."""
+  """The ring over n devices (`fetches`: `ring.ring_fetches`, None = every step)."""
   shard = s.kv_bytes(s.t // n)
   if fetches is None:
     steps = n - 1

@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 from flaxattn import blockwise, registry, sharding, splash_blocks
 from flaxattn.layout import Layout, index_check, needs_index_check
 from flaxattn.masks import Band, Mask, NoBand, band, floor_div
+from flaxattn.ring import RingStep
 
 LANES = 128  # splash's blocks are multiples of the TPU lane width
 # Rows whose lse is below this saw no key: splash leaves them at its mask value (finite
@@ -397,12 +398,12 @@ class Splash(registry.Kernel):
     out, lse = attend(kernel, exact, q, k, v, layout)
     return (out, lse) if return_lse else out
 
-  def context_parallel_local(self, *, strategy: str, mask: Mask, scale: float, shards: int,
-                             axis: str, load_balance: bool, q_shape, kv_shape, layout: Layout,
-                             soft_cap: float | None = None):
-    """The local computation of context-parallel attention (see `context_parallel`): one
-    kernel per ring step (or one for the gathered keys), with mask infos sharded over `axis`.
-    A batch that fails `index_check` (on the global `layout`) runs the blockwise passes."""
+  def ring_step(self, *, strategy: str, mask: Mask, scale: float, shards: int, axis: str,
+                load_balance: bool, q_shape, kv_shape, layout: Layout,
+                soft_cap: float | None = None) -> SplashStep:
+    """One kernel per ring step (or one for the gathered keys), its mask infos sharded over
+    `axis`. A batch that fails `index_check` (on the global `layout`) runs the blockwise
+    passes."""
     t = q_shape[1]
     if strategy == "ring":
       kernels = tuple(self.kernel(mask, TokenOrder(shards, load_balance, step), q_shape,
@@ -413,56 +414,63 @@ class Splash(registry.Kernel):
                              soft_cap),)
     index = layout.index(q_shape[0], t)
     exact = index_check(mask, layout, index, index)
-    specs = tuple(_kernel_spec(k, axis) for k in kernels)
     fallback = blockwise.ring_step(mask, scale, t, shards, load_balance, soft_cap)
-    return _SplashLocal(float(scale), mask, fallback), (kernels, exact), (specs, P())
+    return SplashStep(kernels, exact, axis, float(scale), mask, fallback)
 
 
 # The blockwise ring step takes a traced step (it runs in a scan), so as a jitted call it is
 # traced once for all of splash's unrolled ring steps instead of once per step.
 @functools.partial(jax.jit, static_argnums=0)
 def _fallback_forward(fallback, step, q, k, v, layout):
-  return fallback.forward(step, None, q, k, v, layout)
+  return fallback.forward(step, q, k, v, layout)
 
 
 @functools.partial(jax.jit, static_argnums=0)
 def _fallback_backward(fallback, step, q, k, v, layout, out, lse, dout, dlse):
-  return fallback.backward(step, None, q, k, v, layout, out, lse, dout, dlse)
+  return fallback.backward(step, q, k, v, layout, out, lse, dout, dlse)
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["kernels", "exact"],
+                   meta_fields=["axis", "scale", "mask", "fallback"])
 @dataclasses.dataclass(frozen=True)
-class _SplashLocal:
-  """Per-device splash computation for context parallelism; its data is the shard-local
-  kernels from `Splash.context_parallel_local` and the run-time exactness flag."""
+class SplashStep(RingStep):
+  """Splash as the per-device step of context parallelism: the shard-local kernels (one per
+  ring step, or one for the gathered keys; None where no query sees the step's keys), whose
+  mask infos are sharded over `axis`, and the run-time exactness flag (None: always exact)."""
 
+  kernels: tuple
+  exact: jax.Array | None
+  axis: str
   scale: float
   mask: Mask
-  fallback: object  # the blockwise ring step, for batches splash cannot mask exactly
-  unrolled: bool = True  # a kernel per ring step: the step must be static
+  fallback: blockwise.BlockwiseStep  # for batches splash cannot mask exactly
+  unrolled = True  # a kernel per ring step: the step must be static
 
-  def forward(self, step: int, data, q, k, v, layout: Layout):
-    kernels, exact = data
-    kernel = kernels[step]
-    if exact is None and kernel is None:  # no query sees these keys: skip the step
+  def specs(self):
+    return dataclasses.replace(self, kernels=tuple(_kernel_spec(k, self.axis) for k in self.kernels),
+                               exact=P())
+
+  def forward(self, step: int, q, k, v, layout: Layout):
+    kernel = self.kernels[step]
+    if self.exact is None and kernel is None:  # no query sees these keys: skip the step
       return None
     return _index_masked_or_blockwise(
-        exact,
+        self.exact,
         lambda: forward(kernel, q, k, v, layout.q_segment_ids, layout.kv_segment_ids,
                         scale=self.scale),
         lambda: _fallback_forward(self.fallback, jnp.int32(step), q, k, v, layout))
 
-  def backward(self, step: int, data, q, k, v, layout: Layout, out, lse, dout, dlse):
-    kernels, exact = data
-    kernel = kernels[step]
-    if exact is None and kernel is None:
+  def backward(self, step: int, q, k, v, layout: Layout, out, lse, dout, dlse):
+    kernel = self.kernels[step]
+    if self.exact is None and kernel is None:
       return None
     return _index_masked_or_blockwise(
-        exact,
+        self.exact,
         lambda: backward(kernel, q, k, v, layout.q_segment_ids, layout.kv_segment_ids, out, lse,
                          dout, dlse, scale=self.scale),
         lambda: _fallback_backward(self.fallback, jnp.int32(step), q, k, v, layout, out, lse,
                                    dout, dlse))
 
-  def gathered(self, data, q, k, v, layout: Layout):
-    kernels, exact = data
-    return _attend(self.scale, self.mask, self.fallback.soft_cap, kernels[0], exact, q, k, v, layout)
+  def gathered(self, axis, n, q, k, v, layout: Layout):
+    return _attend(self.scale, self.mask, self.fallback.soft_cap, self.kernels[0], self.exact,
+                   q, k, v, layout)
