@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 
 import jax
 from jax.sharding import PartitionSpec as P
@@ -31,8 +32,9 @@ class ContextParallel:
     axis: mesh axis name the sequence (dim 1 of q/k/v) is sharded over.
     strategy: "ring", "all_gather", "ulysses" or "auto" (per call, the strategy
       `flaxattn.planner.plan` estimates fastest for its shapes, heads, mask and mesh; with
-      `ring_axis` the hybrid, the one strategy over both axes). Ulysses turns sequence-sharded q/k/v into
-      head-sharded ones with an all-to-all over `axis`, runs the kernel on the whole
+      `ring_axis` the hybrid, the one strategy over both axes). Ulysses turns
+      sequence-sharded q/k/v into head-sharded ones with an all-to-all over `axis`, runs the
+      kernel on the whole
       sequence and turns the result back: the query heads, and the key/value heads after
       repeating each as little as needed, must divide by the axis size (heads sharded over
       `head_axes` count per shard).
@@ -71,7 +73,8 @@ class ContextParallel:
     if not isinstance(self.axis, str) or not self.axis:
       raise ValueError(f"ContextParallel(axis=...) expects a mesh axis name, got {self.axis!r}.")
     if self.strategy not in STRATEGIES:
-      raise ValueError(f"ContextParallel(strategy=...) expects one of {STRATEGIES}, got {self.strategy!r}.")
+      raise ValueError(f"ContextParallel(strategy=...) expects one of {STRATEGIES}, got"
+                       f" {self.strategy!r}.")
     if self.load_balance not in (True, False, "document"):
       raise ValueError(f"ContextParallel(load_balance=...) expects True (row order), False or"
                        f" 'document' (per-document order), got {self.load_balance!r}.")
@@ -153,8 +156,9 @@ def context_parallel_attention(q, k, v, layout: Layout, *, mask: Mask, scale: fl
 
   `kernel` is the registry's kernel; its `ring_step` gives the per-device computation of
   the ring and all-gather strategies (`flaxattn.ring.RingStep`), passed into the
-  `shard_map` as an operand; Ulysses calls the kernel on the whole sequence. `layout` comes from `flaxattn.layout.resolve` (default positions in
-  load-balanced order when `cp.load_balance` is True).
+  `shard_map` as an operand; Ulysses calls the kernel on the whole sequence. `layout` comes
+  from `flaxattn.layout.resolve` (default positions in load-balanced order when
+  `cp.load_balance` is True).
 
   Raises:
     ValueError: no mesh set, an axis not in the mesh, keys and queries of different
@@ -191,7 +195,8 @@ def context_parallel_attention(q, k, v, layout: Layout, *, mask: Mask, scale: fl
   # Every mesh axis is manual: the batch and heads stay sharded over the axes that divide
   # them (left to automatic sharding, the compiler would gather the batch inside the ring's
   # loops), the rest are replicated, and a kernel called inside sees no automatic axes.
-  batch = sharding.dividing_axes(mesh, [a for a in cp.batch_axes if a not in cp.seq_axes], b) or None
+  batch = sharding.dividing_axes(mesh, [a for a in cp.batch_axes if a not in cp.seq_axes],
+                                 b) or None
   heads = sharding.dividing_axes(mesh, [a for a in cp.head_axes if a not in cp.seq_axes],
                                  q.shape[2], k.shape[2]) or None
   seq_axes = cp.seq_axes if cp.ring_axis else cp.axis
@@ -201,6 +206,7 @@ def context_parallel_attention(q, k, v, layout: Layout, *, mask: Mask, scale: fl
   seq = P(batch, cp.ring_axis) if cp.strategy == "ulysses" else P(batch, seq_axes)
   qkv = P(batch, seq_axes, heads)
   kv_shape = k.shape
+  repeat = 1  # Ulysses repeats each K/V head so that the heads split evenly
   if cp.strategy == "ulysses":
     head_shards = math.prod(mesh.shape[a] for a in heads or ())
     repeat = ulysses.kv_repeat(cp.axis, n, q.shape[2] // head_shards, k.shape[2] // head_shards)
@@ -219,6 +225,7 @@ def context_parallel_attention(q, k, v, layout: Layout, *, mask: Mask, scale: fl
       index = layout.index(b, t)
       near = index_check(mask, layout, index, index)
     layout = layout.materialize(b, t, t)
+  body: Callable[..., tuple[jax.Array, jax.Array]]
   if cp.strategy == "all_gather":
     body = functools.partial(ring.all_gather, cp.axis, n)
   elif cp.strategy == "ring":
@@ -231,6 +238,7 @@ def context_parallel_attention(q, k, v, layout: Layout, *, mask: Mask, scale: fl
   manual = frozenset(mesh.axis_names) - frozenset(mesh.manual_axes)
   specs = (None if step is None else step.specs(), P(), qkv, qkv, qkv,
            jax.tree.map(lambda _: seq, layout))
-  out, lse = jax.shard_map(body, in_specs=specs, out_specs=(qkv, qkv), axis_names=manual,
-                           check_vma=False)(step, near, q, k, v, layout)
+  run: Callable[..., tuple[jax.Array, jax.Array]] = jax.shard_map(
+      body, in_specs=specs, out_specs=(qkv, qkv), axis_names=manual, check_vma=False)
+  out, lse = run(step, near, q, k, v, layout)
   return (out, lse) if return_lse else out

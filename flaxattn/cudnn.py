@@ -46,7 +46,7 @@ def mask_band(mask: Mask) -> tuple[bool, int | None]:
 
 
 @functools.lru_cache(maxsize=1)
-def _local_gpu() -> tuple[bool, tuple[int, int] | None, int | None, str]:
+def _local_gpu() -> tuple[bool, tuple[int, ...] | None, int | None, str]:
   """(CUDA?, compute capability, cuDNN version, device kind) of this process's first GPU."""
   device = jax.devices("gpu")[0]
   cuda = "cuda" in device.client.platform_version.lower()
@@ -184,12 +184,15 @@ def _config(q, k, layout: Layout, mask: Mask, scale: float, max_segments: int | 
 def _sdpa_forward(q, k, v, desc: SeqlensOffsets | None, cfg: _Config):
   """One cuDNN forward: out `[B, T, Hq, D]` and the softmax stats (natural-log lse),
   `[B, Hq, T]` for dense rows, `[B * M, Hq, T]` (one slab per document) for packed rows."""
-  packed = {} if desc is None else dict(
-      q_seqlen=desc.q_seqlens, kv_seqlen=desc.kv_seqlens,
-      q_offsets=desc.q_offsets, kv_offsets=desc.kv_offsets)
-  return fsa.dot_product_attention(
+  # JAX's annotation does not narrow on return_residual=True, which returns (out, stats).
+  out, stats = fsa.dot_product_attention(  # pyright: ignore[reportAssignmentType, reportGeneralTypeIssues]
       q, k, v, scale=cfg.scale, mask_type=cfg.mask_type(desc is not None),
-      sliding_window_length=cfg.window, qkv_layout="BTNH", return_residual=True, **packed)
+      sliding_window_length=cfg.window, qkv_layout="BTNH", return_residual=True,
+      q_seqlen=None if desc is None else desc.q_seqlens,
+      kv_seqlen=None if desc is None else desc.kv_seqlens,
+      q_offsets=None if desc is None else desc.q_offsets,
+      kv_offsets=None if desc is None else desc.kv_offsets)
+  return out, stats
 
 
 def _sdpa_backward(q, k, v, desc: SeqlensOffsets | None, stats, out, dout, cfg: _Config):
@@ -269,7 +272,8 @@ def _live_keys(desc: SeqlensOffsets, both_BM, s: int):
   # +1 where a key document with queries starts, -1 where it ends, then a running sum.
   start_BM = jnp.where(both_BM, desc.kv_offsets[:, :m], s + 1)
   marks = jnp.zeros((b, s + 1), jnp.int32).at[rows_B1, start_BM].add(1, mode="drop")
-  marks = marks.at[rows_B1, jnp.where(both_BM, start_BM + desc.kv_seqlens, s + 1)].add(-1, mode="drop")
+  ends_BM = jnp.where(both_BM, start_BM + desc.kv_seqlens, s + 1)
+  marks = marks.at[rows_B1, ends_BM].add(-1, mode="drop")
   return jnp.cumsum(marks, axis=1)[:, :s] > 0
 
 
@@ -280,12 +284,14 @@ def _index_masks_exact(layout: Layout, desc: SeqlensOffsets, both_BM, t: int, s:
   paired document starts; docs/design.md)."""
   m = cfg.max_segments
   q_ids, kv_ids = layout.q_segment_ids, layout.kv_segment_ids
+  assert q_ids is not None and kv_ids is not None, "called on packed rows only"
   exact = jnp.all(desc.valid) & _unique_run_ids(q_ids, desc.q_offsets, desc.q_seqlens)
   if not cfg.self_attention:
     exact &= _unique_run_ids(kv_ids, desc.kv_offsets, desc.kv_seqlens)
   default_positions = layout.q_positions is None and layout.kv_positions is None
   if cfg.causal and not (cfg.self_attention and default_positions):
     full = layout.materialize(q_ids.shape[0], t, s)
+    assert full.q_positions is not None and full.kv_positions is not None  # materialized
     if layout.q_positions is not None:
       # Causal without a window compares positions only inside one run of one array, where
       # any increasing positions order pairs as their indices do; windows need differences.
@@ -294,8 +300,10 @@ def _index_masks_exact(layout: Layout, desc: SeqlensOffsets, both_BM, t: int, s:
     if not (cfg.self_attention and cfg.same_positions):
       if layout.kv_positions is not None:
         exact &= _steps_by_one(kv_ids, full.kv_positions)
-      q_first = jnp.take_along_axis(full.q_positions, jnp.clip(desc.q_offsets[:, :m], 0, t - 1), 1)
-      kv_first = jnp.take_along_axis(full.kv_positions, jnp.clip(desc.kv_offsets[:, :m], 0, s - 1), 1)
+      q_first = jnp.take_along_axis(full.q_positions,
+                                    jnp.clip(desc.q_offsets[:, :m], 0, t - 1), 1)
+      kv_first = jnp.take_along_axis(full.kv_positions,
+                                     jnp.clip(desc.kv_offsets[:, :m], 0, s - 1), 1)
       exact &= jnp.all(~both_BM | (q_first == kv_first))
   return exact
 
@@ -372,10 +380,13 @@ def _cudnn_forward(q, k, v, packing: _Packing | None, cfg: _Config):
 def _cudnn_backward(q, k, v, out, lse, dout, dlse, packing: _Packing | None, cfg: _Config):
   desc = None if packing is None else packing.desc
   d = q.shape[-1]
-  dqs, dk, dv = [], 0.0, 0.0
-  group = lambda x: _head_groups(x, cfg.head_groups)
+  dqs, dk, dv = [], jnp.float32(0.0), jnp.float32(0.0)
+
+  def group(x):
+    return _head_groups(x, cfg.head_groups)
   dlses = group(dlse) if dlse is not None else [None] * cfg.head_groups
-  for q_g, out_g, lse_g, dout_g, dlse_g in zip(group(q), group(out), group(lse), group(dout), dlses):
+  for q_g, out_g, lse_g, dout_g, dlse_g in zip(group(q), group(out), group(lse), group(dout),
+                                               dlses, strict=True):
     stats = _lse_to_stats(lse_g, packing)
     dq_g, dk_g, dv_g = _sdpa_backward(q_g, k, v, desc, stats, out_g, dout_g, cfg)
     dq_g, dk_g = dq_g.astype(jnp.float32), dk_g.astype(jnp.float32)
@@ -458,9 +469,12 @@ def served_by_cudnn(q, k, layout: Layout, *, mask: Mask, max_segments: int | Non
   return _packing(layout, q.shape[1], k.shape[1], cfg).exact
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _attention(q, k, v, layout, cfg):
+def _primal(q, k, v, layout, cfg) -> tuple[jax.Array, jax.Array]:
   return _forward(q, k, v, layout, cfg)
+
+
+# Applied as a call, not a decorator through functools.partial, so the result stays typed.
+_attention = jax.custom_vjp(_primal, nondiff_argnums=(4,))
 
 
 def _attention_fwd(q, k, v, layout, cfg):
@@ -551,7 +565,8 @@ class Cudnn(registry.Kernel):
                            max_segments=self.max_segments)
 
   def ring_step(self, *, strategy: str, mask: Mask, scale: float, shards: int, axis: str,
-                load_balance: bool, q_shape, kv_shape, layout: Layout) -> cudnn_ring.CudnnStep:
+                load_balance: bool, q_shape, kv_shape, layout: Layout,
+                soft_cap: float | None = None) -> cudnn_ring.CudnnStep:
     """cuDNN calls per ring step or gathered shard (`flaxattn.cudnn_ring`), with the global
     run-time check that positions follow the token index; a batch that fails it runs the
     blockwise step."""

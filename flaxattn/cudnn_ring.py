@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -50,15 +51,16 @@ def ring_plan(causal: bool, shards: int, load_balance: bool) -> np.ndarray:
 def ring_piece(piece: int, layout: Layout, mask: Mask) -> tuple[slice, slice, Layout, Mask]:
   """The cuDNN call of a ring piece (not `NOTHING`) on the visiting shard's `layout` (local
   queries, visiting keys, `[B, T]` each): (query rows, key rows, the call's layout, mask)."""
-  half = layout.q_segment_ids.shape[1] // 2
+  q_ids, kv_ids, q_pos, kv_pos = (layout.q_segment_ids, layout.kv_segment_ids,
+                                  layout.q_positions, layout.kv_positions)
+  assert q_ids is not None and kv_ids is not None and q_pos is not None and kv_pos is not None
+  half = q_ids.shape[1] // 2
   rows, cols = {OWN: (slice(None), slice(None)), ALL: (slice(None), slice(None)),
                 FIRST_KEYS: (slice(None), slice(None, half)),
                 LAST_QUERIES: (slice(half, None), slice(None))}[piece]
   if piece == OWN:  # the device's own tokens: queries and keys are one array
-    return rows, cols, Layout(layout.q_segment_ids, layout.q_segment_ids, layout.q_positions,
-                              layout.q_positions), mask
-  lay = Layout(layout.q_segment_ids[:, rows], layout.kv_segment_ids[:, cols],
-               layout.q_positions[:, rows], layout.kv_positions[:, cols])
+    return rows, cols, Layout(q_ids, q_ids, q_pos, q_pos), mask
+  lay = Layout(q_ids[:, rows], kv_ids[:, cols], q_pos[:, rows], kv_pos[:, cols])
   return rows, cols, lay, Full()
 
 
@@ -96,8 +98,8 @@ class CudnnStep(RingStep):
   load_balance: bool
   packed: bool
   max_segments: int | None
-  fused_forward: object
-  fused_backward: object
+  fused_forward: Callable[..., tuple[jax.Array, jax.Array]]
+  fused_backward: Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
   fallback: RingStep
   unrolled = True  # each step has its own pieces
 

@@ -53,7 +53,9 @@ def _transfers(strategy, load_balance, mask, t, n, has_positions, n_ring) -> str
                     " tokens may be on any shard, so the window-aware ring's neighbour fetches"
                     " do not apply)")
   else:
-    back = reach(mask) - 1
+    bound = reach(mask)
+    assert bound is not None  # fetches exist only for a bounded reach
+    back = bound - 1
     chunk = t // (2 * n)
     if load_balance and all(part is not None for _, part in fetches):
       what = (f"at most one chunk (T/2cp = {chunk} tokens), so each device receives only"
@@ -67,7 +69,8 @@ def _transfers(strategy, load_balance, mask, t, n, has_positions, n_ring) -> str
               f" the {len(fetches)} shard(s) before its own ({len(fetches)} of {n - 1} steps)")
     check = ("; positions checked per batch at run time, a batch whose positions do not"
              " follow the token index runs every step" if has_positions else "")
-    lines.append(f"ring over {n} devices: {mask!r} reaches back {back} tokens, within {what}{check}")
+    lines.append(f"ring over {n} devices: {mask!r} reaches back {back} tokens, within"
+                 f" {what}{check}")
   return ("context parallel: " if len(lines) == 1 else "") + "; then ".join(lines) + "."
 
 
@@ -165,7 +168,8 @@ class Shapes:
 
   def kv_bytes(self, tokens: int, kv_heads: int | None = None) -> int:
     """Bytes of K and V for `tokens` tokens (and `kv_heads` heads)."""
-    return 2 * self.b * tokens * (self.hkv if kv_heads is None else kv_heads) * self.d * self.itemsize
+    heads = self.hkv if kv_heads is None else kv_heads
+    return 2 * self.b * tokens * heads * self.d * self.itemsize
 
   def imbalance(self) -> float:
     """Slowest device's compute over the mean: causal without load balancing, about 2."""
@@ -190,7 +194,8 @@ def ring(s: Shapes, n: int, p: Platform, fetches=None) -> Cost:
   compute = p.compute_seconds(s.flops() / n * s.imbalance(), s.t // n)
   step_compute = compute / (steps + 1)
   comm = moved / p.link
-  seconds = step_compute + steps * max(step_compute, comm / max(steps, 1)) + (steps + 1) * p.step_overhead
+  seconds = (step_compute + steps * max(step_compute, comm / max(steps, 1))
+             + (steps + 1) * p.step_overhead)
   return Cost("ring", seconds, compute, comm, moved, 2 * shard)
 
 
@@ -236,6 +241,7 @@ def hybrid(s: Shapes, n_ulysses: int, n_ring: int, p: Platform) -> Cost:
   a2a = int(2 * (2 * q_bytes + s.kv_bytes(local, kv)) * (n_ulysses - 1) / n_ulysses)
   inner = dataclasses.replace(s, h=s.h // n_ulysses, hkv=kv // n_ulysses)
   r = ring(inner, n_ring, p)
+  assert r.seconds is not None  # the ring is always possible
   comm = a2a / p.all_to_all + r.comm_s
   return Cost("ulysses_ring", r.seconds + a2a / p.all_to_all, r.compute_s, comm,
               a2a + r.bytes_moved, r.kv_memory)
@@ -280,6 +286,7 @@ def _row_order_ring(s: Shapes, n: int, p: Platform, here: Cost) -> list[Cost]:
   if fetches is None:
     return []
   alt = ring(dataclasses.replace(s, load_balance=True), n, p, fetches)
+  assert alt.seconds is not None and here.seconds is not None  # rings are always possible
   return [Cost("ring, row order", None, why_not=(
       f"the data is in per-document order; in row order (load_balance=True) the window-aware"
       f" ring would take {alt.seconds * 1e3:.3f} ms ({alt.bytes_moved / 2**20:.1f} MiB moved)"
@@ -290,11 +297,13 @@ def _row_order_ring(s: Shapes, n: int, p: Platform, here: Cost) -> list[Cost]:
 def describe_plan(best: Cost, costs: list[Cost]) -> str:
   """The lines `explain` prints for `strategy="auto"`."""
   lines = [f"strategy='auto' chose {best.strategy}; per-device estimates, forward+backward"
-           " (nominal platform numbers: flaxattn.planner.PLATFORMS, ContextParallel(cost_model=...)):"]
+           " (nominal platform numbers: flaxattn.planner.PLATFORMS,"
+           " ContextParallel(cost_model=...)):"]
   lines += ["  " + c.line() for c in costs]
   others = [c for c in costs if c.seconds is not None and c is not best]
   if others:
-    runner = min(others, key=lambda c: c.seconds)
+    runner = min(others, key=lambda c: c.seconds or 0.0)  # all have seconds
+    assert runner.seconds is not None and best.seconds is not None
     lines.append(f"  {best.strategy} wins: estimated {runner.seconds / best.seconds:.2f}x faster"
                  f" than {runner.strategy}, the next best")
   return "\n".join(lines)

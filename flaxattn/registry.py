@@ -80,9 +80,9 @@ def lowering_platforms() -> tuple[str, ...]:
   `jax.set_mesh`, else the default backend)."""
   chosen = _LOWERING_FOR.value
   if chosen:
-    return tuple(LOWERING.get(p, p) for p in chosen.split(","))
+    return tuple(LOWERING.get(p, p) for p in str(chosen).split(","))
   device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
-  return (device.platform if device is not None else jax.default_backend(),)
+  return (getattr(device, "platform", None) or jax.default_backend(),)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,7 +136,8 @@ class Call:
     """The context parallelism in words, e.g. "ulysses over 2 x ring over 2 devices"."""
     if self.ring_size is None:
       return f"{self.cp_strategy} over {self.cp_size} devices"
-    return f"{self.cp_strategy} over {self.cp_size // self.ring_size} x ring over {self.ring_size} devices"
+    return (f"{self.cp_strategy} over {self.cp_size // self.ring_size} x ring over"
+            f" {self.ring_size} devices")
 
 
 class Kernel:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -62,7 +63,7 @@ class Gathered(RingStep):
   """Any kernel on the gathered keys: the all-gather strategy of a kernel without per-step
   passes (`registry.Kernel.ring_step`'s default)."""
 
-  kernel: object
+  kernel: Callable[..., tuple[jax.Array, jax.Array]]
   mask: Mask
   scale: float
   soft_cap: float | None = None
@@ -132,9 +133,9 @@ def ring(axis: str, n: int, fetches, checked: bool):
                                                lambda: full(step, near, *args))
 
 
-def all_gather(axis: str, n: int, step: RingStep, near, q, k, v, layout: Layout):
+def all_gather(axis: str, n: int, step, near, q, k, v, layout: Layout):
   """The all-gather strategy as a `shard_map` body: the keys and their ids gathered over
-  `axis`, then `step.gathered`."""
+  `axis`, then `step.gathered` (a `RingStep`)."""
   def gather(x):
     return jax.lax.all_gather(x, axis, axis=1, tiled=True)
 
@@ -166,9 +167,13 @@ def _zeros_f32(x):
   return jnp.zeros(x.shape, jnp.float32)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _ring(axis, n, step, q, k, v, layout):
+def _ring_primal(axis, n, step, q, k, v, layout) -> tuple[jax.Array, jax.Array]:
   return _ring_fwd(axis, n, step, q, k, v, layout)[0]
+
+
+# The custom VJPs here are applied as calls, not as decorators through functools.partial,
+# so that their results stay typed.
+_ring = jax.custom_vjp(_ring_primal, nondiff_argnums=(0, 1))
 
 
 def _ring_fwd(axis, n, step, q, k, v, layout):
@@ -256,9 +261,11 @@ def _merged(step: RingStep, q, v, pieces):
   return out.astype(q.dtype), lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _window_ring(axis, n, fetches, step, q, k, v, layout):
+def _window_ring_primal(axis, n, fetches, step, q, k, v, layout) -> tuple[jax.Array, jax.Array]:
   return _window_ring_fwd(axis, n, fetches, step, q, k, v, layout)[0]
+
+
+_window_ring = jax.custom_vjp(_window_ring_primal, nondiff_argnums=(0, 1, 2))
 
 
 def _window_ring_fwd(axis, n, fetches, step, q, k, v, layout):
@@ -286,13 +293,15 @@ def _window_ring_bwd(axis, n, fetches, residuals, cotangents):
 _window_ring.defvjp(_window_ring_fwd, _window_ring_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def gathered_steps(axis, n, step, q, k, v, layout):
+def _gathered_steps_primal(axis, n, step, q, k, v, layout) -> tuple[jax.Array, jax.Array]:
   """The all-gather strategy for a kernel that computes ring steps: the gathered keys split
   back into the n shards they came from, shard j served as the ring's step (r - j) mod n
   (r the device index, so the step is traced) and merged by lse; the backward runs each
   step's backward with the merged result, as the ring does. Returns (out, lse)."""
   return _gathered_steps_fwd(axis, n, step, q, k, v, layout)[0]
+
+
+gathered_steps = jax.custom_vjp(_gathered_steps_primal, nondiff_argnums=(0, 1))
 
 
 def _shard_pieces(axis, n, k, v, layout):

@@ -190,7 +190,7 @@ def _q_sequence(q_len: int, shards: int, load_balance: bool) -> np.ndarray:
   return original
 
 
-def _kernel_spec(kernel: sk.SplashAttentionKernel, axis: str | None):
+def _kernel_spec(kernel: sk.SplashAttentionKernel | None, axis: str | None):
   """shard_map specs of a kernel's mask infos: query-block rows over `axis` (None: replicated)."""
   def spec(path, leaf):
     name = path[-1].name
@@ -213,10 +213,13 @@ def forward(kernel, q, k, v, q_seg, kv_seg, *, scale: float):
   if kernel is None:  # no query sees any key under index masking
     return (jnp.zeros((b, t, h, v.shape[-1]), q.dtype), jnp.full((b, t, h), -jnp.inf, jnp.float32))
   hkv = k.shape[2]
-  q_BKGTD = (q * jnp.asarray(scale, q.dtype)).reshape(b, t, hkv, h // hkv, d).transpose(0, 2, 3, 1, 4)
+  q_BKGTD = ((q * jnp.asarray(scale, q.dtype)).reshape(b, t, hkv, h // hkv, d)
+             .transpose(0, 2, 3, 1, 4))
   k_BKSD, v_BKSD = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-  over_heads = jax.vmap(lambda q, k, v, seg: kernel(q, k, v, segment_ids=seg), in_axes=(0, 0, 0, None))
-  out_BKGTD, (lse_BKGT,) = jax.vmap(over_heads)(q_BKGTD, k_BKSD, v_BKSD, _segment_ids(q_seg, kv_seg))
+  over_heads = jax.vmap(lambda q, k, v, seg: kernel(q, k, v, segment_ids=seg),
+                        in_axes=(0, 0, 0, None))
+  out_BKGTD, (lse_BKGT,) = jax.vmap(over_heads)(q_BKGTD, k_BKSD, v_BKSD,
+                                                _segment_ids(q_seg, kv_seg))
   out = out_BKGTD.transpose(0, 3, 1, 2, 4).reshape(b, t, h, v.shape[-1])
   lse = lse_BKGT.transpose(0, 3, 1, 2).reshape(b, t, h).astype(jnp.float32)
   empty = ~(lse > _EMPTY_LSE)  # NaN too
@@ -234,7 +237,8 @@ def backward(kernel, q, k, v, q_seg, kv_seg, out, lse, dout, dlse, *, scale: flo
   b, t, h, d = q.shape
   hkv = k.shape[2]
   g = h // hkv
-  to_kernel = lambda x: x.reshape(b, t, hkv, g, *x.shape[3:]).transpose(0, 2, 3, 1, *range(4, x.ndim + 1))
+  def to_kernel(x):
+    return x.reshape(b, t, hkv, g, *x.shape[3:]).transpose(0, 2, 3, 1, *range(4, x.ndim + 1))
   q_BKGTD = to_kernel(q * jnp.asarray(scale, q.dtype))
   out_BKGTD, dout_BKGTD = to_kernel(out), to_kernel(dout)
   lse_BKGT = to_kernel(jnp.where(jnp.isneginf(lse), _NO_KEYS_LSE, lse))
@@ -253,13 +257,15 @@ def backward(kernel, q, k, v, q_seg, kv_seg, out, lse, dout, dlse, *, scale: flo
         use_fused_bwd_kernel=True,
         q_layout=sizes.q_layout, k_layout=sizes.k_layout, v_layout=sizes.v_layout,
         mask_function=kw["mask_function"], interpret=kw["interpret"])
+    assert dq is not None  # the fused backward kernel computes dq too
     return dq, dk, dv
 
   over_heads = jax.vmap(one, in_axes=(0, 0, 0, None, 0, 0, 0))
   dq, dk, dv = jax.vmap(over_heads)(q_BKGTD, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3),
                                     _segment_ids(q_seg, kv_seg), lse_BKGT, dout_BKGTD, di_BKGT)
   dq = dq.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d) * jnp.asarray(scale, dq.dtype)
-  return dq.astype(q.dtype), dk.transpose(0, 2, 1, 3).astype(k.dtype), dv.transpose(0, 2, 1, 3).astype(v.dtype)
+  return (dq.astype(q.dtype), dk.transpose(0, 2, 1, 3).astype(k.dtype),
+          dv.transpose(0, 2, 1, 3).astype(v.dtype))
 
 
 def _index_masked_or_blockwise(exact, index_masked, blockwise_fn):
@@ -268,7 +274,8 @@ def _index_masked_or_blockwise(exact, index_masked, blockwise_fn):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _attend(scale, mask, soft_cap, kernel, exact, q, k, v, layout):
+def _attend(scale, mask, soft_cap, kernel, exact, q, k, v,
+            layout) -> tuple[jax.Array, jax.Array]:
   return _attend_fwd(scale, mask, soft_cap, kernel, exact, q, k, v, layout)[0]
 
 
@@ -346,7 +353,8 @@ class Splash(registry.Kernel):
 
   def blocks(self, q_len: int, kv_len: int, head_dim: int) -> tuple[int, int]:
     default = default_block(head_dim)
-    return (block_size(q_len, self.block_q or default), block_size(kv_len, self.block_kv or default))
+    return (block_size(q_len, self.block_q or default),
+            block_size(kv_len, self.block_kv or default))
 
   def kernel(self, mask: Mask, order: TokenOrder, q_shape, kv_shape, soft_cap=None):
     """The cached kernel for global shapes q `[B, T, H, D]`, k `[B, S, Hkv, D]` whose
@@ -389,10 +397,12 @@ class Splash(registry.Kernel):
     if auto:
       # A Pallas call is opaque to automatic partitioning: run it per (batch, head) shard.
       batch = sharding.dividing_axes(mesh, sharding.default_axes("batch"), q.shape[0]) or None
-      heads = sharding.dividing_axes(mesh, sharding.default_axes("heads"), q.shape[2], k.shape[2]) or None
+      heads = sharding.dividing_axes(mesh, sharding.default_axes("heads"), q.shape[2],
+                                     k.shape[2]) or None
       qkv, seq = P(batch, None, heads), P(batch, None)
       layout_spec = jax.tree.map(lambda _: seq, layout)
-      attend = jax.shard_map(attend, in_specs=(_kernel_spec(kernel, None), P(), qkv, qkv, qkv, layout_spec),
+      attend = jax.shard_map(attend,
+                             in_specs=(_kernel_spec(kernel, None), P(), qkv, qkv, qkv, layout_spec),
                              out_specs=(qkv, P(batch, None, heads)), axis_names=auto,
                              check_vma=False)
     out, lse = attend(kernel, exact, q, k, v, layout)
@@ -447,8 +457,8 @@ class SplashStep(RingStep):
   unrolled = True  # a kernel per ring step: the step must be static
 
   def specs(self):
-    return dataclasses.replace(self, kernels=tuple(_kernel_spec(k, self.axis) for k in self.kernels),
-                               exact=P())
+    kernels = tuple(_kernel_spec(k, self.axis) for k in self.kernels)
+    return dataclasses.replace(self, kernels=kernels, exact=P())
 
   def forward(self, step: int, q, k, v, layout: Layout):
     kernel = self.kernels[step]
