@@ -31,7 +31,7 @@ random, so permuting them would change nothing measured: no permutation of data 
      with 48 x cp documents (more than a call's 32 THD slots), packed with positions that
      step by 2 (not the token index), and Local cases at cp = 4 and 8, what `flaxattn.explain` says
      the GPU runs, and for cuDNN the piece each device computes at each ring step
-     (`flaxattn.cudnn.ring_plan`; the all-gather strategy computes the same pieces, one per
+     (`flaxattn.cudnn_ring.ring_plan`; the all-gather strategy computes the same pieces, one per
      gathered shard), with the run-time checks evaluated on the batch: the global check
      (positions follow the token index inside documents; a failing batch runs every step
      blockwise) and each call's own check (`cudnn.served_by_cudnn`).
@@ -70,7 +70,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import flaxattn  # noqa: E402
-from flaxattn import blockwise, cudnn  # noqa: E402
+from flaxattn import blockwise, cudnn, cudnn_ring  # noqa: E402
 from flaxattn.layout import Layout, index_check, resolve  # noqa: E402
 from flaxattn.blockwise import ring_block  # noqa: E402
 from bench.attention import B, D, H, best_time, causal_pairs, qkv, useful_gflops  # noqa: E402
@@ -184,7 +184,7 @@ def bench_strategies(t: int, cp: int, repeats: int) -> list[dict]:
 
 # 4. the GPU ring's kernel per step, from this host ------------------------------------------
 
-PIECE_LETTERS = "OAFL-"  # cudnn.PIECES: Own tokens (call's mask), All keys, First key chunk,
+PIECE_LETTERS = "OAFL-"  # cudnn_ring.PIECES: Own tokens (call's mask), All keys, First key chunk,
 #                          Last query chunk (unmasked), nothing
 
 
@@ -226,11 +226,11 @@ def gpu_ring_plan(cp: int, case: str, t: int, h: int = 8, hkv: int = 2, d: int =
   row["global_check"] = None if check is None else bool(check)
   full = layout.materialize(1, t, t)
   shard = lambda x, r: x[:, r * (t // cp):(r + 1) * (t // cp)]
-  plan = cudnn.ring_plan(mask, cp, True)
+  plan = cudnn_ring.ring_plan(cudnn.mask_band(mask)[0], cp, True)
 
   @functools.partial(jax.jit, static_argnums=0)
   def served(piece, visiting):  # the piece's call runs cuDNN: its own run-time check
-    rows, cols, lay, piece_mask = cudnn.ring_piece(piece, visiting, mask)
+    rows, cols, lay, piece_mask = cudnn_ring.ring_piece(piece, visiting, mask)
     q_piece = jax.ShapeDtypeStruct((1, lay.q_segment_ids.shape[1], h, d), jnp.bfloat16)
     k_piece = jax.ShapeDtypeStruct((1, lay.kv_segment_ids.shape[1], hkv, d), jnp.bfloat16)
     return cudnn.served_by_cudnn(q_piece, k_piece, lay, mask=piece_mask)
@@ -243,7 +243,7 @@ def gpu_ring_plan(cp: int, case: str, t: int, h: int = 8, hkv: int = 2, d: int =
       letter = PIECE_LETTERS[piece]
       if check is not None and not check:
         letter = "b"
-      elif piece != cudnn.NOTHING and seg is not None:
+      elif piece != cudnn_ring.NOTHING and seg is not None:
         visiting = Layout(shard(full.q_segment_ids, r), shard(full.kv_segment_ids, j),
                           shard(full.q_positions, r), shard(full.kv_positions, j))
         letter = letter if bool(served(piece, visiting)) else letter.lower()
@@ -255,9 +255,9 @@ def gpu_ring_plan(cp: int, case: str, t: int, h: int = 8, hkv: int = 2, d: int =
 
 def print_gpu_ring_plans(rows: list[dict]):
   print("\n4. what the GPU ring runs per step (reported on this host from flaxattn.explain and"
-        f" cudnn.ring_plan), load balanced,\n   B=1, H=8 on 2 KV heads, D=128, bfloat16, T={rows[0]['t']}; packed ="
+        f" cudnn_ring.ring_plan), load balanced,\n   B=1, H=8 on 2 KV heads, D=128, bfloat16, T={rows[0]['t']}; packed ="
         " 6 x cp (many: 48 x cp) documents of random lengths, positions restarting at 0")
-  print(f"   pieces: {', '.join(f'{l} = {p}' for l, p in zip(PIECE_LETTERS, cudnn.PIECES))};"
+  print(f"   pieces: {', '.join(f'{l} = {p}' for l, p in zip(PIECE_LETTERS, cudnn_ring.PIECES))};"
         "\n   lower case: that call's own run-time check fails on this batch and it runs blockwise;"
         " b = blockwise (the batch failed the global check)")
   for row in rows:

@@ -90,7 +90,7 @@ def _measure(kind: str, t: int) -> dict:
     # Context parallelism over 8 (simulated) devices, load-balanced: one kernel per ring step.
     from jax.sharding import AxisType
     cp = flaxattn.ContextParallel()
-    splash.Splash(block_q=BLOCK, block_kv=BLOCK).context_parallel_local(
+    splash.Splash(block_q=BLOCK, block_kv=BLOCK).ring_step(
         strategy="ring", axis=cp.axis, shards=8, load_balance=True, mask=flaxattn.Causal(),
         scale=D ** -0.5, q_shape=q.shape, kv_shape=kv.shape, layout=Layout(shards=8))
     mesh = jax.make_mesh((8,), (cp.axis,), axis_types=(AxisType.Auto,))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,12 +23,14 @@ def check_qkv(q, k, v) -> None:
     if not jnp.issubdtype(x.dtype, jnp.floating):
       raise shape_error(name, x, "a floating dtype (float32, bfloat16, float16)")
   if not (q.dtype == k.dtype == v.dtype):
-    raise ValueError(f"q, k, v expect one dtype, got {q.dtype}, {k.dtype}, {v.dtype}; cast them first.")
+    raise ValueError(f"q, k, v expect one dtype, got {q.dtype}, {k.dtype}, {v.dtype}; cast them"
+                     " first.")
   if k.shape[:3] != v.shape[:3]:
     raise ValueError(f"k and v expect the same [B, S, Hkv] (v may have its own head_dim), got"
                      f" {k.shape} and {v.shape}.")
   if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
-    raise ValueError(f"q {q.shape} and k {k.shape} expect the same batch (dim 0) and head_dim (dim 3).")
+    raise ValueError(f"q {q.shape} and k {k.shape} expect the same batch (dim 0) and head_dim"
+                     " (dim 3).")
   if q.shape[2] % k.shape[2]:
     raise ValueError(
         f"q heads ({q.shape[2]}) expect a multiple of k/v heads ({k.shape[2]}) for grouped-query"
@@ -80,18 +84,28 @@ def _call(q, k, v, mask, layout: Layout, return_lse: bool, context_parallel, has
                           cp.strategy, ring, has_sinks=has_sinks, soft_cap=soft_cap)
 
 
-def _layout(q, k, mask, segment_ids, positions, kv_segment_ids, kv_positions, context_parallel):
+def _layout(q, k, mask, segment_ids, positions, kv_segment_ids, kv_positions, context_parallel,
+            layout):
   if context_parallel is not None and not isinstance(context_parallel, ContextParallel):
     raise TypeError(f"context_parallel expects a flaxattn.ContextParallel or None, got"
                     f" {context_parallel!r}.")
-  return check_mask(mask), resolve(q.shape, k.shape, segment_ids, positions, kv_segment_ids,
-                                   kv_positions, context_parallel)
+  if layout is None:
+    return check_mask(mask), resolve(q.shape, k.shape, segment_ids, positions, kv_segment_ids,
+                                     kv_positions, context_parallel)
+  given = [name for name, x in (("segment_ids", segment_ids), ("positions", positions),
+                                ("kv_segment_ids", kv_segment_ids),
+                                ("kv_positions", kv_positions)) if x is not None]
+  if not isinstance(layout, Layout) or given:
+    raise TypeError(f"layout expects a flaxattn.layout.Layout from flaxattn.layout.resolve, in"
+                    f" place of segment_ids/positions/kv_segment_ids/kv_positions; got"
+                    f" {type(layout).__name__} with {given or 'no'} id arguments.")
+  return check_mask(mask), layout
 
 
 def attention(q, k, v, *, mask: Mask = Causal(), segment_ids=None, positions=None,
               kv_segment_ids=None, kv_positions=None, scale: float | None = None,
               backend: str = "auto", context_parallel=None, return_lse: bool = False,
-              sinks=None, logit_soft_cap: float | None = None):
+              sinks=None, logit_soft_cap: float | None = None, layout: Layout | None = None):
   """Exact attention over packed sequences.
 
   Args:
@@ -113,6 +127,9 @@ def attention(q, k, v, *, mask: Mask = Causal(), segment_ids=None, positions=Non
       with no value (attention sinks, as in gpt-oss); differentiable. None: no sinks.
     logit_soft_cap: scores become `cap * tanh(scale * q.k / cap)` before masking (Gemma 2:
       the scale is applied first), forward and backward. None: no cap.
+    layout: the ids already resolved by `flaxattn.layout.resolve` (with this
+      `context_parallel`), in place of the four id arguments: how `MultiHeadAttention`
+      passes what it resolved for RoPE. Used as it is, unchecked.
 
   Returns:
     `[B, T, H, Dv]` in q's dtype (and the log-sum-exp if asked). A query with nothing to
@@ -126,25 +143,26 @@ def attention(q, k, v, *, mask: Mask = Causal(), segment_ids=None, positions=Non
   _check_sinks(q, sinks)
   soft_cap = check_soft_cap(logit_soft_cap)
   mask, layout = _layout(q, k, mask, segment_ids, positions, kv_segment_ids, kv_positions,
-                         context_parallel)
-  if scale is None:
-    scale = q.shape[-1] ** -0.5
+                         context_parallel, layout)
+  scale = q.shape[-1] ** -0.5 if scale is None else scale
   if context_parallel is not None:  # strategy="auto": chosen per call
-    context_parallel, _ = choose(context_parallel, q.shape, k.shape, np.dtype(q.dtype).itemsize, mask)
+    context_parallel, _ = choose(context_parallel, q.shape, k.shape, np.dtype(q.dtype).itemsize,
+                                 mask)
   # Sinks need every kernel's lse; they are applied once, to the merged result.
   with_lse = return_lse or sinks is not None
   call = _call(q, k, v, mask, layout, with_lse, context_parallel, sinks is not None, soft_cap)
   kernels = registry.per_platform(backend, call)
   here = kernels[registry.lowering_name(call.platform)]
-  options = dict(mask=mask, scale=float(scale), return_lse=with_lse)
+  options: dict[str, Any] = dict(mask=mask, scale=float(scale), return_lse=with_lse)
   if soft_cap is not None:  # only kernels with `soft_cap = True` take it (registry.Kernel)
     options["soft_cap"] = soft_cap
 
   def run(kernel):
-    if context_parallel is None:
+    cp = context_parallel
+    if cp is None:
       return lambda q, k, v, layout: kernel(q, k, v, layout, **options)
     return lambda q, k, v, layout: context_parallel_attention(
-        q, k, v, layout, cp=context_parallel, kernel=kernel, **options)
+        q, k, v, layout, cp=cp, kernel=kernel, **options)
 
   # The kernel of each platform the program is lowered for (one unless `lowering_for` names
   # several: then `platform_dependent`, and the lowering keeps its own).
@@ -155,7 +173,8 @@ def attention(q, k, v, *, mask: Mask = Causal(), segment_ids=None, positions=Non
     result = jax.lax.platform_dependent(q, k, v, layout, default=run(here), **others)
   if sinks is None:
     return result
-  out, lse = apply_sinks(*result, sinks)
+  out, lse = result
+  out, lse = apply_sinks(out, lse, sinks)
   return (out, lse) if return_lse else out
 
 
@@ -176,7 +195,8 @@ def explain(q, k, v, *, mask: Mask = Causal(), segment_ids=None, positions=None,
   if decode and context_parallel is not None:
     n = cp_decode.shards(context_parallel)
     cp_decode.check_length(context_parallel, k.shape[1])
-    shard = lambda x: jax.ShapeDtypeStruct((x.shape[0], x.shape[1] // n, *x.shape[2:]), x.dtype)
+    def shard(x):
+      return jax.ShapeDtypeStruct((x.shape[0], x.shape[1] // n, *x.shape[2:]), x.dtype)
     text = explain(q, shard(k), shard(v), mask=mask, backend=backend, return_lse=True,
                    sinks=sinks, logit_soft_cap=logit_soft_cap, print_fn=None)
     text += "\n" + cp_decode.communication(context_parallel, q.shape, v.shape[-1], k.shape[1])
@@ -187,10 +207,11 @@ def explain(q, k, v, *, mask: Mask = Causal(), segment_ids=None, positions=None,
   _check_sinks(q, sinks)
   soft_cap = check_soft_cap(logit_soft_cap)
   mask, layout = _layout(q, k, mask, segment_ids, positions, kv_segment_ids, kv_positions,
-                         context_parallel)
+                         context_parallel, None)
   plan = None
   if context_parallel is not None:
-    context_parallel, plan = choose(context_parallel, q.shape, k.shape, np.dtype(q.dtype).itemsize, mask)
+    context_parallel, plan = choose(context_parallel, q.shape, k.shape,
+                                    np.dtype(q.dtype).itemsize, mask)
   call = _call(q, k, v, mask, layout, return_lse or sinks is not None, context_parallel,
                sinks is not None, soft_cap)
   text = registry.describe(backend, call)

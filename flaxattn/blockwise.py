@@ -17,6 +17,7 @@ import numpy as np
 from flaxattn import registry
 from flaxattn.layout import Layout
 from flaxattn.masks import Mask
+from flaxattn.ring import RingStep
 
 SKIP, FULL, PARTIAL = 0, 1, 2
 DEFAULT_BLOCK_Q = 512
@@ -31,7 +32,7 @@ def _block_size(length: int, requested: int) -> int:
   return min(requested, _round_up(length, 8))
 
 
-def _pad_axis1(x, length: int, value=0):
+def _pad_axis1(x, length: int, value: float = 0):
   pad = length - x.shape[1]
   if pad == 0:
     return x
@@ -51,15 +52,20 @@ def _block_ranges(xp, seg, pos, block: int):
   pos = pos.reshape(b, length // block, block)
   real = seg != 0
   big = np.int32(np.iinfo(np.int32).max)
-  lo = lambda x: xp.where(real, x, big).min(-1)
-  hi = lambda x: xp.where(real, x, -big).max(-1)
+  def lo(x):
+    return xp.where(real, x, big).min(-1)
+
+  def hi(x):
+    return xp.where(real, x, -big).max(-1)
   return lo(seg), hi(seg), lo(pos), hi(pos), real.all(-1)
 
 
 def block_schedule(xp, mask: Mask, q_seg, kv_seg, q_pos, kv_pos, bq: int, bk: int):
   """The block schedule `[B, nq, nk]` int32 of SKIP/FULL/PARTIAL (numpy or jax by `xp`)."""
-  qs_lo, qs_hi, qp_lo, qp_hi, q_dense = (x[:, :, None] for x in _block_ranges(xp, q_seg, q_pos, bq))
-  ks_lo, ks_hi, kp_lo, kp_hi, k_dense = (x[:, None, :] for x in _block_ranges(xp, kv_seg, kv_pos, bk))
+  qs_lo, qs_hi, qp_lo, qp_hi, q_dense = (x[:, :, None]
+                                         for x in _block_ranges(xp, q_seg, q_pos, bq))
+  ks_lo, ks_hi, kp_lo, kp_hi, k_dense = (x[:, None, :]
+                                         for x in _block_ranges(xp, kv_seg, kv_pos, bk))
   # An all-padding block has lo > hi, so the overlap test below rules it out.
   segs_overlap = (qs_lo <= ks_hi) & (ks_lo <= qs_hi)
   one_doc = (qs_lo == qs_hi) & (ks_lo == ks_hi) & (qs_lo == ks_lo) & q_dense & k_dense
@@ -120,7 +126,8 @@ def _tokens(x_BL, bi, start, size):
 
 
 def _block(x, bi, start, size):
-  """Row `bi`, tokens `start:start + size` (axis 2) of a `[B, K, L, ...]` array: `[K, size, ...]`."""
+  """Row `bi`, tokens `start:start + size` (axis 2) of a `[B, K, L, ...]` array:
+  `[K, size, ...]`."""
   return jax.lax.dynamic_slice(x, _int32(bi, 0, start, *(0,) * (x.ndim - 3)),
                                (1, x.shape[1], size) + x.shape[3:])[0]
 
@@ -162,19 +169,21 @@ def _blockwise_fwd(q, k, v, arrays, kinds, lo, hi, *, mask, bq, bk, soft_cap):
     qs, qp = _tokens(q_seg, bi, i * bq, bq), _tokens(q_pos, bi, i * bq, bq)
 
     def update(masked, j, carry):
-      m, l, acc = carry
+      m, denom, acc = carry
       k_blk, v_blk = _block(k, bi, j * bk, bk), _block(v, bi, j * bk, bk)
-      allowed = lambda: _allowed(mask, qs, _tokens(kv_seg, bi, j * bk, bk), qp,
-                                 _tokens(kv_pos, bi, j * bk, bk), g)
+
+      def allowed():
+        return _allowed(mask, qs, _tokens(kv_seg, bi, j * bk, bk), qp,
+                        _tokens(kv_pos, bi, j * bk, bk), g)
       s, _ = _scores(q_blk, k_blk, masked, allowed, soft_cap)
       m_new = jnp.maximum(m, s.max(-1))
       # A row that has seen no allowed key keeps m = -inf; shift by 0 so exp gives 0, not NaN.
       m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
       p = jnp.exp(s - m_safe[..., None])
       alpha = jnp.exp(m - m_safe)
-      l = alpha * l + p.sum(-1)
+      denom = alpha * denom + p.sum(-1)
       pv = jnp.einsum("hmk,hkd->hmd", p.astype(v.dtype), v_blk, preferred_element_type=jnp.float32)
-      return m_new, l, alpha[..., None] * acc + pv
+      return m_new, denom, alpha[..., None] * acc + pv
 
     def body(j, carry):
       kind = _at(kinds, bi, i, j)
@@ -183,10 +192,10 @@ def _blockwise_fwd(q, k, v, arrays, kinds, lo, hi, *, mask, bq, bk, soft_cap):
 
     init = (jnp.full((hkv, bq * g), -jnp.inf, jnp.float32), jnp.zeros((hkv, bq * g), jnp.float32),
             jnp.zeros((hkv, bq * g, dv), jnp.float32))
-    m, l, acc = jax.lax.fori_loop(_at(lo, bi, i), _at(hi, bi, i), body, init)
-    empty = l == 0.0
-    out = jnp.where(empty[..., None], 0.0, acc / jnp.where(empty, 1.0, l)[..., None])
-    lse = jnp.where(empty, -jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
+    m, denom, acc = jax.lax.fori_loop(_at(lo, bi, i), _at(hi, bi, i), body, init)
+    empty = denom == 0.0
+    out = jnp.where(empty[..., None], 0.0, acc / jnp.where(empty, 1.0, denom)[..., None])
+    lse = jnp.where(empty, -jnp.inf, m + jnp.log(jnp.where(empty, 1.0, denom)))
     return out.astype(q.dtype), lse
 
   out, lse = jax.lax.map(one_query_block, jnp.arange(b * nq, dtype=jnp.int32))
@@ -218,15 +227,17 @@ def _blockwise_bwd(q, k, v, out, lse, dout, dlse, arrays, kinds, lo_t, hi_t, *, 
     def update(masked, i, carry):
       dq, dk, dv = carry
       q_blk, do_blk = rows(q, i), rows(dout, i)
-      allowed = lambda: _allowed(mask, _tokens(q_seg, bi, i * bq, bq), ks,
-                                 _tokens(q_pos, bi, i * bq, bq), kp, g)
+
+      def allowed():
+        return _allowed(mask, _tokens(q_seg, bi, i * bq, bq), ks,
+                        _tokens(q_pos, bi, i * bq, bq), kp, g)
       s, tanh = _scores(q_blk, k_blk, masked, allowed, soft_cap)
       p = jnp.exp(s - rows(lse_safe, i)[..., None])
       dv = dv + jnp.einsum("hmk,hmd->hkd", p.astype(dout.dtype), do_blk,
                            preferred_element_type=jnp.float32)
       dp = jnp.einsum("hmd,hkd->hmk", do_blk, v_blk, preferred_element_type=jnp.float32)
       ds = p * (dp - rows(delta, i)[..., None])
-      if soft_cap is not None:  # d(cap * tanh(x / cap)) / dx = 1 - tanh^2
+      if tanh is not None:  # a soft cap: d(cap * tanh(x / cap)) / dx = 1 - tanh^2
         ds = ds * (1.0 - tanh * tanh)
       dk = dk + jnp.einsum("hmk,hmd->hkd", ds.astype(q.dtype), q_blk,
                            preferred_element_type=jnp.float32)
@@ -242,15 +253,17 @@ def _blockwise_bwd(q, k, v, out, lse, dout, dlse, arrays, kinds, lo_t, hi_t, *, 
       return jax.lax.switch(kind, [lambda i, c: c, functools.partial(update, False),
                                    functools.partial(update, True)], i, carry)
 
-    zeros = lambda dim: jnp.zeros((hkv, bk, dim), jnp.float32)
+    def zeros(dim):
+      return jnp.zeros((hkv, bk, dim), jnp.float32)
     dq, dk, dv = jax.lax.fori_loop(_at(lo_t, bi, j), _at(hi_t, bi, j), body,
                                    (dq, zeros(d), zeros(v.shape[-1])))
     return dq, (dk, dv)
 
   dq0 = jnp.zeros(q.shape, jnp.float32)
   dq, (dk, dv) = jax.lax.scan(one_key_block, dq0, jnp.arange(b * nk, dtype=jnp.int32))
-  to_kv = lambda x: (x.reshape(b, nk, hkv, bk, x.shape[-1]).transpose(0, 2, 1, 3, 4)
-                     .reshape(b, hkv, s_pad, x.shape[-1]))
+  def to_kv(x):
+    return (x.reshape(b, nk, hkv, bk, x.shape[-1]).transpose(0, 2, 1, 3, 4)
+            .reshape(b, hkv, s_pad, x.shape[-1]))
   return dq, to_kv(dk), to_kv(dv)
 
 
@@ -275,7 +288,8 @@ def _prepare(q, k, v, layout, mask, scale, block_q, block_kv):
   arrays, kinds = _schedule(mask, layout, b, t_pad, s_pad, t, s, bq, bk)
   # Scale q once instead of every score block.
   q_BKTGD = _rows_in(q * jnp.asarray(scale, q.dtype), t_pad, hkv)
-  kv_in = lambda x: _pad_axis1(x, s_pad).transpose(0, 2, 1, 3)
+  def kv_in(x):
+    return _pad_axis1(x, s_pad).transpose(0, 2, 1, 3)
   return q_BKTGD, kv_in(k), kv_in(v), arrays, kinds, bq, bk
 
 
@@ -283,7 +297,8 @@ def forward(q, k, v, layout: Layout, *, mask: Mask, scale: float,
             block_q: int = DEFAULT_BLOCK_Q, block_kv: int = DEFAULT_BLOCK_KV,
             soft_cap: float | None = None):
   """Forward pass without autodiff rules: out `[B, T, H, Dv]` (q dtype), lse `[B, T, H]` f32."""
-  q_BKTGD, k_BKSD, v_BKSD, arrays, kinds, bq, bk = _prepare(q, k, v, layout, mask, scale, block_q, block_kv)
+  q_BKTGD, k_BKSD, v_BKSD, arrays, kinds, bq, bk = _prepare(q, k, v, layout, mask, scale,
+                                                            block_q, block_kv)
   lo, hi = _visit_bounds(jnp, kinds, axis=2)
   out, lse = _blockwise_fwd(q_BKTGD, k_BKSD, v_BKSD, arrays, kinds, lo, hi, mask=mask, bq=bq,
                             bk=bk, soft_cap=soft_cap)
@@ -297,25 +312,31 @@ def backward(q, k, v, layout: Layout, out, lse, dout, dlse, *, mask: Mask, scale
   """Gradients (dq, dk, dv) of the attention of q against k/v, given the output `out` and
   log-sum-exp `lse` of the rows (which may cover more keys than k/v: ring attention passes the
   merged result of every key block) and their cotangents `dout`, `dlse` (float32 `[B, T, H]`)."""
-  q_BKTGD, k_BKSD, v_BKSD, arrays, kinds, bq, bk = _prepare(q, k, v, layout, mask, scale, block_q, block_kv)
+  q_BKTGD, k_BKSD, v_BKSD, arrays, kinds, bq, bk = _prepare(q, k, v, layout, mask, scale,
+                                                            block_q, block_kv)
   lo_t, hi_t = _visit_bounds(jnp, kinds, axis=1)
   t_pad, hkv = q_BKTGD.shape[2], k.shape[2]
   dq, dk, dv = _blockwise_bwd(
       q_BKTGD, k_BKSD, v_BKSD, _rows_in(out, t_pad, hkv), _rows_in(lse, t_pad, hkv, -jnp.inf),
       _rows_in(dout, t_pad, hkv), _rows_in(dlse.astype(jnp.float32), t_pad, hkv), arrays, kinds,
       lo_t, hi_t, mask=mask, bq=bq, bk=bk, soft_cap=soft_cap)
-  kv_out = lambda x: x.transpose(0, 2, 1, 3)[:, :k.shape[1]].astype(k.dtype)
+  def kv_out(x):
+    return x.transpose(0, 2, 1, 3)[:, :k.shape[1]].astype(k.dtype)
   return (_rows_out(dq * scale, q.shape[1]).astype(q.dtype), kv_out(dk), kv_out(dv))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
-def _attention(q, k, v, layout, mask, scale, block_q, block_kv, soft_cap):
+def _primal(q, k, v, layout, mask, scale, block_q, block_kv,
+            soft_cap) -> tuple[jax.Array, jax.Array]:
   return forward(q, k, v, layout, mask=mask, scale=scale, block_q=block_q, block_kv=block_kv,
                  soft_cap=soft_cap)
 
 
+# Applied as a call, not a decorator through functools.partial, so the result stays typed.
+_attention = jax.custom_vjp(_primal, nondiff_argnums=(4, 5, 6, 7, 8))
+
+
 def _attention_fwd(q, k, v, layout, mask, scale, block_q, block_kv, soft_cap):
-  out, lse = _attention(q, k, v, layout, mask, scale, block_q, block_kv, soft_cap)
+  out, lse = _primal(q, k, v, layout, mask, scale, block_q, block_kv, soft_cap)
   return (out, lse), (q, k, v, layout, out, lse)
 
 
@@ -356,22 +377,23 @@ def ring_block(t: int, n: int, load_balance: bool) -> int:
   return min(DEFAULT_BLOCK_Q, t // (2 * n)) if load_balance else DEFAULT_BLOCK_Q
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=[],
+                   meta_fields=["mask", "scale", "block", "soft_cap"])
 @dataclasses.dataclass(frozen=True)
-class RingStep:
-  """The blockwise passes as the ring's per-device computation (a `lax.scan` over steps:
-  the same computation at every step, its block schedule from the visiting positions)."""
+class BlockwiseStep(RingStep):
+  """The blockwise passes as the ring's per-device step: the same computation at every step
+  (so the ring runs a `lax.scan`), its block schedule from the visiting positions."""
 
   mask: Mask
   scale: float
   block: int
   soft_cap: float | None = None
-  unrolled: bool = False
 
-  def forward(self, step, data, q, k, v, layout):
+  def forward(self, step, q, k, v, layout):
     return forward(q, k, v, layout, mask=self.mask, scale=self.scale, block_q=self.block,
                    block_kv=self.block, soft_cap=self.soft_cap)
 
-  def backward(self, step, data, q, k, v, layout, out, lse, dout, dlse):
+  def backward(self, step, q, k, v, layout, out, lse, dout, dlse):
     return backward(q, k, v, layout, out, lse, dout, dlse, mask=self.mask, scale=self.scale,
                     block_q=self.block, block_kv=self.block, soft_cap=self.soft_cap)
 
@@ -392,14 +414,18 @@ class Blockwise(registry.Kernel):
     return blockwise_attention(q, k, v, layout, mask=mask, scale=scale, return_lse=return_lse,
                                block_q=self.block_q, block_kv=self.block_kv, soft_cap=soft_cap)
 
-  def context_parallel_local(self, *, strategy: str, mask: Mask, scale: float, **call):
+  def ring_step(self, *, strategy: str, mask: Mask, scale: float, shards: int, axis: str,
+                load_balance: bool, q_shape, kv_shape, layout: Layout,
+                soft_cap: float | None = None) -> RingStep:
     if strategy != "ring":
-      return super().context_parallel_local(strategy=strategy, mask=mask, scale=scale, **call)
-    return ring_step(mask, scale, call["q_shape"][1], call["shards"], call["load_balance"],
-                     call.get("soft_cap")), None, None
+      return super().ring_step(strategy=strategy, mask=mask, scale=scale, shards=shards,
+                               axis=axis, load_balance=load_balance, q_shape=q_shape,
+                               kv_shape=kv_shape, layout=layout, soft_cap=soft_cap)
+    return ring_step(mask, scale, q_shape[1], shards, load_balance, soft_cap)
 
 
 def ring_step(mask: Mask, scale: float, t: int, shards: int, load_balance: bool,
-              soft_cap: float | None = None) -> RingStep:
-  """The blockwise ring step for T = t over `shards` devices (also splash's exact path)."""
-  return RingStep(mask, scale, ring_block(t, shards, load_balance), soft_cap)
+              soft_cap: float | None = None) -> BlockwiseStep:
+  """The blockwise ring step for T = t over `shards` devices (also the exact path of the
+  kernels that mask on the token index)."""
+  return BlockwiseStep(mask, scale, ring_block(t, shards, load_balance), soft_cap)

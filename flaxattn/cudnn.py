@@ -16,11 +16,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax._src.cudnn import fused_attention_stablehlo as fsa
-from jax.sharding import PartitionSpec as P
 
-from flaxattn import blockwise, context_parallel, registry
+from flaxattn import blockwise, cudnn_ring, registry
 from flaxattn.layout import Layout, index_check
-from flaxattn.masks import Full, Mask, NoBand, band
+from flaxattn.masks import Mask, NoBand, band
 from flaxattn.segments import SeqlensOffsets, seqlens_and_offsets
 
 DTYPES = ("bfloat16", "float16")
@@ -47,7 +46,7 @@ def mask_band(mask: Mask) -> tuple[bool, int | None]:
 
 
 @functools.lru_cache(maxsize=1)
-def _local_gpu() -> tuple[bool, tuple[int, int] | None, int | None, str]:
+def _local_gpu() -> tuple[bool, tuple[int, ...] | None, int | None, str]:
   """(CUDA?, compute capability, cuDNN version, device kind) of this process's first GPU."""
   device = jax.devices("gpu")[0]
   cuda = "cuda" in device.client.platform_version.lower()
@@ -185,12 +184,15 @@ def _config(q, k, layout: Layout, mask: Mask, scale: float, max_segments: int | 
 def _sdpa_forward(q, k, v, desc: SeqlensOffsets | None, cfg: _Config):
   """One cuDNN forward: out `[B, T, Hq, D]` and the softmax stats (natural-log lse),
   `[B, Hq, T]` for dense rows, `[B * M, Hq, T]` (one slab per document) for packed rows."""
-  packed = {} if desc is None else dict(
-      q_seqlen=desc.q_seqlens, kv_seqlen=desc.kv_seqlens,
-      q_offsets=desc.q_offsets, kv_offsets=desc.kv_offsets)
-  return fsa.dot_product_attention(
+  # JAX's annotation does not narrow on return_residual=True, which returns (out, stats).
+  out, stats = fsa.dot_product_attention(  # pyright: ignore[reportAssignmentType, reportGeneralTypeIssues]
       q, k, v, scale=cfg.scale, mask_type=cfg.mask_type(desc is not None),
-      sliding_window_length=cfg.window, qkv_layout="BTNH", return_residual=True, **packed)
+      sliding_window_length=cfg.window, qkv_layout="BTNH", return_residual=True,
+      q_seqlen=None if desc is None else desc.q_seqlens,
+      kv_seqlen=None if desc is None else desc.kv_seqlens,
+      q_offsets=None if desc is None else desc.q_offsets,
+      kv_offsets=None if desc is None else desc.kv_offsets)
+  return out, stats
 
 
 def _sdpa_backward(q, k, v, desc: SeqlensOffsets | None, stats, out, dout, cfg: _Config):
@@ -270,7 +272,8 @@ def _live_keys(desc: SeqlensOffsets, both_BM, s: int):
   # +1 where a key document with queries starts, -1 where it ends, then a running sum.
   start_BM = jnp.where(both_BM, desc.kv_offsets[:, :m], s + 1)
   marks = jnp.zeros((b, s + 1), jnp.int32).at[rows_B1, start_BM].add(1, mode="drop")
-  marks = marks.at[rows_B1, jnp.where(both_BM, start_BM + desc.kv_seqlens, s + 1)].add(-1, mode="drop")
+  ends_BM = jnp.where(both_BM, start_BM + desc.kv_seqlens, s + 1)
+  marks = marks.at[rows_B1, ends_BM].add(-1, mode="drop")
   return jnp.cumsum(marks, axis=1)[:, :s] > 0
 
 
@@ -281,12 +284,14 @@ def _index_masks_exact(layout: Layout, desc: SeqlensOffsets, both_BM, t: int, s:
   paired document starts; docs/design.md)."""
   m = cfg.max_segments
   q_ids, kv_ids = layout.q_segment_ids, layout.kv_segment_ids
+  assert q_ids is not None and kv_ids is not None, "called on packed rows only"
   exact = jnp.all(desc.valid) & _unique_run_ids(q_ids, desc.q_offsets, desc.q_seqlens)
   if not cfg.self_attention:
     exact &= _unique_run_ids(kv_ids, desc.kv_offsets, desc.kv_seqlens)
   default_positions = layout.q_positions is None and layout.kv_positions is None
   if cfg.causal and not (cfg.self_attention and default_positions):
     full = layout.materialize(q_ids.shape[0], t, s)
+    assert full.q_positions is not None and full.kv_positions is not None  # materialized
     if layout.q_positions is not None:
       # Causal without a window compares positions only inside one run of one array, where
       # any increasing positions order pairs as their indices do; windows need differences.
@@ -295,8 +300,10 @@ def _index_masks_exact(layout: Layout, desc: SeqlensOffsets, both_BM, t: int, s:
     if not (cfg.self_attention and cfg.same_positions):
       if layout.kv_positions is not None:
         exact &= _steps_by_one(kv_ids, full.kv_positions)
-      q_first = jnp.take_along_axis(full.q_positions, jnp.clip(desc.q_offsets[:, :m], 0, t - 1), 1)
-      kv_first = jnp.take_along_axis(full.kv_positions, jnp.clip(desc.kv_offsets[:, :m], 0, s - 1), 1)
+      q_first = jnp.take_along_axis(full.q_positions,
+                                    jnp.clip(desc.q_offsets[:, :m], 0, t - 1), 1)
+      kv_first = jnp.take_along_axis(full.kv_positions,
+                                     jnp.clip(desc.kv_offsets[:, :m], 0, s - 1), 1)
       exact &= jnp.all(~both_BM | (q_first == kv_first))
   return exact
 
@@ -373,10 +380,13 @@ def _cudnn_forward(q, k, v, packing: _Packing | None, cfg: _Config):
 def _cudnn_backward(q, k, v, out, lse, dout, dlse, packing: _Packing | None, cfg: _Config):
   desc = None if packing is None else packing.desc
   d = q.shape[-1]
-  dqs, dk, dv = [], 0.0, 0.0
-  group = lambda x: _head_groups(x, cfg.head_groups)
+  dqs, dk, dv = [], jnp.float32(0.0), jnp.float32(0.0)
+
+  def group(x):
+    return _head_groups(x, cfg.head_groups)
   dlses = group(dlse) if dlse is not None else [None] * cfg.head_groups
-  for q_g, out_g, lse_g, dout_g, dlse_g in zip(group(q), group(out), group(lse), group(dout), dlses):
+  for q_g, out_g, lse_g, dout_g, dlse_g in zip(group(q), group(out), group(lse), group(dout),
+                                               dlses, strict=True):
     stats = _lse_to_stats(lse_g, packing)
     dq_g, dk_g, dv_g = _sdpa_backward(q_g, k, v, desc, stats, out_g, dout_g, cfg)
     dq_g, dk_g = dq_g.astype(jnp.float32), dk_g.astype(jnp.float32)
@@ -459,9 +469,12 @@ def served_by_cudnn(q, k, layout: Layout, *, mask: Mask, max_segments: int | Non
   return _packing(layout, q.shape[1], k.shape[1], cfg).exact
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _attention(q, k, v, layout, cfg):
+def _primal(q, k, v, layout, cfg) -> tuple[jax.Array, jax.Array]:
   return _forward(q, k, v, layout, cfg)
+
+
+# Applied as a call, not a decorator through functools.partial, so the result stays typed.
+_attention = jax.custom_vjp(_primal, nondiff_argnums=(4,))
 
 
 def _attention_fwd(q, k, v, layout, cfg):
@@ -522,138 +535,6 @@ def _ring_reason(call: registry.Call) -> str | None:
   return None
 
 
-# The pieces of a ring step on cuDNN (docs/design.md, "cuDNN in the ring").
-OWN, ALL, FIRST_KEYS, LAST_QUERIES, NOTHING = range(5)
-PIECES = ("own tokens, the call's mask", "all keys, unmasked", "first key chunk, unmasked",
-          "second query chunk, unmasked", "nothing")
-
-
-def ring_plan(mask: Mask, shards: int, load_balance: bool) -> np.ndarray:
-  """`[step, device]` int: the piece (index into `PIECES`) device r computes at ring step s,
-  when the keys of shard (r - s) mod n visit. Step 0 is the device's own tokens with the
-  call's mask (their index order is their original order). Later steps, causal: without
-  load balancing an earlier shard is seen whole and a later one not at all; with it, an
-  earlier shard's first chunk is seen by all local queries and a later shard by the local
-  second chunk. Full: every later step sees all keys.
-
-  Raises:
-    NoBand: a mask cuDNN has no band for (Chunked).
-  """
-  causal, _ = mask_band(mask)
-  plan = np.full((shards, shards), OWN, np.int32)
-  for step in range(1, shards):
-    for r in range(shards):
-      earlier = (r - step) % shards < r
-      if not causal:
-        plan[step, r] = ALL
-      elif load_balance:
-        plan[step, r] = FIRST_KEYS if earlier else LAST_QUERIES
-      else:
-        plan[step, r] = ALL if earlier else NOTHING
-  return plan
-
-
-@dataclasses.dataclass(frozen=True)
-class RingStep:
-  """cuDNN calls as the ring's per-device step, one piece of `ring_plan` per step and
-  device. Each call checks its documents at run time (cudnn's own check); `data` is the
-  global `index_check` (positions must follow the token index inside each document), and a
-  batch that fails it runs `fallback`, the blockwise step."""
-
-  mask: Mask
-  scale: float
-  axis: str
-  shards: int
-  load_balance: bool
-  packed: bool
-  max_segments: int | None
-  fallback: object
-  unrolled: bool = True
-
-  def _call(self, q, k, v, layout, mask):
-    lay = layout if self.packed else Layout()
-    return forward(q, k, v, lay, mask=mask, scale=self.scale, max_segments=self.max_segments)
-
-  def _grads(self, q, k, v, layout, out, lse, dout, dlse, mask):
-    lay = layout if self.packed else Layout()
-    return backward(q, k, v, lay, out, lse, dout, dlse, mask=mask, scale=self.scale,
-                    max_segments=self.max_segments)
-
-  def _run_piece(self, step, piece_fn):
-    """`piece_fn(piece)` for this device's piece of `step`: a Python int (the ring's
-    unrolled steps) traces only the pieces that step uses; a traced step (the all-gather
-    strategy's, which depends on the device index) traces all the plan uses."""
-    plan = ring_plan(self.mask, self.shards, self.load_balance)
-    used = sorted(set(np.unique(plan[step] if isinstance(step, int) else plan)))
-    if len(used) == 1:
-      return piece_fn(used[0])
-    branch = np.zeros(len(PIECES), np.int32)
-    branch[used] = np.arange(len(used))
-    piece = jnp.asarray(plan)[step, jax.lax.axis_index(self.axis)]
-    return jax.lax.switch(jnp.asarray(branch)[piece], [functools.partial(piece_fn, p) for p in used])
-
-  def forward(self, step, data, q, k, v, layout: Layout):
-    def piece_fn(piece):
-      if piece == NOTHING:
-        return _no_keys(q)
-      rows, cols, lay, mask = ring_piece(piece, layout, self.mask)
-      out, lse = self._call(q[:, rows], k[:, cols], v[:, cols], lay, mask)
-      return _place(out, rows, q.shape[1], 0), _place(lse, rows, q.shape[1], -jnp.inf)
-
-    by_cudnn = lambda: self._run_piece(step, piece_fn)
-    if data is None:
-      return by_cudnn()
-    return jax.lax.cond(data, by_cudnn, lambda: self.fallback.forward(step, None, q, k, v, layout))
-
-  def backward(self, step, data, q, k, v, layout: Layout, out, lse, dout, dlse):
-    def piece_fn(piece):
-      if piece == NOTHING:
-        return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)
-      rows, cols, lay, mask = ring_piece(piece, layout, self.mask)
-      dq, dk, dv = self._grads(q[:, rows], k[:, cols], v[:, cols], lay, out[:, rows],
-                               lse[:, rows], dout[:, rows], None if dlse is None else dlse[:, rows],
-                               mask)
-      s = k.shape[1]
-      return _place(dq, rows, q.shape[1], 0), _place(dk, cols, s, 0), _place(dv, cols, s, 0)
-
-    by_cudnn = lambda: self._run_piece(step, piece_fn)
-    if data is None:
-      return by_cudnn()
-    return jax.lax.cond(data, by_cudnn, lambda: self.fallback.backward(
-        step, None, q, k, v, layout, out, lse, dout, dlse))
-
-  def gathered(self, data, q, k, v, layout: Layout):
-    return context_parallel.gathered_steps(self.axis, self.shards, self, data, q, k, v, layout)
-
-
-def ring_piece(piece: int, layout: Layout, mask: Mask) -> tuple[slice, slice, Layout, Mask]:
-  """The cuDNN call of a ring piece (not `NOTHING`) on the visiting shard's `layout` (local
-  queries, visiting keys, `[B, T]` each): (query rows, key rows, the call's layout, mask)."""
-  half = layout.q_segment_ids.shape[1] // 2
-  rows, cols = {OWN: (slice(None), slice(None)), ALL: (slice(None), slice(None)),
-                FIRST_KEYS: (slice(None), slice(None, half)),
-                LAST_QUERIES: (slice(half, None), slice(None))}[piece]
-  if piece == OWN:  # the device's own tokens: queries and keys are one array
-    return rows, cols, Layout(layout.q_segment_ids, layout.q_segment_ids, layout.q_positions,
-                              layout.q_positions), mask
-  lay = Layout(layout.q_segment_ids[:, rows], layout.kv_segment_ids[:, cols],
-               layout.q_positions[:, rows], layout.kv_positions[:, cols])
-  return rows, cols, lay, Full()
-
-
-def _place(x, rows: slice, n: int, fill):
-  """`x`, the rows `rows` of a length-`n` sequence axis (axis 1), padded with `fill`."""
-  start, stop, _ = rows.indices(n)
-  pad = [(0, 0)] * x.ndim
-  pad[1] = (start, n - stop)
-  return jnp.pad(x, pad, constant_values=fill)
-
-
-def _no_keys(q):
-  b, t, h, _ = q.shape
-  return jnp.zeros_like(q), jnp.full((b, t, h), -jnp.inf, jnp.float32)
-
-
 @dataclasses.dataclass(frozen=True)
 class Cudnn(registry.Kernel):
   """`backend="cudnn"`: cuDNN fused attention on NVIDIA GPUs (docs/design.md)."""
@@ -683,12 +564,17 @@ class Cudnn(registry.Kernel):
     return cudnn_attention(q, k, v, layout, mask=mask, scale=scale, return_lse=return_lse,
                            max_segments=self.max_segments)
 
-  def context_parallel_local(self, *, strategy: str, mask: Mask, scale: float, shards: int,
-                             axis: str, load_balance: bool, q_shape, kv_shape, layout: Layout):
+  def ring_step(self, *, strategy: str, mask: Mask, scale: float, shards: int, axis: str,
+                load_balance: bool, q_shape, kv_shape, layout: Layout,
+                soft_cap: float | None = None) -> cudnn_ring.CudnnStep:
+    """cuDNN calls per ring step or gathered shard (`flaxattn.cudnn_ring`), with the global
+    run-time check that positions follow the token index; a batch that fails it runs the
+    blockwise step."""
     _kv_offsets_per_key_head()  # probed here, outside the shard_map (it evaluates eagerly)
     index = layout.index(q_shape[0], q_shape[1])
-    exact = index_check(mask, layout, index, index)
-    fallback = blockwise.ring_step(mask, scale, q_shape[1], shards, load_balance)
-    step = RingStep(mask, scale, axis, shards, load_balance, layout.q_segment_ids is not None,
-                    self.max_segments, fallback)
-    return step, exact, None if exact is None else P()
+    return cudnn_ring.CudnnStep(
+        exact=index_check(mask, layout, index, index), mask=mask, causal=mask_band(mask)[0],
+        scale=scale, axis=axis, shards=shards, load_balance=load_balance,
+        packed=layout.q_segment_ids is not None, max_segments=self.max_segments,
+        fused_forward=forward, fused_backward=backward,
+        fallback=blockwise.ring_step(mask, scale, q_shape[1], shards, load_balance))

@@ -22,7 +22,8 @@ import dataclasses
 import functools
 import math
 from types import MappingProxyType
-from typing import Any, Callable, Mapping
+from typing import Any
+from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +34,7 @@ from jax import lax
 
 from flaxattn import balance, checks, decode as cp_decode
 from flaxattn.attention import apply_sinks, attention, check_soft_cap
-from flaxattn.context_parallel import merge_partials
+from flaxattn.ring import merge_partials
 from flaxattn.layout import Layout, resolve, shape_error
 from flaxattn.masks import Causal, Full, Mask, check_mask
 from flaxattn.rope import RoPE
@@ -123,7 +124,8 @@ class MultiHeadAttention(nnx.Module):
     v_head_dim: head dim of the values (and of the out projection's input); default
       head_dim. The value kernel is `(embed, kv_heads, v_head_dim)`.
     attention_fn: called as `flaxattn.attention` is (default), e.g. a `functools.partial` of
-      it with `scale=`.
+      it with `scale=`. `flaxattn.attention` (or a partial of it) gets the layout the layer
+      resolved as `layout=`; any other function the four id arrays.
     dropout_rate: must be 0; attention dropout needs the `[T, S]` probabilities.
     broadcast_dropout, deterministic, keep_rngs: accepted for compatibility; unused.
 
@@ -159,7 +161,7 @@ class MultiHeadAttention(nnx.Module):
       bias_init=initializers.zeros_init(),
       out_bias_init=None,
       use_bias: bool = True,
-      attention_fn: Callable[..., jax.Array] = attention,
+      attention_fn: Callable[..., Any] = attention,
       decode: bool | None = None,
       normalize_qk: bool = False,
       qkv_promote_dtype=dtypes.promote_dtype,
@@ -239,7 +241,8 @@ class MultiHeadAttention(nnx.Module):
       self.key_ln = nnx.data(None)
 
     self.out = nnx.LinearGeneral(
-        (num_heads, self.v_head_dim), self.out_features, axis=(-2, -1), dtype=dtype, param_dtype=param_dtype,
+        (num_heads, self.v_head_dim), self.out_features, axis=(-2, -1), dtype=dtype,
+        param_dtype=param_dtype,
         kernel_init=out_kernel_init or kernel_init, bias_init=out_bias_init or bias_init,
         use_bias=use_bias, precision=precision, promote_dtype=out_promote_dtype, rngs=rngs,
         kernel_metadata=param_metadata(("heads", "head_dim", "embed"),
@@ -334,14 +337,15 @@ class MultiHeadAttention(nnx.Module):
                      kv_positions, self.context_parallel)
     cp = self.context_parallel if decode else None
     prefill = cp is not None and cp_decode.is_prefill(cp, q_BTHD.shape[1])
+    b = q_BTHD.shape[0]  # the batch axes folded into one
     if decode:
       self._check_cache(k_BSKD)
-      shards = cp.balanced_shards() if prefill else 1
-      ids_BT, pos_BT = self._decode_layout(*q_BTHD.shape[:2], layout.q_segment_ids,
-                                           layout.q_positions, shards)
+      shards = cp.balanced_shards() if cp is not None and prefill else 1
+      ids_BT, pos_BT = self._decode_layout(b, t, layout.q_segment_ids, layout.q_positions,
+                                           shards)
       layout = Layout(ids_BT, ids_BT, pos_BT, pos_BT)
     if self.rope is not None:
-      q_pos_BT, k_pos_BS = layout.positions(*q_BTHD.shape[:2], k_BSKD.shape[1])
+      q_pos_BT, k_pos_BS = layout.positions(b, t, s)
       q_BTHD, k_BSKD = self.rope(q_BTHD, q_pos_BT), self.rope(k_BSKD, k_pos_BS)
     # Passed only when set, so an `attention_fn` without them keeps working.
     extras = {}
@@ -358,14 +362,20 @@ class MultiHeadAttention(nnx.Module):
             k_BSKD, v_BSKD, layout.q_segment_ids, layout.q_positions)
         layout = dataclasses.replace(layout, kv_segment_ids=kv_ids_BS, kv_positions=kv_pos_BS)
       q_BTHD, k_BSKD, v_BSKD = dtypes.promote_dtype((q_BTHD, k_BSKD, v_BSKD), dtype=self.dtype)
-      x_BTHD = self.attention_fn(
-          q_BTHD, k_BSKD, v_BSKD, mask=mask, segment_ids=layout.q_segment_ids,
-          positions=layout.q_positions, kv_segment_ids=layout.kv_segment_ids,
-          kv_positions=layout.kv_positions, backend=self.backend,
-          context_parallel=self.context_parallel, **extras)
+      x_BTHD = self.attention_fn(q_BTHD, k_BSKD, v_BSKD, mask=mask, backend=self.backend,
+                                 context_parallel=self.context_parallel,
+                                 **self._ids(layout), **extras)
     x_BTHD = constrain(x_BTHD, Q_NAMES)
     out_BTE = constrain(self.out(x_BTHD, out_sharding=out_sharding), X_NAMES)
     return out_BTE.reshape(batch + out_BTE.shape[1:])
+
+  def _ids(self, layout: Layout) -> dict:
+    """The ids argument(s) of `attention_fn`: `flaxattn.attention` (or a partial of it) takes
+    the layout resolved here as it is; any other function the four arrays."""
+    if getattr(self.attention_fn, "func", self.attention_fn) is attention:
+      return {"layout": layout}
+    return dict(segment_ids=layout.q_segment_ids, positions=layout.q_positions,
+                kv_segment_ids=layout.kv_segment_ids, kv_positions=layout.kv_positions)
 
   def _check_inputs(self, inputs_q, inputs_k, inputs_v):
     """`inputs_k` and `inputs_v` with nnx's defaults, all three checked."""
@@ -393,7 +403,7 @@ class MultiHeadAttention(nnx.Module):
     q_BTHD = constrain(self.query(inputs_q, out_sharding=qkv_sharding), Q_NAMES)
     k_BSKD = constrain(self.key(inputs_k, out_sharding=qkv_sharding), KV_NAMES)
     v_BSKD = constrain(self.value(inputs_v, out_sharding=qkv_sharding), KV_NAMES)
-    if self.normalize_qk:
+    if self.query_ln is not None and self.key_ln is not None:  # normalize_qk
       q_BTHD, k_BSKD = self.query_ln(q_BTHD), self.key_ln(k_BSKD)
     return q_BTHD, k_BSKD, v_BSKD
 
@@ -439,7 +449,8 @@ class MultiHeadAttention(nnx.Module):
                        f" positive ints, got {input_shape!r}.")
     b, max_length = _fold_batch(tuple(input_shape))[:2]
     shape = (b, max_length, self.num_kv_heads)
-    zeros = lambda shape, dtype, spec: jnp.zeros(shape, dtype)
+    def zeros(shape, dtype, spec):
+      return jnp.zeros(shape, dtype)
     kv_spec = ids_spec = None
     if self.context_parallel is not None:
       cp_decode.check_length(self.context_parallel, max_length)
@@ -461,15 +472,21 @@ class MultiHeadAttention(nnx.Module):
       raise ValueError(f"decode expects keys of shape ({b}, <= {max_length}, {hkv}, {d}) to fit"
                        f" the cache, got {k.shape}; call init_cache with this batch size.")
 
-  def _decode_layout(self, b: int, t: int, segment_ids, positions, shards: int = 1):
+  def _decode_layout(self, b: int, t: int, segment_ids, positions,
+                     shards: int = 1) -> tuple[jax.Array, jax.Array]:
     """Segment ids and positions `[B, T]` of T new tokens, defaults filled in (see `__call__`).
 
     `shards` > 1: the tokens are in `flaxattn.load_balance` order (a context-parallel
     prefill); defaults follow their original order."""
     if shards > 1:
-      unload = lambda x: None if x is None else balance.unload_balance(x, shards)
+      def unload(x):
+        return None if x is None else balance.unload_balance(x, shards)
       ids_BT, pos_BT = self._decode_layout(b, t, unload(segment_ids), unload(positions))
-      return balance.load_balance(ids_BT, shards), balance.load_balance(pos_BT, shards)
+      return (jnp.asarray(balance.load_balance(ids_BT, shards)),
+              jnp.asarray(balance.load_balance(pos_BT, shards)))
+    # `_check_cache` ran first: the cache variables exist (they are None only before
+    # `init_cache`).
+    assert self.cache_index is not None and self.cached_last is not None
     i = self.cache_index[...]
     empty = i == 0
     last_B2 = self.cached_last[...]
@@ -499,6 +516,9 @@ class MultiHeadAttention(nnx.Module):
       if ids.shape != k.shape[:2]:
         raise ValueError(f"{arg} expects shape {k.shape[:2]} [batch, new tokens] in decode, got"
                          f" {ids.shape}.")
+    # `_check_cache` ran first: the cache variables exist (they are None only before
+    # `init_cache`).
+    assert self.cache_index is not None and self.cached_key is not None
     i = self.cache_index[...]
     max_length = self.cached_key.shape[1]
     t = k.shape[1]
@@ -515,11 +535,17 @@ class MultiHeadAttention(nnx.Module):
     """Writes the new tokens at `cache_index`; returns the whole cache for attention.
 
     Raises (from inside the program when the index is traced) if they do not fit."""
+    # `_check_cache` ran first: the cache variables exist (they are None only before
+    # `init_cache`).
+    assert (self.cached_key is not None and self.cached_value is not None
+            and self.cached_segment_ids is not None and self.cached_positions is not None
+            and self.cache_index is not None and self.cached_last is not None)
     i = self._check_room(k, segment_ids, positions)
     t = k.shape[1]
     zero = jnp.zeros((), jnp.int32)
     for cache, new in ((self.cached_key, k), (self.cached_value, v)):
-      cache[...] = lax.dynamic_update_slice(cache[...], new.astype(cache.dtype), (zero, i, zero, zero))
+      cache[...] = lax.dynamic_update_slice(cache[...], new.astype(cache.dtype),
+                                            (zero, i, zero, zero))
     for cache, new in ((self.cached_segment_ids, segment_ids), (self.cached_positions, positions)):
       cache[...] = lax.dynamic_update_slice(cache[...], new, (zero, i))
     self.cached_last[...] = jnp.stack([segment_ids[:, -1], positions[:, -1]], axis=1)
@@ -533,7 +559,13 @@ class MultiHeadAttention(nnx.Module):
     cache held before; a decode step attends on every shard and merges. Each device writes
     its own slots. Returns `[B, T, H, Dv]` in q's dtype."""
     cp = self.context_parallel
+    # `_check_cache` ran first: the cache variables exist (they are None only before
+    # `init_cache`).
+    assert (cp is not None and self.cached_key is not None and self.cached_value is not None
+            and self.cached_segment_ids is not None and self.cached_positions is not None
+            and self.cache_index is not None and self.cached_last is not None)
     ids_BT, pos_BT = layout.q_segment_ids, layout.q_positions
+    assert ids_BT is not None and pos_BT is not None  # `_decode_layout` filled them in
     i = self._check_room(k, ids_BT, pos_BT)
     t = k.shape[1]
     specs = cp_decode.specs(cp, q.shape[0], self.num_heads, self.num_kv_heads)
@@ -569,7 +601,7 @@ class MultiHeadAttention(nnx.Module):
     # waiting for it forever.
     cache, out, lse = lax.cond(i + t <= self.cached_key.shape[1], run, skip, cache)
     for variable, value in zip((self.cached_key, self.cached_value, self.cached_segment_ids,
-                                self.cached_positions), cache):
+                                self.cached_positions), cache, strict=True):
       variable[...] = value
     last = cp_decode.last_token(cp, t, prefill)
     self.cached_last[...] = jnp.stack([ids_BT[:, last], pos_BT[:, last]], axis=1)

@@ -217,3 +217,13 @@ def band(mask: Mask) -> Band:
     raise NoBand(f"Chunked masks of different sizes {sorted(chunks)} combined have no single"
                  " chunk size.")
   return Band(causal, min(windows, default=None), min(chunks, default=None))
+
+
+def reach(mask: Mask) -> int | None:
+  """R: a query sees keys at most R - 1 tokens back (the smallest window or chunk size), or
+  None when the mask has no bound."""
+  try:
+    normal = band(mask)
+  except NoBand:
+    return None
+  return min((x for x in (normal.window, normal.chunk) if x), default=None)

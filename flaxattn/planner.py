@@ -13,44 +13,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from flaxattn.masks import Mask, NoBand, band
-
-
-def _reach(mask: Mask) -> int | None:
-  """R: a query sees keys at most R - 1 tokens back (the smallest window or chunk size), or
-  None when the mask has no bound."""
-  try:
-    normal = band(mask)
-  except NoBand:
-    return None
-  return min((x for x in (normal.window, normal.chunk) if x), default=None)
-
-
-def ring_fetches(mask: Mask, t: int, n: int, load_balance: bool | str):
-  """The ring steps a mask with a bounded reach R (`Local`, `Chunked`) needs besides step 0,
-  as `((step, part), ...)`: at step s the keys of shard (r - s) mod n, whole (`part` None) or
-  only their first (0) or second (1) half. None: every step is needed, always so in
-  per-document order (`load_balance="document"`), where a document's neighbouring tokens
-  may be on any shard.
-
-  Load balanced (chunks of c = T / 2n, device r holds chunks r and 2n-1-r), a query reaches
-  m = ceil((R - 1) / c) chunks back. m <= 1 and n >= 3: chunk r - 1 (first half of device
-  r - 1, step 1) and chunk 2n-2-r (second half of device r + 1, step n - 1). Larger m, while
-  2m < n - 1: the whole shards of devices r - m .. r + m (steps 1..m and n-m..n-1).
-  Contiguous (shards of L = T / n): ceil((R - 1) / L) steps back. Exact when positions
-  follow the token index inside documents (docs/design.md)."""
-  reach = _reach(mask)
-  if reach is None or load_balance == "document":
-    return None
-  if load_balance:
-    back = -(-(reach - 1) // (t // (2 * n)))
-    if n >= 3 and back <= 1:
-      return ((1, 0), (n - 1, 1))
-    if 2 * back < n - 1:
-      return tuple((s, None) for s in range(1, back + 1)) + tuple((n - s, None) for s in range(back, 0, -1))
-    return None
-  steps = -(-(reach - 1) // (t // n))
-  return tuple((step, None) for step in range(1, steps + 1)) if steps < n - 1 else None
+from flaxattn.masks import Mask, NoBand, band, reach
+from flaxattn.ring import ring_fetches
 
 
 def communication(strategy: str, load_balance: bool | str, mask: Mask, t: int, n: int,
@@ -84,12 +48,14 @@ def _transfers(strategy, load_balance, mask, t, n, has_positions, n_ring) -> str
   if fetches is None:
     lines.append(f"ring over {n} devices: keys of every other shard visit,"
                  f" {n - 1} step{'s' if n > 2 else ''}")
-    if load_balance == "document" and _reach(mask) is not None:
+    if load_balance == "document" and reach(mask) is not None:
       lines[-1] += (f" (per-document order: {mask!r} is short, but a document's neighbouring"
                     " tokens may be on any shard, so the window-aware ring's neighbour fetches"
                     " do not apply)")
   else:
-    reach = _reach(mask) - 1
+    bound = reach(mask)
+    assert bound is not None  # fetches exist only for a bounded reach
+    back = bound - 1
     chunk = t // (2 * n)
     if load_balance and all(part is not None for _, part in fetches):
       what = (f"at most one chunk (T/2cp = {chunk} tokens), so each device receives only"
@@ -103,7 +69,8 @@ def _transfers(strategy, load_balance, mask, t, n, has_positions, n_ring) -> str
               f" the {len(fetches)} shard(s) before its own ({len(fetches)} of {n - 1} steps)")
     check = ("; positions checked per batch at run time, a batch whose positions do not"
              " follow the token index runs every step" if has_positions else "")
-    lines.append(f"ring over {n} devices: {mask!r} reaches back {reach} tokens, within {what}{check}")
+    lines.append(f"ring over {n} devices: {mask!r} reaches back {back} tokens, within"
+                 f" {what}{check}")
   return ("context parallel: " if len(lines) == 1 else "") + "; then ".join(lines) + "."
 
 
@@ -201,7 +168,8 @@ class Shapes:
 
   def kv_bytes(self, tokens: int, kv_heads: int | None = None) -> int:
     """Bytes of K and V for `tokens` tokens (and `kv_heads` heads)."""
-    return 2 * self.b * tokens * (self.hkv if kv_heads is None else kv_heads) * self.d * self.itemsize
+    heads = self.hkv if kv_heads is None else kv_heads
+    return 2 * self.b * tokens * heads * self.d * self.itemsize
 
   def imbalance(self) -> float:
     """Slowest device's compute over the mean: causal without load balancing, about 2."""
@@ -213,7 +181,7 @@ class Shapes:
 
 
 def ring(s: Shapes, n: int, p: Platform, fetches=None) -> Cost:
-  """The ring over n devices (`fetches`: `context_parallel.ring_fetches`, None = every step)."""
+  """The ring over n devices (`fetches`: `ring.ring_fetches`, None = every step)."""
   shard = s.kv_bytes(s.t // n)
   if fetches is None:
     steps = n - 1
@@ -226,7 +194,8 @@ def ring(s: Shapes, n: int, p: Platform, fetches=None) -> Cost:
   compute = p.compute_seconds(s.flops() / n * s.imbalance(), s.t // n)
   step_compute = compute / (steps + 1)
   comm = moved / p.link
-  seconds = step_compute + steps * max(step_compute, comm / max(steps, 1)) + (steps + 1) * p.step_overhead
+  seconds = (step_compute + steps * max(step_compute, comm / max(steps, 1))
+             + (steps + 1) * p.step_overhead)
   return Cost("ring", seconds, compute, comm, moved, 2 * shard)
 
 
@@ -272,6 +241,7 @@ def hybrid(s: Shapes, n_ulysses: int, n_ring: int, p: Platform) -> Cost:
   a2a = int(2 * (2 * q_bytes + s.kv_bytes(local, kv)) * (n_ulysses - 1) / n_ulysses)
   inner = dataclasses.replace(s, h=s.h // n_ulysses, hkv=kv // n_ulysses)
   r = ring(inner, n_ring, p)
+  assert r.seconds is not None  # the ring is always possible
   comm = a2a / p.all_to_all + r.comm_s
   return Cost("ulysses_ring", r.seconds + a2a / p.all_to_all, r.compute_s, comm,
               a2a + r.bytes_moved, r.kv_memory)
@@ -316,6 +286,7 @@ def _row_order_ring(s: Shapes, n: int, p: Platform, here: Cost) -> list[Cost]:
   if fetches is None:
     return []
   alt = ring(dataclasses.replace(s, load_balance=True), n, p, fetches)
+  assert alt.seconds is not None and here.seconds is not None  # rings are always possible
   return [Cost("ring, row order", None, why_not=(
       f"the data is in per-document order; in row order (load_balance=True) the window-aware"
       f" ring would take {alt.seconds * 1e3:.3f} ms ({alt.bytes_moved / 2**20:.1f} MiB moved)"
@@ -326,11 +297,13 @@ def _row_order_ring(s: Shapes, n: int, p: Platform, here: Cost) -> list[Cost]:
 def describe_plan(best: Cost, costs: list[Cost]) -> str:
   """The lines `explain` prints for `strategy="auto"`."""
   lines = [f"strategy='auto' chose {best.strategy}; per-device estimates, forward+backward"
-           " (nominal platform numbers: flaxattn.planner.PLATFORMS, ContextParallel(cost_model=...)):"]
+           " (nominal platform numbers: flaxattn.planner.PLATFORMS,"
+           " ContextParallel(cost_model=...)):"]
   lines += ["  " + c.line() for c in costs]
   others = [c for c in costs if c.seconds is not None and c is not best]
   if others:
-    runner = min(others, key=lambda c: c.seconds)
+    runner = min(others, key=lambda c: c.seconds or 0.0)  # all have seconds
+    assert runner.seconds is not None and best.seconds is not None
     lines.append(f"  {best.strategy} wins: estimated {runner.seconds / best.seconds:.2f}x faster"
                  f" than {runner.strategy}, the next best")
   return "\n".join(lines)

@@ -16,9 +16,9 @@ import jax
 import numpy as np
 from jax._src import config as jax_config
 
-from flaxattn.context_parallel import Gathered
 from flaxattn.layout import Layout
 from flaxattn.masks import Mask
+from flaxattn.ring import Gathered, RingStep
 
 # Per platform, fastest first. Kernel modules load when first consulted, so a JAX change to
 # the private API one uses breaks that backend only (`import flaxattn` itself uses one:
@@ -80,9 +80,9 @@ def lowering_platforms() -> tuple[str, ...]:
   `jax.set_mesh`, else the default backend)."""
   chosen = _LOWERING_FOR.value
   if chosen:
-    return tuple(LOWERING.get(p, p) for p in chosen.split(","))
+    return tuple(LOWERING.get(p, p) for p in str(chosen).split(","))
   device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
-  return (device.platform if device is not None else jax.default_backend(),)
+  return (getattr(device, "platform", None) or jax.default_backend(),)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,13 +136,14 @@ class Call:
     """The context parallelism in words, e.g. "ulysses over 2 x ring over 2 devices"."""
     if self.ring_size is None:
       return f"{self.cp_strategy} over {self.cp_size} devices"
-    return f"{self.cp_strategy} over {self.cp_size // self.ring_size} x ring over {self.ring_size} devices"
+    return (f"{self.cp_strategy} over {self.cp_size // self.ring_size} x ring over"
+            f" {self.ring_size} devices")
 
 
 class Kernel:
   """An attention kernel. Subclasses set `name` and implement `reason` and `__call__`;
   those with per-block passes for the ring strategy set `ring = True` and implement
-  `context_parallel_local` for it (see `flaxattn.context_parallel.LocalAttention`)."""
+  `ring_step` for it (a `flaxattn.ring.RingStep`)."""
 
   name: str = ""
   ring: bool = False
@@ -190,14 +191,18 @@ class Kernel:
     Kernels with `soft_cap = True` also take `soft_cap=` (a float or None)."""
     raise NotImplementedError
 
-  def context_parallel_local(self, *, strategy: str, mask: Mask, scale: float, **call):
-    """The per-device computation of context-parallel attention: (local, data, data_specs)
-    (see `flaxattn.context_parallel.LocalAttention`; `call` holds the shapes, mesh axis
-    and layout, and `soft_cap` where the call has one). Asked for "ring" (also by Ulysses x
-    ring, over the ring axis) and "all_gather"; Ulysses alone calls the kernel itself. The
-    default serves "all_gather", the one strategy here that `unsupported_reason` lets
-    through without `ring`, by calling the kernel on the gathered keys."""
-    return Gathered(self, mask, scale, call.get("soft_cap")), None, None
+  def ring_step(self, *, strategy: str, mask: Mask, scale: float, shards: int, axis: str,
+                load_balance: bool, q_shape, kv_shape, layout: Layout,
+                soft_cap: float | None = None) -> RingStep:
+    """The per-device computation of context-parallel attention (a `flaxattn.ring.RingStep`)
+    for `strategy` "ring" (also Ulysses x ring's, over the ring axis) or "all_gather" over
+    `shards` devices of mesh axis `axis`, for global shapes q `[B, T, H, D]` and k/v
+    `kv_shape` with the call's `layout` (default positions not yet materialized), tokens in
+    row order when `load_balance`; `soft_cap` only for kernels with `soft_cap = True`.
+    Ulysses alone calls the kernel itself. The default serves "all_gather", the one strategy
+    that `unsupported_reason` lets through without `ring`, by calling the kernel on the
+    gathered keys."""
+    return Gathered(self, mask, scale, soft_cap)
 
 
 def register(kernel: Kernel, *, platforms=(), before: str | None = None,

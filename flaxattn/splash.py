@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 from flaxattn import blockwise, registry, sharding, splash_blocks
 from flaxattn.layout import Layout, index_check, needs_index_check
 from flaxattn.masks import Band, Mask, NoBand, band, floor_div
+from flaxattn.ring import RingStep
 
 LANES = 128  # splash's blocks are multiples of the TPU lane width
 # Rows whose lse is below this saw no key: splash leaves them at its mask value (finite
@@ -189,7 +190,7 @@ def _q_sequence(q_len: int, shards: int, load_balance: bool) -> np.ndarray:
   return original
 
 
-def _kernel_spec(kernel: sk.SplashAttentionKernel, axis: str | None):
+def _kernel_spec(kernel: sk.SplashAttentionKernel | None, axis: str | None):
   """shard_map specs of a kernel's mask infos: query-block rows over `axis` (None: replicated)."""
   def spec(path, leaf):
     name = path[-1].name
@@ -212,10 +213,13 @@ def forward(kernel, q, k, v, q_seg, kv_seg, *, scale: float):
   if kernel is None:  # no query sees any key under index masking
     return (jnp.zeros((b, t, h, v.shape[-1]), q.dtype), jnp.full((b, t, h), -jnp.inf, jnp.float32))
   hkv = k.shape[2]
-  q_BKGTD = (q * jnp.asarray(scale, q.dtype)).reshape(b, t, hkv, h // hkv, d).transpose(0, 2, 3, 1, 4)
+  q_BKGTD = ((q * jnp.asarray(scale, q.dtype)).reshape(b, t, hkv, h // hkv, d)
+             .transpose(0, 2, 3, 1, 4))
   k_BKSD, v_BKSD = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-  over_heads = jax.vmap(lambda q, k, v, seg: kernel(q, k, v, segment_ids=seg), in_axes=(0, 0, 0, None))
-  out_BKGTD, (lse_BKGT,) = jax.vmap(over_heads)(q_BKGTD, k_BKSD, v_BKSD, _segment_ids(q_seg, kv_seg))
+  over_heads = jax.vmap(lambda q, k, v, seg: kernel(q, k, v, segment_ids=seg),
+                        in_axes=(0, 0, 0, None))
+  out_BKGTD, (lse_BKGT,) = jax.vmap(over_heads)(q_BKGTD, k_BKSD, v_BKSD,
+                                                _segment_ids(q_seg, kv_seg))
   out = out_BKGTD.transpose(0, 3, 1, 2, 4).reshape(b, t, h, v.shape[-1])
   lse = lse_BKGT.transpose(0, 3, 1, 2).reshape(b, t, h).astype(jnp.float32)
   empty = ~(lse > _EMPTY_LSE)  # NaN too
@@ -233,7 +237,8 @@ def backward(kernel, q, k, v, q_seg, kv_seg, out, lse, dout, dlse, *, scale: flo
   b, t, h, d = q.shape
   hkv = k.shape[2]
   g = h // hkv
-  to_kernel = lambda x: x.reshape(b, t, hkv, g, *x.shape[3:]).transpose(0, 2, 3, 1, *range(4, x.ndim + 1))
+  def to_kernel(x):
+    return x.reshape(b, t, hkv, g, *x.shape[3:]).transpose(0, 2, 3, 1, *range(4, x.ndim + 1))
   q_BKGTD = to_kernel(q * jnp.asarray(scale, q.dtype))
   out_BKGTD, dout_BKGTD = to_kernel(out), to_kernel(dout)
   lse_BKGT = to_kernel(jnp.where(jnp.isneginf(lse), _NO_KEYS_LSE, lse))
@@ -252,13 +257,15 @@ def backward(kernel, q, k, v, q_seg, kv_seg, out, lse, dout, dlse, *, scale: flo
         use_fused_bwd_kernel=True,
         q_layout=sizes.q_layout, k_layout=sizes.k_layout, v_layout=sizes.v_layout,
         mask_function=kw["mask_function"], interpret=kw["interpret"])
+    assert dq is not None  # the fused backward kernel computes dq too
     return dq, dk, dv
 
   over_heads = jax.vmap(one, in_axes=(0, 0, 0, None, 0, 0, 0))
   dq, dk, dv = jax.vmap(over_heads)(q_BKGTD, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3),
                                     _segment_ids(q_seg, kv_seg), lse_BKGT, dout_BKGTD, di_BKGT)
   dq = dq.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d) * jnp.asarray(scale, dq.dtype)
-  return dq.astype(q.dtype), dk.transpose(0, 2, 1, 3).astype(k.dtype), dv.transpose(0, 2, 1, 3).astype(v.dtype)
+  return (dq.astype(q.dtype), dk.transpose(0, 2, 1, 3).astype(k.dtype),
+          dv.transpose(0, 2, 1, 3).astype(v.dtype))
 
 
 def _index_masked_or_blockwise(exact, index_masked, blockwise_fn):
@@ -267,7 +274,8 @@ def _index_masked_or_blockwise(exact, index_masked, blockwise_fn):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _attend(scale, mask, soft_cap, kernel, exact, q, k, v, layout):
+def _attend(scale, mask, soft_cap, kernel, exact, q, k, v,
+            layout) -> tuple[jax.Array, jax.Array]:
   return _attend_fwd(scale, mask, soft_cap, kernel, exact, q, k, v, layout)[0]
 
 
@@ -345,7 +353,8 @@ class Splash(registry.Kernel):
 
   def blocks(self, q_len: int, kv_len: int, head_dim: int) -> tuple[int, int]:
     default = default_block(head_dim)
-    return (block_size(q_len, self.block_q or default), block_size(kv_len, self.block_kv or default))
+    return (block_size(q_len, self.block_q or default),
+            block_size(kv_len, self.block_kv or default))
 
   def kernel(self, mask: Mask, order: TokenOrder, q_shape, kv_shape, soft_cap=None):
     """The cached kernel for global shapes q `[B, T, H, D]`, k `[B, S, Hkv, D]` whose
@@ -388,21 +397,23 @@ class Splash(registry.Kernel):
     if auto:
       # A Pallas call is opaque to automatic partitioning: run it per (batch, head) shard.
       batch = sharding.dividing_axes(mesh, sharding.default_axes("batch"), q.shape[0]) or None
-      heads = sharding.dividing_axes(mesh, sharding.default_axes("heads"), q.shape[2], k.shape[2]) or None
+      heads = sharding.dividing_axes(mesh, sharding.default_axes("heads"), q.shape[2],
+                                     k.shape[2]) or None
       qkv, seq = P(batch, None, heads), P(batch, None)
       layout_spec = jax.tree.map(lambda _: seq, layout)
-      attend = jax.shard_map(attend, in_specs=(_kernel_spec(kernel, None), P(), qkv, qkv, qkv, layout_spec),
+      attend = jax.shard_map(attend,
+                             in_specs=(_kernel_spec(kernel, None), P(), qkv, qkv, qkv, layout_spec),
                              out_specs=(qkv, P(batch, None, heads)), axis_names=auto,
                              check_vma=False)
     out, lse = attend(kernel, exact, q, k, v, layout)
     return (out, lse) if return_lse else out
 
-  def context_parallel_local(self, *, strategy: str, mask: Mask, scale: float, shards: int,
-                             axis: str, load_balance: bool, q_shape, kv_shape, layout: Layout,
-                             soft_cap: float | None = None):
-    """The local computation of context-parallel attention (see `context_parallel`): one
-    kernel per ring step (or one for the gathered keys), with mask infos sharded over `axis`.
-    A batch that fails `index_check` (on the global `layout`) runs the blockwise passes."""
+  def ring_step(self, *, strategy: str, mask: Mask, scale: float, shards: int, axis: str,
+                load_balance: bool, q_shape, kv_shape, layout: Layout,
+                soft_cap: float | None = None) -> SplashStep:
+    """One kernel per ring step (or one for the gathered keys), its mask infos sharded over
+    `axis`. A batch that fails `index_check` (on the global `layout`) runs the blockwise
+    passes."""
     t = q_shape[1]
     if strategy == "ring":
       kernels = tuple(self.kernel(mask, TokenOrder(shards, load_balance, step), q_shape,
@@ -413,56 +424,63 @@ class Splash(registry.Kernel):
                              soft_cap),)
     index = layout.index(q_shape[0], t)
     exact = index_check(mask, layout, index, index)
-    specs = tuple(_kernel_spec(k, axis) for k in kernels)
     fallback = blockwise.ring_step(mask, scale, t, shards, load_balance, soft_cap)
-    return _SplashLocal(float(scale), mask, fallback), (kernels, exact), (specs, P())
+    return SplashStep(kernels, exact, axis, float(scale), mask, fallback)
 
 
 # The blockwise ring step takes a traced step (it runs in a scan), so as a jitted call it is
 # traced once for all of splash's unrolled ring steps instead of once per step.
 @functools.partial(jax.jit, static_argnums=0)
 def _fallback_forward(fallback, step, q, k, v, layout):
-  return fallback.forward(step, None, q, k, v, layout)
+  return fallback.forward(step, q, k, v, layout)
 
 
 @functools.partial(jax.jit, static_argnums=0)
 def _fallback_backward(fallback, step, q, k, v, layout, out, lse, dout, dlse):
-  return fallback.backward(step, None, q, k, v, layout, out, lse, dout, dlse)
+  return fallback.backward(step, q, k, v, layout, out, lse, dout, dlse)
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["kernels", "exact"],
+                   meta_fields=["axis", "scale", "mask", "fallback"])
 @dataclasses.dataclass(frozen=True)
-class _SplashLocal:
-  """Per-device splash computation for context parallelism; its data is the shard-local
-  kernels from `Splash.context_parallel_local` and the run-time exactness flag."""
+class SplashStep(RingStep):
+  """Splash as the per-device step of context parallelism: the shard-local kernels (one per
+  ring step, or one for the gathered keys; None where no query sees the step's keys), whose
+  mask infos are sharded over `axis`, and the run-time exactness flag (None: always exact)."""
 
+  kernels: tuple
+  exact: jax.Array | None
+  axis: str
   scale: float
   mask: Mask
-  fallback: object  # the blockwise ring step, for batches splash cannot mask exactly
-  unrolled: bool = True  # a kernel per ring step: the step must be static
+  fallback: blockwise.BlockwiseStep  # for batches splash cannot mask exactly
+  unrolled = True  # a kernel per ring step: the step must be static
 
-  def forward(self, step: int, data, q, k, v, layout: Layout):
-    kernels, exact = data
-    kernel = kernels[step]
-    if exact is None and kernel is None:  # no query sees these keys: skip the step
+  def specs(self):
+    kernels = tuple(_kernel_spec(k, self.axis) for k in self.kernels)
+    return dataclasses.replace(self, kernels=kernels, exact=P())
+
+  def forward(self, step: int, q, k, v, layout: Layout):
+    kernel = self.kernels[step]
+    if self.exact is None and kernel is None:  # no query sees these keys: skip the step
       return None
     return _index_masked_or_blockwise(
-        exact,
+        self.exact,
         lambda: forward(kernel, q, k, v, layout.q_segment_ids, layout.kv_segment_ids,
                         scale=self.scale),
         lambda: _fallback_forward(self.fallback, jnp.int32(step), q, k, v, layout))
 
-  def backward(self, step: int, data, q, k, v, layout: Layout, out, lse, dout, dlse):
-    kernels, exact = data
-    kernel = kernels[step]
-    if exact is None and kernel is None:
+  def backward(self, step: int, q, k, v, layout: Layout, out, lse, dout, dlse):
+    kernel = self.kernels[step]
+    if self.exact is None and kernel is None:
       return None
     return _index_masked_or_blockwise(
-        exact,
+        self.exact,
         lambda: backward(kernel, q, k, v, layout.q_segment_ids, layout.kv_segment_ids, out, lse,
                          dout, dlse, scale=self.scale),
         lambda: _fallback_backward(self.fallback, jnp.int32(step), q, k, v, layout, out, lse,
                                    dout, dlse))
 
-  def gathered(self, data, q, k, v, layout: Layout):
-    kernels, exact = data
-    return _attend(self.scale, self.mask, self.fallback.soft_cap, kernels[0], exact, q, k, v, layout)
+  def gathered(self, axis, n, q, k, v, layout: Layout):
+    return _attend(self.scale, self.mask, self.fallback.soft_cap, self.kernels[0], self.exact,
+                   q, k, v, layout)

@@ -26,10 +26,10 @@ def poison(monkeypatch):
   backward = lambda q, k, v, layout, out, lse, dout, dlse, **kw: (nan(q), nan(k), nan(v))
   monkeypatch.setattr(blockwise, "forward", forward)
   monkeypatch.setattr(blockwise, "backward", backward)
-  monkeypatch.setattr(blockwise.RingStep, "forward",
-                      lambda self, step, data, q, k, v, layout: forward(q, k, v, layout))
-  monkeypatch.setattr(blockwise.RingStep, "backward",
-                      lambda self, step, data, q, k, v, layout, *a: backward(q, k, v, layout, *a))
+  monkeypatch.setattr(blockwise.BlockwiseStep, "forward",
+                      lambda self, step, q, k, v, layout: forward(q, k, v, layout))
+  monkeypatch.setattr(blockwise.BlockwiseStep, "backward",
+                      lambda self, step, q, k, v, layout, *a: backward(q, k, v, layout, *a))
 
 
 def _loss(out, lse):

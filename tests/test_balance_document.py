@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import AxisType
 
 import flaxattn
-from flaxattn import balance, planner
+from flaxattn import balance, planner, ring
 from helpers import grads_of, qkv, random_packing
 
 TOL = 1e-5  # float32, relative to the largest reference magnitude
@@ -188,8 +188,8 @@ def test_document_order_needs_positions_and_explains():
                             positions=np.arange(64)[None], context_parallel=cp, print_fn=None)
   assert "window-aware ring's neighbour fetches do not apply" in text
   assert "token order: per document" in text
-  assert planner.ring_fetches(flaxattn.Local(4), 64, 4, "document") is None
-  assert planner.ring_fetches(flaxattn.Local(4), 64, 4, True) is not None
+  assert ring.ring_fetches(flaxattn.Local(4), 64, 4, "document") is None
+  assert ring.ring_fetches(flaxattn.Local(4), 64, 4, True) is not None
   with pytest.raises(ValueError, match="load_balance"):
     flaxattn.ContextParallel(load_balance="rows")
 

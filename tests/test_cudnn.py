@@ -15,7 +15,7 @@ import pytest
 
 import cudnn_ring_check
 import flaxattn
-from flaxattn import cudnn, registry
+from flaxattn import cudnn, cudnn_ring, registry
 from flaxattn.layout import Layout
 from flaxattn.reference import reference_attention
 from helpers import TOL, as_layout, compare, normal, qkv, random_packing
@@ -80,18 +80,18 @@ def test_ring_plan_covers_each_visible_chunk_pair_once(n, load_balance, causal):
   chunk) pair the mask shows exactly once, and pieces other than the own-token call only
   pairs the mask shows whole (so an unmasked call is exact)."""
   chunks = (lambda r: (r, 2 * n - 1 - r)) if load_balance else (lambda r: (r,))
-  plan = cudnn.ring_plan(flaxattn.Causal() if causal else flaxattn.Full(), n, load_balance)
+  plan = cudnn_ring.ring_plan(causal, n, load_balance)
   assert plan.shape == (n, n)
   for r in range(n):
     mine, seen = chunks(r), []
     for step in range(n):
       theirs = chunks((r - step) % n)
-      pairs = {cudnn.OWN: [(a, b) for a in mine for b in mine if b <= a or not causal],
-               cudnn.ALL: [(a, b) for a in mine for b in theirs],
-               cudnn.FIRST_KEYS: [(a, theirs[0]) for a in mine],
-               cudnn.LAST_QUERIES: [(mine[-1], b) for b in theirs],
-               cudnn.NOTHING: []}[plan[step, r]]
-      assert (plan[step, r] == cudnn.OWN) == (step == 0)
+      pairs = {cudnn_ring.OWN: [(a, b) for a in mine for b in mine if b <= a or not causal],
+               cudnn_ring.ALL: [(a, b) for a in mine for b in theirs],
+               cudnn_ring.FIRST_KEYS: [(a, theirs[0]) for a in mine],
+               cudnn_ring.LAST_QUERIES: [(mine[-1], b) for b in theirs],
+               cudnn_ring.NOTHING: []}[plan[step, r]]
+      assert (plan[step, r] == cudnn_ring.OWN) == (step == 0)
       if step and causal:
         assert all(b < a for a, b in pairs), (r, step, pairs)
       seen += pairs

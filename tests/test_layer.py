@@ -279,3 +279,39 @@ def test_ids_wider_than_int32_raise_instead_of_narrowing(arg):
   fits = MultiHeadAttention(2, E, mask=Causal(), backend="reference", rngs=nnx.Rngs(0))(
       normal((1, 8, E)), **{arg: ids % 7})
   assert fits.shape == (1, 8, E)
+
+
+def test_layer_hands_attention_its_resolved_layout(monkeypatch):
+  """The ids are resolved once, in the layer (RoPE and the kernel see the same layout):
+  `flaxattn.attention`, or a partial of it, takes the layout; another `attention_fn` gets
+  the four arrays."""
+  import functools
+  import importlib
+
+  import flaxattn
+  from flaxattn import layout as layout_module
+  attention_module = importlib.import_module("flaxattn.attention")
+  calls = []
+
+  def counted(*args, **kwargs):
+    calls.append(1)
+    return layout_module.resolve(*args, **kwargs)
+
+  monkeypatch.setattr(attention_module, "resolve", counted)
+  seg = jnp.asarray([[1, 1, 1, 2, 2, 2, 2, 0]], jnp.int32)
+  x = normal((1, 8, 16))
+  got = {}
+
+  def own(q, k, v, **kw):
+    got.update(kw)
+    return flaxattn.attention(q, k, v, **kw)
+
+  outs = []
+  for fn in (flaxattn.attention, functools.partial(flaxattn.attention, scale=0.25 ** 0.5), own):
+    layer = MultiHeadAttention(2, 16, qkv_features=8, rope=RoPE(4), attention_fn=fn,
+                               decode=False, rngs=nnx.Rngs(0))
+    outs.append(layer(x, segment_ids=seg))
+  assert calls == [1], "attention resolved the ids again only for the custom attention_fn"
+  assert "layout" not in got and (np.asarray(got["segment_ids"]) == np.asarray(seg)).all()
+  np.testing.assert_allclose(outs[0], outs[2], rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(outs[0], outs[1], rtol=1e-6, atol=1e-6)  # D ** -0.5 = 0.5

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import flaxattn
-from flaxattn import planner
+from flaxattn import planner, ring
 from flaxattn.context_parallel import choose
 from models.llama import LlamaConfig, layer_masks
 
@@ -29,15 +29,15 @@ def test_ulysses_kv_heads(h, hkv, n, want):
 
 def test_ring_fetches():
   local = flaxattn.Local(65)  # reaches 64 tokens back
-  assert planner.ring_fetches(local, 1024, 8, True) == ((1, 0), (7, 1))  # chunk 64
+  assert ring.ring_fetches(local, 1024, 8, True) == ((1, 0), (7, 1))  # chunk 64
   # chunk 32: two chunks back, the whole shards of two devices each side
-  assert planner.ring_fetches(local, 512, 8, True) == ((1, None), (2, None), (6, None), (7, None))
-  assert planner.ring_fetches(local, 256, 8, True) is None  # chunk 16: 4 each side is all 7
-  assert planner.ring_fetches(local, 1024, 2, True) is None  # both neighbours are one device
-  assert planner.ring_fetches(local, 1024, 8, False) == ((1, None),)  # shard 128
-  assert planner.ring_fetches(local, 256, 8, False) == ((1, None), (2, None))  # shard 32
-  assert planner.ring_fetches(flaxattn.Chunked(40) & flaxattn.Local(200), 1024, 8, False) == ((1, None),)
-  assert planner.ring_fetches(flaxattn.Causal(), 1024, 8, True) is None
+  assert ring.ring_fetches(local, 512, 8, True) == ((1, None), (2, None), (6, None), (7, None))
+  assert ring.ring_fetches(local, 256, 8, True) is None  # chunk 16: 4 each side is all 7
+  assert ring.ring_fetches(local, 1024, 2, True) is None  # both neighbours are one device
+  assert ring.ring_fetches(local, 1024, 8, False) == ((1, None),)  # shard 128
+  assert ring.ring_fetches(local, 256, 8, False) == ((1, None), (2, None))  # shard 32
+  assert ring.ring_fetches(flaxattn.Chunked(40) & flaxattn.Local(200), 1024, 8, False) == ((1, None),)
+  assert ring.ring_fetches(flaxattn.Causal(), 1024, 8, True) is None
 
 
 # Documented choices with the nominal numbers: B=1, 32 query heads on 8 KV heads, D=128, bf16,

@@ -116,15 +116,15 @@ def test_long_causal_kernel_builds_without_dense_mask(monkeypatch):
 def _ring_blocks(mask, load_balance, n=4, t=4096):
   """Blocks each device computes over the ring's steps (from the kernels' MaskInfo), and the
   number of steps with nothing to compute anywhere (no kernel at all)."""
-  _, (kernels, exact), _ = splash.Splash().context_parallel_local(
+  step = splash.Splash().ring_step(
       strategy="ring", axis="context", shards=n, load_balance=load_balance, mask=mask,
       scale=1.0, q_shape=(1, t, 2, 128), kv_shape=(1, t, 2, 128), layout=Layout())
-  assert exact is None  # default positions: exact for any data
+  assert step.exact is None  # default positions: exact for any data
   per_device = np.zeros(n, int)
-  for kernel in kernels:
+  for kernel in step.kernels:
     if kernel is not None:
       per_device += (np.asarray(kernel.fwd_mask_info.block_mask)[0] > 0).reshape(n, -1).sum(1)
-  return per_device, sum(k is None for k in kernels)
+  return per_device, sum(k is None for k in step.kernels)
 
 
 def test_ring_kernels_balance_causal_work_and_drop_empty_steps():

@@ -1,0 +1,335 @@
+"""The ring: each device's keys and values passed round the context-parallel devices with
+`ppermute`, partial results merged by lse.
+
+Owns `RingStep`, the one protocol of a kernel's per-device computation under context
+parallelism, and the three custom VJPs that run one over the ring's steps: the full ring
+(backward a second ring carrying dK/dV), the window-aware ring (only the neighbouring keys
+a bounded mask reaches, `ring_fetches`), and the gathered keys served as ring steps (the
+all-gather strategy of a kernel that computes per step). All merge through `merge_partials`.
+Derivations: docs/design.md, "Context parallelism".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from flaxattn.layout import Layout
+from flaxattn.masks import Mask, reach
+
+
+class RingStep:
+  """A kernel's per-device computation under context parallelism, run inside the strategy's
+  `shard_map` on the device's own queries and one shard of keys per step.
+
+  A step is a pytree (`jax.tree_util.register_dataclass`): its array fields, the per-call
+  state such as block metadata or a run-time exactness check, are operands of the
+  `shard_map`, sharded as `specs()` says; its other fields are static. Step `step` of the
+  ring visits the keys of device (r - step) mod n, r the device's index.
+  """
+
+  unrolled: bool = False  # True: steps run unrolled and `step` is a Python int
+
+  def specs(self):
+    """The step's `PartitionSpec` pytree for the `shard_map` (default: arrays replicated)."""
+    return jax.tree.map(lambda _: P(), self)
+
+  def forward(self, step, q, k, v, layout: Layout):
+    """(out `[B, T, H, Dv]`, lse `[B, T, H]` float32) of the local queries q against the
+    visiting keys k/v (`layout` their ids), or None when nothing is computed."""
+    raise NotImplementedError
+
+  def backward(self, step, q, k, v, layout: Layout, out, lse, dout, dlse):
+    """(dq, dk, dv) of `forward`'s step given the merged out/lse over all steps and their
+    cotangents, or None when nothing is computed."""
+    raise NotImplementedError
+
+  def gathered(self, axis: str, n: int, q, k, v, layout: Layout):
+    """The all-gather strategy: (out, lse) of the local queries against all keys (k/v
+    gathered over `axis` of size n, in device order). By default the n shards of the
+    gathered keys are served as ring steps (`gathered_steps`)."""
+    return gathered_steps(axis, n, self, q, k, v, layout)
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=[],
+                   meta_fields=["kernel", "mask", "scale", "soft_cap"])
+@dataclasses.dataclass(frozen=True)
+class Gathered(RingStep):
+  """Any kernel on the gathered keys: the all-gather strategy of a kernel without per-step
+  passes (`registry.Kernel.ring_step`'s default)."""
+
+  kernel: Callable[..., tuple[jax.Array, jax.Array]]
+  mask: Mask
+  scale: float
+  soft_cap: float | None = None
+
+  def gathered(self, axis, n, q, k, v, layout):
+    capped = {} if self.soft_cap is None else dict(soft_cap=self.soft_cap)
+    return self.kernel(q, k, v, layout, mask=self.mask, scale=self.scale, return_lse=True,
+                       **capped)
+
+
+def merge_partials(out, lse, out_s, lse_s):
+  """Combines two partial softmax results over disjoint key sets: out `[B, T, H, Dv]`
+  float32 with lse `[B, T, H]`, and another such pair (out_s in any float dtype); rows
+  with no key on either side stay zeros / -inf. The ring's merge, and the layer's prefill
+  into a filled sharded cache."""
+  new = jnp.logaddexp(lse, lse_s)
+  safe = jnp.where(jnp.isfinite(new), new, 0.0)  # rows with no key anywhere stay 0 / -inf
+  w, w_s = jnp.exp(lse - safe), jnp.exp(lse_s - safe)
+  return out * w[..., None] + out_s.astype(jnp.float32) * w_s[..., None], new
+
+
+def ring_fetches(mask: Mask, t: int, n: int, load_balance: bool | str):
+  """The ring steps a mask with a bounded reach R (`Local`, `Chunked`) needs besides step 0,
+  as `((step, part), ...)`: at step s the keys of shard (r - s) mod n, whole (`part` None) or
+  only their first (0) or second (1) half. None: every step is needed, always so in
+  per-document order (`load_balance="document"`), where a document's neighbouring tokens
+  may be on any shard.
+
+  Load balanced (chunks of c = T / 2n, device r holds chunks r and 2n-1-r), a query reaches
+  m = ceil((R - 1) / c) chunks back. m <= 1 and n >= 3: chunk r - 1 (first half of device
+  r - 1, step 1) and chunk 2n-2-r (second half of device r + 1, step n - 1). Larger m, while
+  2m < n - 1: the whole shards of devices r - m .. r + m (steps 1..m and n-m..n-1).
+  Contiguous (shards of L = T / n): ceil((R - 1) / L) steps back. Exact when positions
+  follow the token index inside documents (docs/design.md)."""
+  r = reach(mask)
+  if r is None or load_balance == "document":
+    return None
+  if load_balance:
+    back = -(-(r - 1) // (t // (2 * n)))
+    if n >= 3 and back <= 1:
+      return ((1, 0), (n - 1, 1))
+    if 2 * back < n - 1:
+      return (tuple((s, None) for s in range(1, back + 1))
+              + tuple((n - s, None) for s in range(back, 0, -1)))
+    return None
+  steps = -(-(r - 1) // (t // n))
+  return tuple((step, None) for step in range(1, steps + 1)) if steps < n - 1 else None
+
+
+def ring(axis: str, n: int, fetches, checked: bool):
+  """The ring over `axis` (n devices) as a `shard_map` body `(step, near, q, k, v, layout)
+  -> (out, lse)`: every step; with `fetches` (`ring_fetches`) only those steps; with
+  `checked`, per batch the fetched steps where `near` (a scalar bool: positions follow the
+  token index) holds, else every step."""
+  def full(step, near, *args):
+    return _ring(axis, n, step, *args)
+
+  if fetches is None:
+    return full
+
+  def window(step, near, *args):
+    return _window_ring(axis, n, fetches, step, *args)
+
+  if not checked:
+    return window
+  return lambda step, near, *args: jax.lax.cond(near, lambda: window(step, near, *args),
+                                               lambda: full(step, near, *args))
+
+
+def all_gather(axis: str, n: int, step, near, q, k, v, layout: Layout):
+  """The all-gather strategy as a `shard_map` body: the keys and their ids gathered over
+  `axis`, then `step.gathered` (a `RingStep`)."""
+  def gather(x):
+    return jax.lax.all_gather(x, axis, axis=1, tiled=True)
+
+  full = Layout(layout.q_segment_ids, gather(layout.kv_segment_ids), layout.q_positions,
+                gather(layout.kv_positions))
+  return step.gathered(axis, n, q, gather(k), gather(v), full)
+
+
+def _shift(x, axis: str, n: int):
+  return jax.lax.ppermute(x, axis, [(i, (i + 1) % n) for i in range(n)])
+
+
+def _steps(step: RingStep, n: int, body, carry):
+  """Runs `body(carry, i)` for ring steps 0 .. n-2: a scan, or unrolled when the step's
+  computation differs per step (`i` is then a Python int)."""
+  if step.unrolled:
+    for i in range(n - 1):
+      carry = body(carry, i)
+    return carry
+  return jax.lax.scan(lambda c, i: (body(c, i), None), carry, jnp.arange(n - 1))[0]
+
+
+def _visiting(layout: Layout, ids):
+  """The local queries' ids with the visiting keys' `ids` `[2, B, S]` (segments, positions)."""
+  return Layout(layout.q_segment_ids, ids[0], layout.q_positions, ids[1])
+
+
+def _zeros_f32(x):
+  return jnp.zeros(x.shape, jnp.float32)
+
+
+def _ring_primal(axis, n, step, q, k, v, layout) -> tuple[jax.Array, jax.Array]:
+  return _ring_fwd(axis, n, step, q, k, v, layout)[0]
+
+
+# The custom VJPs here are applied as calls, not as decorators through functools.partial,
+# so that their results stay typed.
+_ring = jax.custom_vjp(_ring_primal, nondiff_argnums=(0, 1))
+
+
+def _ring_fwd(axis, n, step, q, k, v, layout):
+  def compute(out, lse, kv, ids, i):
+    partial = step.forward(i, q, *kv, _visiting(layout, ids))
+    return (out, lse) if partial is None else merge_partials(out, lse, *partial)
+
+  def body(carry, i):
+    out, lse, kv, ids = carry
+    # Send the block on before computing with it, so the transfer overlaps the compute.
+    next_kv, next_ids = _shift(kv, axis, n), _shift(ids, axis, n)
+    out, lse = compute(out, lse, kv, ids, i)
+    return out, lse, next_kv, next_ids
+
+  kv = (k, v)  # a pair, not one stacked buffer: v may have its own head dim
+  ids = jnp.stack([layout.kv_segment_ids, layout.kv_positions])
+  out = jnp.zeros(q.shape[:3] + v.shape[3:], jnp.float32)
+  lse = jnp.full(q.shape[:3], -jnp.inf, jnp.float32)
+  out, lse, kv, ids = _steps(step, n, body, (out, lse, kv, ids))
+  out, lse = compute(out, lse, kv, ids, n - 1)  # the last block: nothing left to send
+  out = out.astype(q.dtype)
+  return (out, lse), (step, q, k, v, layout, out, lse)
+
+
+def _ring_bwd(axis, n, residuals, cotangents):
+  step, q, k, v, layout, out, lse = residuals
+  dout, dlse = cotangents
+
+  def compute(dq, dkv, kv, ids, i):
+    grads = step.backward(i, q, *kv, _visiting(layout, ids), out, lse, dout, dlse)
+    if grads is None:
+      return dq, dkv
+    dq_s, dk_s, dv_s = grads
+    return dq + dq_s.astype(jnp.float32), (dkv[0] + dk_s.astype(jnp.float32),
+                                           dkv[1] + dv_s.astype(jnp.float32))
+
+  def body(carry, i):
+    dq, dkv, kv, ids = carry
+    next_kv, next_ids = _shift(kv, axis, n), _shift(ids, axis, n)
+    dq, dkv = compute(dq, dkv, kv, ids, i)
+    # dK/dV of the visiting block travel with it; after n shifts they are home.
+    return dq, _shift(dkv, axis, n), next_kv, next_ids
+
+  kv = (k, v)
+  ids = jnp.stack([layout.kv_segment_ids, layout.kv_positions])
+  init = (_zeros_f32(q), (_zeros_f32(k), _zeros_f32(v)), kv, ids)
+  dq, dkv, kv, ids = _steps(step, n, body, init)
+  dq, dkv = compute(dq, dkv, kv, ids, n - 1)
+  dkv = _shift(dkv, axis, n)
+  return None, dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype), None
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+def _move(x, axis: str, n: int, step: int, part, back: bool = False):
+  """`x` `[B, T/n, ...]` of device (r - step) mod n (`back`: sent to it instead). With `part`
+  (0 or 1) only that half along the sequence travels; the other half arrives as zeros."""
+  pairs = [(i, (i + step) % n) for i in range(n)]
+  pairs = [(j, i) for i, j in pairs] if back else pairs
+  if part is None:
+    return jax.lax.ppermute(x, axis, pairs)
+  got = jax.lax.ppermute(jnp.split(x, 2, axis=1)[part], axis, pairs)
+  zeros = jnp.zeros_like(got)
+  return jnp.concatenate([got, zeros] if part == 0 else [zeros, got], axis=1)
+
+
+def _visits(axis, n, fetches, k, v, layout):
+  """(step, k, v, layout) of step 0 and each fetch of `ring_fetches` (ids travel whole)."""
+  yield 0, k, v, _visiting(layout, (layout.kv_segment_ids, layout.kv_positions))
+  for i, part in fetches:
+    ids = _move(jnp.stack([layout.kv_segment_ids, layout.kv_positions]), axis, n, i, None)
+    yield i, _move(k, axis, n, i, part), _move(v, axis, n, i, part), _visiting(layout, ids)
+
+
+def _merged(step: RingStep, q, v, pieces):
+  """(out in q's dtype, lse) of `step.forward` over `pieces` of (i, k, v, layout), merged by
+  lse."""
+  out = jnp.zeros(q.shape[:3] + v.shape[3:], jnp.float32)
+  lse = jnp.full(q.shape[:3], -jnp.inf, jnp.float32)
+  for i, k_s, v_s, lay in pieces:
+    partial = step.forward(i, q, k_s, v_s, lay)
+    if partial is not None:
+      out, lse = merge_partials(out, lse, *partial)
+  return out.astype(q.dtype), lse
+
+
+def _window_ring_primal(axis, n, fetches, step, q, k, v, layout) -> tuple[jax.Array, jax.Array]:
+  return _window_ring_fwd(axis, n, fetches, step, q, k, v, layout)[0]
+
+
+_window_ring = jax.custom_vjp(_window_ring_primal, nondiff_argnums=(0, 1, 2))
+
+
+def _window_ring_fwd(axis, n, fetches, step, q, k, v, layout):
+  visits = list(_visits(axis, n, fetches, k, v, layout))
+  out, lse = _merged(step, q, v, visits)
+  return (out, lse), (step, q, [visit[1:] for visit in visits], out, lse)
+
+
+def _window_ring_bwd(axis, n, fetches, residuals, cotangents):
+  step, q, visits, out, lse = residuals
+  dout, dlse = cotangents
+  k, v = visits[0][:2]
+  dq, dk, dv = _zeros_f32(q), _zeros_f32(k), _zeros_f32(v)
+  for (k_s, v_s, lay), (i, part) in zip(visits, ((0, None), *fetches), strict=True):
+    grads = step.backward(i, q, k_s, v_s, lay, out, lse, dout, dlse)
+    if grads is None:
+      continue
+    dq_s, dk_s, dv_s = (g.astype(jnp.float32) for g in grads)
+    if i:  # the visiting keys' gradients go home
+      dk_s, dv_s = (_move(g, axis, n, i, part, back=True) for g in (dk_s, dv_s))
+    dq, dk, dv = dq + dq_s, dk + dk_s, dv + dv_s
+  return None, dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+
+
+_window_ring.defvjp(_window_ring_fwd, _window_ring_bwd)
+
+
+def _gathered_steps_primal(axis, n, step, q, k, v, layout) -> tuple[jax.Array, jax.Array]:
+  """The all-gather strategy for a kernel that computes ring steps: the gathered keys split
+  back into the n shards they came from, shard j served as the ring's step (r - j) mod n
+  (r the device index, so the step is traced) and merged by lse; the backward runs each
+  step's backward with the merged result, as the ring does. Returns (out, lse)."""
+  return _gathered_steps_fwd(axis, n, step, q, k, v, layout)[0]
+
+
+gathered_steps = jax.custom_vjp(_gathered_steps_primal, nondiff_argnums=(0, 1))
+
+
+def _shard_pieces(axis, n, k, v, layout):
+  """(step, k, v, layout) per shard of the gathered keys, in shard order."""
+  r = jax.lax.axis_index(axis)
+  shards = (jnp.split(x, n, axis=1) for x in (k, v, layout.kv_segment_ids, layout.kv_positions))
+  for j, (k_j, v_j, ids, pos) in enumerate(zip(*shards, strict=True)):
+    yield (r - j) % n, k_j, v_j, Layout(layout.q_segment_ids, ids, layout.q_positions, pos)
+
+
+def _gathered_steps_fwd(axis, n, step, q, k, v, layout):
+  out, lse = _merged(step, q, v, _shard_pieces(axis, n, k, v, layout))
+  return (out, lse), (step, q, k, v, layout, out, lse)
+
+
+def _gathered_steps_bwd(axis, n, residuals, cotangents):
+  step, q, k, v, layout, out, lse = residuals
+  dout, dlse = cotangents
+  dq, dks, dvs = _zeros_f32(q), [], []
+  for i, k_j, v_j, lay in _shard_pieces(axis, n, k, v, layout):
+    grads = step.backward(i, q, k_j, v_j, lay, out, lse, dout, dlse)
+    if grads is None:
+      grads = (jnp.zeros_like(q), jnp.zeros_like(k_j), jnp.zeros_like(v_j))
+    dq = dq + grads[0].astype(jnp.float32)
+    dks.append(grads[1])
+    dvs.append(grads[2])
+  dk, dv = jnp.concatenate(dks, 1), jnp.concatenate(dvs, 1)
+  return None, dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+
+
+gathered_steps.defvjp(_gathered_steps_fwd, _gathered_steps_bwd)
