@@ -31,8 +31,8 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ke
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 
 import flaxattn
-from flaxattn.selftest import best_time
 from bench import seqlens as seqlens_bench
+from flaxattn.selftest import best_time
 
 B, H, D = 1, 4, 64
 

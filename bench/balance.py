@@ -113,6 +113,7 @@ def lognormal_rows(t: int, median: int, sigma: float, seed: int = 0):
 
 def demo_rows(t: int, seed: int = 0):
   import logging  # pylint: disable=import-outside-toplevel
+
   from train.data import list_documents  # pylint: disable=import-outside-toplevel
   logging.getLogger("train.data").setLevel(logging.ERROR)  # the 3 undecodable files it skips
   docs = list_documents("stdlib")

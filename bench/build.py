@@ -76,8 +76,8 @@ def run_case(case: dict) -> dict:
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
-  from jax.sharding import (  # pylint: disable=import-outside-toplevel
-      AxisType, NamedSharding, PartitionSpec as P)
+  from jax.sharding import AxisType, NamedSharding  # pylint: disable=import-outside-toplevel
+  from jax.sharding import PartitionSpec as P  # pylint: disable=import-outside-toplevel
 
   import flaxattn  # pylint: disable=import-outside-toplevel
   from flaxattn import splash  # pylint: disable=import-outside-toplevel

@@ -70,10 +70,10 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import flaxattn  # noqa: E402
-from flaxattn import blockwise, cudnn  # noqa: E402
-from flaxattn.layout import Layout, index_check, resolve  # noqa: E402
-from flaxattn.blockwise import ring_block  # noqa: E402
 from bench.attention import B, D, H, best_time, causal_pairs, qkv, useful_gflops  # noqa: E402
+from flaxattn import blockwise, cudnn  # noqa: E402
+from flaxattn.blockwise import ring_block  # noqa: E402
+from flaxattn.layout import Layout, index_check, resolve  # noqa: E402
 
 AXIS = "context"
 MIB = 2**20

@@ -51,8 +51,8 @@ import contextlib
 import json
 import os
 import resource
-import subprocess
 import statistics
+import subprocess
 import sys
 import time
 

@@ -93,14 +93,12 @@ from flax import nnx  # noqa: E402
 from jax.sharding import AxisType  # noqa: E402
 
 import flaxattn  # noqa: E402
+from bench.attention import matmul_gflops  # noqa: E402
 from models.llama import flops_per_token, num_params  # noqa: E402
 from train import config as config_lib  # noqa: E402
 from train import data, loop  # noqa: E402
 from train import mesh as mesh_lib  # noqa: E402
 from train import tokenizer as tokenizer_lib  # noqa: E402
-
-
-from bench.attention import matmul_gflops  # noqa: E402
 
 
 def dense_mask_attention(q, k, v, *, mask, segment_ids=None, positions=None,

@@ -8,7 +8,7 @@ the program with the error's message (surfaced by JAX as a runtime error that co
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import numpy as np

@@ -13,7 +13,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-
 SCALINGS = ("default", "linear", "llama3", "yarn")
 
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 from jax.experimental.pallas.ops.tpu.splash_attention import (
-    splash_attention_mask_info as mask_info_lib)
+  splash_attention_mask_info as mask_info_lib,
+)
 
 from flaxattn.masks import Band, floor_div
 

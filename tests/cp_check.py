@@ -21,7 +21,8 @@ import zlib
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import flaxattn
 from helpers import CP_MASKS, grads_of, legal_layout, normal, qkv, random_packing, rel_error
@@ -187,8 +188,9 @@ def model() -> dict:
   logit soft cap, ring over a 4-device context mesh (load-balanced packed rows in, logits
   out through unload_balance), against the same model without context parallelism:
   logits and the gradients of every parameter (sinks included)."""
-  from flax import nnx
   import jax.numpy as jnp
+  from flax import nnx
+
   from models import llama
   b, t, cp = 2, 64, 4
   config = llama.LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,

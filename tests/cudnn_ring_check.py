@@ -15,7 +15,6 @@ from flaxattn import blockwise, cudnn
 from flaxattn.context_parallel import context_parallel_attention
 from flaxattn.layout import resolve
 from flaxattn.reference import reference_attention
-
 from helpers import random_packing, rel_error
 
 

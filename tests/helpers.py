@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import flaxattn
-from flaxattn.layout import Layout
 from flaxattn import reference
+from flaxattn.layout import Layout
 from flaxattn.reference import reference_attention
 from flaxattn.selftest import relative_error as rel_error  # noqa: F401 (shared)
 

@@ -102,7 +102,7 @@ def test_fully_masked_rows_are_zero_with_finite_gradients(backend):
 
 def test_block_schedule_skips_other_documents():
   """Packed documents aligned to blocks: only diagonal blocks are visited."""
-  from flaxattn.blockwise import block_schedule, SKIP
+  from flaxattn.blockwise import SKIP, block_schedule
   seg = np.repeat(np.arange(1, 5, dtype=np.int32), 64)[None]
   pos = np.tile(np.arange(64, dtype=np.int32), 4)[None]
   kinds = block_schedule(np, flaxattn.Full(), seg, seg, pos, pos, 32, 32)

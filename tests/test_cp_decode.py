@@ -13,8 +13,17 @@ from flax import nnx
 from jax.sharding import AxisType
 
 from bench import hlo
-from flaxattn import (Causal, Chunked, ContextParallel, Local, MultiHeadAttention, RoPE,
-                      explain, load_balance, unload_balance)
+from flaxattn import (
+  Causal,
+  Chunked,
+  ContextParallel,
+  Local,
+  MultiHeadAttention,
+  RoPE,
+  explain,
+  load_balance,
+  unload_balance,
+)
 from helpers import normal
 from models.llama import Llama, LlamaConfig
 from train import sample

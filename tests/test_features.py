@@ -8,15 +8,14 @@ Context parallelism with these features: cp_check.py (cases named `...-sinks-cap
 import dataclasses
 import functools
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
 import flaxattn
-from flaxattn.attention import apply_sinks
 from flaxattn import cudnn, registry, splash
+from flaxattn.attention import apply_sinks
 from helpers import TOL, as_layout, dense_oracle, grads_of, normal, qkv, random_packing
 from models import llama
 

@@ -12,8 +12,16 @@ from flax import nnx
 
 import flaxattn
 from helpers import normal
-from models.llama import (Llama, LlamaConfig, flops_per_token, layer_masks, loss_fn,
-                          make_targets, num_params, unroll_layers)
+from models.llama import (
+  Llama,
+  LlamaConfig,
+  flops_per_token,
+  layer_masks,
+  loss_fn,
+  make_targets,
+  num_params,
+  unroll_layers,
+)
 
 B, T = 2, 16
 # Small and fast: the reference backend compiles quickest; flaxattn's own tests check that

@@ -19,8 +19,21 @@ import time
 import portpicker
 import pytest
 
-from trainer import (STEPS, checkpoints, clean_env, command, kill_group, losses, metrics,
-                     poll, run, start, train, train_together, wait)
+from trainer import (
+  STEPS,
+  checkpoints,
+  clean_env,
+  command,
+  kill_group,
+  losses,
+  metrics,
+  poll,
+  run,
+  start,
+  train,
+  train_together,
+  wait,
+)
 
 
 @pytest.fixture(scope="module")

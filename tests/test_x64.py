@@ -10,11 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import flaxattn
 from flaxattn import cudnn
-from helpers import TOL, as_layout, compare, grads_of, qkv, normal, random_packing, rel_error
+from helpers import TOL, as_layout, compare, grads_of, normal, qkv, random_packing, rel_error
 
 ERR = 1e-5  # float32, relative to the largest reference magnitude
 

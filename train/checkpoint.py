@@ -28,7 +28,8 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from train import distributed, run_dir as run_dir_lib
+from train import distributed
+from train import run_dir as run_dir_lib
 from train.config import CheckpointConfig
 
 log = logging.getLogger(__name__)

@@ -29,11 +29,12 @@ from flax import nnx
 
 import flaxattn
 from models.llama import LAYERS_AXIS, Llama, flops_per_token, layer_masks, loss_fn, num_params
-from train import (data, distributed, init_from, mesh as mesh_lib, metrics, optimizer,
-                   run_dir, throughput, tokenizer as tokenizer_lib)
+from train import data, distributed, init_from, metrics, optimizer, run_dir, throughput
+from train import mesh as mesh_lib
+from train import tokenizer as tokenizer_lib
 from train.checkpoint import Checkpoints
 from train.config import ConfigError, TrainConfig
-from train.stop import StopRequest, Stopped
+from train.stop import Stopped, StopRequest
 
 log = logging.getLogger(__name__)
 

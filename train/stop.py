@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import signal
 import threading
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 from train import distributed
 from train.config import ConfigError
