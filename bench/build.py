@@ -93,8 +93,9 @@ def run_case(case: dict) -> dict:
   mesh = None
   if cp is not None:
     mesh = jax.make_mesh((cp_n,), ("context",), axis_types=(AxisType.Auto,))
-  shard = lambda shape, dtype: jax.ShapeDtypeStruct(
-      shape, dtype, sharding=None if mesh is None else NamedSharding(mesh, P(None, "context")))
+  def shard(shape, dtype):
+    return jax.ShapeDtypeStruct(
+        shape, dtype, sharding=None if mesh is None else NamedSharding(mesh, P(None, "context")))
   q, kv = shard((1, t, 16, 128), jnp.bfloat16), shard((1, t, 4, 128), jnp.bfloat16)
   ids = shard((1, t), jnp.int32)
 
