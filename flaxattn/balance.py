@@ -87,7 +87,8 @@ def unload_balance(x, cp: int, axis: int = 1, *, segment_ids=None,
   xp = _namespace(x)
   shape = x.shape
   pairs = x.reshape(shape[:axis] + (cp, 2, shape[axis] // (2 * cp)) + shape[axis + 1:])
-  index = lambda i: pairs[(slice(None),) * (axis + 1) + (i,)]
+  def index(i):
+    return pairs[(slice(None),) * (axis + 1) + (i,)]
   return xp.concatenate([index(0), xp.flip(index(1), axis=axis)], axis=axis).reshape(shape)
 
 
@@ -128,7 +129,7 @@ def token_work(segment_ids, masks: Sequence[Mask] | None = None) -> np.ndarray:
   bands = [_band(m) for m in _masks(masks)]
   flat = seg.reshape(-1, seg.shape[-1])
   work = np.zeros(flat.shape, np.int64)
-  for row, seg_T in zip(work, flat):
+  for row, seg_T in zip(work, flat, strict=True):
     starts, lengths = _runs(seg_T)
     pos = np.arange(lengths.sum()) - np.repeat(np.cumsum(lengths) - lengths, lengths)
     tokens = np.repeat(starts, lengths) + pos  # the documents' tokens, in order
@@ -218,7 +219,7 @@ class BalancePlan:
     seg = self.apply(np.asarray(segment_ids), axis=-1)
     flat = seg.reshape(-1, seg.shape[-1])
     out = np.zeros_like(flat)
-    for row, seg_T in zip(out, flat):
+    for row, seg_T in zip(out, flat, strict=True):
       starts = np.flatnonzero(np.r_[True, seg_T[1:] != seg_T[:-1]])
       ids = seg_T[starts]
       # Each id's first run, in order: its rank among them is its new id.
@@ -280,7 +281,7 @@ def balance_plan(segment_ids, cp: int, masks: Sequence[Mask] | None = None, *,
   flat = seg.reshape(-1, t)
   orders = np.empty(flat.shape, np.int64)
   loads = np.empty((flat.shape[0], cp), np.int64)
-  for i, (seg_T, work_T) in enumerate(zip(flat, work)):
+  for i, (seg_T, work_T) in enumerate(zip(flat, work, strict=True)):
     orders[i], loads[i] = _row_plan(seg_T, work_T, cp, block)
   return BalancePlan(orders.reshape(seg.shape), loads.reshape(seg.shape[:-1] + (cp,)), cp)
 
@@ -303,9 +304,13 @@ def _row_plan(seg_T: np.ndarray, work_T: np.ndarray, cp: int,
   """(order `[T]`, work per shard `[cp]`) of one row (see `balance_plan`)."""
   t = seg_T.shape[0]
   cum = np.concatenate([[0], np.cumsum(work_T)])
-  units = [u for start, n in zip(*_runs(seg_T)) for u in _pairs(start, n, cp, block)]
-  size = lambda s: 0 if s is None else s.stop - s.start
-  work = lambda s: 0 if s is None else cum[s.stop] - cum[s.start]
+  units = [u for start, n in zip(*_runs(seg_T), strict=True) for u in _pairs(start, n, cp, block)]
+
+  def size(s):
+    return 0 if s is None else s.stop - s.start
+
+  def work(s):
+    return 0 if s is None else cum[s.stop] - cum[s.start]
   units.sort(key=lambda u: -(work(u[0]) + work(u[1])))
   room = np.full(cp, t // cp)
   load = np.zeros(cp, np.int64)

@@ -53,10 +53,14 @@ class Layout:
 
   def materialize(self, batch: int, q_len: int, kv_len: int) -> Layout:
     """Returns a Layout with every field an int32 array (defaults filled in)."""
-    ones = lambda length: jnp.ones((batch, length), jnp.int32)
+    def ones(length):
+      return jnp.ones((batch, length), jnp.int32)
+
+    def pick(x, default):
+      return default if x is None else x
+
     q_index = self.index(batch, q_len)
     kv_index = q_index if kv_len == q_len else self.index(batch, kv_len)
-    pick = lambda x, default: default if x is None else x
     return Layout(pick(self.q_segment_ids, ones(q_len)), pick(self.kv_segment_ids, ones(kv_len)),
                   pick(self.q_positions, q_index), pick(self.kv_positions, kv_index), self.shards)
 
@@ -84,7 +88,8 @@ def check_ids(arg: str, x, batch: int, length: int, ref: str):
   if x is None:
     return None
   if getattr(x, "shape", None) != (batch, length) or not jnp.issubdtype(x.dtype, jnp.integer):
-    raise shape_error(arg, x, f"an integer array of shape {(batch, length)} ([batch, seq] of {ref})")
+    raise shape_error(arg, x,
+                      f"an integer array of shape {(batch, length)} ([batch, seq] of {ref})")
   if x.dtype == jnp.int32:
     return x
   info = jnp.iinfo(x.dtype)
@@ -119,13 +124,14 @@ def resolve(q_shape, kv_shape, segment_ids=None, positions=None, kv_segment_ids=
   kv_positions = check_ids("kv_positions", kv_positions, b, s, "k/v")
   if kv_segment_ids is None and segment_ids is not None:
     if s != t:
-      raise ValueError(f"kv_segment_ids is required when keys ({s}) and queries ({t}) differ in length"
-                       " and segment_ids is given.")
+      raise ValueError(f"kv_segment_ids is required when keys ({s}) and queries ({t}) differ in"
+                       " length and segment_ids is given.")
     kv_segment_ids = segment_ids
   if kv_positions is None and positions is not None and s == t:
     kv_positions = positions
   if segment_ids is None and kv_segment_ids is not None:
-    raise ValueError("segment_ids is required when kv_segment_ids is given (got only kv_segment_ids).")
+    raise ValueError("segment_ids is required when kv_segment_ids is given (got only"
+                     " kv_segment_ids).")
   shards = 1 if context_parallel is None else context_parallel.balanced_shards()
   return Layout(segment_ids, kv_segment_ids, positions, kv_positions, shards)
 
@@ -141,7 +147,8 @@ def follows_index(layout: Layout, q_index, kv_index, chunk: int | None = None) -
   ignored. `layout` must be materialized. Any ids and any token order: the tokens are
   sorted by (segment id, shifts), O(T log T) time and O(T) memory, never `[T, T]`.
   """
-  same_kv = layout.kv_segment_ids is layout.q_segment_ids and layout.kv_positions is layout.q_positions
+  same_kv = (layout.kv_segment_ids is layout.q_segment_ids
+             and layout.kv_positions is layout.q_positions)
   sides = [(layout.q_segment_ids, layout.q_positions, q_index)]
   if not (same_kv and kv_index is q_index):
     sides.append((layout.kv_segment_ids, layout.kv_positions, kv_index))

@@ -42,7 +42,8 @@ class RoPEScaling:
   def __post_init__(self):
     if self.kind not in SCALINGS:
       raise ValueError(f"RoPEScaling(kind=...) expects one of {SCALINGS}, got {self.kind!r}.")
-    if isinstance(self.factor, bool) or not isinstance(self.factor, (int, float)) or self.factor < 1:
+    if (isinstance(self.factor, bool) or not isinstance(self.factor, (int, float))
+        or self.factor < 1):
       raise ValueError(f"RoPEScaling(factor=...) expects a number >= 1, got {self.factor!r}.")
     if self.kind in ("llama3", "yarn") and not self.original_max_position:
       raise ValueError(f"RoPEScaling(kind={self.kind!r}) expects original_max_position (the"
@@ -67,7 +68,8 @@ class RoPEScaling:
       return (1 - keep) * base / self.factor + keep * base
     # yarn: dimension pair i turns old * base[i] / 2 pi times over the original context;
     # pairs that turn more than beta_fast times extrapolate, fewer than beta_slow interpolate.
-    pair = lambda turns: d * np.log(old / (turns * 2 * np.pi)) / (2 * np.log(theta))
+    def pair(turns):
+      return d * np.log(old / (turns * 2 * np.pi)) / (2 * np.log(theta))
     low = max(np.floor(pair(self.beta_fast)), 0)
     high = min(np.ceil(pair(self.beta_slow)), d - 1)
     high = high + 0.001 if high == low else high
@@ -78,7 +80,9 @@ class RoPEScaling:
     """What cos and sin are multiplied by (yarn's attention factor; 1 otherwise)."""
     if self.kind != "yarn":
       return 1.0
-    return 0.1 * np.log(self.factor) + 1.0 if self.attention_factor is None else self.attention_factor
+    if self.attention_factor is not None:
+      return self.attention_factor
+    return 0.1 * np.log(self.factor) + 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,9 +95,11 @@ class RoPE:
 
   def __post_init__(self):
     if isinstance(self.theta, bool) or not isinstance(self.theta, (int, float)) or self.theta <= 1:
-      raise ValueError(f"RoPE(theta=...) expects a number > 1, got {self.theta!r}; 10000.0 is usual.")
+      raise ValueError(f"RoPE(theta=...) expects a number > 1, got {self.theta!r}; 10000.0 is"
+                       " usual.")
     if self.scaling is not None and not isinstance(self.scaling, RoPEScaling):
-      raise ValueError(f"RoPE(scaling=...) expects a flaxattn.RoPEScaling or None, got {self.scaling!r}.")
+      raise ValueError("RoPE(scaling=...) expects a flaxattn.RoPEScaling or None, got"
+                       f" {self.scaling!r}.")
 
   def inv_freq(self, d: int) -> np.ndarray:
     """Inverse frequencies `[d / 2]` float64: theta^(-2i/d), then the scaling."""

@@ -68,7 +68,8 @@ def nnx_attention_fn(mask: Mask = Full(), *, backend="auto", context_parallel=No
       pattern = Causal() if pattern == Full() else pattern & Causal()
     dtype = dtype or jnp.result_type(query, key, value)
     batch = query.shape[:-3]
-    flat = lambda x: x.astype(dtype).reshape((math.prod(x.shape[:-3]),) + x.shape[-3:])
+    def flat(x):
+      return x.astype(dtype).reshape((math.prod(x.shape[:-3]),) + x.shape[-3:])
     out = attention(flat(query), flat(key), flat(value), mask=pattern, scale=scale,
                     backend=backend, context_parallel=context_parallel,
                     logit_soft_cap=logit_soft_cap)

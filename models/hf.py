@@ -106,7 +106,10 @@ def _scaling(rs, hf: dict, where: str, field: str) -> flaxattn.RoPEScaling:
   if not isinstance(rs, dict):
     raise CheckpointError(f"{where}: {field}={rs!r} is not supported; expected a dict.")
   kind = rs.get("rope_type", rs.get("type", "default"))
-  get = lambda key, default=None: rs.get(key, default)
+
+  def get(key, default=None):
+    return rs.get(key, default)
+
   if get("partial_rotary_factor", 1.0) != 1.0:
     raise CheckpointError(f"{where}: {field}.partial_rotary_factor="
                           f"{get('partial_rotary_factor')!r} is not supported (expected 1.0).")
@@ -125,7 +128,8 @@ def _scaling(rs, hf: dict, where: str, field: str) -> flaxattn.RoPEScaling:
       attention = get("attention_factor")
       mscale, mscale_all = get("mscale"), get("mscale_all_dim")
       if attention is None and mscale and mscale_all:
-        m = lambda s: 0.1 * s * np.log(factor) + 1.0 if factor > 1 else 1.0
+        def m(s):
+          return 0.1 * s * np.log(factor) + 1.0 if factor > 1 else 1.0
         attention = m(mscale) / m(mscale_all)
       return flaxattn.RoPEScaling(
           "yarn", factor,
@@ -140,7 +144,9 @@ def _scaling(rs, hf: dict, where: str, field: str) -> flaxattn.RoPEScaling:
 
 def _windows(hf: dict, arch: str, n_layers: int, where: str) -> dict:
   """`sliding_window` and `global_every` of the architecture's windowed layers."""
-  field = lambda name: hf.get(name, ARCHITECTURES[arch].get(name))
+  def field(name):
+    return hf.get(name, ARCHITECTURES[arch].get(name))
+
   if arch == "LlamaForCausalLM":
     return {}
   window = field("sliding_window")
@@ -226,10 +232,12 @@ def architecture(cfg: LlamaConfig) -> str:
   Raises:
     ExportError: naming the option none of them holds.
   """
-  refuse = lambda option, why: ExportError(
-      f"model.{option}={getattr(cfg, option)!r} cannot be written as a Hugging Face"
-      f" checkpoint: {why} A checkpoint without it would read back as another model; train"
-      f" without it to export.")
+  def refuse(option, why):
+    return ExportError(
+        f"model.{option}={getattr(cfg, option)!r} cannot be written as a Hugging Face"
+        f" checkpoint: {why} A checkpoint without it would read back as another model; train"
+        f" without it to export.")
+
   for option in ("attention_sinks", "logit_soft_cap", "chunk_size"):
     if getattr(cfg, option):
       raise refuse(option, "no architecture written here (Llama, Mistral, Qwen2, Qwen3) has it.")
@@ -395,9 +403,11 @@ class _Files:
       if not os.path.exists(os.path.join(path, file)):
         raise CheckpointError(f"{os.path.join(path, index if os.path.exists(index) else SINGLE)}:"
                               f" lists {file}, which is missing.")
+    # Per instance: a cache on the method itself would keep its last tensors (and this
+    # object) alive after loading.
+    self.read = functools.lru_cache(maxsize=2)(self._read)
 
-  @functools.lru_cache(maxsize=2)
-  def read(self, name: str) -> np.ndarray:
+  def _read(self, name: str) -> np.ndarray:
     if name not in self.where:
       raise CheckpointError(f"{self.path}: tensor {name!r} is missing (the config asks for it).")
     with safe_open(os.path.join(self.path, self.where[name]), framework="np") as f:
@@ -441,7 +451,10 @@ def load(path: str, *, context_parallel: flaxattn.ContextParallel | None = None,
     cfg = config
   files = _Files(path)
   mesh = jax.sharding.get_abstract_mesh()
-  make = lambda: Llama(cfg, context_parallel=context_parallel, rngs=nnx.Rngs(0))
+
+  def make():
+    return Llama(cfg, context_parallel=context_parallel, rngs=nnx.Rngs(0))
+
   if mesh.empty:
     graphdef, abstract = nnx.split(nnx.eval_shape(make))
   else:
@@ -468,18 +481,23 @@ def load(path: str, *, context_parallel: flaxattn.ContextParallel | None = None,
     shape = tuple(spec.shape)
     if len(ts) == 1:
       whole = _checked(files, ts[0], shape)  # converted once, sliced per shard
-      host = lambda index: whole[index]
+      def host(index):
+        return whole[index]
     else:  # stacked over layer groups: read only the groups of the shard
       def host(index):
         groups = range(len(ts))[index[0]]
-        return np.stack([_checked(files, ts[g], shape[1:]) for g in groups])[(slice(None),) + index[1:]]
+        stacked = np.stack([_checked(files, ts[g], shape[1:]) for g in groups])
+        return stacked[(slice(None),) + index[1:]]
     sharding = getattr(spec, "sharding", None)
     if sharding is None:
       return jnp.asarray(host(tuple(slice(None) for _ in shape)))
     return jax.make_array_from_callback(shape, sharding, host)
 
   for key, var in flat.items():
-    var.set_value(value(key, var)) if hasattr(var, "set_value") else setattr(var, "value", value(key, var))
+    if hasattr(var, "set_value"):
+      var.set_value(value(key, var))
+    else:
+      var.value = value(key, var)
   return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
@@ -524,7 +542,8 @@ def save(model: Llama, path: str, *, dtype: str = "bfloat16",
   for key, tensors in _tensors(cfg).items():
     ours = np.asarray(jax.device_get(flat[key].get_value()), np.float32)
     for g, t in enumerate(tensors):
-      named[t.name] = np.ascontiguousarray(t.to_hf(ours[g] if len(tensors) > 1 else ours)).astype(DTYPES[dtype])
+      hf_tensor = t.to_hf(ours[g] if len(tensors) > 1 else ours)
+      named[t.name] = np.ascontiguousarray(hf_tensor).astype(DTYPES[dtype])
   shards, size = [[]], 0
   for name in sorted(named):
     if shards[-1] and size + named[name].nbytes > max_shard_bytes:

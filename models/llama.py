@@ -166,7 +166,8 @@ class LlamaConfig:
       raise ValueError(f"LlamaConfig(dtype=...) expects one of {tuple(DTYPES)}, got"
                        f" {self.dtype!r}; parameters are always float32.")
     if not isinstance(self.rope_theta, (int, float)) or self.rope_theta <= 1:
-      raise ValueError(f"LlamaConfig(rope_theta=...) expects a number > 1, got {self.rope_theta!r}.")
+      raise ValueError("LlamaConfig(rope_theta=...) expects a number > 1, got"
+                       f" {self.rope_theta!r}.")
     if not isinstance(self.norm_eps, (int, float)) or self.norm_eps <= 0:
       raise ValueError(f"LlamaConfig(norm_eps=...) expects a number > 0, got {self.norm_eps!r}.")
     if not isinstance(self.attention_backend, str) or not self.attention_backend:
@@ -528,8 +529,10 @@ def param_changes(old: LlamaConfig, new: LlamaConfig) -> list[str]:
   Fields that change them only together (or that cannot be set alone) are all named.
   Empty when both configs give the same parameters.
   """
-  same = lambda a, b: jax.tree.structure(a) == jax.tree.structure(b) and all(
-      x.shape == y.shape for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+  def same(a, b):
+    return jax.tree.structure(a) == jax.tree.structure(b) and all(
+        x.shape == y.shape for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+
   shapes = param_shapes(old)
   if same(shapes, param_shapes(new)):
     return []

@@ -106,8 +106,9 @@ class MeshConfig:
                           f" multiple of the other axes' product {known}.")
       sizes[sizes.index(-1)] = num_devices // known
     if math.prod(sizes) != num_devices:
-      raise ConfigError(f"mesh {dict(zip(MESH_AXES, sizes))} has {math.prod(sizes)} devices,"
-                        f" but there are {num_devices}; set one axis to -1 or fix the sizes.")
+      named = dict(zip(MESH_AXES, sizes, strict=True))
+      raise ConfigError(f"mesh {named} has {math.prod(sizes)} devices, but there are"
+                        f" {num_devices}; set one axis to -1 or fix the sizes.")
     return tuple(sizes)
 
 
@@ -206,10 +207,11 @@ class TrainConfig:
     if self.mesh.context_ring != 1 and self.context_parallel.strategy not in ("ulysses", "auto"):
       raise ConfigError(f"config key 'mesh.context_ring' ({self.mesh.context_ring}) runs a ring"
                         f" inside Ulysses and expects context_parallel.strategy 'ulysses' (or"
-                        f" 'auto'), got"
-                        f" {self.context_parallel.strategy!r}; for one context axis set mesh.context.")
+                        f" 'auto'), got {self.context_parallel.strategy!r}; for one context axis"
+                        f" set mesh.context.")
     if not 0 <= self.data.eval_fraction < 1:
-      raise ConfigError(f"data.eval_fraction expects a value in [0, 1), got {self.data.eval_fraction}.")
+      raise ConfigError("data.eval_fraction expects a value in [0, 1), got"
+                        f" {self.data.eval_fraction}.")
 
 
 def _get(cfg, key: str):
@@ -357,7 +359,8 @@ def _values(path: str | None, overrides: list[str]) -> dict:
     with open(path) as f:
       values = yaml.safe_load(f) or {}
     if not isinstance(values, dict):
-      raise ConfigError(f"{path} expects a YAML mapping of config keys, got {type(values).__name__}.")
+      raise ConfigError(f"{path} expects a YAML mapping of config keys, got"
+                        f" {type(values).__name__}.")
   for override in overrides:
     _set(values, override)
   return values

@@ -108,8 +108,11 @@ def _data(cfg: TrainConfig, tok, batches: data.GlobalBatches, stop: StopRequest)
                   " documents)", "raise data.eval_fraction, or set eval_every=0 to skip eval"))
   pipes = []
   for docs, shuffle, what, fix in parts:
-    stop.call(lambda: data.check_usable(
-        data.shard(docs, batches.shard_index, batches.shard_count), tok, what, fix))
+
+    def check(docs=docs, what=what, fix=fix):
+      return data.check_usable(
+          data.shard(docs, batches.shard_index, batches.shard_count), tok, what, fix)
+    stop.call(check)
     pipes.append(data.pipeline(docs, tok, cfg.data, seq_len=cfg.seq_len,
                                batch=batches.local_batch, seed=cfg.seed,
                                shard_index=batches.shard_index,
@@ -239,7 +242,10 @@ def run(cfg: TrainConfig) -> tuple[int, bool]:
   except Stopped:
     log.warning("SIGTERM before the first step: nothing to save; exiting.")
     return 0, True
-  init = lambda: _make_state(cfg, cp)
+
+  def init():
+    return _make_state(cfg, cp)
+
   with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
     graphdef, abstract = nnx.get_abstract_model(init, mesh)
     # Read before anything is written: a source that does not load is a config error.
