@@ -34,7 +34,9 @@ __all__ = [
     "Mask", "Full", "Causal", "Local", "Chunked",
     "seqlens_and_offsets", "SeqlensOffsets",
     "ContextParallel", "load_balance", "unload_balance", "balance_plan", "BalancePlan",
-    "MultiHeadAttention", "RoPE", "RoPEScaling", "nnx_attention_fn", "sharding", "selftest",
+    "MultiHeadAttention", "RoPE", "RoPEScaling", "nnx_attention_fn", "sharding",
+    # Loaded on first use by __getattr__ below, which pyright does not follow.
+    "selftest",  # pyright: ignore[reportUnsupportedDunderAll]
 ]
 
 

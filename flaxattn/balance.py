@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import overload
 
 import jax
+import jax.core  # jax.core.Tracer: jax imports the module but does not export the name
 import jax.numpy as jnp
 import numpy as np
 
@@ -46,6 +48,12 @@ def _check(x, cp, axis: int) -> int:
   return axis
 
 
+@overload
+def load_balance(x: np.ndarray, cp: int, axis: int = 1, *, segment_ids=None,
+                 masks: Sequence[Mask] | None = None) -> np.ndarray: ...
+@overload
+def load_balance(x: jax.Array, cp: int, axis: int = 1, *, segment_ids=None,
+                 masks: Sequence[Mask] | None = None) -> jax.Array: ...
 def load_balance(x, cp: int, axis: int = 1, *, segment_ids=None,
                  masks: Sequence[Mask] | None = None):
   """Reorders `x` along `axis` so that each of cp shards gets the same attention work.
@@ -76,6 +84,12 @@ def load_balance(x, cp: int, axis: int = 1, *, segment_ids=None,
   return pairs.reshape(shape)
 
 
+@overload
+def unload_balance(x: np.ndarray, cp: int, axis: int = 1, *, segment_ids=None,
+                   masks: Sequence[Mask] | None = None) -> np.ndarray: ...
+@overload
+def unload_balance(x: jax.Array, cp: int, axis: int = 1, *, segment_ids=None,
+                   masks: Sequence[Mask] | None = None) -> jax.Array: ...
 def unload_balance(x, cp: int, axis: int = 1, *, segment_ids=None,
                    masks: Sequence[Mask] | None = None):
   """Inverse of `load_balance` with the same arguments: back to the original token order.
@@ -197,9 +211,10 @@ class BalancePlan:
       raise ValueError(f"x expects its first {axis + 1} dims to be segment_ids' shape"
                        f" {index.shape} (axis={axis} is the sequence), got x of shape {x.shape};"
                        " pass axis= to name the sequence axis.")
-    xp = _namespace(x)
     index = index.reshape(index.shape + (1,) * (x.ndim - axis - 1))
-    return xp.take_along_axis(x, index if xp is np else jnp.asarray(index), axis=axis)
+    if _namespace(x) is np:
+      return np.take_along_axis(x, index, axis=axis)
+    return jnp.take_along_axis(x, jnp.asarray(index), axis=axis)
 
   def apply(self, x, axis: int = 1):
     """`x` (`[..., T, ...]`, the sequence on `axis`) in the balanced order; numpy stays numpy."""

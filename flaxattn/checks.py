@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import jax
+import jax.core  # jax.core.Tracer: jax imports the module but does not export the name
 import numpy as np
 
 

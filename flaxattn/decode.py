@@ -90,7 +90,7 @@ def specs(cp: ContextParallel, batch: int, heads: int, kv_heads: int) -> Specs:
   h = sharding.dividing_axes(mesh, [a for a in cp.head_axes if a not in cp.seq_axes], heads,
                              kv_heads)
   b, h = b or None, h or None
-  seq = cp.seq_axes if len(cp.seq_axes) > 1 else cp.seq_axes[0]
+  seq = cp.seq_axes[0] if len(cp.seq_axes) == 1 else cp.seq_axes
   return Specs(cp.seq_axes, kv=P(b, seq, h), ids=P(b, seq), q=P(b, None, h), q_ids=P(b, None))
 
 

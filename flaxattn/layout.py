@@ -30,10 +30,10 @@ class Layout:
   shards, so default positions are the permuted token index.
   """
 
-  q_segment_ids: jax.Array | None = None
-  kv_segment_ids: jax.Array | None = None
-  q_positions: jax.Array | None = None
-  kv_positions: jax.Array | None = None
+  q_segment_ids: jax.Array | np.ndarray | None = None
+  kv_segment_ids: jax.Array | np.ndarray | None = None
+  q_positions: jax.Array | np.ndarray | None = None
+  kv_positions: jax.Array | np.ndarray | None = None
   shards: int = 1
 
   @property
@@ -46,9 +46,11 @@ class Layout:
     index_BT = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
     return balance.load_balance(index_BT, self.shards) if self.shards > 1 else index_BT
 
-  def positions(self, batch: int, q_len: int, kv_len: int) -> tuple[jax.Array, jax.Array]:
+  def positions(self, batch: int, q_len: int,
+                kv_len: int) -> tuple[jax.Array | np.ndarray, jax.Array | np.ndarray]:
     """Positions of queries `[B, T]` and keys `[B, S]`, defaults filled in (e.g. for RoPE)."""
     full = self.materialize(batch, q_len, kv_len)
+    assert full.q_positions is not None and full.kv_positions is not None  # filled in
     return full.q_positions, full.kv_positions
 
   def materialize(self, batch: int, q_len: int, kv_len: int) -> Layout:
@@ -147,6 +149,7 @@ def follows_index(layout: Layout, q_index, kv_index, chunk: int | None = None) -
   ignored. `layout` must be materialized. Any ids and any token order: the tokens are
   sorted by (segment id, shifts), O(T log T) time and O(T) memory, never `[T, T]`.
   """
+  assert layout.q_positions is not None and layout.kv_positions is not None  # materialized
   same_kv = (layout.kv_segment_ids is layout.q_segment_ids
              and layout.kv_positions is layout.q_positions)
   sides = [(layout.q_segment_ids, layout.q_positions, q_index)]

@@ -59,6 +59,7 @@ class RoPEScaling:
     if self.kind == "linear":
       return base / self.factor
     old = self.original_max_position
+    assert old is not None  # __post_init__ requires it for llama3 and yarn
     if self.kind == "llama3":
       wavelength = 2 * np.pi / base
       # 0 where the wavelength is longer than old / low_freq_factor, 1 where shorter than

@@ -33,6 +33,8 @@ import dataclasses
 import functools
 import json
 import os
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -107,7 +109,7 @@ def _scaling(rs, hf: dict, where: str, field: str) -> flaxattn.RoPEScaling:
     raise CheckpointError(f"{where}: {field}={rs!r} is not supported; expected a dict.")
   kind = rs.get("rope_type", rs.get("type", "default"))
 
-  def get(key, default=None):
+  def get(key: str, default: Any = None) -> Any:  # a JSON value
     return rs.get(key, default)
 
   if get("partial_rotary_factor", 1.0) != 1.0:
@@ -204,6 +206,7 @@ def config_from_hf(hf: dict, where: str = "config.json", **overrides) -> LlamaCo
     n_layers = int(hf["num_hidden_layers"])
     head_dim = hf.get("head_dim", ARCHITECTURES[arch].get("head_dim")) or dim // heads
     bias = bool(hf.get("attention_bias", False))
+    values: dict[str, Any]  # LlamaConfig's fields
     values = dict(vocab_size=int(hf["vocab_size"]), dim=dim, n_layers=n_layers,
                   n_heads=heads, n_kv_heads=int(hf.get("num_key_value_heads") or heads),
                   ffn_dim=int(hf["intermediate_size"]),
@@ -269,6 +272,7 @@ def config_to_hf(cfg: LlamaConfig, dtype: str) -> dict:
     ExportError: as `architecture`.
   """
   arch = architecture(cfg)
+  hf: dict[str, Any]  # config.json's fields
   hf = dict(architectures=[arch], model_type=ARCHITECTURES[arch]["model_type"],
             vocab_size=cfg.vocab_size, hidden_size=cfg.dim, num_hidden_layers=cfg.n_layers,
             num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
@@ -285,7 +289,7 @@ def config_to_hf(cfg: LlamaConfig, dtype: str) -> dict:
               sliding_window=cfg.sliding_window if any(windowed) else None,
               layer_types=["sliding_attention" if w else "full_attention" for w in windowed])
   rs = cfg.rope_scaling
-  scaling = dict(rope_type=rs.kind)
+  scaling: dict[str, Any] = dict(rope_type=rs.kind)
   if rs.kind == "linear":
     scaling.update(factor=rs.factor)
   elif rs.kind == "llama3":
@@ -311,8 +315,8 @@ class _Tensor:
   """One HF tensor: its name, and the map between its layout and ours."""
 
   name: str
-  to_ours: object  # np array (HF layout) -> np array (ours)
-  to_hf: object
+  to_ours: Callable[[np.ndarray], np.ndarray]  # HF layout -> ours
+  to_hf: Callable[[np.ndarray], np.ndarray]
 
 
 def _linear(*our_shape):
@@ -361,6 +365,7 @@ def _layer_tensors(cfg: LlamaConfig) -> dict[tuple[str, ...], tuple[str, tuple]]
 def _tensors(cfg: LlamaConfig) -> dict[tuple, list[_Tensor]]:
   """Each of our parameter paths -> its HF tensors; a path stacked over layer groups
   (`scan_layers`) lists one tensor per group."""
+  out: dict[tuple, list[_Tensor]]
   out = {("embed", "embedding"): [_Tensor("model.embed_tokens.weight", *_SAME)],
          ("norm", "scale"): [_Tensor("model.norm.weight", *_SAME)]}
   if not cfg.tie_embeddings:

@@ -264,8 +264,11 @@ class Block(nnx.Module):
         getattr(self.attn, name).use_bias = False
         getattr(self.attn, name).bias = nnx.data(None)
     if config.qk_norm:
-      self.attn.query_ln = RMSNorm(d, eps=config.norm_eps, dtype=dtype, axis="head_dim")
-      self.attn.key_ln = RMSNorm(d, eps=config.norm_eps, dtype=dtype, axis="head_dim")
+      # The layer declares nnx.LayerNorm here but only calls it on [..., head_dim].
+      self.attn.query_ln = RMSNorm(  # pyright: ignore[reportAttributeAccessIssue]
+          d, eps=config.norm_eps, dtype=dtype, axis="head_dim")
+      self.attn.key_ln = RMSNorm(  # pyright: ignore[reportAttributeAccessIssue]
+          d, eps=config.norm_eps, dtype=dtype, axis="head_dim")
     self.mlp_norm = RMSNorm(config.dim, eps=config.norm_eps, dtype=dtype)
     self.mlp = MLP(config, rngs=rngs)
 
@@ -350,6 +353,7 @@ class Llama(nnx.Module):
     """
     cfg = self.config
     self._check_unrolled()
+    assert isinstance(self.layers, nnx.List)  # a list of Blocks, as just checked
     for name, value in (("batch_size", batch_size), ("max_length", max_length)):
       if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"Llama.init_cache({name}=...) expects a positive int, got {value!r}.")
@@ -422,7 +426,7 @@ class Llama(nnx.Module):
       block = _call_block
     else:
       block = nnx.remat(_call_block, policy=REMAT_POLICIES[cfg.remat])
-    if cfg.scan_layers:
+    if isinstance(self.layers, LayerGroup):  # scan_layers: the groups stacked in one
       def run_group(group: LayerGroup, x_BTE):
         for b in group.blocks:
           x_BTE = block(b, x_BTE, segment_ids, positions)
@@ -434,7 +438,10 @@ class Llama(nnx.Module):
       for b in self.layers:
         x_BTE = block(b, x_BTE, segment_ids, positions)
     x_BTE = self.norm(x_BTE)
-    logits_BTV = self.embed.attend(x_BTE) if cfg.tie_embeddings else self.lm_head(x_BTE)
+    if self.lm_head is None:  # tie_embeddings
+      logits_BTV = self.embed.attend(x_BTE)
+    else:
+      logits_BTV = self.lm_head(x_BTE)
     return constrain(logits_BTV.astype(jnp.float32), LOGITS_NAMES)
 
 

@@ -105,7 +105,7 @@ class PositionRestore(ocp.args.CheckpointArgs):
   pass
 
 
-def _damage_in(error: BaseException) -> str | None:
+def _damage_in(error: BaseException | None) -> str | None:
   """What `error` or one of its causes says is damaged: a `_Damaged` message or a
   TensorStore message that reports damaged bytes (without its long spec); None if it
   says nothing of damage."""

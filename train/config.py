@@ -15,6 +15,7 @@ import dataclasses
 import math
 import types
 import typing
+from collections.abc import Sequence
 from typing import Any
 
 import yaml
@@ -226,12 +227,12 @@ def _check_choice(key: str, value, choices: tuple) -> None:
                       f" got {value!r}.")
 
 
-def valid_keys(cls=TrainConfig, prefix: str = "") -> list[str]:
+def valid_keys(cls: type = TrainConfig, prefix: str = "") -> list[str]:
   """Every dotted key of the schema, e.g. `model.dim`."""
   keys = []
   for f in dataclasses.fields(cls):
     kind = _field_types(cls)[f.name]
-    if dataclasses.is_dataclass(kind):
+    if isinstance(kind, type) and dataclasses.is_dataclass(kind):
       keys += valid_keys(kind, f"{prefix}{f.name}.")
     else:
       keys.append(f"{prefix}{f.name}")
@@ -331,7 +332,7 @@ def _set(values: dict, override: str) -> None:
       cls = kind
 
 
-def load(path: str | None, overrides: list[str] = ()) -> TrainConfig:
+def load(path: str | None, overrides: Sequence[str] = ()) -> TrainConfig:
   """The `TrainConfig` of YAML file `path` (None: defaults) with `key=value` overrides.
 
   Raises:
@@ -341,7 +342,7 @@ def load(path: str | None, overrides: list[str] = ()) -> TrainConfig:
   return from_dict(_values(path, overrides))
 
 
-def set_keys(path: str | None, overrides: list[str] = ()) -> frozenset[str]:
+def set_keys(path: str | None, overrides: Sequence[str] = ()) -> frozenset[str]:
   """The dotted keys that YAML file `path` and the overrides set (`model.sliding_window`),
   whether or not a value equals its default. Raises as `load`."""
   def walk(prefix, node):
@@ -353,7 +354,7 @@ def set_keys(path: str | None, overrides: list[str] = ()) -> frozenset[str]:
   return frozenset(walk("", _values(path, overrides)))
 
 
-def _values(path: str | None, overrides: list[str]) -> dict:
+def _values(path: str | None, overrides: Sequence[str]) -> dict:
   values = {}
   if path is not None:
     with open(path) as f:
@@ -386,7 +387,9 @@ def _legacy(values):
   if not isinstance(old, bool):
     raise ConfigError(f"config key 'context_parallel.load_balance' expects true or false (it is"
                       f" data.balance row / none now), got {old!r}.")
-  data = values.get("data") if isinstance(values.get("data"), dict) else {}
+  data = values.get("data")
+  if not isinstance(data, dict):
+    data = {}
   if "balance" in data and data["balance"] != ("row" if old else "none"):
     raise ConfigError(f"config keys 'context_parallel.load_balance' ({old}) and 'data.balance'"
                       f" ({data['balance']!r}) disagree; set data.balance only.")

@@ -273,8 +273,9 @@ class GlobalBatches:
     self.cp = None if balance == "none" else cp
     self.balance, self.masks = balance, masks
     index = self.sharding.addressable_devices_indices_map(self.shape).values()
-    rows = [i[0].indices(batch_size) for i in index]
-    cols = [i[1].indices(seq_len) for i in index]
+    # jax annotates each index `| None`; it builds them from devices_indices_map (no None).
+    rows = [i[0].indices(batch_size) for i in index]  # pyright: ignore[reportOptionalSubscript]
+    cols = [i[1].indices(seq_len) for i in index]  # pyright: ignore[reportOptionalSubscript]
     self.rows = slice(min(r[0] for r in rows), max(r[1] for r in rows))
     self.cols = slice(min(c[0] for c in cols), max(c[1] for c in cols))
     self.local_batch = self.rows.stop - self.rows.start

@@ -210,7 +210,9 @@ class _Reporter:
       lines[0] += f", final loss {self.last[1]['loss']:.4f} (step {self.last[0]})"
     if self.timed_seconds:
       r = self.rates.of(self.timed_tokens, self.timed_seconds)
-      mfu = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.2f}% ({self.rates.peak.source} peak)"
+      peak = self.rates.peak  # None exactly when r["mfu"] is
+      mfu = ("n/a" if r["mfu"] is None or peak is None
+             else f"{100 * r['mfu']:.2f}% ({peak.source} peak)")
       lines.append(f"throughput after the first step: tokens/s {r['tokens_per_s']:,.0f},"
                    f" tokens/s/device {r['tokens_per_s_per_device']:,.0f}, TFLOP/s/device"
                    f" {r['tflops_per_device']:.4g}, MFU {mfu}")

@@ -237,7 +237,7 @@ def on_mesh(model: Llama, run_dir: str, n: int):
 
 def main(argv: list[str]) -> int:
   parser = argparse.ArgumentParser(
-      prog="python -m train.sample", description=__doc__.split("\n\n")[0],
+      prog="python -m train.sample", description=(__doc__ or "").split("\n\n")[0],
       formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("run_dir", metavar="RUN_DIR", help="the run_dir of a `python -m train` run")
   parser.add_argument("--prompt", required=True, help="the text to continue")
