@@ -115,7 +115,8 @@ def _dependence(model, seg, pos):
 
   @nnx.jit
   def jacobian(model, x):
-    f = lambda x: model.from_embeddings(x, segment_ids=seg, positions=pos) @ r
+    def f(x):
+      return model.from_embeddings(x, segment_ids=seg, positions=pos) @ r
     return jnp.abs(jax.jacrev(f)(x)).sum(-1)
 
   return np.asarray(jacobian(model, x))
