@@ -31,8 +31,8 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ke
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 
 import flaxattn
-from flaxattn.selftest import best_time
 from bench import seqlens as seqlens_bench
+from flaxattn.selftest import best_time
 
 B, H, D = 1, 4, 64
 
@@ -55,12 +55,14 @@ def matmul_gflops(repeats: int) -> float:
 def splash_causal(t: int):
   mask = splash_mask.MultiHeadMask([splash_mask.CausalMask((t, t))] * H)
   blocks = splash.BlockSizes(block_q=512, block_kv=512, block_kv_compute=512, block_q_dkv=512,
-                             block_kv_dkv=512, block_kv_dkv_compute=512, block_q_dq=512, block_kv_dq=512)
+                             block_kv_dkv=512, block_kv_dkv_compute=512, block_q_dq=512,
+                             block_kv_dq=512)
   kernel = splash.make_splash_mha(mask, block_sizes=blocks, head_shards=1, q_seq_shards=1,
                                   interpret=True)
 
   def attn(q, k, v):  # splash takes [H, T, D] per example and does not scale
-    to_htd = lambda x: x[0].transpose(1, 0, 2)
+    def to_htd(x):
+      return x[0].transpose(1, 0, 2)
     return kernel(to_htd(q) * D**-0.5, to_htd(k), to_htd(v)).transpose(1, 0, 2)[None]
   return attn
 
@@ -123,13 +125,21 @@ def bench_features(t: int, repeats: int) -> list[dict]:
   """Each feature on fused: its time, its cost over the same call without it, and the
   time of the same attention by jax.nn (or the reference) in the same run."""
   keys = jax.random.split(jax.random.key(2), 4)
-  normal = lambda i, d: jax.random.normal(keys[i], (B, t, H, d), jnp.float32)
+  def normal(i, d):
+    return jax.random.normal(keys[i], (B, t, H, d), jnp.float32)
   q64, k64, v64 = normal(0, 64), normal(1, 64), normal(2, 64)
   q192, k192, v128 = normal(0, 192), normal(1, 192), normal(2, 128)
   v192 = normal(2, 192)
   sinks = jax.random.normal(keys[3], (H,), jnp.float32)
-  fused = lambda **kw: lambda q, k, v: flaxattn.attention(q, k, v, backend="fused", **kw)
-  reference = lambda **kw: lambda q, k, v: flaxattn.attention(q, k, v, backend="reference", **kw)
+  def fused(**kw):
+    def fn(q, k, v):
+      return flaxattn.attention(q, k, v, backend="fused", **kw)
+    return fn
+
+  def reference(**kw):
+    def fn(q, k, v):
+      return flaxattn.attention(q, k, v, backend="reference", **kw)
+    return fn
 
   def jax_nn_padded_v(q, k, v):  # jax.nn needs Dv == D: zero columns cost the same matmuls
     pad = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, q.shape[-1] - v.shape[-1])))
@@ -164,7 +174,8 @@ def fused_temp_mib(t: int) -> float:
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--json", help="write the results to this file")
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke test")
@@ -173,18 +184,21 @@ def main():
 
   matmul = matmul_gflops(args.repeats)
   print(f"device: {jax.devices()[0].device_kind}; float32 matmul {matmul:.1f} GFLOP/s")
-  rows = bench_causal(t_causal, args.repeats, matmul) + bench_packed(t_packed, doc, args.repeats, matmul)
-  print(f"\n{'case':<26} {'impl':<26} {'seconds':>9} {'x fused':>8} {'GFLOP/s':>8} {'of matmul':>9}")
+  rows = (bench_causal(t_causal, args.repeats, matmul)
+          + bench_packed(t_packed, doc, args.repeats, matmul))
+  print(f"\n{'case':<26} {'impl':<26} {'seconds':>9} {'x fused':>8} {'GFLOP/s':>8}"
+        f" {'of matmul':>9}")
   for r in rows:
     print(f"{r['case']:<26} {r['impl']:<26} {r['seconds']:>9.3f} {r['speedup_of_fused']:>8.2f}"
           f" {r['gflops']:>8.1f} {r['matmul_fraction']:>9.2f}")
 
   features = bench_features(t_causal, args.repeats)
-  print(f"\n{'feature':<30} {'fused s':>8} {'without s':>9} {'cost':>6}  {'other':<24} {'other s':>8}"
-        f" {'x fused':>8}")
+  print(f"\n{'feature':<30} {'fused s':>8} {'without s':>9} {'cost':>6}  {'other':<24}"
+        f" {'other s':>8} {'x fused':>8}")
   for r in features:
     print(f"{r['case']:<30} {r['fused_seconds']:>8.3f} {r['fused_without_seconds']:>9.3f}"
-          f" {r['cost']:>6.2f}  {r['other']:<24} {r['other_seconds']:>8.3f} {r['other_over_fused']:>8.2f}")
+          f" {r['cost']:>6.2f}  {r['other']:<24} {r['other_seconds']:>8.3f}"
+          f" {r['other_over_fused']:>8.2f}")
 
   memory = {t: fused_temp_mib(t) for t in ((1024, 4096) if args.quick else (4096, 16384))}
   lo, hi = memory

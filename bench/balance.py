@@ -40,6 +40,7 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8").strip()
 
 import argparse  # noqa: E402
+import functools  # noqa: E402
 import json  # noqa: E402
 import time  # noqa: E402
 
@@ -113,6 +114,7 @@ def lognormal_rows(t: int, median: int, sigma: float, seed: int = 0):
 
 def demo_rows(t: int, seed: int = 0):
   import logging  # pylint: disable=import-outside-toplevel
+
   from train.data import list_documents  # pylint: disable=import-outside-toplevel
   logging.getLogger("train.data").setLevel(logging.ERROR)  # the 3 undecodable files it skips
   docs = list_documents("stdlib")
@@ -202,7 +204,8 @@ def timed_step(repeats: int) -> dict:
   q, k, v = (jnp.asarray(rng.standard_normal((1, t, h, d)), jnp.float32) for _ in range(3))
   mesh = jax.make_mesh((cp,), ("context",), axis_types=(AxisType.Auto,), devices=jax.devices()[:cp])
   plan = balance.balance_plan(seg, cp, block=BLOCK)
-  row = lambda x: flaxattn.load_balance(x, cp)
+  def row(x):
+    return flaxattn.load_balance(x, cp)
   orders = {"row": (row, row, True), "document": (plan.apply, plan.segment_ids, "document")}
   out = {}
   for name, (permute, ids, lb) in orders.items():
@@ -222,7 +225,7 @@ def timed_step(repeats: int) -> dict:
 
     with jax.set_mesh(mesh):
       step = jax.jit(jax.grad(loss, (0, 1, 2)))
-      seconds = _best(lambda: step(qp, kp, vp), repeats)
+      seconds = _best(functools.partial(step, qp, kp, vp), repeats)
 
     def local_loss(q_r, k, v, s_r, p_r, s, p):
       out = flaxattn.attention(q_r, k, v, segment_ids=s_r, positions=p_r, kv_segment_ids=s,
@@ -231,9 +234,11 @@ def timed_step(repeats: int) -> dict:
 
     local = jax.jit(jax.grad(local_loss, (0, 1, 2)))
     n = t // cp
-    per_device = [_best(lambda r=r: local(qp[:, r * n:(r + 1) * n], kp, vp, s[:, r * n:(r + 1) * n],
-                                         p[:, r * n:(r + 1) * n], s, p), repeats)
-                  for r in range(cp)]
+
+    def alone(r, local=local, qp=qp, kp=kp, vp=vp, s=s, p=p, n=n):
+      return local(qp[:, r * n:(r + 1) * n], kp, vp, s[:, r * n:(r + 1) * n],
+                   p[:, r * n:(r + 1) * n], s, p)
+    per_device = [_best(functools.partial(alone, r), repeats) for r in range(cp)]
     out[name] = {"fwd_bwd_8_devices_s": seconds, "work_max_over_mean": float(w.max() / w.mean()),
                  "blocks_per_device": blocks.tolist(),
                  "per_device_alone_s": per_device,

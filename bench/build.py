@@ -76,8 +76,8 @@ def run_case(case: dict) -> dict:
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
-  from jax.sharding import (  # pylint: disable=import-outside-toplevel
-      AxisType, NamedSharding, PartitionSpec as P)
+  from jax.sharding import AxisType, NamedSharding  # pylint: disable=import-outside-toplevel
+  from jax.sharding import PartitionSpec as P  # pylint: disable=import-outside-toplevel
 
   import flaxattn  # pylint: disable=import-outside-toplevel
   from flaxattn import splash  # pylint: disable=import-outside-toplevel
@@ -93,8 +93,9 @@ def run_case(case: dict) -> dict:
   mesh = None
   if cp is not None:
     mesh = jax.make_mesh((cp_n,), ("context",), axis_types=(AxisType.Auto,))
-  shard = lambda shape, dtype: jax.ShapeDtypeStruct(
-      shape, dtype, sharding=None if mesh is None else NamedSharding(mesh, P(None, "context")))
+  def shard(shape, dtype):
+    return jax.ShapeDtypeStruct(
+        shape, dtype, sharding=None if mesh is None else NamedSharding(mesh, P(None, "context")))
   q, kv = shard((1, t, 16, 128), jnp.bfloat16), shard((1, t, 4, 128), jnp.bfloat16)
   ids = shard((1, t), jnp.int32)
 

@@ -39,11 +39,11 @@ random, so permuting them would change nothing measured: no permutation of data 
      steps vs blockwise steps, and cuDNN on one GPU, causal T=32768, B=1, H=32, Hkv=8,
      D=128, bfloat16, forward+backward TFLOP/s (per device for the ring).
   6. every strategy (ring, all_gather, ulysses, and Ulysses 4 x ring 2 on a 2-D mesh) at
-     each `--strategy-lengths` T on 8 devices, causal and Local(4096) (`--strategy-masks`), B=1, H=Hkv=8, D=64,
-     float32, load balanced: bytes the compiled per-device program moves in collectives
-     (`bench/hlo.py`, loops counted by their trip counts), per-device temp memory, model
-     FLOPs per device, wall time; the strategy `strategy="auto"` picks (cost_model="cpu")
-     and its time over the measured best. `--parts 6` runs just this part.
+     each `--strategy-lengths` T on 8 devices, causal and Local(4096) (`--strategy-masks`),
+     B=1, H=Hkv=8, D=64, float32, load balanced: bytes the compiled per-device program
+     moves in collectives (`bench/hlo.py`, loops counted by their trip counts), per-device
+     temp memory, model FLOPs per device, wall time; the strategy `strategy="auto"` picks
+     (cost_model="cpu") and its time over the measured best. `--parts 6` runs just this part.
   7. the local kernel's rate against its call length, on one device: causal, forward+backward,
      float32, D=64, at each `--strategy-lengths` T, the call Ulysses makes on 8 devices
      (all T tokens, H/8 = 1 head) and the blockwise kernel on T/8 tokens with all 8 heads
@@ -70,10 +70,10 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import flaxattn  # noqa: E402
-from flaxattn import blockwise, cudnn, cudnn_ring  # noqa: E402
-from flaxattn.layout import Layout, index_check, resolve  # noqa: E402
-from flaxattn.blockwise import ring_block  # noqa: E402
 from bench.attention import B, D, H, best_time, causal_pairs, qkv, useful_gflops  # noqa: E402
+from flaxattn import blockwise, cudnn, cudnn_ring  # noqa: E402
+from flaxattn.blockwise import ring_block  # noqa: E402
+from flaxattn.layout import Layout, index_check, resolve  # noqa: E402
 
 AXIS = "context"
 MIB = 2**20
@@ -131,8 +131,8 @@ def ring_schedule(t: int, cp: int, load_balance: bool):
   counts = np.zeros((cp, cp, 3), np.int64)
   for r in range(cp):
     for s in range(cp):
-      kinds = blockwise.block_schedule(np, flaxattn.Causal(), seg, seg, shards[r], shards[(r - s) % cp],
-                                    bq, bk)
+      kinds = blockwise.block_schedule(np, flaxattn.Causal(), seg, seg, shards[r],
+                                       shards[(r - s) % cp], bq, bk)
       counts[r, s] = np.bincount(kinds.ravel(), minlength=3)
   return bq, bk, counts
 
@@ -169,13 +169,15 @@ def bench_strategies(t: int, cp: int, repeats: int) -> list[dict]:
       start = time.perf_counter()
       sec = best_time(fn, args, repeats)
       rows.append(dict(case=f"causal T={t}", impl=f"{strategy} cp={cp}", seconds=sec,
-                       gflops=useful_gflops(causal_pairs(t), sec), total_seconds=time.perf_counter() - start, **mem))
+                       gflops=useful_gflops(causal_pairs(t), sec),
+                       total_seconds=time.perf_counter() - start, **mem))
   fn = fwd_bwd(None)
   mem = memory(fn, t)
   start = time.perf_counter()
   sec = best_time(fn, host, repeats)
   rows.append(dict(case=f"causal T={t}", impl="fused, 1 device", seconds=sec,
-                   gflops=useful_gflops(causal_pairs(t), sec), total_seconds=time.perf_counter() - start, **mem))
+                   gflops=useful_gflops(causal_pairs(t), sec),
+                   total_seconds=time.perf_counter() - start, **mem))
   base = rows[-1]["seconds"]
   for r in rows:
     r["x_single_device"] = r["seconds"] / base
@@ -211,7 +213,8 @@ def gpu_ring_plan(cp: int, case: str, t: int, h: int = 8, hkv: int = 2, d: int =
   q = jax.ShapeDtypeStruct((1, t, h, d), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((1, t, hkv, d), jnp.bfloat16)
   with jax.set_mesh(make_mesh(cp)):
-    balanced = lambda x: None if x is None else np.asarray(flaxattn.load_balance(x, cp))
+    def balanced(x):
+      return None if x is None else np.asarray(flaxattn.load_balance(x, cp))
     seg, pos = balanced(seg), balanced(pos)
     text = flaxattn.explain(q, k, k, mask=mask, segment_ids=seg, positions=pos,
                             context_parallel=strategy, print_fn=None)
@@ -225,7 +228,8 @@ def gpu_ring_plan(cp: int, case: str, t: int, h: int = 8, hkv: int = 2, d: int =
   check = index_check(mask, layout, index, index)
   row["global_check"] = None if check is None else bool(check)
   full = layout.materialize(1, t, t)
-  shard = lambda x, r: x[:, r * (t // cp):(r + 1) * (t // cp)]
+  def shard(x, r):
+    return x[:, r * (t // cp):(r + 1) * (t // cp)]
   plan = cudnn_ring.ring_plan(cudnn.mask_band(mask)[0], cp, True)
 
   @functools.partial(jax.jit, static_argnums=0)
@@ -255,9 +259,11 @@ def gpu_ring_plan(cp: int, case: str, t: int, h: int = 8, hkv: int = 2, d: int =
 
 def print_gpu_ring_plans(rows: list[dict]):
   print("\n4. what the GPU ring runs per step (reported on this host from flaxattn.explain and"
-        f" cudnn_ring.ring_plan), load balanced,\n   B=1, H=8 on 2 KV heads, D=128, bfloat16, T={rows[0]['t']}; packed ="
-        " 6 x cp (many: 48 x cp) documents of random lengths, positions restarting at 0")
-  print(f"   pieces: {', '.join(f'{l} = {p}' for l, p in zip(PIECE_LETTERS, cudnn_ring.PIECES))};"
+        " cudnn_ring.ring_plan), load balanced,\n   B=1, H=8 on 2 KV heads, D=128, bfloat16,"
+        f" T={rows[0]['t']}; packed = 6 x cp (many: 48 x cp) documents of random lengths,"
+        " positions restarting at 0")
+  pieces = zip(PIECE_LETTERS, cudnn_ring.PIECES, strict=True)
+  print(f"   pieces: {', '.join(f'{letter} = {p}' for letter, p in pieces)};"
         "\n   lower case: that call's own run-time check fails on this batch and it runs blockwise;"
         " b = blockwise (the batch failed the global check)")
   for row in rows:
@@ -285,29 +291,34 @@ def bench_gpu_ring(t: int, repeats: int) -> list[dict]:
   h, hkv, d = 32, 8, 128
   keys = jax.random.split(jax.random.key(0), 3)
   host = tuple(jax.random.normal(key, (1, t, n, d), jnp.bfloat16)
-               for key, n in zip(keys, (h, hkv, hkv)))
+               for key, n in zip(keys, (h, hkv, hkv), strict=True))
   flops = 3.5 * 4 * d * h * causal_pairs(t)  # forward 2 matmuls, backward 5 (2.5 x forward)
 
   def run(backend: str, cp):
-    loss = lambda q, k, v: jnp.sum(flaxattn.attention(
-        q, k, v, backend=backend, context_parallel=cp).astype(jnp.float32))
+    def loss(q, k, v):
+      return jnp.sum(flaxattn.attention(
+          q, k, v, backend=backend, context_parallel=cp).astype(jnp.float32))
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
 
   rows = []
-  mesh = jax.make_mesh((len(gpus),), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,), devices=gpus)
+  mesh = jax.make_mesh((len(gpus),), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,),
+                       devices=gpus)
   with jax.set_mesh(mesh):
     args = tuple(jax.device_put(x, NamedSharding(mesh, P(None, AXIS))) for x in host)
     for backend in ("cudnn", "blockwise"):
       sec = best_time(run(backend, flaxattn.ContextParallel(axis=AXIS)), args, repeats)
-      rows.append(dict(impl=f"ring cp={len(gpus)}, {backend} steps", devices=len(gpus), seconds=sec))
+      rows.append(dict(impl=f"ring cp={len(gpus)}, {backend} steps", devices=len(gpus),
+                       seconds=sec))
   sec = best_time(run("cudnn", None), tuple(jax.device_put(x, gpus[0]) for x in host), repeats)
   rows.append(dict(impl="cudnn, 1 GPU", devices=1, seconds=sec))
   print(f"\n5. GPU ({gpus[0].device_kind}) causal T={t}, B=1, H={h} on {hkv} KV heads, D={d},"
         " bfloat16, forward+backward")
   print(f"{'impl':<28} {'ms':>9} {'TFLOP/s':>9} {'per GPU':>9}")
   for r in rows:
-    r.update(t=t, tflops=flops / r["seconds"] / 1e12, tflops_per_device=flops / r["seconds"] / 1e12 / r["devices"])
-    print(f"{r['impl']:<28} {r['seconds'] * 1e3:>9.2f} {r['tflops']:>9.1f} {r['tflops_per_device']:>9.1f}")
+    tflops = flops / r["seconds"] / 1e12
+    r.update(t=t, tflops=tflops, tflops_per_device=tflops / r["devices"])
+    print(f"{r['impl']:<28} {r['seconds'] * 1e3:>9.2f} {r['tflops']:>9.1f}"
+          f" {r['tflops_per_device']:>9.1f}")
   return rows
 
 
@@ -329,7 +340,8 @@ def bench_every_strategy(t: int, mask, repeats: int) -> list[dict]:
   cases = [("ring", flat, flaxattn.ContextParallel(AXIS, "ring")),
            ("all_gather", flat, flaxattn.ContextParallel(AXIS, "all_gather")),
            ("ulysses", flat, flaxattn.ContextParallel(AXIS, "ulysses")),
-           ("ulysses_ring", grid, flaxattn.ContextParallel(AXIS, "ulysses", ring_axis="context_ring"))]
+           ("ulysses_ring", grid,
+            flaxattn.ContextParallel(AXIS, "ulysses", ring_axis="context_ring"))]
   shapes = planner.Shapes(1, t, STRATEGY_H, STRATEGY_H, STRATEGY_D, 4, mask, True)
   rows = []
   for name, mesh, cp in cases:
@@ -381,22 +393,28 @@ def bench_call_length(t: int, repeats: int) -> list[dict]:
   rows = []
   for tokens, heads in ((t, STRATEGY_H // 8), (t // 8, STRATEGY_H)):
     keys = jax.random.split(jax.random.key(tokens), 3)
-    args = tuple(jax.random.normal(key, (1, tokens, heads, STRATEGY_D), jnp.float32) for key in keys)
-    loss = lambda q, k, v: jnp.sum(flaxattn.attention(q, k, v, mask=flaxattn.Causal(), backend="fused") ** 2)
+    args = tuple(jax.random.normal(key, (1, tokens, heads, STRATEGY_D), jnp.float32)
+                 for key in keys)
+
+    def loss(q, k, v):
+      return jnp.sum(flaxattn.attention(q, k, v, mask=flaxattn.Causal(), backend="fused") ** 2)
     seconds = best_time(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), args, repeats)
     flops = 14.0 * heads * STRATEGY_D * causal_pairs(tokens)
-    rows.append(dict(t=t, tokens=tokens, heads=heads, seconds=seconds, gflops=flops / seconds / 1e9))
+    rows.append(dict(t=t, tokens=tokens, heads=heads, seconds=seconds,
+                     gflops=flops / seconds / 1e9))
   return rows
 
 
 # -------------------------------------------------------------------------------------------
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--json", help="write the results to this file")
   parser.add_argument("--repeats", type=int, default=2)
   parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke test")
-  parser.add_argument("--t-time", type=int, help="T of parts 3 and 5 (default 32768; 4096 with --quick)")
+  parser.add_argument("--t-time", type=int,
+                      help="T of parts 3 and 5 (default 32768; 4096 with --quick)")
   parser.add_argument("--strategy-lengths", type=int, nargs="+",
                       help="T of part 6 (default 16384 32768; 2048 with --quick)")
   parser.add_argument("--strategy-masks", nargs="+", default=["causal", "4096"],
@@ -432,8 +450,9 @@ def main():
     bal = bench_balance(t_bal, cp_max)
     b0 = bal["balanced"]
     print(f"\n2. blocks computed (kind != SKIP) per device over the {cp_max} ring steps, forward"
-          f" (backward has the same schedule);\n   T={t_bal}, cp={cp_max}, local T/cp={t_bal // cp_max},"
-          f" blocks {b0['block_q']}x{b0['block_k']}, {b0['blocks_per_step']} pairs per step")
+          f" (backward has the same schedule);\n   T={t_bal}, cp={cp_max},"
+          f" local T/cp={t_bal // cp_max}, blocks {b0['block_q']}x{b0['block_k']},"
+          f" {b0['blocks_per_step']} pairs per step")
     print(f"{'layout':<12} " + " ".join(f"{'r=' + str(r):>5}" for r in range(cp_max))
           + f" {'total':>6} {'max/min':>8}")
     for name, b in bal.items():
@@ -449,8 +468,8 @@ def main():
       off = sum(b["partial_per_step"][r][s] for r in range(cp_max) for s in range(1, cp_max))
       print(f"PARTIAL blocks off the diagonal step (s>0): {off}")
     causal_total = causal_pairs(t_bal)
-    print(f"(ideal: {causal_total / (b0['block_q'] * b0['block_k']):.1f} block-equivalents of causal"
-          f" pairs in all)")
+    ideal = causal_total / (b0['block_q'] * b0['block_k'])
+    print(f"(ideal: {ideal:.1f} block-equivalents of causal pairs in all)")
     chunk = t_bal // (2 * cp_max)
     if chunk % b0["block_q"]:
       print(f"note: load-balanced chunks (T/2cp = {chunk}) are not a multiple of the block"
@@ -467,8 +486,8 @@ def main():
     for r in time_rows:
       print(f"{r['case']:<14} {r['impl']:<17} {r['seconds']:>8.2f} {r['x_single_device']:>8.2f}"
             f" {r['gflops']:>8.1f} {r['temp_mib']:>13.1f} {r['argument_mib']:>13.1f}")
-    print(f"note: the {cp_max} simulated devices share {cores} CPU cores, so these wall times compare"
-          " the total work done,\nnot parallel speedup; best of"
+    print(f"note: the {cp_max} simulated devices share {cores} CPU cores, so these wall times"
+          " compare the total work done,\nnot parallel speedup; best of"
           f" {args.repeats} after a warm-up run.")
     results.update(strategies=time_rows)
 
@@ -484,17 +503,21 @@ def main():
     results.update(gpu_ring=bench_gpu_ring(t_time, args.repeats))
 
   if 6 in args.parts:
-    masks = [flaxattn.Causal() if m == "causal" else flaxattn.Local(int(m)) for m in args.strategy_masks]
-    rows = [r for t in lengths for mask in masks for r in bench_every_strategy(t, mask, args.repeats)]
+    masks = [flaxattn.Causal() if m == "causal" else flaxattn.Local(int(m))
+             for m in args.strategy_masks]
+    rows = [r for t in lengths for mask in masks
+            for r in bench_every_strategy(t, mask, args.repeats)]
     print_every_strategy(rows)
     results.update(every_strategy=rows)
 
   if 7 in args.parts:
     rows = [r for t in lengths for r in bench_call_length(t, args.repeats)]
-    print("\n7. one device, causal, forward+backward, float32, D=64: the kernel's rate by call length")
+    print("\n7. one device, causal, forward+backward, float32, D=64: the kernel's rate by call"
+          " length")
     print(f"{'T':>6} {'tokens':>7} {'heads':>5} {'seconds':>8} {'GFLOP/s':>8}")
     for r in rows:
-      print(f"{r['t']:>6} {r['tokens']:>7} {r['heads']:>5} {r['seconds']:>8.3f} {r['gflops']:>8.1f}")
+      print(f"{r['t']:>6} {r['tokens']:>7} {r['heads']:>5} {r['seconds']:>8.3f}"
+            f" {r['gflops']:>8.1f}")
     results.update(call_length=rows)
 
   results["script_seconds"] = time.perf_counter() - start

@@ -51,8 +51,8 @@ import contextlib
 import json
 import os
 import resource
-import subprocess
 import statistics
+import subprocess
 import sys
 import time
 
@@ -85,7 +85,8 @@ def _measure(kind: str, t: int) -> dict:
   if kind == "lazy":
     splash.Splash(block_q=BLOCK, block_kv=BLOCK).kernel(flaxattn.Causal(), splash.TokenOrder(),
                                                        q.shape, kv.shape)
-    attn = lambda q, k, v: flaxattn.attention(q, k, v, backend="splash")
+    def attn(q, k, v):
+      return flaxattn.attention(q, k, v, backend="splash")
   elif kind == "ring8":
     # Context parallelism over 8 (simulated) devices, load-balanced: one kernel per ring step.
     from jax.sharding import AxisType
@@ -94,7 +95,8 @@ def _measure(kind: str, t: int) -> dict:
         strategy="ring", axis=cp.axis, shards=8, load_balance=True, mask=flaxattn.Causal(),
         scale=D ** -0.5, q_shape=q.shape, kv_shape=kv.shape, layout=Layout(shards=8))
     mesh = jax.make_mesh((8,), (cp.axis,), axis_types=(AxisType.Auto,))
-    attn = lambda q, k, v: flaxattn.attention(q, k, v, backend="splash", context_parallel=cp)
+    def attn(q, k, v):
+      return flaxattn.attention(q, k, v, backend="splash", context_parallel=cp)
   else:
     mask = sm.MultiHeadMask([sm.NumpyMask(np.tril(np.ones((t, t), np.bool_)))] * (H // HKV))
     sizes = sk.BlockSizes(block_q=BLOCK, block_kv=BLOCK, block_kv_compute=BLOCK,
@@ -183,7 +185,8 @@ def _gpu_kernels(t: int, case: str):
   if case == "causal":
     kernels.append(("jax.nn cuDNN is_causal", lambda q, k, v: jax_nn(q, k, v, is_causal=True)))
   else:
-    docs = lambda x: x.reshape((GPU_DOCS, t // GPU_DOCS) + x.shape[2:])
+    def docs(x):
+      return x.reshape((GPU_DOCS, t // GPU_DOCS) + x.shape[2:])
     kernels.append(("jax.nn cuDNN, docs as batch rows", lambda q, k, v: jax_nn(
         docs(q), docs(k), docs(v), is_causal=True).reshape(q.shape)))
     if t <= 8192:
@@ -281,7 +284,8 @@ def main():
     cases = ([(kind, t) for t in args.lengths for kind in ("lazy", "numpy")]
              + [("lazy", args.long), ("ring8", args.long)])
     print(f"splash causal, H={H} on {HKV} KV heads, D={D}, bfloat16, blocks {BLOCK}; fwd+bwd")
-    header = f"{'kernel':36} {'T':>6} {'build s':>8} {'lower s':>8} {'total s':>8} {'peak host MiB':>14}"
+    header = (f"{'kernel':36} {'T':>6} {'build s':>8} {'lower s':>8} {'total s':>8}"
+              f" {'peak host MiB':>14}")
     print(header + "\n" + "-" * len(header), flush=True)
     for kind, t in cases:
       row = _run_case(kind, t, args.timeout)

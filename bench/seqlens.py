@@ -34,7 +34,8 @@ def mask_based(ids_BxT, max_segments: int):
   first_BxT = nz_BxT & (ids_BxT != prev_BxT)
   start_BxM = jax.vmap(lambda f: jnp.nonzero(f, size=max_segments, fill_value=-1)[0])(first_BxT)
   start_BxM = start_BxM.astype(jnp.int32)
-  len_BxM = jnp.where(start_BxM >= 0, jnp.take_along_axis(len_BxT, jnp.maximum(start_BxM, 0), 1), -1)
+  len_BxM = jnp.where(start_BxM >= 0,
+                      jnp.take_along_axis(len_BxT, jnp.maximum(start_BxM, 0), 1), -1)
   return len_BxM, start_BxM
 
 
@@ -47,7 +48,7 @@ def packed_ids(batch: int, t: int, max_segments: int, seed: int = 0) -> np.ndarr
     cuts = np.sort(rng.choice(np.arange(1, int(t * 0.9)), n_docs, replace=False))
     ids = rng.permutation(n_docs) + 1  # unsorted ids
     row = np.zeros(t, np.int32)
-    for doc, (lo, hi) in enumerate(zip(np.r_[0, cuts[:-1]], cuts)):
+    for doc, (lo, hi) in enumerate(zip(np.r_[0, cuts[:-1]], cuts, strict=True)):
       row[lo:hi] = ids[doc]
     rows.append(row)
   return np.stack(rows)
@@ -90,7 +91,7 @@ def run(t: int = 131072, max_segments: int = 256, batch: int = 1) -> list[dict]:
     rows[1] = _measure("mask (O(T^2))", mask_based, batch, t, max_segments, timed=True)
   # Both must agree where both ran, or the timing compares different work.
   ours, theirs = rows[-2].pop("out"), rows[-1].pop("out")
-  for a, b in zip(ours, theirs):
+  for a, b in zip(ours, theirs, strict=True):
     np.testing.assert_array_equal(a, b)
   for row in rows:
     row.pop("out", None)

@@ -93,14 +93,12 @@ from flax import nnx  # noqa: E402
 from jax.sharding import AxisType  # noqa: E402
 
 import flaxattn  # noqa: E402
+from bench.attention import matmul_gflops  # noqa: E402
 from models.llama import flops_per_token, num_params  # noqa: E402
 from train import config as config_lib  # noqa: E402
 from train import data, loop  # noqa: E402
 from train import mesh as mesh_lib  # noqa: E402
 from train import tokenizer as tokenizer_lib  # noqa: E402
-
-
-from bench.attention import matmul_gflops  # noqa: E402
 
 
 def dense_mask_attention(q, k, v, *, mask, segment_ids=None, positions=None,
@@ -171,7 +169,8 @@ class Variant:
     self.rules = _rules(self.mesh, cfg.model)
     batches = data.GlobalBatches(
         self.mesh, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
-        cp=self.cp.balanced_shards(self.mesh) if self.cp is not None and self.cp.load_balance else None)
+        cp=(self.cp.balanced_shards(self.mesh)
+            if self.cp is not None and self.cp.load_balance else None))
     with jax.set_mesh(self.mesh), nnx.logical_axis_rules(self.rules):
       self.state = nnx.jit(lambda: loop._make_state(cfg, self.cp))()
       if dense:  # Llama does not expose attention_fn: patch the layer instances
@@ -229,8 +228,10 @@ def trainer_runs(steps: int) -> list[dict]:
       with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         lines = [json.loads(line) for line in f]
       timed = [r for r in lines if "loss" in r and r["step"] > 2]
-      med = lambda key: statistics.median(r[key] for r in timed)
-      summary = [l.strip() for l in proc.stderr.splitlines() if "throughput after" in l]
+
+      def med(key, timed=timed):
+        return statistics.median(r[key] for r in timed)
+      summary = [line.strip() for line in proc.stderr.splitlines() if "throughput after" in line]
       cfg = config_lib.load(config)
       rows.append(dict(config=config, seq_len=cfg.seq_len, batch_size=cfg.batch_size,
                        steps=steps, timed_steps=len(timed),
@@ -238,7 +239,8 @@ def trainer_runs(steps: int) -> list[dict]:
                                               "tflops_per_device", "mfu", "step_time",
                                               "host_time", "dispatch_time")},
                        host_fraction=med("host_time") / med("step_time"),
-                       last_step_line=[l for l in proc.stderr.splitlines() if " | loss " in l][-1],
+                       last_step_line=[line for line in proc.stderr.splitlines()
+                                       if " | loss " in line][-1],
                        summary=summary[-1] if summary else None))
   return rows
 

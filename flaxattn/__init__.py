@@ -5,15 +5,17 @@ Public API:
   lowering_for                           trace kernels for another platform (TPU export on CPU)
   Full, Causal, Local, Chunked, Mask     masks on positions and segments (combine with &)
   seqlens_and_offsets                    THD descriptor from segment ids, O(T + max_segments)
-  MultiHeadAttention, RoPE, RoPEScaling  NNX layer (a drop-in for flax.nnx.MultiHeadAttention), rotary
-                                         embeddings with Hugging Face rope_scaling (linear, llama3, yarn)
+  MultiHeadAttention, RoPE, RoPEScaling  NNX layer (a drop-in for flax.nnx.MultiHeadAttention),
+                                         rotary embeddings with Hugging Face rope_scaling
+                                         (linear, llama3, yarn)
   nnx_attention_fn                       flaxattn kernels inside stock nnx.MultiHeadAttention
   ContextParallel, load_balance,         ring / all-gather / Ulysses (and Ulysses x ring) attention
     unload_balance                       over a sharded sequence, and the load-balanced token order
   balance_plan, BalancePlan              (row: dual chunk; per document, weighed by the masks)
   sharding                               default logical-axis rules for (data, fsdp, tensor,
                                          context_ring, context)
-  selftest                               every kernel against the reference on this machine, and timings
+  selftest                               every kernel against the reference on this machine,
+                                         and timings
 """
 
 from flaxattn import sharding
@@ -32,7 +34,9 @@ __all__ = [
     "Mask", "Full", "Causal", "Local", "Chunked",
     "seqlens_and_offsets", "SeqlensOffsets",
     "ContextParallel", "load_balance", "unload_balance", "balance_plan", "BalancePlan",
-    "MultiHeadAttention", "RoPE", "RoPEScaling", "nnx_attention_fn", "sharding", "selftest",
+    "MultiHeadAttention", "RoPE", "RoPEScaling", "nnx_attention_fn", "sharding",
+    # Loaded on first use by __getattr__ below, which pyright does not follow.
+    "selftest",  # pyright: ignore[reportUnsupportedDunderAll]
 ]
 
 

@@ -39,8 +39,10 @@ def main():
   q = jax.ShapeDtypeStruct((b, t, heads, features // heads), jnp.float32)
   k = jax.ShapeDtypeStruct((b, t, kv_heads, features // heads), jnp.float32)
   flaxattn.explain(q, k, k, segment_ids=seg, positions=pos)
-  (fused_loss, fused_grad), (ref_loss, ref_grad) = (loss_and_grad(make(n)) for n in ("auto", "reference"))
-  err = max(float(jnp.abs(a - b).max()) for a, b in zip(jax.tree.leaves(fused_grad), jax.tree.leaves(ref_grad)))
+  (fused_loss, fused_grad), (ref_loss, ref_grad) = (loss_and_grad(make(n))
+                                                    for n in ("auto", "reference"))
+  err = max(float(jnp.abs(a - b).max())
+            for a, b in zip(jax.tree.leaves(fused_grad), jax.tree.leaves(ref_grad), strict=True))
   print(f"\nlayer loss: auto {float(fused_loss):.6f}, reference {float(ref_loss):.6f};"
         f" max |grad difference| {err:.2e}")
   desc = flaxattn.seqlens_and_offsets(seg, max_segments=8)

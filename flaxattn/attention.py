@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flaxattn import decode as cp_decode, planner, registry
+from flaxattn import decode as cp_decode
+from flaxattn import planner, registry
 from flaxattn.context_parallel import ContextParallel, axis_size, choose, context_parallel_attention
 from flaxattn.layout import Layout, resolve, shape_error
 from flaxattn.masks import Causal, Mask, check_mask

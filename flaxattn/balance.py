@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import overload
 
 import jax
+import jax.core  # jax.core.Tracer: jax imports the module but does not export the name
 import jax.numpy as jnp
 import numpy as np
 
@@ -46,6 +48,12 @@ def _check(x, cp, axis: int) -> int:
   return axis
 
 
+@overload
+def load_balance(x: np.ndarray, cp: int, axis: int = 1, *, segment_ids=None,
+                 masks: Sequence[Mask] | None = None) -> np.ndarray: ...
+@overload
+def load_balance(x: jax.Array, cp: int, axis: int = 1, *, segment_ids=None,
+                 masks: Sequence[Mask] | None = None) -> jax.Array: ...
 def load_balance(x, cp: int, axis: int = 1, *, segment_ids=None,
                  masks: Sequence[Mask] | None = None):
   """Reorders `x` along `axis` so that each of cp shards gets the same attention work.
@@ -76,6 +84,12 @@ def load_balance(x, cp: int, axis: int = 1, *, segment_ids=None,
   return pairs.reshape(shape)
 
 
+@overload
+def unload_balance(x: np.ndarray, cp: int, axis: int = 1, *, segment_ids=None,
+                   masks: Sequence[Mask] | None = None) -> np.ndarray: ...
+@overload
+def unload_balance(x: jax.Array, cp: int, axis: int = 1, *, segment_ids=None,
+                   masks: Sequence[Mask] | None = None) -> jax.Array: ...
 def unload_balance(x, cp: int, axis: int = 1, *, segment_ids=None,
                    masks: Sequence[Mask] | None = None):
   """Inverse of `load_balance` with the same arguments: back to the original token order.
@@ -87,7 +101,8 @@ def unload_balance(x, cp: int, axis: int = 1, *, segment_ids=None,
   xp = _namespace(x)
   shape = x.shape
   pairs = x.reshape(shape[:axis] + (cp, 2, shape[axis] // (2 * cp)) + shape[axis + 1:])
-  index = lambda i: pairs[(slice(None),) * (axis + 1) + (i,)]
+  def index(i):
+    return pairs[(slice(None),) * (axis + 1) + (i,)]
   return xp.concatenate([index(0), xp.flip(index(1), axis=axis)], axis=axis).reshape(shape)
 
 
@@ -128,7 +143,7 @@ def token_work(segment_ids, masks: Sequence[Mask] | None = None) -> np.ndarray:
   bands = [_band(m) for m in _masks(masks)]
   flat = seg.reshape(-1, seg.shape[-1])
   work = np.zeros(flat.shape, np.int64)
-  for row, seg_T in zip(work, flat):
+  for row, seg_T in zip(work, flat, strict=True):
     starts, lengths = _runs(seg_T)
     pos = np.arange(lengths.sum()) - np.repeat(np.cumsum(lengths) - lengths, lengths)
     tokens = np.repeat(starts, lengths) + pos  # the documents' tokens, in order
@@ -196,9 +211,10 @@ class BalancePlan:
       raise ValueError(f"x expects its first {axis + 1} dims to be segment_ids' shape"
                        f" {index.shape} (axis={axis} is the sequence), got x of shape {x.shape};"
                        " pass axis= to name the sequence axis.")
-    xp = _namespace(x)
     index = index.reshape(index.shape + (1,) * (x.ndim - axis - 1))
-    return xp.take_along_axis(x, index if xp is np else jnp.asarray(index), axis=axis)
+    if _namespace(x) is np:
+      return np.take_along_axis(x, index, axis=axis)
+    return jnp.take_along_axis(x, jnp.asarray(index), axis=axis)
 
   def apply(self, x, axis: int = 1):
     """`x` (`[..., T, ...]`, the sequence on `axis`) in the balanced order; numpy stays numpy."""
@@ -218,7 +234,7 @@ class BalancePlan:
     seg = self.apply(np.asarray(segment_ids), axis=-1)
     flat = seg.reshape(-1, seg.shape[-1])
     out = np.zeros_like(flat)
-    for row, seg_T in zip(out, flat):
+    for row, seg_T in zip(out, flat, strict=True):
       starts = np.flatnonzero(np.r_[True, seg_T[1:] != seg_T[:-1]])
       ids = seg_T[starts]
       # Each id's first run, in order: its rank among them is its new id.
@@ -280,7 +296,7 @@ def balance_plan(segment_ids, cp: int, masks: Sequence[Mask] | None = None, *,
   flat = seg.reshape(-1, t)
   orders = np.empty(flat.shape, np.int64)
   loads = np.empty((flat.shape[0], cp), np.int64)
-  for i, (seg_T, work_T) in enumerate(zip(flat, work)):
+  for i, (seg_T, work_T) in enumerate(zip(flat, work, strict=True)):
     orders[i], loads[i] = _row_plan(seg_T, work_T, cp, block)
   return BalancePlan(orders.reshape(seg.shape), loads.reshape(seg.shape[:-1] + (cp,)), cp)
 
@@ -303,9 +319,13 @@ def _row_plan(seg_T: np.ndarray, work_T: np.ndarray, cp: int,
   """(order `[T]`, work per shard `[cp]`) of one row (see `balance_plan`)."""
   t = seg_T.shape[0]
   cum = np.concatenate([[0], np.cumsum(work_T)])
-  units = [u for start, n in zip(*_runs(seg_T)) for u in _pairs(start, n, cp, block)]
-  size = lambda s: 0 if s is None else s.stop - s.start
-  work = lambda s: 0 if s is None else cum[s.stop] - cum[s.start]
+  units = [u for start, n in zip(*_runs(seg_T), strict=True) for u in _pairs(start, n, cp, block)]
+
+  def size(s):
+    return 0 if s is None else s.stop - s.start
+
+  def work(s):
+    return 0 if s is None else cum[s.stop] - cum[s.start]
   units.sort(key=lambda u: -(work(u[0]) + work(u[1])))
   room = np.full(cp, t // cp)
   load = np.zeros(cp, np.int64)

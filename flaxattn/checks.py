@@ -8,9 +8,10 @@ the program with the error's message (surfaced by JAX as a runtime error that co
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax
+import jax.core  # jax.core.Tracer: jax imports the module but does not export the name
 import numpy as np
 
 

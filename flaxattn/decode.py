@@ -90,7 +90,7 @@ def specs(cp: ContextParallel, batch: int, heads: int, kv_heads: int) -> Specs:
   h = sharding.dividing_axes(mesh, [a for a in cp.head_axes if a not in cp.seq_axes], heads,
                              kv_heads)
   b, h = b or None, h or None
-  seq = cp.seq_axes if len(cp.seq_axes) > 1 else cp.seq_axes[0]
+  seq = cp.seq_axes[0] if len(cp.seq_axes) == 1 else cp.seq_axes
   return Specs(cp.seq_axes, kv=P(b, seq, h), ids=P(b, seq), q=P(b, None, h), q_ids=P(b, None))
 
 
@@ -127,12 +127,13 @@ def write(cache, new, index, s: Specs, prefill: bool):
   def body(index, cache, new):
     d, n, filled = _filled(s.axes, index)
     if prefill:  # this device's shard, next in its slots
-      at = lambda x: (0, filled) + (0,) * (x.ndim - 2)
-      return tuple(lax.dynamic_update_slice(c, x, at(x)) for c, x in zip(cache, new))
+      def at(x):
+        return (0, filled) + (0,) * (x.ndim - 2)
+      return tuple(lax.dynamic_update_slice(c, x, at(x)) for c, x in zip(cache, new, strict=True))
     t, local = new[0].shape[1], cache[0].shape[1]
     logical_T = index + jnp.arange(t, dtype=index.dtype)
     slots_T = jnp.where(logical_T % n == d, logical_T // n, local)  # others': out of range
-    return tuple(c.at[:, slots_T].set(x, mode="drop") for c, x in zip(cache, new))
+    return tuple(c.at[:, slots_T].set(x, mode="drop") for c, x in zip(cache, new, strict=True))
 
   cache_specs = (s.kv, s.kv, s.ids, s.ids)
   new_specs = (s.kv, s.kv, s.ids, s.ids) if prefill else (s.q, s.q, s.q_ids, s.q_ids)
@@ -172,7 +173,8 @@ def attend(local, q, cache, q_ids, q_pos, s: Specs, sequence_sharded: bool = Fal
     def run():
       q_all, ids_all, pos_all = q, q_ids, q_pos
       if sequence_sharded:
-        gather = lambda x: lax.all_gather(x, s.axes, axis=1, tiled=True)
+        def gather(x):
+          return lax.all_gather(x, s.axes, axis=1, tiled=True)
         q_all, ids_all, pos_all = gather(q), gather(q_ids), gather(q_pos)
       out, lse = local(q_all, cache[0], cache[1], ids_all, pos_all, cache[2], cache[3])
       out, lse = merge(out, lse, s.axes)

@@ -21,9 +21,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
-from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -32,11 +32,12 @@ from flax.nnx.nn import dtypes, initializers
 from flax.nnx.nn.linear import default_kernel_init
 from jax import lax
 
-from flaxattn import balance, checks, decode as cp_decode
+from flaxattn import balance, checks
+from flaxattn import decode as cp_decode
 from flaxattn.attention import apply_sinks, attention, check_soft_cap
-from flaxattn.ring import merge_partials
 from flaxattn.layout import Layout, resolve, shape_error
 from flaxattn.masks import Causal, Full, Mask, check_mask
+from flaxattn.ring import merge_partials
 from flaxattn.rope import RoPE
 from flaxattn.sharding import constrain, param_metadata
 

@@ -30,10 +30,10 @@ class Layout:
   shards, so default positions are the permuted token index.
   """
 
-  q_segment_ids: jax.Array | None = None
-  kv_segment_ids: jax.Array | None = None
-  q_positions: jax.Array | None = None
-  kv_positions: jax.Array | None = None
+  q_segment_ids: jax.Array | np.ndarray | None = None
+  kv_segment_ids: jax.Array | np.ndarray | None = None
+  q_positions: jax.Array | np.ndarray | None = None
+  kv_positions: jax.Array | np.ndarray | None = None
   shards: int = 1
 
   @property
@@ -46,17 +46,23 @@ class Layout:
     index_BT = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
     return balance.load_balance(index_BT, self.shards) if self.shards > 1 else index_BT
 
-  def positions(self, batch: int, q_len: int, kv_len: int) -> tuple[jax.Array, jax.Array]:
+  def positions(self, batch: int, q_len: int,
+                kv_len: int) -> tuple[jax.Array | np.ndarray, jax.Array | np.ndarray]:
     """Positions of queries `[B, T]` and keys `[B, S]`, defaults filled in (e.g. for RoPE)."""
     full = self.materialize(batch, q_len, kv_len)
+    assert full.q_positions is not None and full.kv_positions is not None  # filled in
     return full.q_positions, full.kv_positions
 
   def materialize(self, batch: int, q_len: int, kv_len: int) -> Layout:
     """Returns a Layout with every field an int32 array (defaults filled in)."""
-    ones = lambda length: jnp.ones((batch, length), jnp.int32)
+    def ones(length):
+      return jnp.ones((batch, length), jnp.int32)
+
+    def pick(x, default):
+      return default if x is None else x
+
     q_index = self.index(batch, q_len)
     kv_index = q_index if kv_len == q_len else self.index(batch, kv_len)
-    pick = lambda x, default: default if x is None else x
     return Layout(pick(self.q_segment_ids, ones(q_len)), pick(self.kv_segment_ids, ones(kv_len)),
                   pick(self.q_positions, q_index), pick(self.kv_positions, kv_index), self.shards)
 
@@ -84,7 +90,8 @@ def check_ids(arg: str, x, batch: int, length: int, ref: str):
   if x is None:
     return None
   if getattr(x, "shape", None) != (batch, length) or not jnp.issubdtype(x.dtype, jnp.integer):
-    raise shape_error(arg, x, f"an integer array of shape {(batch, length)} ([batch, seq] of {ref})")
+    raise shape_error(arg, x,
+                      f"an integer array of shape {(batch, length)} ([batch, seq] of {ref})")
   if x.dtype == jnp.int32:
     return x
   info = jnp.iinfo(x.dtype)
@@ -119,13 +126,14 @@ def resolve(q_shape, kv_shape, segment_ids=None, positions=None, kv_segment_ids=
   kv_positions = check_ids("kv_positions", kv_positions, b, s, "k/v")
   if kv_segment_ids is None and segment_ids is not None:
     if s != t:
-      raise ValueError(f"kv_segment_ids is required when keys ({s}) and queries ({t}) differ in length"
-                       " and segment_ids is given.")
+      raise ValueError(f"kv_segment_ids is required when keys ({s}) and queries ({t}) differ in"
+                       " length and segment_ids is given.")
     kv_segment_ids = segment_ids
   if kv_positions is None and positions is not None and s == t:
     kv_positions = positions
   if segment_ids is None and kv_segment_ids is not None:
-    raise ValueError("segment_ids is required when kv_segment_ids is given (got only kv_segment_ids).")
+    raise ValueError("segment_ids is required when kv_segment_ids is given (got only"
+                     " kv_segment_ids).")
   shards = 1 if context_parallel is None else context_parallel.balanced_shards()
   return Layout(segment_ids, kv_segment_ids, positions, kv_positions, shards)
 
@@ -141,7 +149,9 @@ def follows_index(layout: Layout, q_index, kv_index, chunk: int | None = None) -
   ignored. `layout` must be materialized. Any ids and any token order: the tokens are
   sorted by (segment id, shifts), O(T log T) time and O(T) memory, never `[T, T]`.
   """
-  same_kv = layout.kv_segment_ids is layout.q_segment_ids and layout.kv_positions is layout.q_positions
+  assert layout.q_positions is not None and layout.kv_positions is not None  # materialized
+  same_kv = (layout.kv_segment_ids is layout.q_segment_ids
+             and layout.kv_positions is layout.q_positions)
   sides = [(layout.q_segment_ids, layout.q_positions, q_index)]
   if not (same_kv and kv_index is q_index):
     sides.append((layout.kv_segment_ids, layout.kv_positions, kv_index))

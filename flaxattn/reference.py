@@ -14,6 +14,9 @@ from flaxattn.masks import Mask
 
 def dense_mask(mask: Mask, layout: Layout) -> jax.Array:
   """Boolean `[B, T, S]`: True where query t may attend key s. Materialized: tests only."""
+  # `layout` is materialized: every field an array.
+  assert layout.q_segment_ids is not None and layout.kv_segment_ids is not None
+  assert layout.q_positions is not None and layout.kv_positions is not None
   seg_q = layout.q_segment_ids[:, :, None]
   seg_k = layout.kv_segment_ids[:, None, :]
   same_doc = (seg_q == seg_k) & (seg_q != 0)

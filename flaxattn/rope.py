@@ -13,7 +13,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-
 SCALINGS = ("default", "linear", "llama3", "yarn")
 
 
@@ -43,7 +42,8 @@ class RoPEScaling:
   def __post_init__(self):
     if self.kind not in SCALINGS:
       raise ValueError(f"RoPEScaling(kind=...) expects one of {SCALINGS}, got {self.kind!r}.")
-    if isinstance(self.factor, bool) or not isinstance(self.factor, (int, float)) or self.factor < 1:
+    if (isinstance(self.factor, bool) or not isinstance(self.factor, (int, float))
+        or self.factor < 1):
       raise ValueError(f"RoPEScaling(factor=...) expects a number >= 1, got {self.factor!r}.")
     if self.kind in ("llama3", "yarn") and not self.original_max_position:
       raise ValueError(f"RoPEScaling(kind={self.kind!r}) expects original_max_position (the"
@@ -59,6 +59,7 @@ class RoPEScaling:
     if self.kind == "linear":
       return base / self.factor
     old = self.original_max_position
+    assert old is not None  # __post_init__ requires it for llama3 and yarn
     if self.kind == "llama3":
       wavelength = 2 * np.pi / base
       # 0 where the wavelength is longer than old / low_freq_factor, 1 where shorter than
@@ -68,7 +69,8 @@ class RoPEScaling:
       return (1 - keep) * base / self.factor + keep * base
     # yarn: dimension pair i turns old * base[i] / 2 pi times over the original context;
     # pairs that turn more than beta_fast times extrapolate, fewer than beta_slow interpolate.
-    pair = lambda turns: d * np.log(old / (turns * 2 * np.pi)) / (2 * np.log(theta))
+    def pair(turns):
+      return d * np.log(old / (turns * 2 * np.pi)) / (2 * np.log(theta))
     low = max(np.floor(pair(self.beta_fast)), 0)
     high = min(np.ceil(pair(self.beta_slow)), d - 1)
     high = high + 0.001 if high == low else high
@@ -79,7 +81,9 @@ class RoPEScaling:
     """What cos and sin are multiplied by (yarn's attention factor; 1 otherwise)."""
     if self.kind != "yarn":
       return 1.0
-    return 0.1 * np.log(self.factor) + 1.0 if self.attention_factor is None else self.attention_factor
+    if self.attention_factor is not None:
+      return self.attention_factor
+    return 0.1 * np.log(self.factor) + 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,16 +96,18 @@ class RoPE:
 
   def __post_init__(self):
     if isinstance(self.theta, bool) or not isinstance(self.theta, (int, float)) or self.theta <= 1:
-      raise ValueError(f"RoPE(theta=...) expects a number > 1, got {self.theta!r}; 10000.0 is usual.")
+      raise ValueError(f"RoPE(theta=...) expects a number > 1, got {self.theta!r}; 10000.0 is"
+                       " usual.")
     if self.scaling is not None and not isinstance(self.scaling, RoPEScaling):
-      raise ValueError(f"RoPE(scaling=...) expects a flaxattn.RoPEScaling or None, got {self.scaling!r}.")
+      raise ValueError("RoPE(scaling=...) expects a flaxattn.RoPEScaling or None, got"
+                       f" {self.scaling!r}.")
 
   def inv_freq(self, d: int) -> np.ndarray:
     """Inverse frequencies `[d / 2]` float64: theta^(-2i/d), then the scaling."""
     base = self.theta ** (-np.arange(0, d, 2, dtype=np.float64) / d)
     return base if self.scaling is None else self.scaling.inv_freq(base, self.theta, d)
 
-  def __call__(self, x_BTHD: jax.Array, positions_BT: jax.Array) -> jax.Array:
+  def __call__(self, x_BTHD: jax.Array, positions_BT: jax.Array | np.ndarray) -> jax.Array:
     """Rotates `x_BTHD` `[B, T, H, D]` (D even) by `positions_BT` `[B, T]` int.
 
     Computed in float32 (angles of long positions need it), returned in x's dtype.

@@ -15,6 +15,7 @@ import sys
 import time
 import types
 import zlib
+from typing import cast
 
 import jax
 import jax.numpy as jnp
@@ -44,8 +45,8 @@ class Case:
 
   def __str__(self):
     cp = f", {self.strategy} over {jax.device_count()} devices" if self.strategy else ""
-    return (f"{self.kernel}: {self.mask}, {self.dtype}, {'packed' if self.packed else 'one document'}"
-            f"{cp}")
+    packing = "packed" if self.packed else "one document"
+    return f"{self.kernel}: {self.mask}, {self.dtype}, {packing}{cp}"
 
 
 def _layout(b: int, t: int, packed: bool, seed: int):
@@ -57,7 +58,7 @@ def _layout(b: int, t: int, packed: bool, seed: int):
   pos = np.zeros((b, t), np.int32)
   for row in range(b):
     cuts = np.sort(rng.choice(np.arange(1, t - 8), size=4, replace=False))
-    for doc, (start, end) in enumerate(zip([0, *cuts], [*cuts, t - 8]), 1):
+    for doc, (start, end) in enumerate(zip([0, *cuts], [*cuts, t - 8], strict=True), 1):
       seg[row, start:end], pos[row, start:end] = doc, np.arange(end - start)
   return seg, pos
 
@@ -106,12 +107,17 @@ def _check(case: Case, t: int, mesh) -> float:
     got = _fwd_bwd(case.kernel, case.mask, seg, pos)(q, k, v)
   else:
     with jax.set_mesh(mesh):
-      got = _fwd_bwd(case.kernel, case.mask, seg, pos, ContextParallel(strategy=case.strategy))(q, k, v)
-  return max(relative_error(g, w) for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+      cp = ContextParallel(strategy=case.strategy)
+      got = _fwd_bwd(case.kernel, case.mask, seg, pos, cp)(q, k, v)
+  return max(relative_error(g, w)
+             for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True))
 
 
 def _cases(platform: str, quick: bool, t: int):
-  dtypes = ("bfloat16",) if quick and platform != "cpu" else ("float32",) if quick else ("float32", "bfloat16")
+  if quick:
+    dtypes = ("bfloat16",) if platform != "cpu" else ("float32",)
+  else:
+    dtypes = ("float32", "bfloat16")
   masks = MASKS[1:4] if quick else MASKS
   for kernel in registry.names():
     if kernel == "reference":
@@ -169,8 +175,11 @@ def _timings(lengths, dtype, repeats: int, print_fn):
       if docs > 1:
         seg = jnp.asarray(np.repeat(np.arange(1, docs + 1), t // docs)[None], jnp.int32)
         pos = jnp.asarray(np.tile(np.arange(t // docs), docs)[None], jnp.int32)
-      loss = lambda q, k, v: jnp.sum(attention(q, k, v, segment_ids=seg, positions=pos)
-                                     .astype(jnp.float32) ** 2)
+
+      def loss(q, k, v, seg=seg, pos=pos):
+        # Without return_lse, one array (attention's annotation covers both).
+        out = cast(jax.Array, attention(q, k, v, segment_ids=seg, positions=pos))
+        return jnp.sum(out.astype(jnp.float32) ** 2)
       seconds = best_time(jax.jit(jax.grad(loss, (0, 1, 2))), (q, k, v), repeats)
       per_doc = t // docs
       flops = docs * per_doc * (per_doc + 1) / 2 * h * d * 2 * 6
@@ -188,14 +197,14 @@ def selftest(quick: bool = False, print_fn=print) -> bool:
   print_fn(f"flaxattn selftest on {jax.device_count()} {platform} device(s)"
            f" ({jax.devices()[0].device_kind}), jax {jax.__version__}")
   cases = list(_cases(platform, quick, t))
-  mesh = None
+  mesh, n = None, 1
   if jax.device_count() > 1:
     n = jax.device_count()
     mesh = jax.make_mesh((n,), ("context",), axis_types=(jax.sharding.AxisType.Auto,))
     cases += list(_cp_cases(quick, n))
   ok = True
   for case in cases:
-    error = _check(case, t * (mesh.shape["context"] if case.strategy else 1), mesh)
+    error = _check(case, t * (n if case.strategy else 1), mesh)
     passed = error <= tolerance[case.dtype]
     ok &= passed
     print_fn(f"  {'ok  ' if passed else 'FAIL'} {case}: max relative error {error:.2e}"

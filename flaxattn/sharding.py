@@ -75,7 +75,7 @@ def dividing_axes(mesh, axes, *sizes: int) -> tuple[str, ...]:
 
 
 def _mesh_shape(mesh) -> dict[str, int]:
-  return dict(zip(mesh.axis_names, mesh.axis_sizes))
+  return dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
 
 
 def rules(mesh, base: Rules = DEFAULT_RULES, **dim_sizes: int) -> Rules:
@@ -97,8 +97,8 @@ def rules(mesh, base: Rules = DEFAULT_RULES, **dim_sizes: int) -> Rules:
   names = {name for name, _ in base}
   for name, size in dim_sizes.items():
     if name not in names:
-      raise ValueError(f"rules(..., {name}=...) expects a logical name of the rules {sorted(names)},"
-                       f" got {name!r}.")
+      raise ValueError(f"rules(..., {name}=...) expects a logical name of the rules"
+                       f" {sorted(names)}, got {name!r}.")
     if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
       raise ValueError(f"rules(..., {name}=...) expects a positive int size, got {size!r}.")
   shape = _mesh_shape(mesh)

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 from jax.experimental.pallas.ops.tpu.splash_attention import (
-    splash_attention_mask_info as mask_info_lib)
+  splash_attention_mask_info as mask_info_lib,
+)
 
 from flaxattn.masks import Band, floor_div
 
@@ -72,9 +73,10 @@ def block_mask(normal: Band, order, q_len: int, kv_len: int, bq: int, bkv: int) 
   # Blocks tile segments of contiguous original indices (a shard, or a balanced shard's
   # chunk). A band mask on a pair of segments depends only on their offset (and on the
   # alignment to the chunk size), so each distinct pair is classified once and copied.
-  starts = lambda shard: ([order.original(shard, 0, shard_len)] if not order.load_balance else
-                          [order.original(shard, 0, shard_len),
-                           order.original(shard, segment, shard_len)])
+  def starts(shard):
+    if not order.load_balance:
+      return [order.original(shard, 0, shard_len)]
+    return [order.original(shard, 0, shard_len), order.original(shard, segment, shard_len)]
   q_blocks, kv_blocks = segment // bq, segment // bkv
   period = normal.chunk or 1
   blocks = np.empty((q_len // bq, kv_len // bkv), np.int32)

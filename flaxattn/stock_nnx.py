@@ -10,7 +10,9 @@ dense mask reaching the function raises (packing and padding need `segment_ids`,
 from __future__ import annotations
 
 import math
+from typing import cast
 
+import jax
 import jax.numpy as jnp
 
 from flaxattn.attention import attention
@@ -68,10 +70,13 @@ def nnx_attention_fn(mask: Mask = Full(), *, backend="auto", context_parallel=No
       pattern = Causal() if pattern == Full() else pattern & Causal()
     dtype = dtype or jnp.result_type(query, key, value)
     batch = query.shape[:-3]
-    flat = lambda x: x.astype(dtype).reshape((math.prod(x.shape[:-3]),) + x.shape[-3:])
-    out = attention(flat(query), flat(key), flat(value), mask=pattern, scale=scale,
-                    backend=backend, context_parallel=context_parallel,
-                    logit_soft_cap=logit_soft_cap)
+    def flat(x):
+      return x.astype(dtype).reshape((math.prod(x.shape[:-3]),) + x.shape[-3:])
+    # Without return_lse, one array (attention's annotation covers both).
+    out = cast(jax.Array, attention(flat(query), flat(key), flat(value), mask=pattern,
+                                    scale=scale, backend=backend,
+                                    context_parallel=context_parallel,
+                                    logit_soft_cap=logit_soft_cap))
     return out.reshape(batch + out.shape[1:])
 
   return attention_fn

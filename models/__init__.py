@@ -6,8 +6,17 @@
   param_shapes, param_changes   parameter shapes from a config; the fields that change them
 """
 
-from models.llama import (Llama, LlamaConfig, flops_per_token, layer_masks, loss_fn,
-                          make_targets, num_params, param_changes, param_shapes)
+from models.llama import (
+  Llama,
+  LlamaConfig,
+  flops_per_token,
+  layer_masks,
+  loss_fn,
+  make_targets,
+  num_params,
+  param_changes,
+  param_shapes,
+)
 
 __all__ = ["LlamaConfig", "Llama", "make_targets", "loss_fn", "num_params", "flops_per_token",
            "layer_masks", "param_shapes", "param_changes"]

@@ -33,6 +33,8 @@ import dataclasses
 import functools
 import json
 import os
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -106,7 +108,10 @@ def _scaling(rs, hf: dict, where: str, field: str) -> flaxattn.RoPEScaling:
   if not isinstance(rs, dict):
     raise CheckpointError(f"{where}: {field}={rs!r} is not supported; expected a dict.")
   kind = rs.get("rope_type", rs.get("type", "default"))
-  get = lambda key, default=None: rs.get(key, default)
+
+  def get(key: str, default: Any = None) -> Any:  # a JSON value
+    return rs.get(key, default)
+
   if get("partial_rotary_factor", 1.0) != 1.0:
     raise CheckpointError(f"{where}: {field}.partial_rotary_factor="
                           f"{get('partial_rotary_factor')!r} is not supported (expected 1.0).")
@@ -125,7 +130,8 @@ def _scaling(rs, hf: dict, where: str, field: str) -> flaxattn.RoPEScaling:
       attention = get("attention_factor")
       mscale, mscale_all = get("mscale"), get("mscale_all_dim")
       if attention is None and mscale and mscale_all:
-        m = lambda s: 0.1 * s * np.log(factor) + 1.0 if factor > 1 else 1.0
+        def m(s):
+          return 0.1 * s * np.log(factor) + 1.0 if factor > 1 else 1.0
         attention = m(mscale) / m(mscale_all)
       return flaxattn.RoPEScaling(
           "yarn", factor,
@@ -140,7 +146,9 @@ def _scaling(rs, hf: dict, where: str, field: str) -> flaxattn.RoPEScaling:
 
 def _windows(hf: dict, arch: str, n_layers: int, where: str) -> dict:
   """`sliding_window` and `global_every` of the architecture's windowed layers."""
-  field = lambda name: hf.get(name, ARCHITECTURES[arch].get(name))
+  def field(name):
+    return hf.get(name, ARCHITECTURES[arch].get(name))
+
   if arch == "LlamaForCausalLM":
     return {}
   window = field("sliding_window")
@@ -198,6 +206,7 @@ def config_from_hf(hf: dict, where: str = "config.json", **overrides) -> LlamaCo
     n_layers = int(hf["num_hidden_layers"])
     head_dim = hf.get("head_dim", ARCHITECTURES[arch].get("head_dim")) or dim // heads
     bias = bool(hf.get("attention_bias", False))
+    values: dict[str, Any]  # LlamaConfig's fields
     values = dict(vocab_size=int(hf["vocab_size"]), dim=dim, n_layers=n_layers,
                   n_heads=heads, n_kv_heads=int(hf.get("num_key_value_heads") or heads),
                   ffn_dim=int(hf["intermediate_size"]),
@@ -226,10 +235,12 @@ def architecture(cfg: LlamaConfig) -> str:
   Raises:
     ExportError: naming the option none of them holds.
   """
-  refuse = lambda option, why: ExportError(
-      f"model.{option}={getattr(cfg, option)!r} cannot be written as a Hugging Face"
-      f" checkpoint: {why} A checkpoint without it would read back as another model; train"
-      f" without it to export.")
+  def refuse(option, why):
+    return ExportError(
+        f"model.{option}={getattr(cfg, option)!r} cannot be written as a Hugging Face"
+        f" checkpoint: {why} A checkpoint without it would read back as another model; train"
+        f" without it to export.")
+
   for option in ("attention_sinks", "logit_soft_cap", "chunk_size"):
     if getattr(cfg, option):
       raise refuse(option, "no architecture written here (Llama, Mistral, Qwen2, Qwen3) has it.")
@@ -261,6 +272,7 @@ def config_to_hf(cfg: LlamaConfig, dtype: str) -> dict:
     ExportError: as `architecture`.
   """
   arch = architecture(cfg)
+  hf: dict[str, Any]  # config.json's fields
   hf = dict(architectures=[arch], model_type=ARCHITECTURES[arch]["model_type"],
             vocab_size=cfg.vocab_size, hidden_size=cfg.dim, num_hidden_layers=cfg.n_layers,
             num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
@@ -277,7 +289,7 @@ def config_to_hf(cfg: LlamaConfig, dtype: str) -> dict:
               sliding_window=cfg.sliding_window if any(windowed) else None,
               layer_types=["sliding_attention" if w else "full_attention" for w in windowed])
   rs = cfg.rope_scaling
-  scaling = dict(rope_type=rs.kind)
+  scaling: dict[str, Any] = dict(rope_type=rs.kind)
   if rs.kind == "linear":
     scaling.update(factor=rs.factor)
   elif rs.kind == "llama3":
@@ -303,8 +315,8 @@ class _Tensor:
   """One HF tensor: its name, and the map between its layout and ours."""
 
   name: str
-  to_ours: object  # np array (HF layout) -> np array (ours)
-  to_hf: object
+  to_ours: Callable[[np.ndarray], np.ndarray]  # HF layout -> ours
+  to_hf: Callable[[np.ndarray], np.ndarray]
 
 
 def _linear(*our_shape):
@@ -353,6 +365,7 @@ def _layer_tensors(cfg: LlamaConfig) -> dict[tuple[str, ...], tuple[str, tuple]]
 def _tensors(cfg: LlamaConfig) -> dict[tuple, list[_Tensor]]:
   """Each of our parameter paths -> its HF tensors; a path stacked over layer groups
   (`scan_layers`) lists one tensor per group."""
+  out: dict[tuple, list[_Tensor]]
   out = {("embed", "embedding"): [_Tensor("model.embed_tokens.weight", *_SAME)],
          ("norm", "scale"): [_Tensor("model.norm.weight", *_SAME)]}
   if not cfg.tie_embeddings:
@@ -395,9 +408,11 @@ class _Files:
       if not os.path.exists(os.path.join(path, file)):
         raise CheckpointError(f"{os.path.join(path, index if os.path.exists(index) else SINGLE)}:"
                               f" lists {file}, which is missing.")
+    # Per instance: a cache on the method itself would keep its last tensors (and this
+    # object) alive after loading.
+    self.read = functools.lru_cache(maxsize=2)(self._read)
 
-  @functools.lru_cache(maxsize=2)
-  def read(self, name: str) -> np.ndarray:
+  def _read(self, name: str) -> np.ndarray:
     if name not in self.where:
       raise CheckpointError(f"{self.path}: tensor {name!r} is missing (the config asks for it).")
     with safe_open(os.path.join(self.path, self.where[name]), framework="np") as f:
@@ -441,7 +456,10 @@ def load(path: str, *, context_parallel: flaxattn.ContextParallel | None = None,
     cfg = config
   files = _Files(path)
   mesh = jax.sharding.get_abstract_mesh()
-  make = lambda: Llama(cfg, context_parallel=context_parallel, rngs=nnx.Rngs(0))
+
+  def make():
+    return Llama(cfg, context_parallel=context_parallel, rngs=nnx.Rngs(0))
+
   if mesh.empty:
     graphdef, abstract = nnx.split(nnx.eval_shape(make))
   else:
@@ -468,18 +486,23 @@ def load(path: str, *, context_parallel: flaxattn.ContextParallel | None = None,
     shape = tuple(spec.shape)
     if len(ts) == 1:
       whole = _checked(files, ts[0], shape)  # converted once, sliced per shard
-      host = lambda index: whole[index]
+      def host(index):
+        return whole[index]
     else:  # stacked over layer groups: read only the groups of the shard
       def host(index):
         groups = range(len(ts))[index[0]]
-        return np.stack([_checked(files, ts[g], shape[1:]) for g in groups])[(slice(None),) + index[1:]]
+        stacked = np.stack([_checked(files, ts[g], shape[1:]) for g in groups])
+        return stacked[(slice(None),) + index[1:]]
     sharding = getattr(spec, "sharding", None)
     if sharding is None:
       return jnp.asarray(host(tuple(slice(None) for _ in shape)))
     return jax.make_array_from_callback(shape, sharding, host)
 
   for key, var in flat.items():
-    var.set_value(value(key, var)) if hasattr(var, "set_value") else setattr(var, "value", value(key, var))
+    if hasattr(var, "set_value"):
+      var.set_value(value(key, var))
+    else:
+      var.value = value(key, var)
   return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
@@ -524,7 +547,8 @@ def save(model: Llama, path: str, *, dtype: str = "bfloat16",
   for key, tensors in _tensors(cfg).items():
     ours = np.asarray(jax.device_get(flat[key].get_value()), np.float32)
     for g, t in enumerate(tensors):
-      named[t.name] = np.ascontiguousarray(t.to_hf(ours[g] if len(tensors) > 1 else ours)).astype(DTYPES[dtype])
+      hf_tensor = t.to_hf(ours[g] if len(tensors) > 1 else ours)
+      named[t.name] = np.ascontiguousarray(hf_tensor).astype(DTYPES[dtype])
   shards, size = [[]], 0
   for name in sorted(named):
     if shards[-1] and size + named[name].nbytes > max_shard_bytes:

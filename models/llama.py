@@ -166,7 +166,8 @@ class LlamaConfig:
       raise ValueError(f"LlamaConfig(dtype=...) expects one of {tuple(DTYPES)}, got"
                        f" {self.dtype!r}; parameters are always float32.")
     if not isinstance(self.rope_theta, (int, float)) or self.rope_theta <= 1:
-      raise ValueError(f"LlamaConfig(rope_theta=...) expects a number > 1, got {self.rope_theta!r}.")
+      raise ValueError("LlamaConfig(rope_theta=...) expects a number > 1, got"
+                       f" {self.rope_theta!r}.")
     if not isinstance(self.norm_eps, (int, float)) or self.norm_eps <= 0:
       raise ValueError(f"LlamaConfig(norm_eps=...) expects a number > 0, got {self.norm_eps!r}.")
     if not isinstance(self.attention_backend, str) or not self.attention_backend:
@@ -263,8 +264,11 @@ class Block(nnx.Module):
         getattr(self.attn, name).use_bias = False
         getattr(self.attn, name).bias = nnx.data(None)
     if config.qk_norm:
-      self.attn.query_ln = RMSNorm(d, eps=config.norm_eps, dtype=dtype, axis="head_dim")
-      self.attn.key_ln = RMSNorm(d, eps=config.norm_eps, dtype=dtype, axis="head_dim")
+      # The layer declares nnx.LayerNorm here but only calls it on [..., head_dim].
+      self.attn.query_ln = RMSNorm(  # pyright: ignore[reportAttributeAccessIssue]
+          d, eps=config.norm_eps, dtype=dtype, axis="head_dim")
+      self.attn.key_ln = RMSNorm(  # pyright: ignore[reportAttributeAccessIssue]
+          d, eps=config.norm_eps, dtype=dtype, axis="head_dim")
     self.mlp_norm = RMSNorm(config.dim, eps=config.norm_eps, dtype=dtype)
     self.mlp = MLP(config, rngs=rngs)
 
@@ -349,6 +353,7 @@ class Llama(nnx.Module):
     """
     cfg = self.config
     self._check_unrolled()
+    assert isinstance(self.layers, nnx.List)  # a list of Blocks, as just checked
     for name, value in (("batch_size", batch_size), ("max_length", max_length)):
       if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"Llama.init_cache({name}=...) expects a positive int, got {value!r}.")
@@ -421,7 +426,7 @@ class Llama(nnx.Module):
       block = _call_block
     else:
       block = nnx.remat(_call_block, policy=REMAT_POLICIES[cfg.remat])
-    if cfg.scan_layers:
+    if isinstance(self.layers, LayerGroup):  # scan_layers: the groups stacked in one
       def run_group(group: LayerGroup, x_BTE):
         for b in group.blocks:
           x_BTE = block(b, x_BTE, segment_ids, positions)
@@ -433,7 +438,10 @@ class Llama(nnx.Module):
       for b in self.layers:
         x_BTE = block(b, x_BTE, segment_ids, positions)
     x_BTE = self.norm(x_BTE)
-    logits_BTV = self.embed.attend(x_BTE) if cfg.tie_embeddings else self.lm_head(x_BTE)
+    if self.lm_head is None:  # tie_embeddings
+      logits_BTV = self.embed.attend(x_BTE)
+    else:
+      logits_BTV = self.lm_head(x_BTE)
     return constrain(logits_BTV.astype(jnp.float32), LOGITS_NAMES)
 
 
@@ -528,8 +536,10 @@ def param_changes(old: LlamaConfig, new: LlamaConfig) -> list[str]:
   Fields that change them only together (or that cannot be set alone) are all named.
   Empty when both configs give the same parameters.
   """
-  same = lambda a, b: jax.tree.structure(a) == jax.tree.structure(b) and all(
-      x.shape == y.shape for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+  def same(a, b):
+    return jax.tree.structure(a) == jax.tree.structure(b) and all(
+        x.shape == y.shape for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+
   shapes = param_shapes(old)
   if same(shapes, param_shapes(new)):
     return []

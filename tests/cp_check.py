@@ -21,7 +21,8 @@ import zlib
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import flaxattn
 from helpers import CP_MASKS, grads_of, legal_layout, normal, qkv, random_packing, rel_error
@@ -40,7 +41,8 @@ def _hlo_collectives(text: str) -> dict:
     if "all-gather(" in line or "all-gather-start(" in line:
       result = line.split("=", 1)[1].split("all-gather")[0]  # e.g. " f32[2,64,2,8]{3,2,1,0} "
       gathers += re.findall(r"\b([a-z]+[0-9]+)\[", result)
-  return dict(all_gather_dtypes=sorted(set(gathers)), collective_permutes=text.count("collective-permute"),
+  return dict(all_gather_dtypes=sorted(set(gathers)),
+              collective_permutes=text.count("collective-permute"),
               all_to_alls=len(re.findall(r"\sall-to-all(?:-start)?\(", text)))
 
 
@@ -55,7 +57,8 @@ def permute_bytes(text: str) -> dict:
     count += 1
     result = line.split("=", 1)[1].split("collective-permute")[0]
     dtype, dims = re.findall(r"\b([a-z]+[0-9]*)\[([0-9,]*)\]", result)[-1]
-    moved[dtype] = moved.get(dtype, 0) + sizes[dtype] * int(np.prod([int(x) for x in dims.split(",") if x]))
+    moved[dtype] = moved.get(dtype, 0) + sizes[dtype] * int(
+        np.prod([int(x) for x in dims.split(",") if x]))
   return dict(permutes=count, bytes=moved)
 
 
@@ -71,10 +74,12 @@ def window_traffic(n: int) -> list[dict]:
                        ("chunked16", flaxattn.Chunked(16)), ("local100", flaxattn.Local(100)),
                        ("local300", flaxattn.Local(300))):
       cpar = flaxattn.ContextParallel(load_balance=lb)
-      fn = grads_of(lambda q, k, v: flaxattn.attention(q, k, v, mask=mask, context_parallel=cpar,
-                                                        backend="blockwise", return_lse=True))
+      fn = grads_of(lambda q, k, v: flaxattn.attention(
+          q, k, v, mask=mask, context_parallel=cpar,  # noqa: B023 (used in this iteration)
+          backend="blockwise", return_lse=True))
       with jax.set_mesh(mesh):
-        shard = lambda x: jax.device_put(x, NamedSharding(mesh, P(None, "context")))
+        def shard(x):
+          return jax.device_put(x, NamedSharding(mesh, P(None, "context")))
         text = fn.lower(shard(q), shard(k), shard(v)).compile().as_text()
       rows.append(dict(mask=name, lb=lb, t=t, hkv=hkv, d=d, **permute_bytes(text)))
   return rows
@@ -89,7 +94,7 @@ def _errors(got, want) -> dict:
   returns them."""
   leaves = jax.tree.leaves(got)
   names = NAMES if len(leaves) == len(NAMES) else FEATURE_NAMES
-  return {n: rel_error(g, w) for n, g, w in zip(names, leaves, jax.tree.leaves(want))}
+  return {n: rel_error(g, w) for n, g, w in zip(names, leaves, jax.tree.leaves(want), strict=True)}
 
 
 def run_case(c) -> dict:
@@ -114,10 +119,12 @@ def run_case(c) -> dict:
   mask = CP_MASKS[c["mask"]]
   if c["backend"] == "splash" and c["mask"] == "local":
     mask = flaxattn.Local(100)  # a window spanning several 128-token blocks
-  lb = lambda x: x if x is None else flaxattn.load_balance(x, cp)
+  def lb(x):
+    return x if x is None else flaxattn.load_balance(x, cp)
   batch = "data" if "data" in c["mesh"] else None
   seq = cpar.seq_axes if ring_axis else "context"
-  shard = lambda x: x if x is None else jax.device_put(x, NamedSharding(mesh, P(batch, seq)))
+  def shard(x):
+    return x if x is None else jax.device_put(x, NamedSharding(mesh, P(batch, seq)))
 
   def reference(q, k, v, seg, pos, sinks=None):
     return flaxattn.attention(q, k, v, mask=mask, segment_ids=seg, positions=pos, scale=0.3,
@@ -133,7 +140,8 @@ def run_case(c) -> dict:
     # The data pipeline: every per-token array of the unpermuted batch goes through
     # load_balance, the result through unload_balance; the reference never sees a permutation.
     want = grads_of(lambda q, k, v: reference(q, k, v, seg, pos))(q, k, v)
-    un = lambda x: flaxattn.unload_balance(x, cp)
+    def un(x):
+      return flaxattn.unload_balance(x, cp)
     with jax.set_mesh(mesh):
       got = grads_of(lambda q, k, v: tuple(map(un, parallel(
           shard(lb(q)), shard(lb(k)), shard(lb(v)), shard(lb(seg)), shard(lb(pos))))))(q, k, v)
@@ -141,11 +149,13 @@ def run_case(c) -> dict:
     if c["packed"] and c["lb"]:
       seg, pos = lb(seg), lb(pos)  # what a load-balanced pipeline feeds in
     # Default positions under load balancing are the permuted token indices.
-    ref_pos = pos if pos is not None or not c["lb"] else lb(np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)))
+    ref_pos = (pos if pos is not None or not c["lb"]
+               else lb(np.broadcast_to(np.arange(t, dtype=np.int32), (b, t))))
     # With sinks, their gradient too: a replicated [H] array, summed over the context shards.
     n_args = 4 if c["features"] else 3
     sinks = (extra["sinks"],) if c["features"] else ()
-    want = grads_of(lambda q, k, v, *s: reference(q, k, v, seg, ref_pos, *s), n_args)(q, k, v, *sinks)
+    want = grads_of(lambda q, k, v, *s: reference(q, k, v, seg, ref_pos, *s),
+                    n_args)(q, k, v, *sinks)
     with jax.set_mesh(mesh):
       args = shard(q), shard(k), shard(v), *sinks
       # Compiled once, run and inspected: the program of the case is the one checked.
@@ -165,10 +175,12 @@ def layer() -> dict:
   x = normal((b, t, e))
   seg, pos = random_packing(0, b, t, max_docs=8, pad_tail=3, cp=cp)
   # Same seed, same parameters; the plain layer runs the cheap-to-compile reference kernel.
-  make = lambda cpar, backend="auto": flaxattn.MultiHeadAttention(
-      4, e, num_kv_heads=2, rope=flaxattn.RoPE(), context_parallel=cpar, backend=backend,
-      rngs=nnx.Rngs(0))
-  lb = lambda a: flaxattn.load_balance(a, cp)
+  def make(cpar, backend="auto"):
+    return flaxattn.MultiHeadAttention(
+        4, e, num_kv_heads=2, rope=flaxattn.RoPE(), context_parallel=cpar, backend=backend,
+        rngs=nnx.Rngs(0))
+  def lb(a):
+    return flaxattn.load_balance(a, cp)
   plain = make(None, "reference")
   want_packed = nnx.jit(lambda m, x, s, p: m(x, segment_ids=s, positions=p))(plain, x, seg, pos)
   want_default = nnx.jit(lambda m, x: m(x))(plain, x)
@@ -179,7 +191,8 @@ def layer() -> dict:
     got_packed = flaxattn.unload_balance(call(m, lb(x), lb(seg), lb(pos)), cp)
     # Default positions: the layer's RoPE and the mask must both use the permuted indices.
     got_default = flaxattn.unload_balance(nnx.jit(lambda m, x: m(x))(m, lb(x)), cp)
-  return dict(packed=rel_error(got_packed, want_packed), default=rel_error(got_default, want_default))
+  return dict(packed=rel_error(got_packed, want_packed),
+              default=rel_error(got_default, want_default))
 
 
 def model() -> dict:
@@ -187,8 +200,9 @@ def model() -> dict:
   logit soft cap, ring over a 4-device context mesh (load-balanced packed rows in, logits
   out through unload_balance), against the same model without context parallelism:
   logits and the gradients of every parameter (sinks included)."""
-  from flax import nnx
   import jax.numpy as jnp
+  from flax import nnx
+
   from models import llama
   b, t, cp = 2, 64, 4
   config = llama.LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
@@ -211,16 +225,19 @@ def model() -> dict:
     return logits, nnx.to_pure_dict(grads)
 
   want = nnx.jit(logits_and_grads)(make(None), tokens, seg, pos)
-  lb = lambda a: flaxattn.load_balance(a, cp)
-  un = lambda a: flaxattn.unload_balance(a, cp)
+  def lb(a):
+    return flaxattn.load_balance(a, cp)
+  def un(a):
+    return flaxattn.unload_balance(a, cp)
   mesh = mesh_of(dict(context=cp))
   with jax.set_mesh(mesh):
     got = nnx.jit(lambda m, *a: logits_and_grads(m, *a, un=un))(
         make(flaxattn.ContextParallel()), lb(tokens), lb(seg), lb(pos))
   sinks = [(g["attn"]["sinks"], w["attn"]["sinks"]) for g, w in
-           zip(got[1]["layers"].values(), want[1]["layers"].values())]
+           zip(got[1]["layers"].values(), want[1]["layers"].values(), strict=True)]
   return dict(logits=rel_error(got[0], want[0]),
-              grads=max(rel_error(g, w) for g, w in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1]))),
+              grads=max(rel_error(g, w) for g, w in zip(jax.tree.leaves(got[1]),
+                                                        jax.tree.leaves(want[1]), strict=True)),
               dsinks=max(rel_error(g, w) for g, w in sinks),
               dsinks_nonzero=min(float(np.abs(w).max()) for _, w in sinks))
 
@@ -231,12 +248,14 @@ def splash_sharded() -> dict:
   b, t, h, hkv, d = 4, 256, 4, 2, 8
   q, k, v = qkv(7, b, t, t, h, hkv, d)
   seg, pos = random_packing(7, b, t, max_docs=4, pad_tail=5)
-  attend = lambda backend: lambda q, k, v: flaxattn.attention(
-      q, k, v, segment_ids=seg, positions=pos, backend=backend, return_lse=True)
+  def attend(backend):
+    return lambda q, k, v: flaxattn.attention(
+        q, k, v, segment_ids=seg, positions=pos, backend=backend, return_lse=True)
   want = grads_of(attend("reference"))(q, k, v)
   mesh = mesh_of(dict(data=2, fsdp=2, tensor=2))
   with jax.set_mesh(mesh):
-    shard = lambda x: jax.device_put(x, NamedSharding(mesh, P(("data", "fsdp"), None, "tensor")))
+    def shard(x):
+      return jax.device_put(x, NamedSharding(mesh, P(("data", "fsdp"), None, "tensor")))
     args = shard(q), shard(k), shard(v)
     compiled = grads_of(attend("splash")).lower(*args).compile()
     got = compiled(*args)
@@ -268,16 +287,19 @@ def distributed(port: int, process_id: int) -> list[dict]:
     seg, pos = (np.asarray(flaxattn.load_balance(a, cpar.balanced_shards(mesh))) for a in packing)
 
     def attend(**kw):
-      return lambda q, k, v: flaxattn.attention(q, k, v, mask=mask, segment_ids=seg, positions=pos,
-                                                return_lse=True, **kw)
+      return lambda q, k, v: flaxattn.attention(
+          q, k, v, mask=mask, segment_ids=seg, positions=pos,  # noqa: B023 (used in this iteration)
+          return_lse=True, **kw)
 
     want = grads_of(attend(backend="reference"))(q, k, v)  # local devices only
     sharding = NamedSharding(mesh, P(None, cpar.seq_axes))
-    glob = lambda a: jax.make_array_from_callback(a.shape, sharding, lambda i: a[i])
+    def glob(a):
+      return jax.make_array_from_callback(a.shape, sharding,  # noqa: B023 (used in this iteration)
+                                          lambda i: a[i])
     with jax.set_mesh(mesh):
       got = grads_of(attend(context_parallel=cpar))(glob(q), glob(k), glob(v))
     errors, shards = {}, 0
-    for key, g, w in zip(NAMES, jax.tree.leaves(got), jax.tree.leaves(want)):
+    for key, g, w in zip(NAMES, jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
       for shard in g.addressable_shards:
         shards += 1
         errors[key] = max(errors.get(key, 0.0), rel_error(shard.data, np.asarray(w)[shard.index]))

@@ -94,7 +94,8 @@ def _fake_bwd(query, key, value, bias, q_seqlen, kv_seqlen, q_offsets, kv_offset
   ds = p * (dp - jnp.einsum("ntgd,ntgd->ngt", do, o)[..., None])  # O only through D
   dq = scale * jnp.einsum("ngts,nsgd->ntgd", ds, jnp.repeat(k, g, axis=2))
   dk = scale * jnp.einsum("ngts,ntgd->nsgd", ds, q)
-  fold = lambda x: x.reshape(x.shape[:2] + (key.shape[2], g, x.shape[-1])).sum(3)
+  def fold(x):
+    return x.reshape(x.shape[:2] + (key.shape[2], g, x.shape[-1])).sum(3)
   return [_scatter(query.shape, tq, dq, query.dtype),
           _scatter(key.shape, tk, fold(dk), key.dtype),
           _scatter(value.shape, tk, fold(dv), value.dtype)]
@@ -108,7 +109,7 @@ def installed():
   with mock.patch.object(fsa, "check_cudnn_version", lambda: 91000), \
        mock.patch.object(fsa, "check_compute_capability", lambda capability: True), \
        mock.patch.object(fsa, "is_cuda_compute_capability_equal", lambda capability: False):
-    for prim, fake in zip(prims, (_fake_fwd, _fake_bwd)):
+    for prim, fake in zip(prims, (_fake_fwd, _fake_bwd), strict=True):
       mlir.register_lowering(prim, mlir.lower_fun(fake, multiple_results=True), platform="cpu")
     try:
       yield

@@ -15,15 +15,17 @@ from flaxattn import blockwise, cudnn
 from flaxattn.context_parallel import context_parallel_attention
 from flaxattn.layout import resolve
 from flaxattn.reference import reference_attention
-
 from helpers import random_packing, rel_error
 
 
 def poison(monkeypatch):
   """Blockwise fallbacks that return NaN, until `monkeypatch` undoes them."""
-  nan = lambda x: jnp.full_like(x, jnp.nan)
-  forward = lambda q, k, v, layout, **kw: (nan(q), jnp.full(q.shape[:3], jnp.nan, jnp.float32))
-  backward = lambda q, k, v, layout, out, lse, dout, dlse, **kw: (nan(q), nan(k), nan(v))
+  def nan(x):
+    return jnp.full_like(x, jnp.nan)
+  def forward(q, k, v, layout, **kw):
+    return (nan(q), jnp.full(q.shape[:3], jnp.nan, jnp.float32))
+  def backward(q, k, v, layout, out, lse, dout, dlse, **kw):
+    return (nan(q), nan(k), nan(v))
   monkeypatch.setattr(blockwise, "forward", forward)
   monkeypatch.setattr(blockwise, "backward", backward)
   monkeypatch.setattr(blockwise.BlockwiseStep, "forward",
@@ -69,7 +71,7 @@ def run(n, mask, lb, layout_kind, hkv, strategy) -> list[float]:
   want = jax.jit(jax.value_and_grad(reference, (0, 1, 2)))(q, k, v)
   with jax.set_mesh(mesh):
     got = jax.jit(jax.value_and_grad(ring, (0, 1, 2)))(q, k, v)
-  return [rel_error(g, w) for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want))]
+  return [rel_error(g, w) for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)]
 
 
 CAUSAL, FULL = flaxattn.Causal(), flaxattn.Full()
@@ -80,7 +82,8 @@ CASES = [(CAUSAL, True, "packed", 2, "ring"), (FULL, False, "packed", 1, "ring")
          (CAUSAL, False, "packed", 2, "all_gather")]
 ONLY_CUDNN = [(CAUSAL, True, "default", 2, "ring"), (CAUSAL, True, "aligned", 1, "ring"),
               (CAUSAL, False, "aligned", 2, "ring"), (FULL, True, "aligned", 2, "ring"),
-              (CAUSAL, True, "aligned", 2, "all_gather"), (CAUSAL, False, "default", 1, "all_gather")]
+              (CAUSAL, True, "aligned", 2, "all_gather"),
+              (CAUSAL, False, "default", 1, "all_gather")]
 
 
 def cases(n: int) -> list[tuple[str, bool, tuple]]:

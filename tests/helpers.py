@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import flaxattn
-from flaxattn.layout import Layout
 from flaxattn import reference
+from flaxattn.layout import Layout
 from flaxattn.reference import reference_attention
 from flaxattn.selftest import relative_error as rel_error  # noqa: F401 (shared)
 
@@ -68,7 +68,7 @@ def _pack(rng, batch, length, max_docs, pad_tail, min_len):
                               replace=False)) if n_docs > 1 else np.array([], int)
     starts = np.concatenate([[0], cuts])
     ends = np.concatenate([cuts, [used]])
-    for n, (s, e) in enumerate(zip(starts, ends)):
+    for n, (s, e) in enumerate(zip(starts, ends, strict=True)):
       seg[b, s:e] = n + 1
       pos[b, s:e] = np.arange(e - s)
   return seg, pos
@@ -112,7 +112,8 @@ def legal_layout(seed: int, batch: int, length: int, kv_length: int | None = Non
 def as_layout(seg, pos=None, kv_seg=None, kv_pos=None) -> Layout:
   """A Layout of these arrays (None: the default). Keys default to the queries' arrays, the
   same objects, as self attention passes them (kernels see that they are shared)."""
-  arr = lambda x: None if x is None else jnp.asarray(x)
+  def arr(x):
+    return None if x is None else jnp.asarray(x)
   seg, pos = arr(seg), arr(pos)
   return Layout(seg, seg if kv_seg is None else arr(kv_seg), pos,
                 pos if kv_pos is None else arr(kv_pos))
@@ -160,25 +161,27 @@ def dense_oracle(q, k, v, layout, mask, scale, sinks=None, soft_cap=None):
 def compare(kernel, layout, mask, q, k, v, dtype):
   """`kernel` against `reference_attention` on out, lse and the gradients of `loss`, within
   `TOL[dtype]`; gradients relative to their largest magnitude (at least 1)."""
-  attend = lambda kern: lambda q, k, v: kern(q, k, v, layout, mask=mask, scale=0.3, return_lse=True)
+  def attend(kern):
+    return lambda q, k, v: kern(q, k, v, layout, mask=mask, scale=0.3, return_lse=True)
   want_g, (want_o, want_l) = grads_of(attend(reference_attention))(q, k, v)
   got_g, (got_o, got_l) = grads_of(attend(kernel))(q, k, v)
   tol = TOL[dtype]
   np.testing.assert_allclose(got_o, want_o, **tol)
   np.testing.assert_array_equal(np.isinf(got_l), np.isinf(want_l))
-  np.testing.assert_allclose(np.where(np.isinf(got_l), 0, got_l), np.where(np.isinf(want_l), 0, want_l), **tol)
-  for name, got, want in zip("qkv", got_g, want_g):
+  np.testing.assert_allclose(np.where(np.isinf(got_l), 0, got_l),
+                             np.where(np.isinf(want_l), 0, want_l), **tol)
+  for name, got, want in zip("qkv", got_g, want_g, strict=True):
     scale = max(1.0, float(jnp.abs(want.astype(jnp.float32)).max()))
-    np.testing.assert_allclose(np.asarray(got, np.float32) / scale, np.asarray(want, np.float32) / scale,
-                               err_msg=f"d{name}", **tol)
+    np.testing.assert_allclose(np.asarray(got, np.float32) / scale,
+                               np.asarray(want, np.float32) / scale, err_msg=f"d{name}", **tol)
 
 
 # Context parallelism: the cases cp_check.py runs on N simulated devices, one process per N,
 # and test_context_parallel.py collects by name.
 
 CP_BF16_TOL = 2e-2  # bfloat16 inputs, relative to the largest reference magnitude
-CP_MASKS = {"causal": flaxattn.Causal(), "local": flaxattn.Local(3), "chunked": flaxattn.Chunked(24),
-            "full": flaxattn.Full()}
+CP_MASKS = {"causal": flaxattn.Causal(), "local": flaxattn.Local(3),
+            "chunked": flaxattn.Chunked(24), "full": flaxattn.Full()}
 
 
 def cp_cases(n: int) -> list[dict]:
@@ -187,51 +190,63 @@ def cp_cases(n: int) -> list[dict]:
   heads, a Local window smaller than cp, 2-D and 3-D (heads over tensor) meshes, and the
   unpermute pipeline. Ulysses on 2, 4 and 8 devices and Ulysses x ring on 2x2, 2x4 and 4x2
   meshes (a "context_ring" axis), every mask, GQA down to fewer K/V heads than devices,
-  heads over tensor, batch over data. Splash (Pallas interpret mode: slow, so few cases, T = 128 per shard)
-  with the ring and all-gather strategies, every mask, packed and default layouts. `packed=
-  "legal"`: random legal layouts no pipeline produces (`legal_layout`), on which splash must
-  take its exact path. `features`: sinks, a logit soft cap and Dv != D together (their
-  gradients include d sinks), `dtype` "bfloat16" compared with `CP_BF16_TOL`."""
+  heads over tensor, batch over data. Splash (Pallas interpret mode: slow, so few cases,
+  T = 128 per shard) with the ring and all-gather strategies, every mask, packed and default
+  layouts. `packed="legal"`: random legal layouts no pipeline produces (`legal_layout`), on
+  which splash must take its exact path. `features`: sinks, a logit soft cap and Dv != D
+  together (their gradients include d sinks), `dtype` "bfloat16" compared with
+  `CP_BF16_TOL`."""
+  # A case's name says all of its parameters.
   def case(mesh, strategy="ring", lb=True, mask="causal", hkv=2, packed=True, pipeline=False, t=64,
-           backend="auto", h=4, features=False, dtype="float32"):  # a case's name says all of its parameters
+           backend="auto", h=4, features=False, dtype="float32"):
     name = "-".join(([] if backend == "auto" else [backend])
-                    + [strategy, "lb" if lb else "nolb", mask] + ([] if h == 4 else [f"h{h}"]) + [f"hkv{hkv}",
-                       {True: "packed", False: "default"}.get(packed, packed),
-                       "x".join(f"{a}{s}" for a, s in mesh.items())] + (["pipeline"] if pipeline else [])
-                    + (["sinks-cap-dv"] if features else []) + ([] if dtype == "float32" else [dtype]))
-    return dict(name=name, mesh=mesh, strategy=strategy, lb=lb, mask=mask, h=h, hkv=hkv, packed=packed,
-                pipeline=pipeline, t=t, backend=backend, features=features, dtype=dtype)
+                    + [strategy, "lb" if lb else "nolb", mask]
+                    + ([] if h == 4 else [f"h{h}"])
+                    + [f"hkv{hkv}", {True: "packed", False: "default"}.get(packed, packed),
+                       "x".join(f"{a}{s}" for a, s in mesh.items())]
+                    + (["pipeline"] if pipeline else [])
+                    + (["sinks-cap-dv"] if features else [])
+                    + ([] if dtype == "float32" else [dtype]))
+    return dict(name=name, mesh=mesh, strategy=strategy, lb=lb, mask=mask, h=h, hkv=hkv,
+                packed=packed, pipeline=pipeline, t=t, backend=backend, features=features,
+                dtype=dtype)
 
-  c2, c4, c8, dc2, dc4 = (dict(context=2), dict(context=4), dict(context=8), dict(data=2, context=2),
-                          dict(data=2, context=4))
+  c2, c4, c8, dc2, dc4 = (dict(context=2), dict(context=4), dict(context=8),
+                          dict(data=2, context=2), dict(data=2, context=4))
   # Ulysses x ring (2-D): a mesh with "context_ring" runs the ring over it inside Ulysses.
   r2c2, r2c4, r4c2 = (dict(context_ring=2, context=2), dict(context_ring=2, context=4),
                       dict(context_ring=4, context=2))
   u = "ulysses"
   return {
-      2: [case(c2, mask="full", hkv=2), case(c2, "all_gather", lb=False, mask="causal", hkv=1, packed=False),
+      2: [case(c2, mask="full", hkv=2),
+          case(c2, "all_gather", lb=False, mask="causal", hkv=1, packed=False),
           case(c2, mask="causal", hkv=2, t=256, backend="splash"),
           case(c2, "all_gather", mask="local", hkv=1, t=256, backend="splash"),
           case(c2, mask="local", hkv=1, packed="legal", t=256, backend="splash"),
           case(c2, "all_gather", mask="chunked", hkv=2, packed="legal", t=256, backend="splash"),
-          case(c2, u, mask="causal", hkv=1), case(c2, u, lb=False, mask="full", hkv=2, packed=False),
+          case(c2, u, mask="causal", hkv=1),
+          case(c2, u, lb=False, mask="full", hkv=2, packed=False),
           case(c2, u, mask="local", hkv=1, t=256, backend="splash"),
           case(c2, mask="causal", hkv=1, t=256, backend="splash", features=True)],
       4: [case(c4, mask="causal", hkv=2), case(c4, "all_gather", mask="causal", hkv=2),
           case(c4, lb=False, mask="causal", hkv=1, packed=False),
-          case(c4, mask="local", hkv=1, pipeline=True), case(dc2, mask="causal", hkv=1, packed=False),
+          case(c4, mask="local", hkv=1, pipeline=True),
+          case(dc2, mask="causal", hkv=1, packed=False),
           case(c4, mask="chunked", hkv=1, packed=False, t=512, backend="splash"),
           case(c4, lb=False, mask="local", hkv=2, t=512, backend="splash"),
           case(c4, mask="causal", hkv=2, packed="legal"),
           case(c4, "all_gather", mask="local", hkv=1, packed="legal"),
           case(c4, mask="local", hkv=2, packed="legal"),  # window ring, or every step
           case(c4, "auto", mask="chunked", hkv=1),
-          case(c4, u, mask="chunked", hkv=2), case(c4, u, lb=False, mask="local", hkv=1, packed="legal"),
+          case(c4, u, mask="chunked", hkv=2),
+          case(c4, u, lb=False, mask="local", hkv=1, packed="legal"),
           case(dc2, u, mask="causal", hkv=2, packed=False),
           case(r2c2, u, mask="causal", hkv=2), case(r2c2, u, mask="full", hkv=1, packed=False),
-          case(r2c2, u, lb=False, mask="local", hkv=2), case(r2c2, u, mask="chunked", hkv=1, pipeline=True),
+          case(r2c2, u, lb=False, mask="local", hkv=2),
+          case(r2c2, u, mask="chunked", hkv=1, pipeline=True),
           case(r2c2, u, mask="causal", hkv=2, t=256, backend="splash"),
-          case(c4, mask="local", hkv=1, features=True), case(c4, "all_gather", hkv=2, features=True),
+          case(c4, mask="local", hkv=1, features=True),
+          case(c4, "all_gather", hkv=2, features=True),
           case(c4, u, mask="local", hkv=2, features=True),
           case(c4, mask="causal", hkv=2, features=True, dtype="bfloat16")],
       8: [case(c8, mask="causal", hkv=2, t=128),
@@ -240,7 +255,9 @@ def cp_cases(n: int) -> list[dict]:
           case(dc4, "all_gather", lb=False, mask="local", hkv=2),
           case(dict(data=2, tensor=2, context=2), mask="causal", hkv=2),
           case(dict(data=2, tensor=2, context=2), mask="causal", hkv=2, t=256, backend="splash"),
-          case(c8, u, mask="causal", h=8, hkv=2, t=128), case(dict(data=2, tensor=2, context=2), u, mask="local", hkv=2),
-          case(r2c4, u, mask="causal", hkv=1), case(r4c2, u, lb=False, mask="chunked", hkv=2, t=128),
+          case(c8, u, mask="causal", h=8, hkv=2, t=128),
+          case(dict(data=2, tensor=2, context=2), u, mask="local", hkv=2),
+          case(r2c4, u, mask="causal", hkv=1),
+          case(r4c2, u, lb=False, mask="chunked", hkv=2, t=128),
           case(dict(data=2, context_ring=2, context=2), u, mask="local", hkv=1, packed=False)],
   }[n]

@@ -22,7 +22,8 @@ def _small_blocks(q, k, v, layout, *, mask, scale, return_lse):
 
 # Each mask with and without packing; GQA ratios 1, 2, 4 cycle through the cases so every
 # ratio meets packed and unpacked layouts without compiling all 30 combinations.
-CASES = [(m, packed, (1, 2, 4)[(2 * i + packed) % 3]) for i, m in enumerate(MASKS) for packed in (False, True)]
+CASES = [(m, packed, (1, 2, 4)[(2 * i + packed) % 3])
+         for i, m in enumerate(MASKS) for packed in (False, True)]
 
 
 @pytest.mark.parametrize("mask,packed,groups", CASES, ids=lambda x: str(x))
@@ -33,7 +34,8 @@ def test_blockwise_matches_reference(mask, packed, groups):
   compare(_small_blocks, layout, mask, q, k, v, jnp.float32)
 
 
-@pytest.mark.parametrize("mask", [flaxattn.Causal(), flaxattn.Local(9), flaxattn.Chunked(8)], ids=str)
+@pytest.mark.parametrize("mask", [flaxattn.Causal(), flaxattn.Local(9), flaxattn.Chunked(8)],
+                         ids=str)
 def test_blockwise_bfloat16(mask):
   q, k, v = qkv(5, 2, 72, 72, 4, 2, 32, jnp.bfloat16)
   layout = as_layout(*random_packing(5, 2, 72, pad_tail=5))
@@ -102,7 +104,7 @@ def test_fully_masked_rows_are_zero_with_finite_gradients(backend):
 
 def test_block_schedule_skips_other_documents():
   """Packed documents aligned to blocks: only diagonal blocks are visited."""
-  from flaxattn.blockwise import block_schedule, SKIP
+  from flaxattn.blockwise import SKIP, block_schedule
   seg = np.repeat(np.arange(1, 5, dtype=np.int32), 64)[None]
   pos = np.tile(np.arange(64, dtype=np.int32), 4)[None]
   kinds = block_schedule(np, flaxattn.Full(), seg, seg, pos, pos, 32, 32)

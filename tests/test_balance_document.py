@@ -82,9 +82,10 @@ def test_renumbered_segment_ids_are_the_same_documents():
   seg[0, 500:520] = 3  # an id on two separate runs is one document
   plan = balance.balance_plan(seg, 4)
   got, moved = plan.segment_ids(seg), plan.apply(seg)
-  for row_got, row_moved in zip(got, moved):
+  for row_got, row_moved in zip(got, moved, strict=True):
     assert np.array_equal(row_got == 0, row_moved == 0)
-    same = lambda ids: ids[:, None] == ids[None, :]
+    def same(ids):
+      return ids[:, None] == ids[None, :]
     np.testing.assert_array_equal(same(row_got), same(row_moved))
     starts = row_got[np.r_[True, row_got[1:] != row_got[:-1]] & (row_got > 0)]
     assert np.all(np.maximum.accumulate(starts) <= np.arange(1, len(starts) + 1))
@@ -169,10 +170,11 @@ def test_document_order_matches_reference(strategy, shape, ring_axis, mask, head
   want_grads, (want_out, want_lse) = grads_of(reference)(q, k, v)
   with jax.set_mesh(mesh):
     got_grads, (got_out, got_lse) = grads_of(parallel)(q, k, v)
-  scale = lambda x: np.abs(np.asarray(x)).max()
+  def scale(x):
+    return np.abs(np.asarray(x)).max()
   np.testing.assert_allclose(got_out, want_out, atol=TOL * scale(want_out))
   np.testing.assert_allclose(got_lse, want_lse, atol=TOL * scale(want_lse))
-  for got, want in zip(got_grads, want_grads):
+  for got, want in zip(got_grads, want_grads, strict=True):
     np.testing.assert_allclose(got, want, atol=TOL * scale(want))
 
 

@@ -94,7 +94,8 @@ def test_matches_reference_forward_and_gradients(n, name):
   assert ("dsinks" in errors) == ("sinks" in name), errors
   assert max(errors.values()) < (CP_BF16_TOL if name.endswith("bfloat16") else TOL), errors
   if not name.endswith("pipeline"):  # the output stays sequence-sharded
-    assert r["out_spec"][1] == (("context_ring", "context") if "context_ring" in name else "context")
+    assert r["out_spec"][1] == (("context_ring", "context") if "context_ring" in name
+                                else "context")
 
 
 @pytest.mark.slow
@@ -139,7 +140,8 @@ def test_ring_keeps_batch_sharded_over_data():
 def test_ulysses_program_moves_qkv_with_all_to_all_not_all_gather():
   # q, k, v, out and lse each take one all-to-all forward and one backward; ids (int32)
   # may be gathered, floating-point values never. The ring inside the 2-D hybrid permutes.
-  for n, name in [(2, "ulysses-lb-causal-hkv1-packed-context2"), (4, "ulysses-lb-chunked-hkv2-packed-context4"),
+  for n, name in [(2, "ulysses-lb-causal-hkv1-packed-context2"),
+                  (4, "ulysses-lb-chunked-hkv2-packed-context4"),
                   (8, "ulysses-lb-local-hkv2-packed-data2xtensor2xcontext2"),
                   (4, "ulysses-lb-causal-hkv2-packed-context_ring2xcontext2"),
                   (8, "ulysses-lb-causal-hkv1-packed-context_ring2xcontext4")]:
@@ -192,7 +194,8 @@ def test_load_balance_layout(cp):
   np.testing.assert_array_equal(flaxattn.unload_balance(got, cp), x)
 
 
-@pytest.mark.parametrize("shape,axis", [((2, 24), 1), ((2, 24, 3, 4), 1), ((24, 5), 0), ((2, 3, 24), -1)])
+@pytest.mark.parametrize("shape,axis",
+                         [((2, 24), 1), ((2, 24, 3, 4), 1), ((24, 5), 0), ((2, 3, 24), -1)])
 def test_load_balance_round_trip(shape, axis):
   x = np.asarray(normal(shape))
   y = flaxattn.load_balance(x, 3, axis=axis)
@@ -226,10 +229,12 @@ def test_load_balance_errors():
 
 def _trace(t, mesh_axes, **kw):
   q = jax.ShapeDtypeStruct((1, t, 2, 8), jnp.float32)
-  f = lambda q: flaxattn.attention(q, q, q, **kw)
+  def f(q):
+    return flaxattn.attention(q, q, q, **kw)
   if mesh_axes is None:
     return jax.eval_shape(f, q)
-  mesh = AbstractMesh(tuple(mesh_axes.values()), tuple(mesh_axes), axis_types=(AxisType.Auto,) * len(mesh_axes))
+  mesh = AbstractMesh(tuple(mesh_axes.values()), tuple(mesh_axes),
+                      axis_types=(AxisType.Auto,) * len(mesh_axes))
   with jax.sharding.use_abstract_mesh(mesh):
     return jax.eval_shape(f, q)
 
@@ -240,45 +245,52 @@ def test_errors():
     _trace(16, None, context_parallel=ring)
   with pytest.raises(ValueError, match="'context' is not in the mesh; mesh axes are \\('data',\\)"):
     _trace(16, dict(data=2), context_parallel=ring)
-  with pytest.raises(ValueError, match=r"length \(12\) divisible by 8 \(2 x axis size, load balancing\)"):
+  with pytest.raises(ValueError,
+                     match=r"length \(12\) divisible by 8 \(2 x axis size, load balancing\)"):
     _trace(12, dict(context=4), context_parallel=ring)
   with pytest.raises(ValueError, match=r"length \(6\) divisible by 4\."):
     _trace(6, dict(context=4), context_parallel=flaxattn.ContextParallel(load_balance=False))
   with pytest.raises(ValueError, match=r"reference has no per-block passes for the ring strategy"):
     _trace(16, dict(context=4), context_parallel=ring, backend="reference")
-  with pytest.raises(ValueError, match=r"strategy=\.\.\.\) expects one of \('ring', 'all_gather', 'ulysses', 'auto'\), got 'bogus'"):
+  with pytest.raises(ValueError, match=r"strategy=\.\.\.\) expects one of \('ring', 'all_gather',"
+                                       r" 'ulysses', 'auto'\), got 'bogus'"):
     flaxattn.ContextParallel(strategy="bogus")
   # The same shapes trace fine when they fit, so the errors above are not from elsewhere.
   assert _trace(16, dict(data=2, context=4), context_parallel=ring).shape == (1, 16, 2, 8)
   gather = flaxattn.ContextParallel(strategy="all_gather")
-  assert _trace(16, dict(context=4), context_parallel=gather, backend="reference").shape == (1, 16, 2, 8)
+  assert _trace(16, dict(context=4), context_parallel=gather,
+                backend="reference").shape == (1, 16, 2, 8)
 
 
 def test_ulysses_errors():
   ulysses = flaxattn.ContextParallel(strategy="ulysses")
   hybrid = flaxattn.ContextParallel(strategy="ulysses", ring_axis="context_ring")
   # 2 query heads do not split over 4 devices, nor 1 head per tensor shard over 2.
-  with pytest.raises(ValueError, match=r"'ulysses' over 'context' \(size 4\) .* heads per device \(2, of 2"
-                                       r" K/V heads\) divisible by 4; use strategy='ring' or 'all_gather'"):
+  with pytest.raises(ValueError, match=r"'ulysses' over 'context' \(size 4\) .* heads per device"
+                                       r" \(2, of 2 K/V heads\) divisible by 4; use strategy='ring'"
+                                       r" or 'all_gather'"):
     _trace(16, dict(context=4), context_parallel=ulysses)
   with pytest.raises(ValueError, match=r"heads per device \(1, of 1 K/V heads\) divisible by 2"):
     _trace(16, dict(tensor=2, context=2), context_parallel=ulysses)
-  with pytest.raises(ValueError, match=r"'context_ring' is not in the mesh.*ContextParallel\(ring_axis="):
+  with pytest.raises(ValueError,
+                     match=r"'context_ring' is not in the mesh.*ContextParallel\(ring_axis="):
     _trace(16, dict(context=2), context_parallel=hybrid)
-  with pytest.raises(ValueError, match=r"length \(10\) divisible by 4 \(2 x 2 shards over \('context_ring',"
-                                       r" 'context'\), each ring shard 2 chunks, load balancing\)"):
+  with pytest.raises(ValueError, match=r"length \(10\) divisible by 4 \(2 x 2 shards over"
+                                       r" \('context_ring', 'context'\), each ring shard 2 chunks,"
+                                       r" load balancing\)"):
     _trace(10, dict(context_ring=2, context=2), context_parallel=hybrid)
-  with pytest.raises(ValueError, match=r"reference has no per-block passes for the ring strategy; use"
-                                       r" strategy='ulysses' without ring_axis"):
+  with pytest.raises(ValueError, match=r"reference has no per-block passes for the ring strategy;"
+                                       r" use strategy='ulysses' without ring_axis"):
     _trace(16, dict(context_ring=2, context=2), context_parallel=hybrid, backend="reference")
-  with pytest.raises(ValueError, match=r"ring_axis='context_ring'\) runs a ring inside Ulysses and expects"
-                                       r" strategy='ulysses' \(or 'auto'\), got 'ring'"):
+  with pytest.raises(ValueError, match=r"ring_axis='context_ring'\) runs a ring inside Ulysses and"
+                                       r" expects strategy='ulysses' \(or 'auto'\), got 'ring'"):
     flaxattn.ContextParallel(ring_axis="context_ring")
-  with pytest.raises(ValueError, match=r"ring_axis=\.\.\.\) expects None or a mesh axis name other than"
-                                       r" axis='context', got 'context'"):
+  with pytest.raises(ValueError, match=r"ring_axis=\.\.\.\) expects None or a mesh axis name other"
+                                       r" than axis='context', got 'context'"):
     flaxattn.ContextParallel(strategy="ulysses", ring_axis="context")
   # Fitting shapes trace; any kernel serves Ulysses alone (a plain call per device).
-  assert _trace(16, dict(data=2, context=2), context_parallel=ulysses, backend="reference").shape == (1, 16, 2, 8)
+  assert _trace(16, dict(data=2, context=2), context_parallel=ulysses,
+                backend="reference").shape == (1, 16, 2, 8)
   assert _trace(16, dict(context_ring=2, context=2), context_parallel=hybrid).shape == (1, 16, 2, 8)
   q = jax.ShapeDtypeStruct((1, 16, 2, 8), jnp.float32)
   mesh = AbstractMesh((2, 2), ("context_ring", "context"), axis_types=(AxisType.Auto,) * 2)
@@ -286,7 +298,8 @@ def test_ulysses_errors():
     text = flaxattn.explain(q, q, q, context_parallel=hybrid, print_fn=None)
     assert "context parallel: ulysses over 2 x ring over 2 devices" in text, text
     text = flaxattn.explain(q, q, q, context_parallel=ulysses, backend="reference", print_fn=None)
-    assert "context parallel: ulysses over 2 devices" in text and "backend='reference' -> reference" in text, text
+    assert ("context parallel: ulysses over 2 devices" in text
+            and "backend='reference' -> reference" in text), text
 
 
 def test_context_axis_of_size_one_is_plain_attention():
@@ -302,7 +315,7 @@ def test_context_axis_of_size_one_is_plain_attention():
   mesh = Mesh(np.array(jax.devices()[:1]), ("context",), axis_types=(AxisType.Auto,))
   with jax.set_mesh(mesh):
     got = grads(context_parallel=flaxattn.ContextParallel())  # ring: a scan of length 0
-  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
     assert rel_error(g, w) < TOL
 
 

@@ -13,8 +13,17 @@ from flax import nnx
 from jax.sharding import AxisType
 
 from bench import hlo
-from flaxattn import (Causal, Chunked, ContextParallel, Local, MultiHeadAttention, RoPE,
-                      explain, load_balance, unload_balance)
+from flaxattn import (
+  Causal,
+  Chunked,
+  ContextParallel,
+  Local,
+  MultiHeadAttention,
+  RoPE,
+  explain,
+  load_balance,
+  unload_balance,
+)
 from helpers import normal
 from models.llama import Llama, LlamaConfig
 from train import sample
@@ -89,7 +98,7 @@ def _run(m, prompt, steps, ids, calls, balance, unbalance, multiple=1):
   """Outputs `[B, T, E]` of the prompt then of each decode call, in the original order.
   Calls of a `multiple` of tokens are prefills: their arrays go in `balance`d order."""
   outs = []
-  for x, (seg, pos) in [(prompt, ids)] + list(zip(steps, calls)):
+  for x, (seg, pos) in [(prompt, ids)] + list(zip(steps, calls, strict=True)):
     order, back = (balance, unbalance) if x.shape[1] % multiple == 0 else (_same, _same)
     seg, pos = (None if a is None else jnp.asarray(order(a)) for a in (seg, pos))
     outs.append(np.asarray(back(_decode(m, order(x), seg, pos))))
@@ -120,8 +129,10 @@ def test_prefill_and_decode_equal_one_device(case):
   balanced = case.ring if case.ring > 1 else case.n  # ContextParallel.balanced_shards
   balance, unbalance = _same, _same
   if case.load_balance:
-    balance = lambda x: load_balance(x, balanced)
-    unbalance = lambda x: unload_balance(x, balanced)
+    def balance(x):
+      return load_balance(x, balanced)
+    def unbalance(x):
+      return unload_balance(x, balanced)
   with jax.set_mesh(mesh):
     m = _layer(case, cp)
     nnx.update(m, nnx.state(ref, nnx.Param))
@@ -129,7 +140,7 @@ def test_prefill_and_decode_equal_one_device(case):
     got = _run(m, prompt, steps, ids, calls, balance, unbalance, math.lcm(n, 2 * balanced))
     shard = m.cached_key[...].addressable_shards[0].data
   assert shard.shape == (b // case.data, slots // n, case.kv_heads, E // case.heads)
-  for g, w in zip(got, want):
+  for g, w in zip(got, want, strict=True):
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * np.abs(w).max())
   # Balanced: every device holds its share of the written tokens, within one.
   filled = np.asarray(m.cached_segment_ids[...] != 0).reshape(b, n, -1).sum(-1)
@@ -199,7 +210,8 @@ def test_a_decode_step_moves_the_same_bytes_at_any_cache_length():
                              context_parallel=ContextParallel(), rngs=nnx.Rngs(0))
       m.init_cache((2, slots, E))
       graphdef, state = nnx.split(m)
-      step = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x, decode=True))
+      # Compiled and lowered in this iteration, with this iteration's graphdef.
+      step = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x, decode=True))  # noqa: B023
       moved.append(hlo.collectives(step.lower(state, normal((2, 1, E))).compile().as_text()))
   n, b, h, d, f32 = 4, 2, 4, E // 4, 4
   want = {"all-gather": {"count": 1, "bytes": n * b * h * f32},

@@ -40,7 +40,8 @@ def _call(platform="gpu", dtype="bfloat16", d=128, mask=flaxattn.Causal(), segme
     _call(mask=flaxattn.Causal() & flaxattn.Local(64) & flaxattn.Local(32)),
     _call(dtype="float16", d=64), _call(d=256), _call(positions=True),
     _call(positions=True, segments=False, mask=flaxattn.Full()), _call(t=100, s=300)],
-    ids=lambda c: f"{c.dtype}-d{c.q_shape[-1]}-{c.mask}-seg{c.has_segment_ids}-pos{c.has_positions}")
+    ids=lambda c: (f"{c.dtype}-d{c.q_shape[-1]}-{c.mask}-seg{c.has_segment_ids}"
+                   f"-pos{c.has_positions}"))
 def test_accepts(call):
   assert cudnn.Cudnn().unsupported_reason(call) is None
 
@@ -61,7 +62,8 @@ def test_declines_with_reason(call, words):
 
 
 def test_serves_context_parallelism_for_causal_and_full_masks_only():
-  cp = lambda mask, strategy: dataclasses.replace(_call(mask=mask), cp_size=4, cp_strategy=strategy)
+  def cp(mask, strategy):
+    return dataclasses.replace(_call(mask=mask), cp_size=4, cp_strategy=strategy)
   for strategy in ("ring", "all_gather"):
     for mask in (flaxattn.Causal(), flaxattn.Full()):
       assert cudnn.Cudnn().unsupported_reason(cp(mask, strategy)) is None
@@ -209,12 +211,15 @@ def test_fake_dense_rows_without_lse_cotangent(fake_cudnn):
   return_lse=False the lse cotangent is a symbolic zero and its cuDNN call is skipped."""
   q, k, v = qkv(7, B, 40, T, 4, 2, D, jnp.bfloat16)
   mask = flaxattn.Causal() & flaxattn.Local(20)
-  loss = lambda kernel: lambda q, k, v: jnp.sum(kernel(
-      q, k, v, Layout(), mask=mask, scale=0.3, return_lse=False).astype(jnp.float32) ** 2)
+  def loss(kernel):
+    return lambda q, k, v: jnp.sum(kernel(
+        q, k, v, Layout(), mask=mask, scale=0.3, return_lse=False).astype(jnp.float32) ** 2)
   jaxpr = str(jax.make_jaxpr(jax.grad(loss(cudnn.cudnn_attention)))(q, k, v))
   assert jaxpr.count("dot_product_attention_bwd_wrapper") == 1  # no second (lse) call
-  grads = lambda kernel: jax.jit(jax.grad(loss(kernel), (0, 1, 2)))(q, k, v)
-  for name, got, want in zip("qkv", grads(cudnn.cudnn_attention), grads(reference_attention)):
+  def grads(kernel):
+    return jax.jit(jax.grad(loss(kernel), (0, 1, 2)))(q, k, v)
+  for name, got, want in zip("qkv", grads(cudnn.cudnn_attention), grads(reference_attention),
+                             strict=True):
     scale = max(1.0, float(jnp.abs(want.astype(jnp.float32)).max()))
     np.testing.assert_allclose(np.asarray(got, np.float32) / scale,
                                np.asarray(want, np.float32) / scale, err_msg=f"d{name}",
@@ -227,7 +232,7 @@ def _ring_style(q, k, v, dout, dlse):
   blocks = [(k[:, :half], v[:, :half]), (k[:, half:], v[:, half:])]
   parts = [cudnn.forward(q, kb, vb, Layout(), mask=mask, scale=scale) for kb, vb in blocks]
   lse = jnp.logaddexp(parts[0][1], parts[1][1])
-  out = sum(jnp.exp(l - lse)[..., None] * o.astype(jnp.float32) for o, l in parts)
+  out = sum(jnp.exp(lse_b - lse)[..., None] * o.astype(jnp.float32) for o, lse_b in parts)
   grads = [cudnn.backward(q, kb, vb, Layout(), out.astype(q.dtype), lse, dout, dlse,
                                 mask=mask, scale=scale) for kb, vb in blocks]
   dq = sum(g[0].astype(jnp.float32) for g in grads)
@@ -235,8 +240,8 @@ def _ring_style(q, k, v, dout, dlse):
   dv = jnp.concatenate([g[2] for g in grads], axis=1)
 
   def f(q, k, v):
-    o, l = reference_attention(q, k, v, Layout(), mask=mask, scale=scale, return_lse=True)
-    return jnp.sum(o.astype(jnp.float32) * dout.astype(jnp.float32)) + jnp.sum(l * dlse)
+    o, ref_lse = reference_attention(q, k, v, Layout(), mask=mask, scale=scale, return_lse=True)
+    return jnp.sum(o.astype(jnp.float32) * dout.astype(jnp.float32)) + jnp.sum(ref_lse * dlse)
 
   return (dq, dk, dv), jax.grad(f, (0, 1, 2))(q, k, v)
 
@@ -248,7 +253,7 @@ def test_fake_ring_style_passes(fake_cudnn):
   dout, dlse = normal(q.shape, 11, jnp.bfloat16), normal(q.shape[:3], 12)
 
   got, want = _ring_style(q, k, v, dout, dlse)
-  for name, g, w in zip("qkv", got, want):
+  for name, g, w in zip("qkv", got, want, strict=True):
     np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
                                err_msg=f"d{name}", atol=6e-2, rtol=6e-2)
 
@@ -346,8 +351,9 @@ def test_gpu_fused_backend_reaches_cudnn():
   seg = jnp.asarray(random_packing(33, 1, 256, pad_tail=5)[0])
   for kwargs in ({}, dict(segment_ids=seg)):
     _served(q, k, flaxattn.Causal(), bool(kwargs))
-    loss = lambda backend: lambda q: jnp.sum(flaxattn.attention(
-        q, k, v, backend=backend, **kwargs).astype(jnp.float32) ** 2)
+    def loss(backend, kwargs=kwargs):
+      return lambda q: jnp.sum(flaxattn.attention(
+          q, k, v, backend=backend, **kwargs).astype(jnp.float32) ** 2)
     fused = jax.jit(jax.grad(loss("fused")))
     assert "__cudnn$fmha" in fused.lower(q).compile().as_text(), kwargs
     np.testing.assert_allclose(np.asarray(fused(q), np.float32),

@@ -8,15 +8,14 @@ Context parallelism with these features: cp_check.py (cases named `...-sinks-cap
 import dataclasses
 import functools
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
 import flaxattn
-from flaxattn.attention import apply_sinks
 from flaxattn import cudnn, registry, splash
+from flaxattn.attention import apply_sinks
 from helpers import TOL, as_layout, dense_oracle, grads_of, normal, qkv, random_packing
 from models import llama
 
@@ -34,16 +33,17 @@ def _data(seed, b, t, h, hkv, d, dv, dtype, pad_tail=3):
 
 def _check(attend, q, k, v, sinks, layout, mask, dtype, soft_cap, use_sinks=True):
   """`attend(q, k, v, sinks) -> (out, lse)` against the oracle: out, lse, dq, dk, dv, dsinks."""
-  oracle = lambda q, k, v, s: dense_oracle(q, k, v, layout, mask, SCALE,
-                                           s if use_sinks else None, soft_cap)
+  def oracle(q, k, v, s):
+    return dense_oracle(q, k, v, layout, mask, SCALE, s if use_sinks else None, soft_cap)
   want_g, (want_o, want_l) = grads_of(oracle, 4)(q, k, v, sinks)
   got_g, (got_o, got_l) = grads_of(attend, 4)(q, k, v, sinks)
   tol = TOL[dtype]
   np.testing.assert_allclose(got_o, want_o, **tol)
   np.testing.assert_array_equal(np.isinf(got_l), np.isinf(want_l))
-  finite = lambda x: np.where(np.isinf(x), 0, x)
+  def finite(x):
+    return np.where(np.isinf(x), 0, x)
   np.testing.assert_allclose(finite(got_l), finite(want_l), **tol)
-  for name, got, want in zip(("dq", "dk", "dv", "dsinks"), got_g, want_g):
+  for name, got, want in zip(("dq", "dk", "dv", "dsinks"), got_g, want_g, strict=True):
     scale = max(1.0, float(jnp.abs(want.astype(jnp.float32)).max()))
     np.testing.assert_allclose(np.asarray(got, np.float32) / scale,
                                np.asarray(want, np.float32) / scale, err_msg=name, **tol)
@@ -92,7 +92,8 @@ def test_cudnn_model_with_sinks(fake_cudnn):
   mask = flaxattn.Causal()
   run = functools.partial(cudnn.cudnn_attention, mask=mask, scale=SCALE, return_lse=True,
                           max_segments=8)
-  attend = lambda q, k, v, s: apply_sinks(*run(q, k, v, layout), s)
+  def attend(q, k, v, s):
+    return apply_sinks(*run(q, k, v, layout), s)
   _check(attend, q, k, v, sinks, layout, mask, jnp.bfloat16, None)
 
 
@@ -157,8 +158,9 @@ def test_bad_arguments_name_themselves(kw, match):
 
 def test_layer_options():
   x = normal((2, 16, 32))
-  make = lambda **kw: flaxattn.MultiHeadAttention(4, 32, num_kv_heads=2, mask=flaxattn.Causal(),
-                                                  rngs=nnx.Rngs(0), **kw)
+  def make(**kw):
+    return flaxattn.MultiHeadAttention(4, 32, num_kv_heads=2, mask=flaxattn.Causal(),
+                                       rngs=nnx.Rngs(0), **kw)
   m = make(sinks=True, logit_soft_cap=3.0, v_head_dim=12)
   assert m.sinks.shape == (4,) and m.sinks.out_sharding == ("heads",)
   assert m.value.kernel.shape == (32, 2, 12) and m.out.kernel.shape == (4, 12, 32)
@@ -179,7 +181,8 @@ def test_layer_options():
 @pytest.mark.parametrize("causal", [False, True])
 def test_nnx_attention_fn_in_stock_layer_matches_its_default(causal):
   x = normal((2, 24, 32))
-  make = lambda **kw: nnx.MultiHeadAttention(4, 32, decode=False, rngs=nnx.Rngs(0), **kw)
+  def make(**kw):
+    return nnx.MultiHeadAttention(4, 32, decode=False, rngs=nnx.Rngs(0), **kw)
   stock, ours = make(), make(attention_fn=flaxattn.nnx_attention_fn())
   np.testing.assert_allclose(ours(x, is_causal=causal), stock(x, is_causal=causal),
                              atol=2e-5, rtol=2e-5)

@@ -31,16 +31,21 @@ def _random_tensors(config: dict, seed: int = 0) -> dict[str, np.ndarray]:
   e, v, f = config["hidden_size"], config["vocab_size"], config["intermediate_size"]
   h, hkv = config["num_attention_heads"], config["num_key_value_heads"]
   d = e // h
-  w = lambda *shape: (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(BF16)
-  norm = lambda: (1 + 0.1 * rng.standard_normal(e)).astype(BF16)
+  def w(*shape):
+    return (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(BF16)
+  def norm():
+    return (1 + 0.1 * rng.standard_normal(e)).astype(BF16)
   out = {"model.embed_tokens.weight": w(v, e), "model.norm.weight": norm()}
   if not config["tie_word_embeddings"]:
     out["lm_head.weight"] = w(v, e)
   for i in range(config["num_hidden_layers"]):
     p = f"model.layers.{i}."
-    out.update({p + "input_layernorm.weight": norm(), p + "post_attention_layernorm.weight": norm(),
-                p + "self_attn.q_proj.weight": w(h * d, e), p + "self_attn.k_proj.weight": w(hkv * d, e),
-                p + "self_attn.v_proj.weight": w(hkv * d, e), p + "self_attn.o_proj.weight": w(e, h * d),
+    out.update({p + "input_layernorm.weight": norm(),
+                p + "post_attention_layernorm.weight": norm(),
+                p + "self_attn.q_proj.weight": w(h * d, e),
+                p + "self_attn.k_proj.weight": w(hkv * d, e),
+                p + "self_attn.v_proj.weight": w(hkv * d, e),
+                p + "self_attn.o_proj.weight": w(e, h * d),
                 p + "mlp.gate_proj.weight": w(f, e), p + "mlp.up_proj.weight": w(f, e),
                 p + "mlp.down_proj.weight": w(e, f)})
   return out
@@ -93,7 +98,8 @@ def _numpy_llama(tensors, config, tokens, segment_ids, positions):
   t64 = {n: np.asarray(w, np.float64) for n, w in tensors.items()}
   e, h, hkv = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]
   d, eps = e // h, config["rms_norm_eps"]
-  inv_freq = 1.0 / config["rope_theta"] ** (np.arange(0, d, 2) / d) / config["rope_scaling"]["factor"]
+  inv_freq = (1.0 / config["rope_theta"] ** (np.arange(0, d, 2) / d)
+              / config["rope_scaling"]["factor"])
   angles = positions[:, None] * inv_freq[None]  # [T, D/2]
   cos, sin = np.concatenate([np.cos(angles)] * 2, -1), np.concatenate([np.sin(angles)] * 2, -1)
 
@@ -104,11 +110,13 @@ def _numpy_llama(tensors, config, tokens, segment_ids, positions):
   def rms(x, w):
     return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps) * w
 
-  visible = ((segment_ids[:, None] == segment_ids[None, :]) & (positions[None, :] <= positions[:, None])
+  visible = ((segment_ids[:, None] == segment_ids[None, :])
+             & (positions[None, :] <= positions[:, None])
              & (segment_ids[:, None] > 0))
   x = t64["model.embed_tokens.weight"][tokens]
   for i in range(config["num_hidden_layers"]):
-    p = lambda n: t64[f"model.layers.{i}.{n}"]
+    def p(n, i=i):
+      return t64[f"model.layers.{i}.{n}"]
     y = rms(x, p("input_layernorm.weight"))
     q = rope((y @ p("self_attn.q_proj.weight").T).reshape(-1, h, d))
     k = rope((y @ p("self_attn.k_proj.weight").T).reshape(-1, hkv, d))
@@ -122,7 +130,8 @@ def _numpy_llama(tensors, config, tokens, segment_ids, positions):
     x = x + attn @ p("self_attn.o_proj.weight").T
     y = rms(x, p("post_attention_layernorm.weight"))
     gate = y @ p("mlp.gate_proj.weight").T
-    x = x + (gate / (1 + np.exp(-gate)) * (y @ p("mlp.up_proj.weight").T)) @ p("mlp.down_proj.weight").T
+    x = x + ((gate / (1 + np.exp(-gate)) * (y @ p("mlp.up_proj.weight").T))
+             @ p("mlp.down_proj.weight").T)
   return rms(x, t64["model.norm.weight"]) @ t64["lm_head.weight"].T
 
 
@@ -132,7 +141,8 @@ def test_logits_match_a_numpy_llama_on_single_and_packed_rows(tmp_path):
   t = 24
   tokens = np.random.default_rng(1).integers(0, CONFIG["vocab_size"], (2, t))
   seg = np.stack([np.ones(t, np.int32), np.repeat([1, 2, 3], [10, 9, 5]).astype(np.int32)])
-  pos = np.stack([np.arange(t), np.concatenate([np.arange(10), np.arange(9), np.arange(5)])]).astype(np.int32)
+  pos = np.stack([np.arange(t),
+                  np.concatenate([np.arange(10), np.arange(9), np.arange(5)])]).astype(np.int32)
   got = np.asarray(model(tokens, segment_ids=seg, positions=pos))
   for row in range(2):
     want = _numpy_llama(tensors, CONFIG, tokens[row], seg[row], pos[row])

@@ -23,12 +23,16 @@ K = jnp.zeros((2, 16, 2, 8))
     (dict(v=jnp.zeros((2, 15, 2, 8))), r"k and v expect the same \[B, S, Hkv\]"),
     (dict(q=jnp.zeros((2, 16, 4, 8), jnp.int32)), r"q expects a floating dtype.*int32"),
     (dict(q=jnp.zeros((2, 16, 4, 8), jnp.bfloat16)), r"q, k, v expect one dtype"),
-    (dict(segment_ids=jnp.ones((2, 15), jnp.int32)), r"segment_ids expects an integer array of shape \(2, 16\).*\(2, 15\)"),
-    (dict(segment_ids=jnp.ones((2, 16), jnp.float32)), r"segment_ids expects an integer array.*float32"),
-    (dict(positions=jnp.ones((16,), jnp.int32)), r"positions expects an integer array of shape \(2, 16\)"),
+    (dict(segment_ids=jnp.ones((2, 15), jnp.int32)),
+     r"segment_ids expects an integer array of shape \(2, 16\).*\(2, 15\)"),
+    (dict(segment_ids=jnp.ones((2, 16), jnp.float32)),
+     r"segment_ids expects an integer array.*float32"),
+    (dict(positions=jnp.ones((16,), jnp.int32)),
+     r"positions expects an integer array of shape \(2, 16\)"),
     (dict(kv_positions=jnp.ones((2, 8), jnp.int32)), r"kv_positions expects .*\(2, 16\)"),
     (dict(kv_segment_ids=jnp.ones((2, 16), jnp.int32)), r"segment_ids is required"),
-    (dict(backend="nope"), r"backend expects one of \['auto', 'fused', 'blockwise', 'cudnn', 'reference', 'splash'\]"),
+    (dict(backend="nope"),
+     r"backend expects one of \['auto', 'fused', 'blockwise', 'cudnn', 'reference', 'splash'\]"),
 ])
 def test_bad_input_names_the_argument(kwargs, match):
   args = dict(q=Q, k=K, v=K)
@@ -43,7 +47,8 @@ def test_mask_type_error():
 
 
 def test_cross_attention_needs_kv_segments():
-  with pytest.raises(ValueError, match=r"kv_segment_ids is required when keys \(9\) and queries \(16\)"):
+  with pytest.raises(ValueError,
+                     match=r"kv_segment_ids is required when keys \(9\) and queries \(16\)"):
     flaxattn.attention(Q, K[:, :9], K[:, :9], segment_ids=jnp.ones((2, 16), jnp.int32))
 
 
@@ -105,7 +110,8 @@ def test_explain_and_call_agree_under_context_parallelism():
     gather = flaxattn.ContextParallel(strategy="all_gather")
     text = flaxattn.explain(Q, K, K, backend="reference", context_parallel=gather, print_fn=None)
     assert "backend='reference' -> reference" in text
-    assert flaxattn.attention(Q, K, K, backend="reference", context_parallel=gather).shape == Q.shape
+    assert flaxattn.attention(Q, K, K, backend="reference",
+                              context_parallel=gather).shape == Q.shape
 
 
 def test_import_loads_no_kernel_that_uses_private_jax():
@@ -118,7 +124,8 @@ def test_import_loads_no_kernel_that_uses_private_jax():
 
 
 def test_explain_takes_shapes_only(capsys):
-  shape = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
+  def shape(*s):
+    return jax.ShapeDtypeStruct(s, jnp.float32)
   flaxattn.explain(shape(1, 4096, 8, 64), shape(1, 4096, 2, 64), shape(1, 4096, 2, 64),
                    mask=flaxattn.Local(128))
   out = capsys.readouterr().out
@@ -126,7 +133,8 @@ def test_explain_takes_shapes_only(capsys):
 
 
 def test_explain_shows_each_platform():
-  shape = lambda *s, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(s, dtype)
+  def shape(*s, dtype=jnp.bfloat16):
+    return jax.ShapeDtypeStruct(s, dtype)
   q, kv = shape(1, 4096, 8, 128), shape(1, 4096, 2, 128)
   text = flaxattn.explain(q, kv, kv, segment_ids=shape(1, 4096, dtype=jnp.int32), print_fn=None)
   assert "  cpu: blockwise\n  gpu: cudnn (packed rows checked per batch" in text
@@ -143,4 +151,5 @@ def test_explain_shows_each_platform():
   assert "tpu: blockwise (splash declines: splash needs a sequence length" in text
   assert "gpu: blockwise (cudnn declines:" in text
   text = flaxattn.explain(q, kv, kv, backend="splash", print_fn=None)
-  assert "  tpu: error: backend='splash' cannot serve this call: splash needs a sequence length" in text
+  assert ("  tpu: error: backend='splash' cannot serve this call: splash needs a sequence length"
+          in text)

@@ -46,7 +46,8 @@ DROP_IN = [
 def test_drop_in_same_parameters_and_full_output(kw):
   theirs = nnx.MultiHeadAttention(decode=False, rngs=nnx.Rngs(0), **kw)
   ours = MultiHeadAttention(mask=Full(), backend="reference", rngs=nnx.Rngs(1), **kw)
-  shapes = lambda m: jax.tree.map(jnp.shape, nnx.to_pure_dict(nnx.state(m, nnx.Param)))
+  def shapes(m):
+    return jax.tree.map(jnp.shape, nnx.to_pure_dict(nnx.state(m, nnx.Param)))
   assert shapes(ours) == shapes(theirs)
   nnx.update(ours, nnx.state(theirs, nnx.Param))
   s = 6 if "in_kv_features" in kw else T  # cross attention with a different length
@@ -63,7 +64,8 @@ def test_drop_in_causal_output_and_param_gradient():
 
   @nnx.jit
   def grads(model, **call):
-    loss = lambda model: jnp.sum(jnp.sin(model(x, **call)))
+    def loss(model):
+      return jnp.sum(jnp.sin(model(x, **call)))
     return nnx.to_pure_dict(nnx.grad(loss, argnums=nnx.DiffState(0, nnx.Param))(model))
 
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5),
@@ -184,12 +186,15 @@ def test_constructor_errors(make, match):
     (lambda m: m(normal((3, B, T, E)), segment_ids=jnp.ones((B, T), jnp.int32)),
      r"segment_ids expects shape \(3, 2, 8\) \(the inputs' leading axes, then tokens\), got"
      r" shape \(2, 8\)"),
-    (lambda m: m(normal((B, T, 12))), r"inputs_q expects 16 features \(in_features=16\), got shape"),
+    (lambda m: m(normal((B, T, 12))),
+     r"inputs_q expects 16 features \(in_features=16\), got shape"),
     (lambda m: m(normal((B, T, E)), mask=nnx.make_causal_mask(jnp.ones((B, T)))),
      r"mask expects a flaxattn mask .* got ArrayImpl of shape \(2, 1, 8, 8\).*segment_ids"),
     (lambda m: m(normal((B, T, E)), sow_weights=True), r"sow_weights expects False"),
-    (lambda m: m(normal((B, 1, E)), decode=True), r"decode=True expects a KV cache: call init_cache"),
-    (lambda m: m(normal((B, T, E)), None, normal((B, T, E))), r"inputs_k expects an array when inputs_v"),
+    (lambda m: m(normal((B, 1, E)), decode=True),
+     r"decode=True expects a KV cache: call init_cache"),
+    (lambda m: m(normal((B, T, E)), None, normal((B, T, E))),
+     r"inputs_k expects an array when inputs_v"),
 ])
 def test_call_errors(call, match):
   m = MultiHeadAttention(4, E, rngs=nnx.Rngs(0))

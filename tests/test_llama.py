@@ -12,8 +12,16 @@ from flax import nnx
 
 import flaxattn
 from helpers import normal
-from models.llama import (Llama, LlamaConfig, flops_per_token, layer_masks, loss_fn,
-                          make_targets, num_params, unroll_layers)
+from models.llama import (
+  Llama,
+  LlamaConfig,
+  flops_per_token,
+  layer_masks,
+  loss_fn,
+  make_targets,
+  num_params,
+  unroll_layers,
+)
 
 B, T = 2, 16
 # Small and fast: the reference backend compiles quickest; flaxattn's own tests check that
@@ -107,7 +115,8 @@ def _dependence(model, seg, pos):
 
   @nnx.jit
   def jacobian(model, x):
-    f = lambda x: model.from_embeddings(x, segment_ids=seg, positions=pos) @ r
+    def f(x):
+      return model.from_embeddings(x, segment_ids=seg, positions=pos) @ r
     return jnp.abs(jax.jacrev(f)(x)).sum(-1)
 
   return np.asarray(jacobian(model, x))

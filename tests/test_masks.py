@@ -13,19 +13,22 @@ MASKS = [flaxattn.Full(), flaxattn.Causal(), flaxattn.Local(5), flaxattn.Chunked
 
 
 def test_masks_are_hashable_static_values():
-  assert flaxattn.Local(5) == flaxattn.Local(5) and hash(flaxattn.Local(5)) == hash(flaxattn.Local(5))
+  assert (flaxattn.Local(5) == flaxattn.Local(5)
+          and hash(flaxattn.Local(5)) == hash(flaxattn.Local(5)))
   assert flaxattn.Local(5) != flaxattn.Local(6)
   assert flaxattn.Causal() & flaxattn.Local(3) == And((flaxattn.Causal(), flaxattn.Local(3)))
   # & flattens: (a & b) & c is one And of three.
   assert len((flaxattn.Causal() & flaxattn.Local(3) & flaxattn.Chunked(2)).masks) == 3
   f = jax.jit(lambda x, mask: mask.allows(x, x[::-1]), static_argnums=1)
-  np.testing.assert_array_equal(f(jnp.arange(6), flaxattn.Causal()), np.arange(6)[::-1] <= np.arange(6))
+  np.testing.assert_array_equal(f(jnp.arange(6), flaxattn.Causal()),
+                                np.arange(6)[::-1] <= np.arange(6))
 
 
 @pytest.mark.parametrize("make,arg", [(flaxattn.Local, "window"), (flaxattn.Chunked, "size")])
 @pytest.mark.parametrize("bad", [0, -3, 2.5, True, "8"])
 def test_invalid_parameters_name_the_argument(make, arg, bad):
-  with pytest.raises(ValueError, match=rf"{make.__name__}\({arg}=.*expects a positive int.*{bad!r}"):
+  with pytest.raises(ValueError,
+                     match=rf"{make.__name__}\({arg}=.*expects a positive int.*{bad!r}"):
     make(bad)
 
 

@@ -45,7 +45,8 @@ def _decode_both(ours, theirs, params, x_BTF, dtype):
   ours.init_cache(x_BTF.shape, dtype)
   cache_shapes = jax.eval_shape(theirs.init, jax.random.key(0), x_BTF)["cache"]
   cache = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), cache_shapes)
-  step = lambda cache, x: theirs.apply({"params": params, "cache": cache}, x, mutable=["cache"])
+  def step(cache, x):
+    return theirs.apply({"params": params, "cache": cache}, x, mutable=["cache"])
   got, want = [], []
   for i in range(x_BTF.shape[-2]):
     x = x_BTF[..., i:i + 1, :]

@@ -13,7 +13,8 @@ from models.llama import LlamaConfig, layer_masks
 
 
 @pytest.mark.parametrize("mask", [flaxattn.Full(), flaxattn.Causal(), flaxattn.Local(5),
-                                  flaxattn.Chunked(6), flaxattn.Local(30), flaxattn.Chunked(3) & flaxattn.Local(7)])
+                                  flaxattn.Chunked(6), flaxattn.Local(30),
+                                  flaxattn.Chunked(3) & flaxattn.Local(7)])
 @pytest.mark.parametrize("t", [1, 17, 40])
 def test_visible_pairs_counts_what_the_mask_allows(mask, t):
   pos = np.arange(t)
@@ -36,7 +37,8 @@ def test_ring_fetches():
   assert ring.ring_fetches(local, 1024, 2, True) is None  # both neighbours are one device
   assert ring.ring_fetches(local, 1024, 8, False) == ((1, None),)  # shard 128
   assert ring.ring_fetches(local, 256, 8, False) == ((1, None), (2, None))  # shard 32
-  assert ring.ring_fetches(flaxattn.Chunked(40) & flaxattn.Local(200), 1024, 8, False) == ((1, None),)
+  assert ring.ring_fetches(flaxattn.Chunked(40) & flaxattn.Local(200), 1024, 8,
+                           False) == ((1, None),)
   assert ring.ring_fetches(flaxattn.Causal(), 1024, 8, True) is None
 
 
@@ -55,7 +57,8 @@ def test_documented_choices(platform, n, t, mask, want):
 
 
 def test_heads_that_do_not_split_rule_out_ulysses_only():
-  best, costs = planner.plan((1, 4096, 6, 64), (1, 4096, 2, 64), 2, flaxattn.Causal(), True, 4, "gpu")
+  best, costs = planner.plan((1, 4096, 6, 64), (1, 4096, 2, 64), 2, flaxattn.Causal(), True, 4,
+                             "gpu")
   ulysses = {c.strategy: c for c in costs}["ulysses"]
   assert ulysses.seconds is None and "6 query heads on 2 KV heads" in ulysses.why_not
   assert best.strategy in ("ring", "all_gather")
@@ -73,9 +76,10 @@ def test_estimates_follow_the_platform_numbers():
 
 
 def _mesh(*sizes_names):
-  sizes, names = zip(*sizes_names)
+  sizes, names = zip(*sizes_names, strict=True)
   return jax.sharding.use_abstract_mesh(
-      jax.sharding.AbstractMesh(sizes, names, axis_types=(jax.sharding.AxisType.Auto,) * len(sizes)))
+      jax.sharding.AbstractMesh(sizes, names,
+                                axis_types=(jax.sharding.AxisType.Auto,) * len(sizes)))
 
 
 def test_auto_chooses_per_call_so_mixed_layers_choose_per_layer():
@@ -85,7 +89,8 @@ def test_auto_chooses_per_call_so_mixed_layers_choose_per_layer():
   cp = flaxattn.ContextParallel(strategy="auto", cost_model="tpu")
   q, k = (1, 131072, 32, 128), (1, 131072, 8, 128)
   with _mesh((8, "context")):
-    masks = layer_masks(LlamaConfig(n_layers=4, chunk_size=4096, global_every=4, max_seq_len=131072))
+    masks = layer_masks(LlamaConfig(n_layers=4, chunk_size=4096, global_every=4,
+                                    max_seq_len=131072))
     chosen = [choose(cp, q, k, 2, m)[0].strategy for m in masks]
   assert chosen == ["ring", "ring", "ring", "ulysses"], chosen
   with _mesh((2, "context_ring"), (4, "context")):

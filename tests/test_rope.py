@@ -31,7 +31,8 @@ def _llama3(factor, low, high, old):
 
 
 def _yarn(factor, old, beta_fast=32, beta_slow=1, d=D, theta=THETA):
-  dim_of = lambda rotations: d * math.log(old / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+  def dim_of(rotations):
+    return d * math.log(old / (rotations * 2 * math.pi)) / (2 * math.log(theta))
   low, high = max(math.floor(dim_of(beta_fast)), 0), min(math.ceil(dim_of(beta_slow)), d - 1)
   if low == high:
     high += 0.001
@@ -90,5 +91,6 @@ def test_rotation_uses_the_scaled_frequencies():
           high_freq_factor=1.0), "high_freq_factor > low_freq_factor"),
 ])
 def test_scaling_errors(kwargs, words):
-  with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
+  with pytest.raises(ValueError,
+                     match=words.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
     RoPEScaling(**kwargs)

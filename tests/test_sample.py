@@ -48,7 +48,8 @@ def test_top_p_near_zero_is_greedy_and_seeds_reproduce(windowed):
   greedy = sample.generate(windowed, PROMPT, 8)
   nucleus = sample.generate(windowed, PROMPT, 8, temperature=1.0, top_p=1e-6, seed=3)
   np.testing.assert_array_equal(nucleus, greedy)
-  draw = lambda seed: sample.generate(windowed, PROMPT, 8, temperature=2.0, seed=seed)
+  def draw(seed):
+    return sample.generate(windowed, PROMPT, 8, temperature=2.0, seed=seed)
   np.testing.assert_array_equal(draw(1), draw(1))
   assert not np.array_equal(draw(1), draw(2))
 

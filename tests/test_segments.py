@@ -67,7 +67,7 @@ def assert_matches(got, want, side_counts, m):
     # Past m runs on one side, only "overflow" is promised (see the docstring).
     if n_q <= m and n_kv <= m:
       assert int(got.num_segments[r]) == want.num_segments[r], r
-      for name, g, w in zip(got._fields, got, want):
+      for name, g, w in zip(got._fields, got, want, strict=True):
         np.testing.assert_array_equal(np.asarray(g)[r], w[r], err_msg=f"{name} row {r}")
 
 
@@ -167,7 +167,8 @@ def test_cross_rows(q, kv, blk):
 
 def test_cross_with_same_ids_is_self_attention():
   ids = jnp.asarray([[2, 2, 5, 1, 1, 0, 2], [0, 1, 1, 1, 2, 2, 0]])
-  for g, w in zip(jitted(4, segments._BLOCK)(ids, ids), jitted(4, segments._BLOCK)(ids, None)):
+  for g, w in zip(jitted(4, segments._BLOCK)(ids, ids), jitted(4, segments._BLOCK)(ids, None),
+                  strict=True):
     np.testing.assert_array_equal(g, w)
 
 
@@ -176,7 +177,7 @@ def test_jit_matches_eager():
   kv = jnp.asarray([[3, 3, 1, 0, 4]])
   for args in [(q,), (q, kv)]:
     got = jax.jit(seqlens_and_offsets, static_argnums=1)(args[0], 3, *args[1:])
-    for g, w in zip(got, seqlens_and_offsets(args[0], 3, *args[1:])):
+    for g, w in zip(got, seqlens_and_offsets(args[0], 3, *args[1:]), strict=True):
       np.testing.assert_array_equal(g, w)
 
 
@@ -246,9 +247,12 @@ def test_compiled_temp_memory_is_small(cross):
     ((np.zeros((1, 4), np.float32), 2), TypeError, "segment_ids must be an integer array.*float32"),
     ((np.zeros((1, 4), bool), 2), TypeError, "segment_ids must be an integer array.*bool"),
     ((np.zeros((1, 4), np.int32), 0), ValueError, "max_segments must be > 0, got 0"),
-    ((np.zeros((1, 4), np.int32), 2.0), TypeError, r"max_segments must be a static Python int, got 2\.0"),
-    ((np.zeros((1, 4), np.int32), True), TypeError, "max_segments must be a static Python int, got True"),
-    ((np.zeros((1, 4), np.int32), jnp.asarray(2)), TypeError, "max_segments must be a static Python int"),
+    ((np.zeros((1, 4), np.int32), 2.0), TypeError,
+     r"max_segments must be a static Python int, got 2\.0"),
+    ((np.zeros((1, 4), np.int32), True), TypeError,
+     "max_segments must be a static Python int, got True"),
+    ((np.zeros((1, 4), np.int32), jnp.asarray(2)), TypeError,
+     "max_segments must be a static Python int"),
     ((np.zeros((1, 4), np.int32), 2, np.zeros((1, 2, 3), np.int32)), ValueError,
      r"kv_segment_ids must be 2-D .*\(1, 2, 3\)"),
     ((np.zeros((1, 4), np.int32), 2, np.zeros((1, 4), np.float16)), TypeError,

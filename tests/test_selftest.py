@@ -1,6 +1,5 @@
 """`flaxattn.selftest`: a mismatching kernel fails it (exit 1); matching kernels pass."""
 
-import jax.numpy as jnp
 import pytest
 
 import flaxattn

@@ -37,8 +37,8 @@ def test_logical_to_spec_uses_each_mesh_axis_once_and_checks_divisibility():
   # batch takes fsdp, so embed (also fsdp) stays replicated in the same array.
   assert sharding.logical_to_spec(("batch", "seq", "embed"), mesh=mesh) == (
       P(("data", "fsdp"), "context", None))
-  assert sharding.logical_to_spec(("batch", "seq", "kv_heads", "head_dim"), (2, 1, 2, 8), mesh=mesh) == (
-      P("data", None, None, None))
+  assert sharding.logical_to_spec(("batch", "seq", "kv_heads", "head_dim"), (2, 1, 2, 8),
+                                  mesh=mesh) == P("data", None, None, None)
   assert sharding.logical_to_spec(("embed", None), mesh=_mesh(data=2)) == P(None, None)
 
 
@@ -76,7 +76,7 @@ def eight_devices():
     mesh = jax.make_mesh(tuple(axes.values()), tuple(axes), axis_types=(AxisType.Auto,) * len(axes),
                          devices=jax.devices()[:8])
     with jax.set_mesh(mesh), nnx.logical_axis_rules(sharding.rules(mesh, kv_heads=kv or h)):
-      m = nnx.jit(lambda: make(kv))()
+      m = nnx.jit(lambda: make(kv))()  # noqa: B023 (called right here)
       x_spec = sharding.logical_to_spec(("batch", "seq", "embed"), x.shape)
       xs = jax.device_put(x, NamedSharding(mesh, x_spec))
       got = nnx.jit(lambda m, x, s, p: m(x, segment_ids=s, positions=p))(m, xs, seg, pos)

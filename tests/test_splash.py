@@ -106,7 +106,8 @@ def test_long_causal_kernel_builds_without_dense_mask(monkeypatch):
   t = 32768
   tracemalloc.start()
   try:
-    splash._kernel.__wrapped__(Band(causal=True), splash.TokenOrder(), t, t, 4, 512, 512, True)  # uncached
+    # uncached
+    splash._kernel.__wrapped__(Band(causal=True), splash.TokenOrder(), t, t, 4, 512, 512, True)
     peak = tracemalloc.get_traced_memory()[1]
   finally:
     tracemalloc.stop()
@@ -143,7 +144,8 @@ def test_block_sizes_from_head_dim_and_overridable():
   assert [splash.default_block(d) for d in (64, 128, 256)] == [512, 512, 256]
   assert splash.Splash().blocks(1536, 1536, 128) == (512, 512)
   assert splash.Splash(block_q=256).blocks(1536, 1536, 64) == (256, 512)
-  with pytest.raises(ValueError, match=r"Splash\(block_q=...\) expects a positive multiple of 128.*got 100"):
+  with pytest.raises(ValueError,
+                     match=r"Splash\(block_q=...\) expects a positive multiple of 128.*got 100"):
     splash.Splash(block_q=100)
   q, k, v = qkv(8, 1, T, T, H, HKV, D, jnp.float32)
   got = flaxattn.attention(q, k, v, backend=splash.Splash(block_q=128, block_kv=256))
@@ -161,7 +163,8 @@ def test_context_parallel_needs_128_tokens_per_device():
 
 def test_kernels_are_cached_across_traces():
   q, k, v = qkv(9, 1, T, T, H, HKV, D, jnp.float32)
-  attend = lambda q, k, v: flaxattn.attention(q, k, v, backend=splash.Splash(block_q=128))
+  def attend(q, k, v):
+    return flaxattn.attention(q, k, v, backend=splash.Splash(block_q=128))
   jax.jit(attend).lower(q, k, v)
   before = splash._kernel.cache_info()
   jax.jit(lambda q, k, v: attend(q, k, v) * 2).lower(q, k, v)  # a new trace, same kernel
@@ -214,8 +217,10 @@ def test_index_check_passes_packed_pipelines_and_load_balanced_order():
   assert not bool(splash.index_check(flaxattn.Chunked(48), Layout(aligned, aligned, in_doc, in_doc),
                                      index[:1], index[:1]))
   # Load-balanced order: the kernel's index is the permuted original index.
-  lb = lambda x: flaxattn.load_balance(x, 4)
-  assert bool(splash.index_check(flaxattn.Causal(), as_layout(lb(seg), lb(pos)), lb(index), lb(index)))
+  def lb(x):
+    return flaxattn.load_balance(x, 4)
+  assert bool(splash.index_check(flaxattn.Causal(), as_layout(lb(seg), lb(pos)), lb(index),
+                                 lb(index)))
   assert not bool(splash.index_check(flaxattn.Causal(), as_layout(lb(seg), lb(pos)), index, index))
 
 

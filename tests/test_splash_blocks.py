@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 from jax.experimental.pallas.ops.tpu.splash_attention import (
-    splash_attention_mask_info as mask_info_lib)
+  splash_attention_mask_info as mask_info_lib,
+)
 
 import flaxattn
 from flaxattn import splash, splash_blocks

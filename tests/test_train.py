@@ -19,8 +19,21 @@ import time
 import portpicker
 import pytest
 
-from trainer import (STEPS, checkpoints, clean_env, command, kill_group, losses, metrics,
-                     poll, run, start, train, train_together, wait)
+from trainer import (
+  STEPS,
+  checkpoints,
+  clean_env,
+  command,
+  kill_group,
+  losses,
+  metrics,
+  poll,
+  run,
+  start,
+  train,
+  train_together,
+  wait,
+)
 
 
 @pytest.fixture(scope="module")
@@ -323,12 +336,12 @@ def _two_processes(run_dir, logs) -> list[str]:
                                JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i)))
            for i, log in enumerate(logs)]
   try:
-    outs = [wait(p, log) for p, log in zip(procs, logs)]
+    outs = [wait(p, log) for p, log in zip(procs, logs, strict=True)]
   finally:
     for p in procs:
       if p.poll() is None:
         kill_group(p)
-  for p, out in zip(procs, outs):
+  for p, out in zip(procs, outs, strict=True):
     assert p.returncode == 0, out[-4000:]
   return outs
 
@@ -355,7 +368,8 @@ def test_two_processes_context_parallel(reference, tmp_path):
   outs = _two_processes(run_dir, logs)
   assert all(f"resumed from step {fallback} " in out for out in outs), outs[0][-4000:]
   assert f"checkpoint step {newest} in " in outs[0] and " is damaged (" in outs[0]
-  assert [p.name.split("-")[0] for p in (run_dir / "checkpoints_unusable").iterdir()] == [str(newest)]
+  assert [p.name.split("-")[0]
+          for p in (run_dir / "checkpoints_unusable").iterdir()] == [str(newest)]
   assert checkpoints(run_dir)[-1] == STEPS
   assert all(losses(run_dir)[s] == pytest.approx(want[s], abs=1e-4) for s in want)
 
@@ -365,7 +379,7 @@ def test_log_lines_and_summary_without_a_terminal(reference):
   """stdout is a file (`trainer.start`): each step's line and the summary reach it through
   `logging`, with throughput, MFU against the measured CPU peak, and the run's paths."""
   run_dir, out, _ = reference
-  step_lines = [l for l in out.splitlines() if " | loss " in l and "step " in l]
+  step_lines = [line for line in out.splitlines() if " | loss " in line and "step " in line]
   assert len(step_lines) == STEPS, out[-4000:]
   assert all(f in step_lines[-1] for f in (f"step {STEPS}/{STEPS}", "grad_norm", "lr ",
                                            "tokens/s ", "tokens/s/device", "TFLOP/s/device",

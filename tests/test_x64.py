@@ -10,11 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import flaxattn
 from flaxattn import cudnn
-from helpers import TOL, as_layout, compare, grads_of, qkv, normal, random_packing, rel_error
+from helpers import TOL, as_layout, compare, grads_of, normal, qkv, random_packing, rel_error
 
 ERR = 1e-5  # float32, relative to the largest reference magnitude
 
@@ -42,7 +43,7 @@ def test_kernels_match_reference(backend, t):
   want = grads_of(attend("reference"))(q, k, v)
   got = grads_of(attend(backend))(q, k, v)
   assert got[1][0].dtype == jnp.float32
-  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
     assert rel_error(g, w) < ERR
 
 
@@ -57,9 +58,10 @@ def test_layer_and_decode():
   """The layer (default kernel) equals the reference kernel's, and decoding token by token
   from the KV cache, with int64 ids and positions, equals the causal call on the whole rows."""
   b, t, e = 2, 12, 16
-  make = lambda backend: flaxattn.MultiHeadAttention(
-      4, e, num_kv_heads=2, mask=flaxattn.Causal(), rope=flaxattn.RoPE(), backend=backend,
-      rngs=nnx.Rngs(0))
+  def make(backend):
+    return flaxattn.MultiHeadAttention(
+        4, e, num_kv_heads=2, mask=flaxattn.Causal(), rope=flaxattn.RoPE(), backend=backend,
+        rngs=nnx.Rngs(0))
   model = make("auto")
   x = normal((b, t, e))
   seg, pos = _packing(b, t, max_docs=3)
@@ -88,8 +90,9 @@ def test_context_parallel(strategy):
 
   want = grads_of(attend(backend="reference"))(q, k, v)
   mesh = Mesh(np.array(jax.devices()[:n]), ("context",), axis_types=(AxisType.Auto,))
-  shard = lambda x: jax.device_put(x, NamedSharding(mesh, P(None, "context")))
+  def shard(x):
+    return jax.device_put(x, NamedSharding(mesh, P(None, "context")))
   with jax.set_mesh(mesh):
     got = grads_of(attend(context_parallel=cp))(shard(q), shard(k), shard(v))
-  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
     assert rel_error(g, w) < ERR

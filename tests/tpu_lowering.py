@@ -23,7 +23,8 @@ def main(n: int):
   hybrid = {"context_ring": n // 2, "context": 2}  # Ulysses over 2 x ring over n / 2
   strategies = [("ring", line, flaxattn.ContextParallel()),
                 ("all_gather", line, flaxattn.ContextParallel(strategy="all_gather")),
-                ("ulysses_ring", hybrid, flaxattn.ContextParallel(strategy="ulysses", ring_axis="context_ring"))]
+                ("ulysses_ring", hybrid,
+                 flaxattn.ContextParallel(strategy="ulysses", ring_axis="context_ring"))]
   if h % n == 0:
     strategies.append(("ulysses", line, flaxattn.ContextParallel(strategy="ulysses")))
   for strategy, axes, cp in strategies:
@@ -32,7 +33,8 @@ def main(n: int):
                                 cp.balanced_shards(mesh))
 
     def loss(q, k, v):
-      out = flaxattn.attention(q, k, v, segment_ids=seg, context_parallel=cp)
+      out = flaxattn.attention(
+          q, k, v, segment_ids=seg, context_parallel=cp)  # noqa: B023 (used in this iteration)
       return jnp.sum(out.astype(jnp.float32) ** 2)
 
     with jax.set_mesh(mesh), flaxattn.lowering_for("tpu"):

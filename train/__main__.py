@@ -21,7 +21,7 @@ def main(argv: list[str]) -> int:
   from train import config
 
   if not argv or argv[0] in ("-h", "--help"):
-    print(__doc__ + "\nKeys:\n  " + "\n  ".join(config.valid_keys()))
+    print((__doc__ or "") + "\nKeys:\n  " + "\n  ".join(config.valid_keys()))
     return 0 if argv else 2
   from train import checkpoint, distributed, init_from, loop, run_dir  # start no jax backend
 

@@ -18,6 +18,7 @@ aside does not start over by itself: that takes `resume=false`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import pathlib
@@ -28,7 +29,8 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from train import distributed, run_dir as run_dir_lib
+from train import distributed
+from train import run_dir as run_dir_lib
 from train.config import CheckpointConfig
 
 log = logging.getLogger(__name__)
@@ -103,7 +105,7 @@ class PositionRestore(ocp.args.CheckpointArgs):
   pass
 
 
-def _damage_in(error: BaseException) -> str | None:
+def _damage_in(error: BaseException | None) -> str | None:
   """What `error` or one of its causes says is damaged: a `_Damaged` message or a
   TensorStore message that reports damaged bytes (without its long spec); None if it
   says nothing of damage."""
@@ -159,11 +161,14 @@ class Checkpoints:
       # First this process's own checks of the step's files, then orbax's restore, which
       # is collective (it ends in a barrier): a process that failed a check alone would
       # leave the others waiting there.
-      position = self._agreed(step, lambda: self._check(step))
+      position = self._agreed(step, functools.partial(self._check, step))
       if position is None:
         continue
-      state = self._agreed(step, lambda: self.manager.restore(
-          step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state)))["state"])
+
+      def restore(step=step):
+        return self.manager.restore(
+            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state)))["state"]
+      state = self._agreed(step, restore)
       if state is not None:
         return step, state, position
     set_aside = sorted(p.name for p in self.unusable.iterdir()) if self.unusable.is_dir() else []

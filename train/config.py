@@ -15,6 +15,7 @@ import dataclasses
 import math
 import types
 import typing
+from collections.abc import Sequence
 from typing import Any
 
 import yaml
@@ -106,8 +107,9 @@ class MeshConfig:
                           f" multiple of the other axes' product {known}.")
       sizes[sizes.index(-1)] = num_devices // known
     if math.prod(sizes) != num_devices:
-      raise ConfigError(f"mesh {dict(zip(MESH_AXES, sizes))} has {math.prod(sizes)} devices,"
-                        f" but there are {num_devices}; set one axis to -1 or fix the sizes.")
+      named = dict(zip(MESH_AXES, sizes, strict=True))
+      raise ConfigError(f"mesh {named} has {math.prod(sizes)} devices, but there are"
+                        f" {num_devices}; set one axis to -1 or fix the sizes.")
     return tuple(sizes)
 
 
@@ -206,10 +208,11 @@ class TrainConfig:
     if self.mesh.context_ring != 1 and self.context_parallel.strategy not in ("ulysses", "auto"):
       raise ConfigError(f"config key 'mesh.context_ring' ({self.mesh.context_ring}) runs a ring"
                         f" inside Ulysses and expects context_parallel.strategy 'ulysses' (or"
-                        f" 'auto'), got"
-                        f" {self.context_parallel.strategy!r}; for one context axis set mesh.context.")
+                        f" 'auto'), got {self.context_parallel.strategy!r}; for one context axis"
+                        f" set mesh.context.")
     if not 0 <= self.data.eval_fraction < 1:
-      raise ConfigError(f"data.eval_fraction expects a value in [0, 1), got {self.data.eval_fraction}.")
+      raise ConfigError("data.eval_fraction expects a value in [0, 1), got"
+                        f" {self.data.eval_fraction}.")
 
 
 def _get(cfg, key: str):
@@ -224,12 +227,12 @@ def _check_choice(key: str, value, choices: tuple) -> None:
                       f" got {value!r}.")
 
 
-def valid_keys(cls=TrainConfig, prefix: str = "") -> list[str]:
+def valid_keys(cls: type = TrainConfig, prefix: str = "") -> list[str]:
   """Every dotted key of the schema, e.g. `model.dim`."""
   keys = []
   for f in dataclasses.fields(cls):
     kind = _field_types(cls)[f.name]
-    if dataclasses.is_dataclass(kind):
+    if isinstance(kind, type) and dataclasses.is_dataclass(kind):
       keys += valid_keys(kind, f"{prefix}{f.name}.")
     else:
       keys.append(f"{prefix}{f.name}")
@@ -329,7 +332,7 @@ def _set(values: dict, override: str) -> None:
       cls = kind
 
 
-def load(path: str | None, overrides: list[str] = ()) -> TrainConfig:
+def load(path: str | None, overrides: Sequence[str] = ()) -> TrainConfig:
   """The `TrainConfig` of YAML file `path` (None: defaults) with `key=value` overrides.
 
   Raises:
@@ -339,7 +342,7 @@ def load(path: str | None, overrides: list[str] = ()) -> TrainConfig:
   return from_dict(_values(path, overrides))
 
 
-def set_keys(path: str | None, overrides: list[str] = ()) -> frozenset[str]:
+def set_keys(path: str | None, overrides: Sequence[str] = ()) -> frozenset[str]:
   """The dotted keys that YAML file `path` and the overrides set (`model.sliding_window`),
   whether or not a value equals its default. Raises as `load`."""
   def walk(prefix, node):
@@ -351,13 +354,14 @@ def set_keys(path: str | None, overrides: list[str] = ()) -> frozenset[str]:
   return frozenset(walk("", _values(path, overrides)))
 
 
-def _values(path: str | None, overrides: list[str]) -> dict:
+def _values(path: str | None, overrides: Sequence[str]) -> dict:
   values = {}
   if path is not None:
     with open(path) as f:
       values = yaml.safe_load(f) or {}
     if not isinstance(values, dict):
-      raise ConfigError(f"{path} expects a YAML mapping of config keys, got {type(values).__name__}.")
+      raise ConfigError(f"{path} expects a YAML mapping of config keys, got"
+                        f" {type(values).__name__}.")
   for override in overrides:
     _set(values, override)
   return values
@@ -383,7 +387,9 @@ def _legacy(values):
   if not isinstance(old, bool):
     raise ConfigError(f"config key 'context_parallel.load_balance' expects true or false (it is"
                       f" data.balance row / none now), got {old!r}.")
-  data = values.get("data") if isinstance(values.get("data"), dict) else {}
+  data = values.get("data")
+  if not isinstance(data, dict):
+    data = {}
   if "balance" in data and data["balance"] != ("row" if old else "none"):
     raise ConfigError(f"config keys 'context_parallel.load_balance' ({old}) and 'data.balance'"
                       f" ({data['balance']!r}) disagree; set data.balance only.")

@@ -152,7 +152,8 @@ def list_documents(source: str, bad_records: str = "skip") -> list[Document]:
     docs += file_docs
     problems += file_problems
   if problems:
-    shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+    more = f"; and {len(problems) - 5} more" if len(problems) > 5 else ""
+    shown = "; ".join(problems[:5]) + more
     if bad_records == "error":
       raise ConfigError(f"data.source {source!r} has {len(problems)} records that cannot be"
                         f" trained on: {shown}. Fix or remove them, or set"
@@ -175,10 +176,10 @@ def split_documents(docs: list[Document], eval_fraction: float) -> tuple[list, l
   held = [zlib.crc32(d.name.encode()) % 100_000 < eval_fraction * 100_000 for d in docs]
   if eval_fraction > 0 and not any(held):
     held[0] = True
-  train = [d for d, h in zip(docs, held) if not h]
+  train = [d for d, h in zip(docs, held, strict=True) if not h]
   if not train:
     raise ConfigError(f"data.eval_fraction={eval_fraction} leaves no training documents.")
-  return train, [d for d, h in zip(docs, held) if h]
+  return train, [d for d, h in zip(docs, held, strict=True) if h]
 
 
 def shard(docs: list[Document], index: int, count: int) -> list[Document]:
@@ -272,8 +273,9 @@ class GlobalBatches:
     self.cp = None if balance == "none" else cp
     self.balance, self.masks = balance, masks
     index = self.sharding.addressable_devices_indices_map(self.shape).values()
-    rows = [i[0].indices(batch_size) for i in index]
-    cols = [i[1].indices(seq_len) for i in index]
+    # jax annotates each index `| None`; it builds them from devices_indices_map (no None).
+    rows = [i[0].indices(batch_size) for i in index]  # pyright: ignore[reportOptionalSubscript]
+    cols = [i[1].indices(seq_len) for i in index]  # pyright: ignore[reportOptionalSubscript]
     self.rows = slice(min(r[0] for r in rows), max(r[1] for r in rows))
     self.cols = slice(min(c[0] for c in cols), max(c[1] for c in cols))
     self.local_batch = self.rows.stop - self.rows.start

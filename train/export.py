@@ -32,7 +32,8 @@ def restore_model(run_dir: str, cfg=None, device=None):
   import jax
   from flax import nnx
 
-  from train import checkpoint, config, loop, run_dir as run_dir_lib
+  from train import checkpoint, config, loop
+  from train import run_dir as run_dir_lib
 
   if cfg is None:
     if not (pathlib.Path(run_dir) / "config.json").is_file():

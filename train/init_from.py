@@ -146,6 +146,7 @@ def load(cfg: TrainConfig, context_parallel, graphdef, abstract_state):
     ConfigError: the checkpoint does not read (naming the file and tensor, or the step).
   """
   from flax import nnx
+
   from train import checkpoint
 
   what = f"config key 'init_from' ({cfg.init_from!r})"

@@ -29,11 +29,12 @@ from flax import nnx
 
 import flaxattn
 from models.llama import LAYERS_AXIS, Llama, flops_per_token, layer_masks, loss_fn, num_params
-from train import (data, distributed, init_from, mesh as mesh_lib, metrics, optimizer,
-                   run_dir, throughput, tokenizer as tokenizer_lib)
+from train import data, distributed, init_from, metrics, optimizer, run_dir, throughput
+from train import mesh as mesh_lib
+from train import tokenizer as tokenizer_lib
 from train.checkpoint import Checkpoints
 from train.config import ConfigError, TrainConfig
-from train.stop import StopRequest, Stopped
+from train.stop import Stopped, StopRequest
 
 log = logging.getLogger(__name__)
 
@@ -107,8 +108,11 @@ def _data(cfg: TrainConfig, tok, batches: data.GlobalBatches, stop: StopRequest)
                   " documents)", "raise data.eval_fraction, or set eval_every=0 to skip eval"))
   pipes = []
   for docs, shuffle, what, fix in parts:
-    stop.call(lambda: data.check_usable(
-        data.shard(docs, batches.shard_index, batches.shard_count), tok, what, fix))
+
+    def check(docs=docs, what=what, fix=fix):
+      return data.check_usable(
+          data.shard(docs, batches.shard_index, batches.shard_count), tok, what, fix)
+    stop.call(check)
     pipes.append(data.pipeline(docs, tok, cfg.data, seq_len=cfg.seq_len,
                                batch=batches.local_batch, seed=cfg.seed,
                                shard_index=batches.shard_index,
@@ -206,7 +210,9 @@ class _Reporter:
       lines[0] += f", final loss {self.last[1]['loss']:.4f} (step {self.last[0]})"
     if self.timed_seconds:
       r = self.rates.of(self.timed_tokens, self.timed_seconds)
-      mfu = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.2f}% ({self.rates.peak.source} peak)"
+      peak = self.rates.peak  # None exactly when r["mfu"] is
+      mfu = ("n/a" if r["mfu"] is None or peak is None
+             else f"{100 * r['mfu']:.2f}% ({peak.source} peak)")
       lines.append(f"throughput after the first step: tokens/s {r['tokens_per_s']:,.0f},"
                    f" tokens/s/device {r['tokens_per_s_per_device']:,.0f}, TFLOP/s/device"
                    f" {r['tflops_per_device']:.4g}, MFU {mfu}")
@@ -238,7 +244,10 @@ def run(cfg: TrainConfig) -> tuple[int, bool]:
   except Stopped:
     log.warning("SIGTERM before the first step: nothing to save; exiting.")
     return 0, True
-  init = lambda: _make_state(cfg, cp)
+
+  def init():
+    return _make_state(cfg, cp)
+
   with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
     graphdef, abstract = nnx.get_abstract_model(init, mesh)
     # Read before anything is written: a source that does not load is a config error.

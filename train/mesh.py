@@ -22,7 +22,7 @@ def make(cfg: TrainConfig) -> jax.sharding.Mesh:
       2 x the load-balanced shards with row load balancing).
   """
   shape = cfg.mesh.shape(jax.device_count())
-  sizes = dict(zip(MESH_AXES, shape))
+  sizes = dict(zip(MESH_AXES, shape, strict=True))
   batch_parts = sizes["data"] * sizes["fsdp"]
   if cfg.batch_size % batch_parts:
     raise ConfigError(f"batch_size ({cfg.batch_size}) expects a multiple of mesh data x fsdp"

@@ -105,7 +105,7 @@ def plot_loss(run_dir: str) -> pathlib.Path:
   for key, style in (("loss", "-"), ("eval_loss", "o-")):
     points = [(r["step"], r[key]) for r in rows if key in r]
     if points:
-      ax.plot(*zip(*points), style, label=key, markersize=3)
+      ax.plot(*zip(*points, strict=True), style, label=key, markersize=3)
   ax.set_xlabel("step")
   ax.set_ylabel("loss (nats / token)")
   ax.set_title(run.name)

@@ -18,7 +18,9 @@ def schedule(cfg: OptimizerConfig, steps: int) -> optax.Schedule:
 
 def make(cfg: OptimizerConfig, steps: int) -> optax.GradientTransformation:
   """Clip by global norm, then AdamW; weight decay on matrices only (not norm scales)."""
-  decay_mask = lambda params: jax.tree.map(lambda p: p.ndim > 1, params)
+  def decay_mask(params):
+    return jax.tree.map(lambda p: p.ndim > 1, params)
+
   return optax.chain(
       optax.clip_by_global_norm(cfg.clip_norm),
       optax.adamw(schedule(cfg, steps), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,

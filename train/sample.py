@@ -33,7 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from flaxattn import balance, decode as cp_decode
+from flaxattn import balance
+from flaxattn import decode as cp_decode
 from models.llama import Llama, unroll_layers
 
 
@@ -173,7 +174,9 @@ def load(run_dir: str):
       (`train.config.ConfigError`).
     train.checkpoint.CheckpointError: the newest checkpoint does not restore.
   """
-  from train import config, run_dir as run_dir_lib, tokenizer as tokenizer_lib
+  from train import config
+  from train import run_dir as run_dir_lib
+  from train import tokenizer as tokenizer_lib
   from train.export import restore_model
 
   path = pathlib.Path(run_dir)
@@ -210,9 +213,9 @@ def on_mesh(model: Llama, run_dir: str, n: int):
   Raises:
     ValueError: n < 1 or more than the devices there are.
   """
-  import flaxattn
   from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
+  import flaxattn
   from train import run_dir as run_dir_lib
 
   if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= len(jax.devices()):
@@ -234,7 +237,7 @@ def on_mesh(model: Llama, run_dir: str, n: int):
 
 def main(argv: list[str]) -> int:
   parser = argparse.ArgumentParser(
-      prog="python -m train.sample", description=__doc__.split("\n\n")[0],
+      prog="python -m train.sample", description=(__doc__ or "").split("\n\n")[0],
       formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("run_dir", metavar="RUN_DIR", help="the run_dir of a `python -m train` run")
   parser.add_argument("--prompt", required=True, help="the text to continue")

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import signal
 import threading
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar, cast
 
 from train import distributed
 from train.config import ConfigError
@@ -79,4 +80,4 @@ class StopRequest:
       raise Stopped
     if outcome == 1:
       raise error or ConfigError("the data check failed on another process; see its log.")
-    return value
+    return cast(T, value)  # outcome 0 on every process: _wait returned here

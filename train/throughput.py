@@ -97,7 +97,7 @@ class Rates:
 
 def format_step(step: int, steps: int, m: dict, peak: Peak | None) -> str:
   """The log line of a training step's metrics `m` (from the loop and `Rates.of`)."""
-  mfu = "MFU n/a" if m["mfu"] is None else (
+  mfu = "MFU n/a" if m["mfu"] is None or peak is None else (
       f"MFU {100 * m['mfu']:.2f}% (peak {peak.flops / 1e12:.3g} TFLOP/s/device, {peak.source})")
   return (f"step {step}/{steps} | loss {m['loss']:.4f} | grad_norm {m['grad_norm']:.3f}"
           f" | lr {m['lr']:.3e} | tokens/s {m['tokens_per_s']:,.0f}"
