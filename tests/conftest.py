@@ -6,9 +6,14 @@ in cudnn_model.py."""
 import os
 
 _DEVICES = "--xla_force_host_platform_device_count=8"
+# The tests' programs are small and compile far more often than they run: LLVM's cheapest
+# optimization level compiles them about a fifth faster, with the same HLO and arithmetic.
+_FAST_COMPILE = "--xla_backend_optimization_level=0"
 _flags = os.environ.get("XLA_FLAGS")
-if "xla_force_host_platform_device_count" not in (_flags or ""):
-  os.environ["XLA_FLAGS"] = f"{_flags or ''} {_DEVICES}".strip()
+_ours = [f for f, name in ((_DEVICES, "xla_force_host_platform_device_count"),
+                           (_FAST_COMPILE, "xla_backend_optimization_level"))
+         if name not in (_flags or "")]
+os.environ["XLA_FLAGS"] = " ".join([_flags or "", *_ours]).strip()
 
 import jax  # noqa: E402  (after XLA_FLAGS: JAX reads it when its backend starts)
 

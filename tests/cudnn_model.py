@@ -7,19 +7,25 @@ D = rowsum(dO * O). Rows cuDNN leaves undefined come back as NaN, so the glue mu
 them away. Everything else (JAX's checks, left-shift of slots, element offsets, custom
 partitioning) is JAX's real code. `installed()` puts it in place; the `fake_cudnn` fixture
 (conftest.py) and the multi-device scripts use it.
+
+Like cuDNN, the model is one opaque call in the compiled program: numpy on the host, behind
+a `jax.pure_callback`, so XLA compiles a call rather than the attention of every call site
+(a ring of cuDNN steps has dozens).
 """
 
 import contextlib
 from unittest import mock
 
 import jax
-import jax.numpy as jnp
+import numpy as np
 from jax._src.cudnn import fused_attention_stablehlo as fsa
 from jax._src.interpreters import mlir
 
 
-def _sequences(query, key, q_seqlen, kv_seqlen, q_offsets, kv_offsets, mask_type):
-  """Per cuDNN sequence: token indices into the flattened rows and their validity."""
+def _tokens(query, key, q_seqlen, kv_seqlen, q_offsets, kv_offsets, mask_type):
+  """Where each flattened token sits: (its cuDNN sequence, its index inside it, whether a
+  sequence holds it) for the `B * T` queries and for the `B * S` keys, and the start and
+  length of every sequence's queries."""
   b, t, n, d = query.shape
   _, s, nkv, _ = key.shape
   if q_offsets.ndim == 2:  # packed: B * M sequences, offsets in elements of each tensor
@@ -28,77 +34,114 @@ def _sequences(query, key, q_seqlen, kv_seqlen, q_offsets, kv_offsets, mask_type
     kv_start = kv_offsets.reshape(-1)[:count] // (nkv * d)
     q_len, kv_len = q_seqlen.reshape(-1)[:count], kv_seqlen.reshape(-1)[:count]
   else:
-    q_start, kv_start = jnp.arange(b) * t, jnp.arange(b) * s
+    q_start, kv_start = np.arange(b) * t, np.arange(b) * s
     padded = mask_type in (fsa.MaskType.PADDING, fsa.MaskType.PADDING_CAUSAL)
-    q_len = q_seqlen if padded else jnp.full((b,), t)
-    kv_len = kv_seqlen if padded else jnp.full((b,), s)
-  q_tok = q_start[:, None] + jnp.arange(t)
-  kv_tok = kv_start[:, None] + jnp.arange(s)
-  q_ok, kv_ok = jnp.arange(t) < q_len[:, None], jnp.arange(s) < kv_len[:, None]
-  return jnp.where(q_ok, q_tok, b * t), q_ok, jnp.where(kv_ok, kv_tok, b * s), kv_ok
+    q_len = q_seqlen if padded else np.full((b,), t)
+    kv_len = kv_seqlen if padded else np.full((b,), s)
+
+  def place(start, length, tokens):
+    index = np.arange(tokens)[None, :] - start[:, None]  # [sequences, tokens]
+    inside = (index >= 0) & (index < length[:, None])
+    sequence = np.where(inside, np.arange(len(start))[:, None], 0).sum(0)
+    return sequence, np.where(inside, index, 0).sum(0), inside.any(0)
+
+  return place(q_start, q_len, b * t), place(kv_start, kv_len, b * s), (q_start, q_len)
 
 
-def _gather(x, tok):
-  flat = x.reshape((-1,) + x.shape[2:]).astype(jnp.float32)
-  return flat[jnp.clip(tok, 0, flat.shape[0] - 1)]
+def _flat(x, heads_kv=None):
+  """`[B, T, H, D]` as float32 `[B * T, H, D]`, or `[B * T, Hkv, G, D]` with `heads_kv`
+  (query head h reads key head h // G)."""
+  x = x.reshape((-1,) + x.shape[2:]).astype(np.float32)
+  return x if heads_kv is None else x.reshape(x.shape[0], heads_kv, -1, x.shape[-1])
 
 
-def _scatter(shape, tok, values, dtype):
-  """Rows cuDNN does not write are undefined: NaN."""
-  flat = jnp.full((shape[0] * shape[1],) + shape[2:], jnp.nan, jnp.float32)
-  return flat.at[tok].set(values, mode="drop").reshape(shape).astype(dtype)
-
-
-def _probs(q, k, q_ok, kv_ok, scale, mask_type, window, stats=None):
-  g = q.shape[2] // k.shape[2]
-  scores = jnp.einsum("ntgd,nsgd->ngts", q, jnp.repeat(k, g, axis=2)) * scale
-  i, j = jnp.arange(q.shape[1])[:, None], jnp.arange(k.shape[1])[None, :]
-  allowed = q_ok[:, None, :, None] & kv_ok[:, None, None, :]
+def _probs(q, k, queries, keys, scale, mask_type, window, lse=None):
+  """Softmax probabilities `[Hkv, G, Nq, Nk]` over all flattened tokens, and the lse."""
+  (q_seq, q_idx, q_ok), (kv_seq, kv_idx, kv_ok) = queries, keys
+  scores = np.einsum("nkgd,mkd->kgnm", q, k) * scale
+  allowed = (q_seq[:, None] == kv_seq[None, :]) & q_ok[:, None] & kv_ok[None, :]
   if mask_type in (fsa.MaskType.CAUSAL, fsa.MaskType.PADDING_CAUSAL):
-    allowed &= j <= i
+    allowed &= kv_idx[None, :] <= q_idx[:, None]
   if window:
-    allowed &= j > i - window
-  scores = jnp.where(allowed, scores, -jnp.inf)
-  if stats is None:
-    stats = jax.nn.logsumexp(scores, axis=-1)
-  return jnp.exp(scores - stats[..., None]), stats
+    allowed &= kv_idx[None, :] > q_idx[:, None] - window
+  scores = np.where(allowed, scores, -np.inf)
+  if lse is None:
+    top = scores.max(-1, keepdims=True)
+    top = np.where(np.isfinite(top), top, 0.0)
+    lse = (np.log(np.exp(scores - top).sum(-1, keepdims=True)) + top)[..., 0]
+  return np.exp(scores - lse[..., None]), lse
+
+
+def _written(x, ok, like):
+  """Rows cuDNN does not write are undefined: NaN."""
+  return np.where(ok[:, None, None], x.reshape(ok.shape[0], -1, x.shape[-1]), np.nan
+                  ).reshape(like.shape).astype(like.dtype)
+
+
+@np.errstate(invalid="ignore", divide="ignore")
+def _forward(query, key, value, q_seqlen, kv_seqlen, q_offsets, kv_offsets, *, scale,
+             mask_type, window, is_training):
+  b, t, h, d = query.shape
+  hkv = key.shape[2]
+  queries, keys, (q_start, q_len) = _tokens(query, key, q_seqlen, kv_seqlen, q_offsets,
+                                            kv_offsets, mask_type)
+  p, lse = _probs(_flat(query, hkv), _flat(key), queries, keys, scale, mask_type, window)
+  out = _written(np.einsum("kgnm,mkd->nkgd", p, _flat(value)), queries[2], query)
+  if not is_training:
+    return (out,)
+  # Stats `[sequences, H, T]`: sequence c's i-th query is flattened row q_start[c] + i.
+  lse = lse.reshape(h, b * t)
+  index = np.arange(t)
+  stats = lse[:, np.clip(q_start[:, None] + index, 0, b * t - 1)]  # [H, sequences, T]
+  stats = np.where(index < q_len[:, None], stats, np.nan).astype(np.float32)
+  return out, stats.transpose(1, 0, 2)
+
+
+@np.errstate(invalid="ignore", divide="ignore")
+def _backward(query, key, value, q_seqlen, kv_seqlen, q_offsets, kv_offsets, stats, out, dout,
+              *, scale, mask_type, window):
+  hkv = key.shape[2]
+  queries, keys, _ = _tokens(query, key, q_seqlen, kv_seqlen, q_offsets, kv_offsets, mask_type)
+  q_seq, q_idx, q_ok = queries
+  lse = stats[q_seq, :, np.where(q_ok, q_idx, 0)].T  # [H, B * T]
+  q, k, v = _flat(query, hkv), _flat(key), _flat(value)
+  o, do = _flat(out, hkv), _flat(dout, hkv)
+  p, _ = _probs(q, k, queries, keys, scale, mask_type, window, lse.reshape(hkv, -1, len(q_ok)))
+  p = np.where(q_ok[:, None], p, 0.0)
+  dv = np.einsum("kgnm,nkgd->mkd", p, do)
+  dp = np.einsum("nkgd,mkd->kgnm", do, v)
+  ds = p * (dp - np.einsum("nkgd,nkgd->kgn", do, o)[..., None])  # O only through D
+  dq = scale * np.einsum("kgnm,mkd->nkgd", ds, k)
+  dk = scale * np.einsum("kgnm,nkgd->mkd", ds, q)
+  return (_written(dq, q_ok, query), _written(dk, keys[2], key), _written(dv, keys[2], value))
+
+
+def _on_host(fn, results, *args, **static):
+  """`fn(*args, **static)` in numpy, as one opaque call in the compiled program."""
+  def run(*arrays):
+    return fn(*(np.asarray(a) for a in arrays), **static)
+  shapes = [jax.ShapeDtypeStruct(r.shape, r.dtype) for r in results]
+  return list(jax.pure_callback(run, shapes, *args))
 
 
 def _fake_fwd(query, key, value, bias, q_seqlen, kv_seqlen, q_offsets, kv_offsets,
               page_table_k, page_table_v, *, scale, seed, dropout_rate, variadic_args,
               mask_type, layout, sliding_window_length, is_training):
   assert layout == fsa.AttentionLayout.BTNH.value and variadic_args == (False, False)
-  tq, q_ok, tk, kv_ok = _sequences(query, key, q_seqlen, kv_seqlen, q_offsets, kv_offsets,
-                                   mask_type)
-  p, stats = _probs(_gather(query, tq), _gather(key, tk), q_ok, kv_ok, scale, mask_type,
-                    sliding_window_length)
-  g = query.shape[2] // key.shape[2]
-  out = jnp.einsum("ngts,nsgd->ntgd", p, jnp.repeat(_gather(value, tk), g, axis=2))
-  out = _scatter(query.shape, tq, out, query.dtype)
-  stats = jnp.where(q_ok[:, None, :], stats, jnp.nan)
-  return [out, stats] if is_training else [out]
+  b, t, h, _ = query.shape
+  sequences = b * (q_offsets.shape[1] - 1) if q_offsets.ndim == 2 else b
+  results = [query] + [jax.ShapeDtypeStruct((sequences, h, t), np.float32)] * is_training
+  return _on_host(_forward, results, query, key, value, q_seqlen, kv_seqlen, q_offsets,
+                  kv_offsets, scale=scale, mask_type=mask_type, window=sliding_window_length,
+                  is_training=is_training)
 
 
 def _fake_bwd(query, key, value, bias, q_seqlen, kv_seqlen, q_offsets, kv_offsets,
               page_table_k, page_table_v, stats, out, dout, *, scale, seed, dropout_rate,
               variadic_args, mask_type, layout, sliding_window_length):
-  tq, q_ok, tk, kv_ok = _sequences(query, key, q_seqlen, kv_seqlen, q_offsets, kv_offsets,
-                                   mask_type)
-  q, k, v = _gather(query, tq), _gather(key, tk), _gather(value, tk)
-  o, do = _gather(out, tq), _gather(dout, tq)
-  g = q.shape[2] // k.shape[2]
-  p, _ = _probs(q, k, q_ok, kv_ok, scale, mask_type, sliding_window_length, stats)
-  p = jnp.where(q_ok[:, None, :, None], p, 0.0)
-  dv = jnp.einsum("ngts,ntgd->nsgd", p, do)
-  dp = jnp.einsum("ntgd,nsgd->ngts", do, jnp.repeat(v, g, axis=2))
-  ds = p * (dp - jnp.einsum("ntgd,ntgd->ngt", do, o)[..., None])  # O only through D
-  dq = scale * jnp.einsum("ngts,nsgd->ntgd", ds, jnp.repeat(k, g, axis=2))
-  dk = scale * jnp.einsum("ngts,ntgd->nsgd", ds, q)
-  def fold(x):
-    return x.reshape(x.shape[:2] + (key.shape[2], g, x.shape[-1])).sum(3)
-  return [_scatter(query.shape, tq, dq, query.dtype),
-          _scatter(key.shape, tk, fold(dk), key.dtype),
-          _scatter(value.shape, tk, fold(dv), value.dtype)]
+  return _on_host(_backward, [query, key, value], query, key, value, q_seqlen, kv_seqlen,
+                  q_offsets, kv_offsets, stats, out, dout, scale=scale, mask_type=mask_type,
+                  window=sliding_window_length)
 
 
 @contextlib.contextmanager
