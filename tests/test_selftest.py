@@ -17,13 +17,16 @@ class _Broken(registry.Kernel):
 
 @pytest.fixture
 def only(monkeypatch):
-  """Runs the self-test on the given kernels' cases only, without the timings."""
+  """Runs the self-test on the given kernels' cases only, without the timings; with
+  `context_parallel`, also its context-parallel cases on this process's 8 devices."""
   monkeypatch.setattr(registry, "_KERNELS", dict(registry._KERNELS))
   monkeypatch.setattr(selftest, "_timings", lambda *args: None)
 
-  def run(*names):
+  def run(*names, context_parallel=False):
     cases = [selftest.Case(n, flaxattn.Causal(), "float32", True) for n in names]
     monkeypatch.setattr(selftest, "_cases", lambda *args: iter(cases))
+    if not context_parallel:
+      monkeypatch.setattr(selftest, "_cp_cases", lambda *args: iter(()))
   return run
 
 
@@ -37,5 +40,12 @@ def test_mismatch_fails_with_exit_status_1(only, capsys):
 
 
 def test_matching_kernels_pass(only):
-  only("blockwise")
-  assert flaxattn.selftest(quick=True, print_fn=lambda *a: None) is True
+  """With 8 devices the self-test also checks every strategy that splits its heads."""
+  only("blockwise", context_parallel=True)
+  lines = []
+  assert flaxattn.selftest(quick=True, print_fn=lines.append) is True
+  strategies = [s for s in selftest.STRATEGIES if s != "ulysses" or selftest.HEADS % 8 == 0]
+  for strategy in ["blockwise", *strategies]:
+    case = ("blockwise: Causal(), float32, packed" if strategy == "blockwise" else
+            f"auto: Causal(), float32, packed, {strategy} over 8 devices")
+    assert any(line.startswith(f"  ok   {case}: ") for line in lines), (case, lines)
