@@ -223,6 +223,20 @@ def test_bad_config_exit_status_of_module(tmp_path):
   assert not run_dir.exists()
 
 
+def test_tensorboard_writer_does_not_import_torch():
+  """tensorboardX imports torch where it is installed; the trainer's writer does not, and
+  torch stays importable afterwards."""
+  code = ("import importlib.util, sys\n"
+          "from train import metrics\n"
+          "metrics._summary_writer()\n"
+          "assert 'tensorboardX' in sys.modules and 'torch' not in sys.modules\n"
+          "if importlib.util.find_spec('torch'):\n"
+          "  import torch\n"
+          "print('ok')\n")
+  proc = run([sys.executable, "-c", code])
+  assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stdout + proc.stderr
+
+
 @pytest.mark.slow  # runs the trainer
 def test_ulysses_ring_demo_matches_ring(tmp_path):
   """configs/demo_usp.yaml (Ulysses x ring, 2 x 2, batch over fsdp 2, 8 simulated devices),

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import pathlib
+import sys
 
 import jax
 
@@ -73,9 +74,8 @@ class MetricsWriter:
     self._file = self.path.open("a")
     if text and not text.endswith("\n"):
       self._file.write("\n")  # ends a line cut short by a kill
-    from tensorboardX import SummaryWriter
-    self._tb = SummaryWriter(str(pathlib.Path(run_dir) / "tensorboard"),
-                             purge_step=start_step + 1)
+    self._tb = _summary_writer()(str(pathlib.Path(run_dir) / "tensorboard"),
+                                 purge_step=start_step + 1)
 
   def write(self, step: int, values: dict) -> None:
     """One line `{"step": step, **values}`, flushed; scalars to TensorBoard too."""
@@ -91,6 +91,21 @@ class MetricsWriter:
     if self.enabled:
       self._file.close()
       self._tb.close()
+
+
+def _summary_writer():
+  """tensorboardX's `SummaryWriter`, imported without torch. tensorboardX imports torch,
+  where it is installed, only to accept torch tensors (a second of start-up, and a second
+  framework in the process); the trainer writes Python floats."""
+  if "tensorboardX" in sys.modules or "torch" in sys.modules:
+    from tensorboardX import SummaryWriter
+    return SummaryWriter
+  sys.modules["torch"] = None  # type: ignore[assignment]  # `import torch` raises ImportError
+  try:
+    from tensorboardX import SummaryWriter
+  finally:
+    del sys.modules["torch"]
+  return SummaryWriter
 
 
 def plot_loss(run_dir: str) -> pathlib.Path:
