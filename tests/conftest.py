@@ -4,7 +4,10 @@ jobs) get the environment they were given, with LLVM's cheapest optimization lev
 `XLA_FLAGS` for them too. `fake_cudnn`: JAX's cuDNN attention runs on CPU through the model
 of cuDNN in cudnn_model.py."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 _DEVICES = "--xla_force_host_platform_device_count=8"
 # The tests' programs are small and compile far more often than they run: LLVM's cheapest
@@ -22,6 +25,12 @@ import jax  # noqa: E402  (after XLA_FLAGS: JAX reads it when its backend starts
 
 jax.devices()  # start the backend now, then give subprocesses the caller's flags (and -O0)
 os.environ["XLA_FLAGS"] = " ".join([_flags or "", *(f for f in _ours if f != _DEVICES)]).strip()
+
+# The persistent compilation cache of the trainer runs the tests start (trainer.py): one per
+# session, named before pytest-xdist starts its workers, which inherit it.
+if not os.environ.get("FLAXATTN_TEST_COMPILATION_CACHE"):
+  os.environ["FLAXATTN_TEST_COMPILATION_CACHE"] = tempfile.mkdtemp(prefix="flaxattn-jax-cache-")
+  atexit.register(shutil.rmtree, os.environ["FLAXATTN_TEST_COMPILATION_CACHE"], True)
 
 import pytest  # noqa: E402
 

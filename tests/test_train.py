@@ -40,14 +40,13 @@ from trainer import (
 def reference(tmp_path_factory):
   """An uninterrupted run: (run_dir, output, env).
 
-  `env` names a persistent compilation cache that this run fills, for runs of the same
-  programs whose compilation is not under test (the run that gets killed, the
-  damaged-checkpoint rerun). The resumed run after the kill compiles afresh, as a user's
-  resume does: its bit-identity includes the compiler's.
+  `env` is the trainer's environment with the session's compilation cache (`clean_env`),
+  for runs of the same programs whose compilation is not under test (the run that gets
+  killed, the damaged-checkpoint rerun). The resumed run after the kill compiles afresh, as
+  a user's resume does: its bit-identity includes the compiler's.
   """
   run_dir = tmp_path_factory.mktemp("reference") / "run"
-  env = clean_env(JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jax_cache")),
-                  JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+  env = clean_env()
   out = train(run_dir, log=run_dir.parent / "log.txt", env=env)
   return run_dir, out, env
 
@@ -95,7 +94,7 @@ def test_kill_and_resume_is_bit_identical(reference, tmp_path):
   assert proc.returncode == -signal.SIGKILL, log.read_text()[-4000:]
   assert killed_after["logged"] < STEPS, "the run finished before it was killed"
 
-  out = train(run_dir, log=tmp_path / "resumed.txt")
+  out = train(run_dir, log=tmp_path / "resumed.txt", env=clean_env(compile_cache=False))
   assert "resumed from step " in out, out[-4000:]
   resumed = int(out.split("resumed from step ")[1].split()[0])
   assert resumed >= killed_after["checkpoint"], out[-4000:]
@@ -346,7 +345,7 @@ def _two_processes(run_dir, logs) -> list[str]:
   both exit 0 and returns their outputs."""
   port = portpicker.pick_unused_port()
   procs = [start(run_dir, "num_devices=2", log=log,
-                 env=clean_env(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+                 env=clean_env(False, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
                                JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i)))
            for i, log in enumerate(logs)]
   try:

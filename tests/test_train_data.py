@@ -66,8 +66,7 @@ def test_bad_records_are_skipped_and_counted(tmp_path):
   names them."""
   corpus, run_dir, log = tmp_path / "corpus", tmp_path / "run", tmp_path / "log.txt"
   bad = _corpus_with_bad_records(corpus)
-  env = clean_env(JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax_cache"),
-                  JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")  # the resume reuses it
+  env = clean_env()  # with the session's compilation cache: the resume reuses it
   out = train(run_dir, f"data.source={corpus}", "steps=6", log=log, env=env)
   assert "skipped 6 bad records of 37 (data.bad_records=skip)" in out, out[-4000:]
   assert all(name in out for name in bad[:5]), out[-4000:]

@@ -25,16 +25,24 @@ TINY = [f"steps={STEPS}", "seq_len=256", "checkpoint_every=2", "eval_every=4",
         "model.ffn_dim=64", "optimizer.warmup_steps=2", "num_devices=4", "mesh.context=4",
         "context_parallel.strategy=ring"]
 # Not inherited from the machine running the tests: variables that make `distributed: auto`
-# start a multi-process job, and a compilation cache (runs compile afresh unless a test
-# passes one).
+# start a multi-process job, and the machine's own compilation cache.
 STRIPPED_ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID",
                 "MEGASCALE_COORDINATOR_ADDRESS", "TPU_WORKER_HOSTNAMES", "SLURM_NTASKS",
                 "OMPI_COMM_WORLD_SIZE", "JAX_COMPILATION_CACHE_DIR")
+# Runs share a persistent compilation cache that lives as long as the test session
+# (conftest.py names it): most compile the same tiny programs, and their compilation is not
+# what they test. A run whose compilation is (a resume after a kill), and runs started
+# together (which would write the same entries at once), pass `compile_cache=False`.
+SESSION_CACHE = "FLAXATTN_TEST_COMPILATION_CACHE"
 
 
-def clean_env(**extra) -> dict:
+def clean_env(compile_cache: bool = True, **extra) -> dict:
   out = {k: v for k, v in os.environ.items() if k not in STRIPPED_ENV}
-  out.update(PYTHONUNBUFFERED="1", **extra)
+  out.update(PYTHONUNBUFFERED="1")
+  if compile_cache and os.environ.get(SESSION_CACHE):
+    out.update(JAX_COMPILATION_CACHE_DIR=os.environ[SESSION_CACHE],
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+  out.update(extra)
   return out
 
 
@@ -88,7 +96,8 @@ def train_together(tmp_path, overrides: dict[str, list[str]], config=None) -> di
     for name, (run_dir, log) in runs.items():
       cmd = None if config is None else [sys.executable, "-m", "train", config,
                                          f"run_dir={run_dir}", *overrides[name]]
-      procs[name] = start(run_dir, *overrides[name], log=log, cmd=cmd)
+      procs[name] = start(run_dir, *overrides[name], log=log, cmd=cmd,
+                          env=clean_env(compile_cache=False))
     outs = {name: wait(p, runs[name][1]) for name, p in procs.items()}
   finally:
     for p in procs.values():
