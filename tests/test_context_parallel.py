@@ -153,6 +153,7 @@ def test_ulysses_program_moves_qkv_with_all_to_all_not_all_gather():
       "data", "context", "tensor"]
 
 
+@pytest.mark.slow
 def test_layer_matches_without_context_parallel():
   # Inputs through load_balance, output through unload_balance, vs. the plain layer on the
   # unpermuted inputs: with packed positions, and with default ones (RoPE must permute too).

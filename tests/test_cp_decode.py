@@ -52,9 +52,12 @@ class Case:
 CASES = [
     # Default ids and load-balanced default positions; GQA with one K/V head for 2 devices;
     # a second prefill (4 tokens, load balanced) into the filled cache, then 1 and 3 tokens.
-    Case(2, "ring", Local(6), kv_heads=1, steps=(4, 1, 3), prompt=8),
-    Case(4, "all_gather", Local(5), data=2, lengths=(16, 9), packed=True, sinks=True),
-    Case(8, "ring", Chunked(4), load_balance=False, soft_cap=3.0, lengths=(16, 11), packed=True),
+    pytest.param(Case(2, "ring", Local(6), kv_heads=1, steps=(4, 1, 3), prompt=8),
+                 marks=pytest.mark.slow),
+    pytest.param(Case(4, "all_gather", Local(5), data=2, lengths=(16, 9), packed=True,
+                      sinks=True), marks=pytest.mark.slow),
+    pytest.param(Case(8, "ring", Chunked(4), load_balance=False, soft_cap=3.0, lengths=(16, 11),
+                      packed=True), marks=pytest.mark.slow),
     Case(4, "ulysses", Causal(), heads=8, sinks=True, soft_cap=5.0, lengths=(13, 16)),
     pytest.param(Case(2, "ulysses", Causal(), ring=2, steps=(8, 1)), marks=pytest.mark.slow),
 ]

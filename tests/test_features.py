@@ -156,6 +156,7 @@ def test_bad_arguments_name_themselves(kw, match):
     flaxattn.attention(q, k, v, **kw)
 
 
+@pytest.mark.slow
 def test_layer_options():
   x = normal((2, 16, 32))
   def make(**kw):

@@ -228,7 +228,8 @@ def _decoder(max_length):
   return m
 
 
-@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("jit", [pytest.param(False, marks=pytest.mark.slow), True],
+                         ids=["eager", "jit"])
 def test_decode_past_the_cache_raises_and_writes_nothing(jit):
   call = run if jit else (lambda m, x, **kw: m(x, **kw))
   # A traced index fails inside the program: JAX wraps the message in its runtime error.

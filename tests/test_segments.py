@@ -172,6 +172,7 @@ def test_cross_with_same_ids_is_self_attention():
     np.testing.assert_array_equal(g, w)
 
 
+@pytest.mark.slow
 def test_jit_matches_eager():
   q = jnp.asarray([[1, 1, 2, 0, 3, 3, 3, 0]])
   kv = jnp.asarray([[3, 3, 1, 0, 4]])

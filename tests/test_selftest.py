@@ -39,6 +39,7 @@ def test_mismatch_fails_with_exit_status_1(only, capsys):
   assert "FAIL broken: Causal(), float32, packed" in out and "MISMATCH" in out
 
 
+@pytest.mark.slow  # the context-parallel cases on 8 devices
 def test_matching_kernels_pass(only):
   """With 8 devices the self-test also checks every strategy that splits its heads."""
   only("blockwise", context_parallel=True)

@@ -87,6 +87,7 @@ def eight_devices():
   return result
 
 
+@pytest.mark.slow  # the eight_devices fixture builds and runs every case
 def test_param_specs_under_default_rules(eight_devices):
   r = eight_devices
   assert r["data_tensor"]["params"] == dict(
@@ -104,6 +105,7 @@ def test_gqa_with_fewer_kv_heads_than_tensor_axis(eight_devices):
   assert params["key"] == [None, None, None] and params["key_bias"] == [None, None]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["data_tensor", "data_tensor_gqa", "fsdp_tensor", "data_context"])
 def test_sharded_forward_matches_single_device(eight_devices, name):
   r = eight_devices[name]

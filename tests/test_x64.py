@@ -47,6 +47,7 @@ def test_kernels_match_reference(backend, t):
     assert rel_error(g, w) < ERR
 
 
+@pytest.mark.slow
 def test_cudnn_on_its_cpu_model_matches_reference(fake_cudnn):
   q, k, v = qkv(1, 2, 64, 64, 4, 2, 16, jnp.bfloat16)
   layout = as_layout(*random_packing(1, 2, 64, pad_tail=5))  # int32, as `resolve` makes them
