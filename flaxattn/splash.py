@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+from jax.experimental.pallas.ops.tpu.splash_attention import (
+  splash_attention_mask_info as mask_info_lib,
+)
 from jax.sharding import PartitionSpec as P
 
 from flaxattn import blockwise, registry, sharding, splash_blocks
@@ -125,47 +129,120 @@ def default_block(head_dim: int) -> int:
   return max(LANES, 512 * 128 // max(head_dim, 128) // LANES * LANES)
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["kernel", "which"],
+                   meta_fields=["rows"])
+@dataclasses.dataclass(frozen=True)
+class ShardedKernel:
+  """A splash kernel whose queries are split over devices, holding each distinct device's
+  block metadata once (`splash_blocks.per_device`): the mask infos' block rows are `rows`
+  per distinct device, `which[r]` names device r's, and `q_sequence` is the whole sequence's
+  (sharded with the queries). Splash's own layout holds every device's rows: at cp=128 and
+  10M tokens, 128 ring steps x 128 devices of them."""
+
+  kernel: sk.SplashAttentionKernel  # its forward and dK/dV mask infos (no dQ: fused backward)
+  which: Any  # [shards] int32 (device r's rows); a PartitionSpec in `specs()`
+  rows: int  # query blocks per device
+
+  @property
+  def patterns(self) -> int:
+    """The number of distinct devices' rows held."""
+    return int(np.max(self.which)) + 1
+
+  def specs(self, axis: str) -> ShardedKernel:
+    """shard_map specs: the distinct metadata replicated, `which` and `q_sequence` over `axis`."""
+    def spec(path, leaf):
+      return P(axis) if path[-1].name == "q_sequence" else P()
+    return ShardedKernel(jax.tree_util.tree_map_with_path(spec, self.kernel), P(axis), self.rows)
+
+  def infos(self) -> tuple[mask_info_lib.MaskInfo, mask_info_lib.MaskInfo]:
+    fwd, dkv = self.kernel.fwd_mask_info, self.kernel.dkv_mask_info
+    assert dkv is not None
+    return fwd, dkv
+
+  def local(self) -> sk.SplashAttentionKernel:
+    """Inside the shard_map: this device's kernel (its block rows picked by its `which`)."""
+    start = self.which[0] * self.rows
+    def pick(info: mask_info_lib.MaskInfo) -> mask_info_lib.MaskInfo:
+      return info._replace(**{
+          f: jax.lax.dynamic_slice_in_dim(getattr(info, f), start, self.rows, axis=1)
+          for f in ("data_next", "block_mask")})
+    fwd, dkv = self.infos()
+    return sk.SplashAttentionKernel(pick(fwd), None, pick(dkv), **self.kernel.kwargs)
+
+  def whole(self) -> tuple[mask_info_lib.MaskInfo, mask_info_lib.MaskInfo]:
+    """The (forward, dK/dV) mask infos over all devices, in splash's own layout (numpy)."""
+    def expand(info: mask_info_lib.MaskInfo) -> mask_info_lib.MaskInfo:
+      return info._replace(**{
+          f: np.concatenate([getattr(info, f)[:, p * self.rows:(p + 1) * self.rows]
+                             for p in self.which], axis=1)
+          for f in ("data_next", "block_mask")})
+    fwd, dkv = self.infos()
+    return expand(fwd), expand(dkv)
+
+
+Kernel = sk.SplashAttentionKernel | ShardedKernel
+
+
+def smem_bytes(kernel: Kernel) -> int:
+  """Bytes of TPU scalar memory one device's block metadata of `kernel` takes (the larger of
+  the forward's and the dK/dV's)."""
+  if isinstance(kernel, ShardedKernel):
+    devices, infos = kernel.patterns, kernel.infos()
+  else:
+    devices, infos = 1, (kernel.fwd_mask_info, kernel.dkv_mask_info)
+  return max(splash_blocks.smem_bytes(info, devices) for info in infos if info is not None)
+
+
+def _local(kernel: Kernel | None) -> sk.SplashAttentionKernel | None:
+  return kernel.local() if isinstance(kernel, ShardedKernel) else kernel
+
+
 @functools.lru_cache(maxsize=512)  # a kernel per ring step, cp up to 128, a few masks
 def _kernel(normal: Band, order: TokenOrder, q_len: int, kv_len: int, groups: int, bq: int,
-            bkv: int, interpret: bool,
-            soft_cap: float | None = None) -> sk.SplashAttentionKernel | None:
+            bkv: int, interpret: bool, soft_cap: float | None = None) -> Kernel | None:
   """The MQA splash kernel for `groups` query heads per KV head (cached: built once per
-  shape, mask and block sizes, so retracing costs nothing). None when the mask allows
-  nothing (a ring step whose keys no query may see)."""
+  shape, mask and block sizes, so retracing costs nothing): a `ShardedKernel` where the
+  queries are split over devices. None when the mask allows nothing (a ring step whose keys
+  no query may see)."""
   sizes = sk.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq,
                         block_kv_dkv=bkv, block_kv_dkv_compute=bkv, use_fused_bwd_kernel=True)
   del groups  # every head has the same mask: splash keeps one copy of its metadata
   mask_function = _mask_function(normal, (q_len, kv_len), order)
   # The block metadata in closed form (splash_blocks), exactly what splash's `process_mask`
-  # builds by evaluating the mask on every token pair. Sharded queries: the dK/dV indices
-  # are relative to each query shard; the forward MaskInfo is the same for any number of
-  # shards, so it is built for one.
+  # builds by evaluating the mask on every token pair; for sharded queries, each distinct
+  # device's rows once (the dK/dV indices are relative to each query shard, and the forward
+  # grid's width is the widest row of any device, so the rows are the same).
   blocks = splash_blocks.block_mask(normal, order, q_len, kv_len, bq, bkv)
   if not blocks.any():
     return None
+  which = None
+  if order.shards > 1:
+    blocks, which = splash_blocks.per_device(blocks, order.shards)
+  devices = 1 if which is None else int(which.max()) + 1
   q_sequence = (None if mask_function is None else
                 _q_sequence(q_len, order.shards, order.load_balance))
   infos = (splash_blocks.forward_info(blocks, None),
-           splash_blocks.dkv_info(blocks, order.shards, None))
+           splash_blocks.dkv_info(blocks, devices, None))
   if not interpret:
-    _check_smem(infos, order.shards, q_len, kv_len, bq, bkv)
+    _check_smem(infos, devices, q_len // order.shards, kv_len, bq, bkv)
   # Host (numpy) constants, concrete inside any trace: a jax array made under `jax.set_mesh`
   # would be replicated on every device of the mesh (128 host copies on simulated devices).
   fwd, dkv = (info._replace(q_sequence=q_sequence) for info in infos)
-  return sk.SplashAttentionKernel(
+  kernel = sk.SplashAttentionKernel(
       fwd, None, dkv, block_sizes=sizes, is_mqa=True, save_residuals=True,
       mask_value=sk.DEFAULT_MASK_VALUE, attn_logits_soft_cap=soft_cap,
       residual_checkpoint_name=None, mask_function=mask_function,
       interpret=interpret)
+  return kernel if which is None else ShardedKernel(kernel, which, q_len // order.shards // bq)
 
 
-def _check_smem(infos, shards: int, q_len: int, kv_len: int, bq: int, bkv: int):
-  """Raises before compiling where a kernel's block metadata cannot fit TPU scalar memory
-  (Mosaic would fail with an allocation error), naming the block sizes that fit."""
-  used = max(splash_blocks.smem_bytes(info, shards) for info in infos)
+def _check_smem(infos, devices: int, rows: int, kv_len: int, bq: int, bkv: int):
+  """Raises before compiling where a kernel's block metadata (`devices` devices' rows of
+  `rows` query tokens each) cannot fit TPU scalar memory (Mosaic would fail with an
+  allocation error), naming the block sizes that fit."""
+  used = max(splash_blocks.smem_bytes(info, devices) for info in infos)
   if used <= splash_blocks.SMEM_BYTES:
     return
-  rows = q_len // shards
   larger = [(block_size(rows, f * bq), block_size(kv_len, f * bkv)) for f in (2, 4, 8, 16, 32)]
   fits = next((b for b in larger
                if splash_blocks.smem_bound(rows, kv_len, *b) <= splash_blocks.SMEM_BYTES), None)
@@ -190,14 +267,13 @@ def _q_sequence(q_len: int, shards: int, load_balance: bool) -> np.ndarray:
   return original
 
 
-def _kernel_spec(kernel: sk.SplashAttentionKernel | None, axis: str | None):
-  """shard_map specs of a kernel's mask infos: query-block rows over `axis` (None: replicated)."""
-  def spec(path, leaf):
-    name = path[-1].name
-    if axis is None or name == "partial_mask_blocks":
-      return P()
-    return P(axis) if name == "q_sequence" else P(None, axis)
-  return jax.tree_util.tree_map_with_path(spec, kernel)
+def _kernel_spec(kernel: Kernel | None, axis: str | None):
+  """shard_map specs of a kernel's mask infos: replicated with `axis` None (a single-device
+  kernel), else a `ShardedKernel`'s."""
+  if isinstance(kernel, ShardedKernel):
+    assert axis is not None
+    return kernel.specs(axis)
+  return jax.tree.map(lambda _: P(), kernel)
 
 
 def _segment_ids(q_seg, kv_seg):
@@ -208,8 +284,9 @@ def forward(kernel, q, k, v, q_seg, kv_seg, *, scale: float):
   """One splash call: q `[B, T, H, D]`, k `[B, S, Hkv, D]`, v `[B, S, Hkv, Dv]`, segment ids
   `[B, T]`/`[B, S]` or None. Returns out `[B, T, H, Dv]` in q's dtype and lse `[B, T, H]`
   float32; rows with no key (padding included) get zeros and lse -inf. The kernel carries
-  the soft cap."""
+  the soft cap; a `ShardedKernel` is called inside its shard_map."""
   b, t, h, d = q.shape
+  kernel = _local(kernel)
   if kernel is None:  # no query sees any key under index masking
     return (jnp.zeros((b, t, h, v.shape[-1]), q.dtype), jnp.full((b, t, h), -jnp.inf, jnp.float32))
   hkv = k.shape[2]
@@ -232,6 +309,7 @@ def forward(kernel, q, k, v, q_seg, kv_seg, *, scale: float):
 
 def backward(kernel, q, k, v, q_seg, kv_seg, out, lse, dout, dlse, *, scale: float):
   """Gradients (dq, dk, dv) of a splash call given the (possibly merged) out and lse."""
+  kernel = _local(kernel)
   if kernel is None:
     return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)
   b, t, h, d = q.shape
@@ -245,14 +323,15 @@ def backward(kernel, q, k, v, q_seg, kv_seg, out, lse, dout, dlse, *, scale: flo
   # d lse / d s = p: an lse cotangent enters exactly as a shift of the row term di.
   di_BKGT = (jnp.einsum("bkgtd,bkgtd->bkgt", out_BKGTD.astype(jnp.float32),
                         dout_BKGTD.astype(jnp.float32)) - to_kernel(dlse.astype(jnp.float32)))
-  sizes, kw = kernel.kwargs["block_sizes"], kernel.kwargs
+  sizes, kw, dkv_info = kernel.kwargs["block_sizes"], kernel.kwargs, kernel.dkv_mask_info
+  assert dkv_info is not None  # built with the fused backward's metadata
 
   def one(q, k, v, seg, lse, dout, di):
     # Splash's own VJP cannot take an lse cotangent (it refuses to differentiate with
     # save_residuals), so call its fused backward kernel directly (jax 0.10 internals).
     dq, dk, dv = sk._splash_attention_bwd_dkv(  # pylint: disable=protected-access
         q, k, v, seg, None, lse, dout, di, bq=sizes.block_q_dkv, bkv=sizes.block_kv_dkv,
-        bkv_compute=sizes.block_kv_dkv_compute, is_mqa=True, mask_info=kernel.dkv_mask_info,
+        bkv_compute=sizes.block_kv_dkv_compute, is_mqa=True, mask_info=dkv_info,
         mask_value=kw["mask_value"], attn_logits_soft_cap=kw["attn_logits_soft_cap"],
         use_fused_bwd_kernel=True,
         q_layout=sizes.q_layout, k_layout=sizes.k_layout, v_layout=sizes.v_layout,
@@ -411,9 +490,9 @@ class Splash(registry.Kernel):
   def ring_step(self, *, strategy: str, mask: Mask, scale: float, shards: int, axis: str,
                 load_balance: bool, q_shape, kv_shape, layout: Layout,
                 soft_cap: float | None = None) -> SplashStep:
-    """One kernel per ring step (or one for the gathered keys), its mask infos sharded over
-    `axis`. A batch that fails `index_check` (on the global `layout`) runs the blockwise
-    passes."""
+    """One kernel per ring step (or one for the gathered keys), each device's block metadata
+    picked by its index on `axis`. A batch that fails `index_check` (on the global
+    `layout`) runs the blockwise passes."""
     t = q_shape[1]
     if strategy == "ring":
       kernels = tuple(self.kernel(mask, TokenOrder(shards, load_balance, step), q_shape,
@@ -444,9 +523,10 @@ def _fallback_backward(fallback, step, q, k, v, layout, out, lse, dout, dlse):
                    meta_fields=["axis", "scale", "mask", "fallback"])
 @dataclasses.dataclass(frozen=True)
 class SplashStep(RingStep):
-  """Splash as the per-device step of context parallelism: the shard-local kernels (one per
-  ring step, or one for the gathered keys; None where no query sees the step's keys), whose
-  mask infos are sharded over `axis`, and the run-time exactness flag (None: always exact)."""
+  """Splash as the per-device step of context parallelism: the `ShardedKernel`s (one per
+  ring step, or one for the gathered keys; None where no query sees the step's keys), each
+  device picking its own block metadata, and the run-time exactness flag (None: always
+  exact)."""
 
   kernels: tuple
   exact: jax.Array | None

@@ -131,6 +131,19 @@ def _block_mask_by_runs(normal: Band, order, q_len: int, kv_len: int, bq: int,
   return np.where(some, np.where(every, FULL, PARTIAL), EMPTY).astype(np.int32)
 
 
+def per_device(blocks: np.ndarray, shards: int) -> tuple[np.ndarray, np.ndarray]:
+  """`(patterns [P * rows, kv_blocks], which [shards] int32)`: the distinct rows of `blocks`
+  that one device of `shards` holds (`rows` query blocks each, in first-seen order), and
+  which of them device r holds. A ring step's devices see the same few relations between
+  their shards and the visiting one (a causal balanced ring step: at most 2 at any cp), so a program
+  holds P copies where splash's `process_mask` holds `shards`."""
+  per = blocks.reshape(shards, -1, blocks.shape[1])
+  seen: dict[bytes, int] = {}
+  which = np.array([seen.setdefault(device.tobytes(), len(seen)) for device in per], np.int32)
+  first = np.unique(which, return_index=True)[1]
+  return per[first].reshape(-1, blocks.shape[1]), which
+
+
 def forward_info(blocks: np.ndarray, q_sequence) -> mask_info_lib.MaskInfo:
   """The forward MaskInfo of `blocks` (from `block_mask`, not all EMPTY): splash's shrunk
   grid, each query row's non-empty key blocks first, in order, padded with EMPTY / 0."""

@@ -124,7 +124,8 @@ def _ring_blocks(mask, load_balance, n=4, t=4096):
   per_device = np.zeros(n, int)
   for kernel in step.kernels:
     if kernel is not None:
-      per_device += (np.asarray(kernel.fwd_mask_info.block_mask)[0] > 0).reshape(n, -1).sum(1)
+      fwd, _ = kernel.whole()
+      per_device += (fwd.block_mask[0] > 0).reshape(n, -1).sum(1)
   return per_device, sum(k is None for k in step.kernels)
 
 
@@ -138,6 +139,24 @@ def test_ring_kernels_balance_causal_work_and_drop_empty_steps():
   # on it each device's two chunks see only themselves.
   per_device, empty_steps = _ring_blocks(flaxattn.Chunked(512), True)
   assert empty_steps == 3 and per_device.tolist() == [2, 2, 2, 2]
+
+
+@pytest.mark.parametrize("n", [4, 16, 64])
+def test_ring_kernels_hold_each_distinct_devices_metadata_once(n):
+  """A balanced causal ring step's devices see the visiting shard either before or after
+  their own (step 0: their own): at most 2 distinct devices' rows per step at any cp, where
+  splash's own layout holds n. Local(256) likewise."""
+  t = n * 512
+  for mask in (flaxattn.Causal(), flaxattn.Local(256)):
+    step = splash.Splash(block_q=128, block_kv=128).ring_step(
+        strategy="ring", axis="context", shards=n, load_balance=True, mask=mask, scale=1.0,
+        q_shape=(1, t, 2, 128), kv_shape=(1, t, 2, 128), layout=Layout())
+    kernels = [k for k in step.kernels if k is not None]
+    assert kernels and all(isinstance(k, splash.ShardedKernel) for k in kernels)
+    assert max(k.patterns for k in kernels) == 2, (mask, [k.patterns for k in kernels])
+    held = sum(k.kernel.fwd_mask_info.block_mask.size for k in kernels)
+    whole = sum(k.whole()[0].block_mask.size for k in kernels)
+    assert held * n <= whole * 2
 
 
 def test_block_sizes_from_head_dim_and_overridable():

@@ -4,6 +4,8 @@ every token pair (today's construction), for every token order splash runs in: a
 Ulysses (one shard), each ring step (ring, Ulysses x ring, the window-aware ring), gathered
 keys (all_gather), load balancing on and off, and every mask normal form."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
@@ -74,8 +76,31 @@ def test_closed_form_metadata_equals_per_pair_evaluation(mask, order):
     if kernel is None:
       assert fwd is None, "an empty step has no kernel"
       continue
-    _assert_same(kernel.fwd_mask_info, fwd, ("fwd", bq, bkv))
-    _assert_same(kernel.dkv_mask_info, dkv, ("dkv", bq, bkv))
+    got_fwd, got_dkv = _infos(kernel)
+    _assert_same(got_fwd, fwd, ("fwd", bq, bkv))
+    _assert_same(got_dkv, dkv, ("dkv", bq, bkv))
+    if isinstance(kernel, splash.ShardedKernel):
+      _assert_each_device_picks_its_rows(kernel, got_fwd, got_dkv)
+
+
+def _infos(kernel):
+  """(forward, dK/dV) mask infos in splash's own layout, every device's rows."""
+  if isinstance(kernel, splash.ShardedKernel):
+    return kernel.whole()
+  return kernel.fwd_mask_info, kernel.dkv_mask_info
+
+
+def _assert_each_device_picks_its_rows(kernel, fwd, dkv):
+  """`ShardedKernel.local()` on device r (its `which` entry) gives device r's rows of the
+  whole arrays; the distinct devices' rows are held once."""
+  rows = kernel.rows
+  assert kernel.patterns == len(set(kernel.which.tolist())) <= len(kernel.which)
+  for r, p in enumerate(kernel.which):
+    local = dataclasses.replace(kernel, which=np.array([p], np.int32)).local()
+    for got, whole in ((local.fwd_mask_info, fwd), (local.dkv_mask_info, dkv)):
+      for field in ("data_next", "block_mask"):
+        np.testing.assert_array_equal(
+            np.asarray(getattr(got, field)), getattr(whole, field)[:, r * rows:(r + 1) * rows])
 
 
 def test_metadata_that_cannot_fit_scalar_memory_raises_naming_block_sizes():
@@ -87,7 +112,7 @@ def test_metadata_that_cannot_fit_scalar_memory_raises_naming_block_sizes():
                      r" scalar memory.*Splash\(block_q=256, block_kv=256\)"):
     splash._kernel.__wrapped__(causal, splash.TokenOrder(), t, t, 2, 128, 128, False)
   kernel = splash._kernel.__wrapped__(causal, splash.TokenOrder(), t, t, 2, 256, 256, False)
-  infos = (kernel.fwd_mask_info, kernel.dkv_mask_info)
+  infos = _infos(kernel)
   assert max(splash_blocks.smem_bytes(i, 1) for i in infos) == 512 * 512 * 3
   interpreted = splash._kernel.__wrapped__(causal, splash.TokenOrder(), t, t, 2, 128, 128, True)
   assert interpreted is not None
