@@ -215,6 +215,10 @@ def _kernel(normal: Band, order: TokenOrder, q_len: int, kv_len: int, groups: in
   blocks = splash_blocks.block_mask(normal, order, q_len, kv_len, bq, bkv)
   if not blocks.any():
     return None
+  if not (blocks == splash_blocks.PARTIAL).any():
+    # No partial block: the mask is never evaluated (full blocks need none), and without
+    # a mask function the ring's steps of equal shapes share one trace of the kernel.
+    mask_function = None
   which = None
   if order.shards > 1:
     blocks, which = splash_blocks.per_device(blocks, order.shards)
@@ -326,25 +330,33 @@ def backward(kernel, q, k, v, q_seg, kv_seg, out, lse, dout, dlse, *, scale: flo
   sizes, kw, dkv_info = kernel.kwargs["block_sizes"], kernel.kwargs, kernel.dkv_mask_info
   assert dkv_info is not None  # built with the fused backward's metadata
 
-  def one(q, k, v, seg, lse, dout, di):
-    # Splash's own VJP cannot take an lse cotangent (it refuses to differentiate with
-    # save_residuals), so call its fused backward kernel directly (jax 0.10 internals).
-    dq, dk, dv = sk._splash_attention_bwd_dkv(  # pylint: disable=protected-access
-        q, k, v, seg, None, lse, dout, di, bq=sizes.block_q_dkv, bkv=sizes.block_kv_dkv,
-        bkv_compute=sizes.block_kv_dkv_compute, is_mqa=True, mask_info=dkv_info,
-        mask_value=kw["mask_value"], attn_logits_soft_cap=kw["attn_logits_soft_cap"],
-        use_fused_bwd_kernel=True,
-        q_layout=sizes.q_layout, k_layout=sizes.k_layout, v_layout=sizes.v_layout,
-        mask_function=kw["mask_function"], interpret=kw["interpret"])
-    assert dq is not None  # the fused backward kernel computes dq too
-    return dq, dk, dv
-
+  one = functools.partial(_fused_backward, dkv_info, sizes=sizes, mask_value=kw["mask_value"],
+                          soft_cap=kw["attn_logits_soft_cap"],
+                          mask_function=kw["mask_function"], interpret=kw["interpret"])
   over_heads = jax.vmap(one, in_axes=(0, 0, 0, None, 0, 0, 0))
   dq, dk, dv = jax.vmap(over_heads)(q_BKGTD, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3),
                                     _segment_ids(q_seg, kv_seg), lse_BKGT, dout_BKGTD, di_BKGT)
   dq = dq.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d) * jnp.asarray(scale, dq.dtype)
   return (dq.astype(q.dtype), dk.transpose(0, 2, 1, 3).astype(k.dtype),
           dv.transpose(0, 2, 1, 3).astype(v.dtype))
+
+
+@functools.partial(jax.jit, static_argnames=("sizes", "mask_value", "soft_cap", "mask_function",
+                                             "interpret"))
+def _fused_backward(mask_info, q, k, v, seg, lse, dout, di, *, sizes, mask_value, soft_cap,
+                    mask_function, interpret):
+  """Splash's fused dK/dV/dQ kernel for one query head group. Splash's own VJP cannot take
+  an lse cotangent (it refuses to differentiate with save_residuals), so this calls the
+  kernel directly (jax 0.10 internals). Jitted like splash's forward: ring steps with the
+  same shapes and mask function trace it once."""
+  dq, dk, dv = sk._splash_attention_bwd_dkv(  # pylint: disable=protected-access
+      q, k, v, seg, None, lse, dout, di, bq=sizes.block_q_dkv, bkv=sizes.block_kv_dkv,
+      bkv_compute=sizes.block_kv_dkv_compute, is_mqa=True, mask_info=mask_info,
+      mask_value=mask_value, attn_logits_soft_cap=soft_cap, use_fused_bwd_kernel=True,
+      q_layout=sizes.q_layout, k_layout=sizes.k_layout, v_layout=sizes.v_layout,
+      mask_function=mask_function, interpret=interpret)
+  assert dq is not None  # the fused backward kernel computes dq too
+  return dq, dk, dv
 
 
 def _index_masked_or_blockwise(exact, index_masked, blockwise_fn):

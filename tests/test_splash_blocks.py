@@ -76,11 +76,20 @@ def test_closed_form_metadata_equals_per_pair_evaluation(mask, order):
     if kernel is None:
       assert fwd is None, "an empty step has no kernel"
       continue
+    partial = bool((dkv.block_mask == splash_blocks.PARTIAL).any())
+    assert (kernel_of(kernel).kwargs["mask_function"] is None) == (
+      not partial or splash._mask_function(normal, (T, kv_len), order) is None)
+    if not partial:  # no block evaluates the mask: no mask function, no row indices
+      fwd, dkv = fwd._replace(q_sequence=None), dkv._replace(q_sequence=None)
     got_fwd, got_dkv = _infos(kernel)
     _assert_same(got_fwd, fwd, ("fwd", bq, bkv))
     _assert_same(got_dkv, dkv, ("dkv", bq, bkv))
     if isinstance(kernel, splash.ShardedKernel):
       _assert_each_device_picks_its_rows(kernel, got_fwd, got_dkv)
+
+
+def kernel_of(kernel):
+  return kernel.kernel if isinstance(kernel, splash.ShardedKernel) else kernel
 
 
 def _infos(kernel):
