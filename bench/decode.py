@@ -58,11 +58,12 @@ def _fill(m, length: int, n: int, filled: int):
   ids[:, slot_J], pos[:, slot_J] = 1, np.arange(filled)
   k, v = (jax.random.normal(jax.random.key(i), (B, length, HKV, D), jnp.float32)
           * jnp.asarray(ids)[..., None, None] for i in range(2))
-  for var, value in ((m.cached_key, k), (m.cached_value, v), (m.cached_segment_ids, ids),
-                     (m.cached_positions, pos)):
+  cache = m.cache
+  for var, value in ((cache.keys, k), (cache.values, v), (cache.segment_ids, ids),
+                     (cache.positions, pos)):
     var[...] = jax.device_put(jnp.asarray(value), var[...].sharding)
-  m.cached_last[...] = jnp.asarray([[1, filled - 1]], jnp.int32)
-  m.cache_index[...] = jnp.int32(filled)
+  cache.last[...] = jnp.asarray([[1, filled - 1]], jnp.int32)
+  cache.index[...] = jnp.int32(filled)
 
 
 @nnx.jit(donate_argnums=0)
@@ -72,7 +73,7 @@ def _step(m, x):
 
 def _cache_bytes(m) -> int:
   return sum(v[...].addressable_shards[0].data.nbytes
-             for v in (m.cached_key, m.cached_value, m.cached_segment_ids, m.cached_positions))
+             for v in (m.cache.keys, m.cache.values, m.cache.segment_ids, m.cache.positions))
 
 
 def decode_case(length: int, n: int, steps: int) -> dict:

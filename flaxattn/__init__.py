@@ -8,6 +8,7 @@ Public API:
   MultiHeadAttention, RoPE, RoPEScaling  NNX layer (a drop-in for flax.nnx.MultiHeadAttention),
                                          rotary embeddings with Hugging Face rope_scaling
                                          (linear, llama3, yarn)
+  KVCache                                the layer's decode state (`init_cache`) as one object
   nnx_attention_fn                       flaxattn kernels inside stock nnx.MultiHeadAttention
   ContextParallel, load_balance,         ring / all-gather / Ulysses (and Ulysses x ring) attention
     unload_balance                       over a sharded sequence, and the load-balanced token order
@@ -22,6 +23,7 @@ from flaxattn import sharding
 from flaxattn.attention import attention, explain
 from flaxattn.balance import BalancePlan, balance_plan, load_balance, unload_balance
 from flaxattn.context_parallel import ContextParallel
+from flaxattn.kv_cache import KVCache
 from flaxattn.layer import MultiHeadAttention
 from flaxattn.masks import Causal, Chunked, Full, Local, Mask
 from flaxattn.registry import lowering_for
@@ -34,7 +36,7 @@ __all__ = [
     "Mask", "Full", "Causal", "Local", "Chunked",
     "seqlens_and_offsets", "SeqlensOffsets",
     "ContextParallel", "load_balance", "unload_balance", "balance_plan", "BalancePlan",
-    "MultiHeadAttention", "RoPE", "RoPEScaling", "nnx_attention_fn", "sharding",
+    "MultiHeadAttention", "KVCache", "RoPE", "RoPEScaling", "nnx_attention_fn", "sharding",
     # Loaded on first use by __getattr__ below, which pyright does not follow.
     "selftest",  # pyright: ignore[reportUnsupportedDunderAll]
 ]

@@ -8,11 +8,18 @@ the program with the error's message (surfaced by JAX as a runtime error that co
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import jax
 import jax.core  # jax.core.Tracer: jax imports the module but does not export the name
 import numpy as np
+
+log = logging.getLogger("flaxattn")
+
+
+def _traced(*xs) -> bool:
+  return any(isinstance(x, jax.core.Tracer) for x in xs)
 
 
 def raise_if(failed, error: Callable[..., Exception], *values) -> None:
@@ -24,7 +31,7 @@ def raise_if(failed, error: Callable[..., Exception], *values) -> None:
       the value received and what was expected.
     values: arrays the message needs (traced or not).
   """
-  if not any(isinstance(x, jax.core.Tracer) for x in (failed, *values)):
+  if not _traced(failed, *values):
     if bool(failed):
       raise error(*(np.asarray(x) for x in values))
     return
@@ -33,3 +40,28 @@ def raise_if(failed, error: Callable[..., Exception], *values) -> None:
     raise error(*host_values)
 
   jax.lax.cond(failed, lambda: jax.debug.callback(fail, *values), lambda: None)
+
+
+def refuse_if(failed, error: Callable[..., Exception], *values):
+  """Refuses a call that would change state (a KV cache): `error(*values)` when the scalar
+  bool `failed` holds.
+
+  Concrete values: raises at once, before anything is written, and returns None. Traced
+  values: returns `failed` for the caller to write nothing and return NaN where it holds,
+  and logs the error to the `flaxattn` logger when the program runs. A program that raises
+  fails as a whole, asynchronously: every array it returns fails too, a layer's parameters
+  included (nnx.jit returns them all), and on a mesh the next collective then waits for a
+  device that never arrives.
+  """
+  if not _traced(failed, *values):
+    if bool(failed):
+      raise error(*(np.asarray(x) for x in values))
+    return None
+
+  def report(*host_values):
+    log.error("%s The call ran inside a compiled program, where raising would discard every"
+              " variable the program returns: it wrote nothing, kept the cache as it was and"
+              " returned NaN.", error(*host_values))
+
+  jax.lax.cond(failed, lambda: jax.debug.callback(report, *values), lambda: None)
+  return failed

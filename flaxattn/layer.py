@@ -30,14 +30,11 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import dtypes, initializers
 from flax.nnx.nn.linear import default_kernel_init
-from jax import lax
 
-from flaxattn import balance, checks
-from flaxattn import decode as cp_decode
 from flaxattn.attention import apply_sinks, attention, check_soft_cap
+from flaxattn.kv_cache import KVCache
 from flaxattn.layout import Layout, resolve, shape_error
 from flaxattn.masks import Causal, Full, Mask, check_mask
-from flaxattn.ring import merge_partials
 from flaxattn.rope import RoPE
 from flaxattn.sharding import constrain, param_metadata
 
@@ -250,12 +247,7 @@ class MultiHeadAttention(nnx.Module):
                                        out_kernel_metadata or kernel_metadata),
         bias_metadata=param_metadata(("embed",), out_bias_metadata or bias_metadata))
 
-    self.cached_key = nnx.data(None)
-    self.cached_value = nnx.data(None)
-    self.cached_segment_ids = nnx.data(None)
-    self.cached_positions = nnx.data(None)
-    self.cached_last = nnx.data(None)
-    self.cache_index = nnx.data(None)
+    self.cache: KVCache | None = nnx.data(None)  # `init_cache`
 
   def __call__(
       self,
@@ -287,15 +279,16 @@ class MultiHeadAttention(nnx.Module):
       decode: use the KV cache (see `init_cache`); T may be > 1 (prefill). Default: the
         constructor's `decode`, else False. With `context_parallel` the cache is sharded
         (`flaxattn.decode`): T a multiple of the strategy's split is a prefill, sequence
-        sharded like a training batch (load-balanced order with `load_balance`), run with
-        the strategy; any other T is a decode step, merged across the shards by lse.
-        `attention_fn` must then take `return_lse=True`.
+        sharded like a training batch (in `load_balance`'s order), run with the strategy;
+        any other T is a decode step in the original order, merged across the shards by
+        lse. `attention_fn` must then take `return_lse=True`.
       segment_ids, positions: `[B, T]` int (packed documents; see `flaxattn.attention`).
         In decode they describe the new tokens. Left out, the new tokens continue the last
         cached token's document (its segment id) and position (+1, +2, ...); from an empty
         cache they are one document from position 0. Positions left out with segment ids
         given count up inside each run of equal ids, the first run continuing the cached
-        document when it has the same id.
+        document when it has the same id. Under `load_balance="document"` both are
+        required: a prefill in document order does not say which token came last.
       kv_segment_ids, kv_positions: `[B, S]` for cross attention; not allowed in decode.
       deterministic, rngs: accepted for compatibility; there is no dropout.
       out_sharding, qkv_sharding: passed to the output / QKV `LinearGeneral` calls.
@@ -307,9 +300,11 @@ class MultiHeadAttention(nnx.Module):
       ValueError: inputs of rank < 2, with the wrong feature size or other leading axes than
         inputs_q, a boolean `mask` array,
         `sow_weights=True`, ids or positions not `[B, T]` integers that fit in int32, decode
-        without `init_cache` or with a mismatched cache, decode that would write past the
-        cache, or default segment ids in decode after a cache that ends in padding. Checks
-        on traced values raise from inside the compiled program.
+        without `init_cache` or with a mismatched cache (shape or context_parallel), default
+        ids or positions in decode under `load_balance="document"`. Decode that would write
+        past the cache, or default segment ids after a cache that ends in padding: a
+        ValueError before anything is written when the cache is concrete; inside a compiled
+        program the call writes nothing, returns NaN and logs the error (`flaxattn.kv_cache`).
     """
     inputs_k, inputs_v = self._check_inputs(inputs_q, inputs_k, inputs_v)
     # Any leading batch axes (none, or several) fold into one, and unfold on the way out.
@@ -336,14 +331,14 @@ class MultiHeadAttention(nnx.Module):
     # kernel masks with (under load balancing, default positions are the permuted index).
     layout = resolve(q_BTHD.shape, k_BSKD.shape, segment_ids, positions, kv_segment_ids,
                      kv_positions, self.context_parallel)
-    cp = self.context_parallel if decode else None
-    prefill = cp is not None and cp_decode.is_prefill(cp, q_BTHD.shape[1])
     b = q_BTHD.shape[0]  # the batch axes folded into one
-    if decode:
-      self._check_cache(k_BSKD)
-      shards = cp.balanced_shards() if cp is not None and prefill else 1
-      ids_BT, pos_BT = self._decode_layout(b, t, layout.q_segment_ids, layout.q_positions,
-                                           shards)
+    cache = self._cache(k_BSKD) if decode else None
+    refused = None  # a decode call the cache refuses from inside a program: see kv_cache
+    prefill = False
+    if cache is not None:
+      prefill = cache.is_prefill(t)
+      ids_BT, pos_BT, refused = cache.new_tokens(t, layout.q_segment_ids, layout.q_positions,
+                                                 prefill)
       layout = Layout(ids_BT, ids_BT, pos_BT, pos_BT)
     if self.rope is not None:
       q_pos_BT, k_pos_BS = layout.positions(b, t, s)
@@ -354,18 +349,28 @@ class MultiHeadAttention(nnx.Module):
       extras["sinks"] = self.sinks[...]
     if self.logit_soft_cap is not None:
       extras["logit_soft_cap"] = self.logit_soft_cap
-    if cp is not None:  # the cache is sharded over the sequence axes
+    if cache is not None and self.context_parallel is not None:  # the cache is sharded
       q_BTHD, k_BSKD, v_BSKD = dtypes.promote_dtype((q_BTHD, k_BSKD, v_BSKD), dtype=self.dtype)
-      x_BTHD = self._decode_sharded(q_BTHD, k_BSKD, v_BSKD, layout, mask, prefill, extras)
+      options = {"mask": mask, "backend": self.backend, "return_lse": True}
+      if "logit_soft_cap" in extras:
+        options["logit_soft_cap"] = extras["logit_soft_cap"]
+      out, lse = cache.attend_sharded(
+          q_BTHD, k_BSKD, v_BSKD, layout.q_segment_ids, layout.q_positions, refused,
+          self.attention_fn, options, prefill)
+      if "sinks" in extras:
+        out, lse = apply_sinks(out, lse, extras["sinks"])
+      x_BTHD = out.astype(q_BTHD.dtype)
     else:
-      if decode:  # attend to the whole cache, the new tokens included
-        k_BSKD, v_BSKD, kv_ids_BS, kv_pos_BS = self._update_cache(
-            k_BSKD, v_BSKD, layout.q_segment_ids, layout.q_positions)
+      if cache is not None:  # attend to the whole cache, the new tokens included
+        k_BSKD, v_BSKD, kv_ids_BS, kv_pos_BS = cache.append(
+            k_BSKD, v_BSKD, layout.q_segment_ids, layout.q_positions, refused)
         layout = dataclasses.replace(layout, kv_segment_ids=kv_ids_BS, kv_positions=kv_pos_BS)
       q_BTHD, k_BSKD, v_BSKD = dtypes.promote_dtype((q_BTHD, k_BSKD, v_BSKD), dtype=self.dtype)
       x_BTHD = self.attention_fn(q_BTHD, k_BSKD, v_BSKD, mask=mask, backend=self.backend,
                                  context_parallel=self.context_parallel,
                                  **self._ids(layout), **extras)
+    if refused is not None:
+      x_BTHD = jnp.where(refused, jnp.nan, x_BTHD)
     x_BTHD = constrain(x_BTHD, Q_NAMES)
     out_BTE = constrain(self.out(x_BTHD, out_sharding=out_sharding), X_NAMES)
     return out_BTE.reshape(batch + out_BTE.shape[1:])
@@ -422,194 +427,47 @@ class MultiHeadAttention(nnx.Module):
     return mask
 
   def init_cache(self, input_shape, dtype=jnp.float32) -> None:
-    """Allocates an empty KV cache for `decode=True` calls.
+    """Allocates an empty KV cache (`self.cache`, a `flaxattn.KVCache`) for `decode=True`
+    calls.
 
     Args:
       input_shape: `(..., max_length, features)`, the shape of the longest input, with the
-        leading batch axes of the decode calls (none, one or several, as nnx).
+        leading batch axes of the decode calls (none, one or several, as nnx) and
+        `features` = in_features.
       dtype: dtype of the cached keys and values.
 
-    The cache holds the unrepeated GQA keys/values `[B, max_length, num_kv_heads, head_dim]`,
-    the segment id of each slot (0 = empty, so empty slots are never attended), its position,
-    and the segment id and position of the last token written (`cached_last` `[B, 2]`); B is
-    the product of the leading axes. A decode call that would write past `max_length`
-    raises; nothing is written.
+    The cache holds the unrepeated GQA keys/values `[B, max_length, num_kv_heads, head_dim]`
+    and each slot's segment id (0 = empty, never attended) and position; B is the product
+    of the leading axes. A decode call that would write past `max_length` is refused and
+    writes nothing (see `flaxattn.kv_cache`).
 
     With `context_parallel`, call it under the mesh (`jax.set_mesh`): the slots are sharded
     over the sequence axes (`max_length / n` per device), the batch and heads as inside
     `flaxattn.attention`'s context parallelism; where tokens go is `flaxattn.decode`'s
-    placement.
+    placement. Decode then expects the same `context_parallel`.
 
     Raises:
-      ValueError: `input_shape` is not `(..., max_length, features)` of positive ints;
+      ValueError: `input_shape` is not `(..., max_length, in_features)` of positive ints;
         with `context_parallel`, no mesh, or `max_length` not divisible by the sequence shards.
     """
     if (not isinstance(input_shape, (tuple, list)) or len(input_shape) < 2
-        or any(not isinstance(n, int) or n <= 0 for n in input_shape)):
+        or any(isinstance(n, bool) or not isinstance(n, int) or n <= 0 for n in input_shape)
+        or input_shape[-1] != self.in_features):
       raise ValueError(f"init_cache(input_shape=...) expects (..., max_length, features) of"
-                       f" positive ints, got {input_shape!r}.")
+                       f" positive ints, rank 2 or more, with features = in_features"
+                       f" ({self.in_features}), got {input_shape!r}; pass the shape of the"
+                       " longest input, features last.")
     b, max_length = _fold_batch(tuple(input_shape))[:2]
-    shape = (b, max_length, self.num_kv_heads)
-    def zeros(shape, dtype, spec):
-      return jnp.zeros(shape, dtype)
-    kv_spec = ids_spec = None
-    if self.context_parallel is not None:
-      cp_decode.check_length(self.context_parallel, max_length)
-      specs = cp_decode.specs(self.context_parallel, b, self.num_heads, self.num_kv_heads)
-      zeros, kv_spec, ids_spec = cp_decode.zeros, specs.kv, specs.ids
-    self.cached_key = nnx.Cache(zeros(shape + (self.head_dim,), dtype, kv_spec))
-    self.cached_value = nnx.Cache(zeros(shape + (self.v_head_dim,), dtype, kv_spec))
-    self.cached_segment_ids = nnx.Cache(zeros((b, max_length), jnp.int32, ids_spec))
-    self.cached_positions = nnx.Cache(zeros((b, max_length), jnp.int32, ids_spec))
-    self.cached_last = nnx.Cache(jnp.zeros((b, 2), jnp.int32))
-    self.cache_index = nnx.Cache(jnp.array(0, dtype=jnp.int32))
+    self.cache = KVCache(b, max_length, self.num_kv_heads, self.head_dim, self.v_head_dim, dtype,
+                         heads=self.num_heads, context_parallel=self.context_parallel)
 
-  def _check_cache(self, k) -> None:
-    if self.cached_key is None:
+  def _cache(self, k) -> KVCache:
+    """The cache, checked against new keys `k` `[B, T, Hkv, D]` (see `KVCache.check`)."""
+    if self.cache is None:
       raise ValueError("decode=True expects a KV cache: call init_cache((batch, max_length,"
                        " features)) first.")
-    b, max_length, hkv, d = self.cached_key.shape
-    if (k.shape[0], k.shape[2], k.shape[3]) != (b, hkv, d) or k.shape[1] > max_length:
-      raise ValueError(f"decode expects keys of shape ({b}, <= {max_length}, {hkv}, {d}) to fit"
-                       f" the cache, got {k.shape}; call init_cache with this batch size.")
-
-  def _decode_layout(self, b: int, t: int, segment_ids, positions,
-                     shards: int = 1) -> tuple[jax.Array, jax.Array]:
-    """Segment ids and positions `[B, T]` of T new tokens, defaults filled in (see `__call__`).
-
-    `shards` > 1: the tokens are in `flaxattn.load_balance` order (a context-parallel
-    prefill); defaults follow their original order."""
-    if shards > 1:
-      def unload(x):
-        return None if x is None else balance.unload_balance(x, shards)
-      ids_BT, pos_BT = self._decode_layout(b, t, unload(segment_ids), unload(positions))
-      return (jnp.asarray(balance.load_balance(ids_BT, shards)),
-              jnp.asarray(balance.load_balance(pos_BT, shards)))
-    # `_check_cache` ran first: the cache variables exist (they are None only before
-    # `init_cache`).
-    assert self.cache_index is not None and self.cached_last is not None
-    i = self.cache_index[...]
-    empty = i == 0
-    last_B2 = self.cached_last[...]
-    last_seg_B1, last_pos_B1 = last_B2[:, :1], last_B2[:, 1:]
-    if segment_ids is None:
-      checks.raise_if(
-          ~empty & jnp.any(last_seg_B1 == 0),
-          lambda i: ValueError(
-              f"segment_ids expects the new tokens' segment ids in decode when the cache ends in"
-              f" padding (segment id 0 at cache index {i - 1}): there is no document to"
-              " continue. Pass segment_ids (and positions)."),
-          i)
-      segment_ids = jnp.broadcast_to(jnp.where(empty, 1, last_seg_B1), (b, t))
-    if positions is None:
-      iota_T = jnp.arange(t, dtype=jnp.int32)
-      prev_BT = jnp.concatenate([last_seg_B1, segment_ids[:, :-1]], axis=1)
-      starts_BT = (segment_ids != prev_BT) | (empty & (iota_T == 0))
-      run_start_BT = lax.cummax(jnp.where(starts_BT, iota_T, 0), axis=1)
-      continued_BT = (run_start_BT == 0) & ~starts_BT[:, :1]
-      positions = iota_T - run_start_BT + jnp.where(continued_BT, last_pos_B1 + 1, 0)
-    return segment_ids, positions
-
-  def _check_room(self, k, segment_ids, positions):
-    """The cache index; raises (from inside the program when it is traced) unless the T new
-    tokens fit, and unless their ids and positions are `[B, T]`."""
-    for arg, ids in (("segment_ids", segment_ids), ("positions", positions)):
-      if ids.shape != k.shape[:2]:
-        raise ValueError(f"{arg} expects shape {k.shape[:2]} [batch, new tokens] in decode, got"
-                         f" {ids.shape}.")
-    # `_check_cache` ran first: the cache variables exist (they are None only before
-    # `init_cache`).
-    assert self.cache_index is not None and self.cached_key is not None
-    i = self.cache_index[...]
-    max_length = self.cached_key.shape[1]
-    t = k.shape[1]
-    checks.raise_if(
-        i + t > max_length,
-        lambda i: ValueError(
-            f"decode expects the new tokens to fit the KV cache: writing {t} token(s) at cache"
-            f" index {i} needs {i + t} slots, the cache has max_length {max_length}. Nothing was"
-            " written; call init_cache with a larger max_length."),
-        i)
-    return i
-
-  def _update_cache(self, k, v, segment_ids, positions):
-    """Writes the new tokens at `cache_index`; returns the whole cache for attention.
-
-    Raises (from inside the program when the index is traced) if they do not fit."""
-    # `_check_cache` ran first: the cache variables exist (they are None only before
-    # `init_cache`).
-    assert (self.cached_key is not None and self.cached_value is not None
-            and self.cached_segment_ids is not None and self.cached_positions is not None
-            and self.cache_index is not None and self.cached_last is not None)
-    i = self._check_room(k, segment_ids, positions)
-    t = k.shape[1]
-    zero = jnp.zeros((), jnp.int32)
-    for cache, new in ((self.cached_key, k), (self.cached_value, v)):
-      cache[...] = lax.dynamic_update_slice(cache[...], new.astype(cache.dtype),
-                                            (zero, i, zero, zero))
-    for cache, new in ((self.cached_segment_ids, segment_ids), (self.cached_positions, positions)):
-      cache[...] = lax.dynamic_update_slice(cache[...], new, (zero, i))
-    self.cached_last[...] = jnp.stack([segment_ids[:, -1], positions[:, -1]], axis=1)
-    self.cache_index[...] = i + t
-    return (self.cached_key[...].astype(k.dtype), self.cached_value[...].astype(v.dtype),
-            self.cached_segment_ids[...], self.cached_positions[...])
-
-  def _decode_sharded(self, q, k, v, layout: Layout, mask, prefill: bool, extras) -> jax.Array:
-    """Decode with the cache sharded over the context axes (`flaxattn.decode`): a prefill
-    runs the context-parallel strategy over the new tokens, merged by lse with what the
-    cache held before; a decode step attends on every shard and merges. Each device writes
-    its own slots. Returns `[B, T, H, Dv]` in q's dtype."""
-    cp = self.context_parallel
-    # `_check_cache` ran first: the cache variables exist (they are None only before
-    # `init_cache`).
-    assert (cp is not None and self.cached_key is not None and self.cached_value is not None
-            and self.cached_segment_ids is not None and self.cached_positions is not None
-            and self.cache_index is not None and self.cached_last is not None)
-    ids_BT, pos_BT = layout.q_segment_ids, layout.q_positions
-    assert ids_BT is not None and pos_BT is not None  # `_decode_layout` filled them in
-    i = self._check_room(k, ids_BT, pos_BT)
-    t = k.shape[1]
-    specs = cp_decode.specs(cp, q.shape[0], self.num_heads, self.num_kv_heads)
-    options = {"mask": mask, "backend": self.backend, "return_lse": True}
-    if "logit_soft_cap" in extras:
-      options["logit_soft_cap"] = extras["logit_soft_cap"]
-
-    def local(q, k, v, q_ids, q_pos, kv_ids, kv_pos):  # one device's slots
-      return self.attention_fn(q, k.astype(q.dtype), v.astype(q.dtype), segment_ids=q_ids,
-                               positions=q_pos, kv_segment_ids=kv_ids, kv_positions=kv_pos,
-                               **options)
-
-    cache = tuple(c[...] for c in (self.cached_key, self.cached_value, self.cached_segment_ids,
-                                   self.cached_positions))
-    new = (k.astype(cache[0].dtype), v.astype(cache[1].dtype), ids_BT, pos_BT)
-
-    def run(cache):
-      if prefill:  # the new tokens among themselves, then against what was cached before
-        out, lse = self.attention_fn(q, k, v, segment_ids=ids_BT, positions=pos_BT,
-                                     context_parallel=cp, **options)
-        before = cp_decode.attend(local, q, cache, ids_BT, pos_BT, specs.sequence_sharded(),
-                                  sequence_sharded=True, when=i > 0)
-        out, lse = merge_partials(out.astype(jnp.float32), lse, *before)
-        return cp_decode.write(cache, new, i, specs.sequence_sharded(), prefill=True), out, lse
-      cache = cp_decode.write(cache, new, i, specs, prefill=False)
-      return (cache, *cp_decode.attend(local, q, cache, ids_BT, pos_BT, specs))
-
-    def skip(cache):  # the tokens do not fit: `_check_room` raises from the program
-      shape = q.shape[:3]
-      return cache, jnp.zeros(shape + v.shape[3:], jnp.float32), jnp.full(shape, -jnp.inf)
-
-    # A failed check stops one device; skipping the collectives keeps the others from
-    # waiting for it forever.
-    cache, out, lse = lax.cond(i + t <= self.cached_key.shape[1], run, skip, cache)
-    for variable, value in zip((self.cached_key, self.cached_value, self.cached_segment_ids,
-                                self.cached_positions), cache, strict=True):
-      variable[...] = value
-    last = cp_decode.last_token(cp, t, prefill)
-    self.cached_last[...] = jnp.stack([ids_BT[:, last], pos_BT[:, last]], axis=1)
-    self.cache_index[...] = i + t
-    if "sinks" in extras:
-      out, lse = apply_sinks(out, lse, extras["sinks"])
-    return out.astype(q.dtype)
+    self.cache.check(k, self.context_parallel)
+    return self.cache
 
   def set_view(self, deterministic: bool | None = None, decode: bool | None = None,
                batch_size: int | None = None, max_length: int | None = None):
@@ -622,7 +480,7 @@ class MultiHeadAttention(nnx.Module):
       self.deterministic = deterministic
     if decode is not None:
       self.decode = decode
-      if decode and self.cached_key is None:
+      if decode and self.cache is None:
         if batch_size is None or max_length is None:
           raise TypeError("set_view(decode=True) expects batch_size and max_length to allocate"
                           " the cache.")

@@ -20,6 +20,7 @@ from flaxattn import (
   Local,
   MultiHeadAttention,
   RoPE,
+  balance_plan,
   explain,
   load_balance,
   unload_balance,
@@ -141,19 +142,24 @@ def test_prefill_and_decode_equal_one_device(case):
     nnx.update(m, nnx.state(ref, nnx.Param))
     m.init_cache((b, slots, E))
     got = _run(m, prompt, steps, ids, calls, balance, unbalance, math.lcm(n, 2 * balanced))
-    shard = m.cached_key[...].addressable_shards[0].data
+    shard = m.cache.keys[...].addressable_shards[0].data
   assert shard.shape == (b // case.data, slots // n, case.kv_heads, E // case.heads)
   for g, w in zip(got, want, strict=True):
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * np.abs(w).max())
   # Balanced: every device holds its share of the written tokens, within one.
-  filled = np.asarray(m.cached_segment_ids[...] != 0).reshape(b, n, -1).sum(-1)
+  filled = np.asarray(m.cache.segment_ids[...] != 0).reshape(b, n, -1).sum(-1)
   if ids[0] is None:
     assert filled.min() >= written // n and filled.max() <= -(-written // n)
-  assert int(m.cache_index[...]) == written
+  assert int(m.cache.index[...]) == written
 
 
 def _mesh(n):
   return jax.make_mesh((n,), ("context",), axis_types=(AxisType.Auto,), devices=jax.devices()[:n])
+
+
+def _values(m) -> list[np.ndarray]:
+  """Every variable of `m` (parameters and cache) read back to the host."""
+  return [np.asarray(x) for x in jax.tree.leaves(nnx.state(m))]
 
 
 def test_cache_errors_name_the_numbers():
@@ -162,13 +168,79 @@ def test_cache_errors_name_the_numbers():
     with pytest.raises(ValueError, match=r"max_length divisible by the 4 sequence shards.*got"
                        r" max_length 10; round it up to 12"):
       m.init_cache((1, 10, E))
-    m.init_cache((1, 8, E))
-    _decode(m, normal((1, 8, E)), None, None)
-    with pytest.raises(Exception, match=r"writing 1 token\(s\) at cache index 8 needs 9 slots"):
-      jax.block_until_ready(_decode(m, normal((1, 1, E)), None, None))
   with pytest.raises(ValueError, match=r"needs a mesh"):
     MultiHeadAttention(2, E, context_parallel=ContextParallel(), rngs=nnx.Rngs(0)).init_cache(
         (1, 8, E))
+
+
+def test_a_refused_decode_on_a_mesh_leaves_the_layer_usable(caplog):
+  """A decode step past the end of a full sharded cache returns NaN, logs why, and leaves
+  every variable readable and unchanged; a new cache and prefill then run (before, the
+  variables failed when read and the second prefill hung in a collective)."""
+  x = normal((1, 8, E))
+  with jax.set_mesh(_mesh(4)):
+    m = MultiHeadAttention(2, E, mask=Causal(), context_parallel=ContextParallel(),
+                           rngs=nnx.Rngs(0))
+    m.init_cache((1, 8, E))
+    want = np.asarray(_decode(m, x, None, None))
+    before = _values(m)
+    with caplog.at_level("ERROR", logger="flaxattn"):
+      out = np.asarray(_decode(m, normal((1, 1, E), 1), None, None))
+    assert np.isnan(out).all()
+    assert "writing 1 token(s) at cache index 8 needs 9 slots" in caplog.text
+    for a, b in zip(_values(m), before, strict=True):
+      np.testing.assert_array_equal(a, b)
+    m.init_cache((1, 8, E))
+    np.testing.assert_array_equal(_decode(m, x, None, None), want)
+    assert int(m.cache.index[...]) == 8
+
+
+def test_document_order_decodes_with_explicit_ids_and_refuses_defaults():
+  """Documents of 11 and 5 tokens in document order over 2 devices: decode with explicit
+  ids equals one device; defaults, which would continue the wrong token (the plan moves
+  the last one), are refused, in the prefill and after it."""
+  seg = np.repeat(np.array([[1, 2]], np.int32), [11, 5], axis=1)
+  pos = np.concatenate([np.arange(11), np.arange(5)])[None].astype(np.int32)
+  x, steps = normal((1, 16, E)), [normal((1, 1, E), 2 + i) for i in range(3)]
+  step_ids = [(np.array([[2]], np.int32), np.array([[5 + i]], np.int32)) for i in range(3)]
+
+  def layer(cp):
+    return MultiHeadAttention(4, E, num_kv_heads=2, rope=RoPE(), mask=Causal(),
+                              context_parallel=cp, rngs=nnx.Rngs(0))
+
+  ref = layer(None)
+  ref.init_cache((1, 20, E))
+  want = [_decode(ref, x, seg, pos)] + [_decode(ref, s, None, None) for s in steps]
+  plan = balance_plan(seg, 2, block=1)
+  with jax.set_mesh(_mesh(2)):
+    m = layer(ContextParallel(load_balance="document"))
+    m.init_cache((1, 20, E))
+    assert m.cache.order == "document"
+    with pytest.raises(ValueError, match=r"segment_ids and positions expect the new tokens'"
+                       r" values in decode under ContextParallel\(load_balance='document'\),"
+                       r" got segment_ids given and positions None"):
+      _decode(m, x, seg, None)
+    got = [plan.undo(_decode(m, plan.apply(x), plan.apply(seg), plan.apply(pos)))]
+    with pytest.raises(ValueError, match=r"got segment_ids None and positions None.*Pass both"):
+      _decode(m, steps[0], None, None)
+    got += [_decode(m, s, *ids) for s, ids in zip(steps, step_ids, strict=True)]
+  for g, w in zip(got, want, strict=True):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * np.abs(w).max())
+
+
+def test_the_cache_keeps_the_order_and_sharding_it_was_made_for():
+  with jax.set_mesh(_mesh(2)):
+    orders = []
+    for balance in (True, False, "document"):
+      m = MultiHeadAttention(2, E, context_parallel=ContextParallel(load_balance=balance),
+                             rngs=nnx.Rngs(0))
+      m.init_cache((1, 8, E))
+      orders.append(m.cache.order)
+    assert orders == ["row", "none", "document"]
+    m.context_parallel = None
+    with pytest.raises(ValueError, match=r"decode expects the context_parallel the KV cache"
+                       r" was allocated with, ContextParallel\(.*got None.*Call init_cache"):
+      m(normal((1, 1, E)), decode=True)
 
 
 def test_explain_says_what_a_decode_step_moves():
@@ -198,7 +270,7 @@ def test_greedy_sample_on_a_mesh_gives_the_same_tokens(tmp_path):
   (tmp_path / "config.json").write_text(json.dumps(saved))
   with sample.on_mesh(model, str(tmp_path), 4) as cp:
     got = sample.generate(model, prompt, 8, context_parallel=cp)
-    assert model.layers[0].attn.cached_key[...].addressable_shards[0].data.shape[1] == 16 // 4
+    assert model.layers[0].attn.cache.keys[...].addressable_shards[0].data.shape[1] == 16 // 4
   assert cp == ContextParallel(strategy="all_gather")
   np.testing.assert_array_equal(got, want)
 

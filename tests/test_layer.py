@@ -1,5 +1,7 @@
 """flaxattn.MultiHeadAttention: drop-in equality with nnx, GQA, RoPE on packed rows, decode."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -138,7 +140,7 @@ def test_decode_token_by_token_matches_full_forward(mask):
   outs = [run(m, x[:, :3], decode=True)]  # prefill three tokens, then one at a time
   outs += [run(m, x[:, t:t + 1], decode=True) for t in range(3, T)]
   np.testing.assert_allclose(jnp.concatenate(outs, axis=1), full, atol=1e-5)
-  assert m.cached_key.shape == (B, T, 2, 4) and int(m.cache_index[...]) == T
+  assert m.cache.keys.shape == (B, T, 2, 4) and int(m.cache.index[...]) == T
 
 
 def test_decode_skips_padding_slots():
@@ -158,7 +160,7 @@ def test_decode_skips_padding_slots():
 def test_nnx_view_allocates_cache():
   m = MultiHeadAttention(2, E, rngs=nnx.Rngs(0))
   v = nnx.view(m, decode=True, batch_size=3, max_length=5)
-  assert v.decode and v.cached_key.shape == (3, 5, 2, 8)
+  assert v.decode and v.cache.keys.shape == (3, 5, 2, 8)
 
 
 @pytest.mark.parametrize("make, match", [
@@ -228,25 +230,60 @@ def _decoder(max_length):
   return m
 
 
+def _values(m) -> list[np.ndarray]:
+  """Every variable of `m` (parameters and cache) read back to the host."""
+  return [np.asarray(x) for x in jax.tree.leaves(nnx.state(m))]
+
+
 @pytest.mark.parametrize("jit", [pytest.param(False, marks=pytest.mark.slow), True],
                          ids=["eager", "jit"])
-def test_decode_past_the_cache_raises_and_writes_nothing(jit):
+def test_decode_past_the_cache_is_refused_and_writes_nothing(jit, caplog):
+  """Eagerly a ValueError before anything is written; inside a program (a traced index) the
+  call returns NaN and logs the error, and every variable stays as it was: raising there
+  would leave the layer's variables failing when read (on a mesh, hanging the next call)."""
   call = run if jit else (lambda m, x, **kw: m(x, **kw))
-  # A traced index fails inside the program: JAX wraps the message in its runtime error.
-  error = Exception if jit else ValueError
+
+  def refused(m, x, match):
+    before = _values(m)
+    if jit:
+      with caplog.at_level("ERROR", logger="flaxattn"):
+        out = np.asarray(call(m, x, decode=True))
+      assert np.isnan(out).all()
+      assert len(caplog.records) == 1 and caplog.records[0].name == "flaxattn"
+      assert "wrote nothing" in caplog.text
+      assert re.search(match, caplog.text)
+      caplog.clear()
+    else:
+      with pytest.raises(ValueError, match=match):
+        call(m, x, decode=True)
+    for a, b in zip(_values(m), before, strict=True):
+      np.testing.assert_array_equal(a, b)
+
   m = _decoder(4)
   for i in range(4):
     call(m, normal((1, 1, E), i), decode=True)
-  with pytest.raises(error, match=r"writing 1 token\(s\) at cache index 4 needs 5 slots, the"
-                                  r" cache has max_length 4"):
-    jax.block_until_ready(call(m, normal((1, 1, E), 9), decode=True))
+  refused(m, normal((1, 1, E), 9),
+          r"writing 1 token\(s\) at cache index 4 needs 5 slots, the cache has max_length 4")
   m = _decoder(4)
-  call(m, normal((1, 3, E)), decode=True)
-  with pytest.raises(error, match=r"writing 2 token\(s\) at cache index 3 needs 5 slots"):
-    jax.block_until_ready(call(m, normal((1, 2, E), 1), decode=True))
-  if not jit:  # eager: checked before anything is written
-    assert int(m.cache_index[...]) == 3
-    np.testing.assert_array_equal(np.asarray(m.cached_key[...])[:, 3:], 0.0)
+  x = normal((1, 4, E))
+  want = np.asarray(call(m, x, decode=False))
+  call(m, x[:, :3], decode=True)
+  refused(m, normal((1, 2, E), 1), r"writing 2 token\(s\) at cache index 3 needs 5 slots")
+  assert int(m.cache.index[...]) == 3
+  # The layer goes on: the token that fits, then a new cache.
+  np.testing.assert_allclose(call(m, x[:, 3:], decode=True), want[:, 3:], atol=1e-5)
+  m.init_cache((1, 4, E))
+  np.testing.assert_allclose(call(m, x, decode=True), want, atol=1e-5)
+
+
+def test_init_cache_checks_the_shape():
+  m = MultiHeadAttention(2, E, rngs=nnx.Rngs(0))
+  for shape in [(1, 8), (8,), (1, 8, E + 1), (1, 0, E), (True, 8, E), [1, 8.0, E]]:
+    with pytest.raises(ValueError, match=r"init_cache\(input_shape=...\) expects \(\.\.\.,"
+                       r" max_length, features\) .*in_features \(16\), got"):
+      m.init_cache(shape)
+  m.init_cache((8, E))  # no batch axes, as nnx
+  assert m.cache is not None and m.cache.keys.shape == (1, 8, 2, 8)
 
 
 def test_decode_defaults_continue_the_cached_document():
@@ -259,12 +296,12 @@ def test_decode_defaults_continue_the_cached_document():
   got = run(m, x[:, 5:], decode=True)
   want = run(m, x[:, 2:], decode=False)[:, -1:]  # document 2 alone
   np.testing.assert_allclose(got, want, atol=1e-5)
-  np.testing.assert_array_equal(m.cached_segment_ids[...][0, :6], seg[0])
-  np.testing.assert_array_equal(m.cached_positions[...][0, :6], pos[0])
+  np.testing.assert_array_equal(m.cache.segment_ids[...][0, :6], seg[0])
+  np.testing.assert_array_equal(m.cache.positions[...][0, :6], pos[0])
   # Explicit ids without positions: positions count inside each run, the first run
   # continuing the cached document 2 (position 4), the new document 3 from 0.
   run(m, normal((1, 2, E), 1), decode=True, segment_ids=jnp.array([[2, 3]], jnp.int32))
-  np.testing.assert_array_equal(m.cached_positions[...][0, 6:8], [4, 0])
+  np.testing.assert_array_equal(m.cache.positions[...][0, 6:8], [4, 0])
 
 
 def test_decode_defaults_after_padding_raise():

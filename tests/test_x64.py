@@ -74,7 +74,7 @@ def test_layer_and_decode():
   step = nnx.jit(lambda m, x, s, p: m(x, segment_ids=s, positions=p, decode=True))
   got = [step(model, x[:, :5], seg[:, :5], pos[:, :5])]  # a prefill, then one token at a time
   got += [step(model, x[:, i:i + 1], seg[:, i:i + 1], pos[:, i:i + 1]) for i in range(5, t)]
-  assert int(model.cache_index[...]) == t
+  assert int(model.cache.index[...]) == t
   np.testing.assert_allclose(jnp.concatenate(got, axis=1), want, **TOL[jnp.float32])
 
 

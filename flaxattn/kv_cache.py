@@ -1,0 +1,263 @@
+"""`KVCache`: the decode state of one attention layer, as one object.
+
+It holds the keys and values of every token written so far, each slot's segment id and
+position (masks read them, so the order of the slots never matters), the segment id and
+position of the last token written (what default ids in decode continue), the number of
+tokens written, the context parallelism it was allocated for (its sharding) and the token
+order a prefill arrives in under it:
+  - "none": the original order (one device, or no load balancing);
+  - "row": `flaxattn.load_balance` row order, whose last token is known from the shape;
+  - "document": per-document order, which only the data pipeline knows: decode calls must
+    pass explicit segment ids and positions.
+
+A call that cannot be served is refused before anything is written (`checks.refuse_if`):
+a ValueError where the cache index is concrete (an eager call); inside a compiled program,
+where raising would fail every array the program returns, the call writes nothing, keeps
+the index, returns NaN and logs the error to the `flaxattn` logger.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import nnx
+from jax import lax
+
+from flaxattn import balance, checks
+from flaxattn import decode as cp_decode
+from flaxattn.context_parallel import ContextParallel
+from flaxattn.ring import merge_partials
+
+ORDERS = ("none", "row", "document")
+
+
+def token_order(cp: ContextParallel | None) -> str:
+  """The order a prefill's tokens arrive in under `cp` (one of `ORDERS`); needs the mesh
+  when `cp` balances rows."""
+  if cp is None or cp.load_balance is False:
+    return "none"
+  if cp.load_balance == "document":
+    return "document"
+  return "row" if cp.balanced_shards() > 1 else "none"
+
+
+def _either(a, b):
+  if a is None:
+    return b
+  return a if b is None else a | b
+
+
+class KVCache(nnx.Module):
+  """The KV cache of one `flaxattn.MultiHeadAttention` layer (`init_cache`).
+
+  Variables (`nnx.Cache`): `keys` `[B, S, Hkv, D]`, `values` `[B, S, Hkv, Dv]`,
+  `segment_ids` and `positions` `[B, S]` int32 (segment id 0: an empty slot, never
+  attended), `last` `[B, 2]` int32 (segment id and position of the last token written in
+  the original order), `index` int32 scalar (tokens written). Static: `context_parallel`
+  (None: one device), `order` (see the module doc), `heads` (query heads, for the sharding
+  of the heads).
+
+  With `context_parallel` the slots are sharded over its sequence axes (`max_length / n`
+  per device) and tokens are placed as `flaxattn.decode` says; create it under the mesh.
+
+  Raises:
+    ValueError: with `context_parallel`, no mesh or `max_length` not divisible by the
+      sequence shards.
+  """
+
+  def __init__(self, batch: int, max_length: int, kv_heads: int, head_dim: int,
+               v_head_dim: int, dtype, *, heads: int,
+               context_parallel: ContextParallel | None = None):
+    self.context_parallel = context_parallel
+    self.order = token_order(context_parallel)
+    self.heads = heads
+    shape = (batch, max_length, kv_heads)
+
+    def zeros(shape, dtype, spec):
+      return jnp.zeros(shape, dtype)
+
+    kv_spec = ids_spec = None
+    if context_parallel is not None:
+      cp_decode.check_length(context_parallel, max_length)
+      specs = cp_decode.specs(context_parallel, batch, heads, kv_heads)
+      zeros, kv_spec, ids_spec = cp_decode.zeros, specs.kv, specs.ids
+    self.keys = nnx.Cache(zeros(shape + (head_dim,), dtype, kv_spec))
+    self.values = nnx.Cache(zeros(shape + (v_head_dim,), dtype, kv_spec))
+    self.segment_ids = nnx.Cache(zeros((batch, max_length), jnp.int32, ids_spec))
+    self.positions = nnx.Cache(zeros((batch, max_length), jnp.int32, ids_spec))
+    self.last = nnx.Cache(jnp.zeros((batch, 2), jnp.int32))
+    self.index = nnx.Cache(jnp.array(0, dtype=jnp.int32))
+
+  @property
+  def max_length(self) -> int:
+    return self.keys.shape[1]
+
+  def check(self, k, context_parallel) -> None:
+    """Raises ValueError unless new keys `k` `[B, T, Hkv, D]` fit this cache's shape and the
+    layer decodes with the context parallelism the cache was allocated for."""
+    b, max_length, hkv, d = self.keys.shape
+    if (k.shape[0], k.shape[2], k.shape[3]) != (b, hkv, d) or k.shape[1] > max_length:
+      raise ValueError(f"decode expects keys of shape ({b}, <= {max_length}, {hkv}, {d}) to fit"
+                       f" the cache, got {k.shape}; call init_cache with this batch size.")
+    if context_parallel != self.context_parallel:
+      raise ValueError(f"decode expects the context_parallel the KV cache was allocated with,"
+                       f" {self.context_parallel!r}, got {context_parallel!r}: the cache's"
+                       " slots are laid out for it. Call init_cache again after changing"
+                       " context_parallel.")
+
+  def is_prefill(self, t: int) -> bool:
+    """Whether T new tokens are a prefill run with the context-parallel strategy (T a
+    multiple of its split), arriving in `order`, rather than a decode step in the original
+    order. Always False on one device."""
+    cp = self.context_parallel
+    return cp is not None and cp_decode.is_prefill(cp, t)
+
+  def new_tokens(self, t: int, segment_ids, positions, prefill: bool):
+    """(segment ids, positions `[B, T]` of T new tokens with defaults filled in (see
+    `MultiHeadAttention.__call__`), the refusal of the call): checked before anything is
+    written. The refusal is None, or a traced bool where the index is traced (see
+    `checks.refuse_if`): the tokens do not fit, or default segment ids follow padding.
+
+    Raises:
+      ValueError: a default in document order; ids or positions not `[B, T]`; and, when
+        the cache is concrete, tokens that do not fit or default segment ids after a cache
+        that ends in padding.
+    """
+    if self.order == "document" and (segment_ids is None or positions is None):
+      raise ValueError(
+          f"segment_ids and positions expect the new tokens' values in decode under"
+          f" ContextParallel(load_balance='document'), got segment_ids"
+          f" {'None' if segment_ids is None else 'given'} and positions"
+          f" {'None' if positions is None else 'given'}: in document order only the data"
+          " pipeline knows where each token came from, so the cache can neither number a"
+          " prefill's tokens nor tell which of them came last. Pass both (each new token's"
+          " document and its position in it).")
+    if prefill and self.order == "row":  # defaults follow the original order
+      n = self.context_parallel.balanced_shards()  # pyright: ignore[reportOptionalMemberAccess]
+
+      def unload(x):
+        return None if x is None else balance.unload_balance(x, n)
+
+      ids_BT, pos_BT, after_padding = self._defaults(t, unload(segment_ids), unload(positions))
+      ids_BT, pos_BT = (jnp.asarray(balance.load_balance(x, n)) for x in (ids_BT, pos_BT))
+    else:
+      ids_BT, pos_BT, after_padding = self._defaults(t, segment_ids, positions)
+    return ids_BT, pos_BT, _either(after_padding, self._room(t, ids_BT, pos_BT))
+
+  def _defaults(self, t: int, segment_ids, positions):
+    b = self.keys.shape[0]
+    i = self.index[...]
+    empty = i == 0
+    last_B2 = self.last[...]
+    last_seg_B1, last_pos_B1 = last_B2[:, :1], last_B2[:, 1:]
+    refused = None
+    if segment_ids is None:
+      refused = checks.refuse_if(
+          ~empty & jnp.any(last_seg_B1 == 0),
+          lambda i: ValueError(
+              f"segment_ids expects the new tokens' segment ids in decode when the cache ends in"
+              f" padding (segment id 0 at cache index {i - 1}): there is no document to"
+              " continue. Pass segment_ids (and positions)."),
+          i)
+      segment_ids = jnp.broadcast_to(jnp.where(empty, 1, last_seg_B1), (b, t))
+    if positions is None:
+      iota_T = jnp.arange(t, dtype=jnp.int32)
+      prev_BT = jnp.concatenate([last_seg_B1, segment_ids[:, :-1]], axis=1)
+      starts_BT = (segment_ids != prev_BT) | (empty & (iota_T == 0))
+      run_start_BT = lax.cummax(jnp.where(starts_BT, iota_T, 0), axis=1)
+      continued_BT = (run_start_BT == 0) & ~starts_BT[:, :1]
+      positions = iota_T - run_start_BT + jnp.where(continued_BT, last_pos_B1 + 1, 0)
+    return segment_ids, positions, refused
+
+  def _room(self, t: int, segment_ids, positions):
+    for arg, ids in (("segment_ids", segment_ids), ("positions", positions)):
+      if ids.shape != (self.keys.shape[0], t):
+        raise ValueError(f"{arg} expects shape {(self.keys.shape[0], t)} [batch, new tokens] in"
+                         f" decode, got {ids.shape}.")
+    i, max_length = self.index[...], self.max_length
+    return checks.refuse_if(
+        i + t > max_length,
+        lambda i: ValueError(
+            f"decode expects the new tokens to fit the KV cache: writing {t} token(s) at cache"
+            f" index {i} needs {i + t} slots, the cache has max_length {max_length}. Nothing was"
+            " written; call init_cache with a larger max_length."),
+        i)
+
+  def _advance(self, t: int, segment_ids, positions, refused, prefill: bool) -> None:
+    """Records the last of T new tokens (in the original order) and the new index, or
+    nothing where the call was refused."""
+    i, last_B2 = self.index[...], self.last[...]
+    if self.order != "document":  # document order never reads `last` (`new_tokens`)
+      j = cp_decode.last_token(self.context_parallel if self.order == "row" else None, t,
+                               prefill)
+      new_B2 = jnp.stack([segment_ids[:, j], positions[:, j]], axis=1)
+      last_B2 = new_B2 if refused is None else jnp.where(refused, last_B2, new_B2)
+    self.last[...] = last_B2
+    self.index[...] = i + (t if refused is None else jnp.where(refused, 0, t))
+
+  def append(self, k, v, segment_ids, positions, refused):
+    """One device: writes the T new tokens at `index` (nothing where `refused`) and returns
+    the whole cache (keys and values in k's and v's dtypes, segment ids, positions)."""
+    i = self.index[...]
+    t = k.shape[1]
+    zero = jnp.zeros((), jnp.int32)
+    for cache, new in ((self.keys, k), (self.values, v), (self.segment_ids, segment_ids),
+                       (self.positions, positions)):
+      new = new.astype(cache.dtype)
+      start = (zero, i) + (zero,) * (new.ndim - 2)
+      if refused is not None:  # write back what is there (the start clamps the same way)
+        new = jnp.where(refused, lax.dynamic_slice(cache[...], start, new.shape), new)
+      cache[...] = lax.dynamic_update_slice(cache[...], new, start)
+    self._advance(t, segment_ids, positions, refused, prefill=False)
+    return (self.keys[...].astype(k.dtype), self.values[...].astype(v.dtype),
+            self.segment_ids[...], self.positions[...])
+
+  def attend_sharded(self, q, k, v, segment_ids, positions, refused, attention_fn, options,
+                     prefill: bool):
+    """Context parallelism: (out `[B, T, H, Dv]` float32, lse `[B, T, H]`) of the new tokens
+    against the sharded cache, the new tokens written (nothing where `refused`).
+
+    A prefill runs the strategy over the new tokens (`attention_fn` with
+    `context_parallel`), merged by lse with what the cache held before; a decode step
+    attends on every shard and merges. Each device writes its own slots.
+    `attention_fn(q, k, v, segment_ids=, positions=, [kv_segment_ids=, kv_positions=,
+    context_parallel=,] **options)` returns (out, lse).
+    """
+    cp = self.context_parallel
+    assert cp is not None  # the caller decodes under context parallelism
+    i = self.index[...]
+    t = k.shape[1]
+    specs = cp_decode.specs(cp, q.shape[0], self.heads, self.keys.shape[2])
+
+    def local(q, k, v, q_ids, q_pos, kv_ids, kv_pos):  # one device's slots
+      return attention_fn(q, k.astype(q.dtype), v.astype(q.dtype), segment_ids=q_ids,
+                          positions=q_pos, kv_segment_ids=kv_ids, kv_positions=kv_pos,
+                          **options)
+
+    cache = tuple(c[...] for c in (self.keys, self.values, self.segment_ids, self.positions))
+    new = (k.astype(cache[0].dtype), v.astype(cache[1].dtype), segment_ids, positions)
+
+    def run(cache):
+      if prefill:  # the new tokens among themselves, then against what was cached before
+        out, lse = attention_fn(q, k, v, segment_ids=segment_ids, positions=positions,
+                                context_parallel=cp, **options)
+        before = cp_decode.attend(local, q, cache, segment_ids, positions,
+                                  specs.sequence_sharded(), sequence_sharded=True, when=i > 0)
+        out, lse = merge_partials(out.astype(jnp.float32), lse, *before)
+        return cp_decode.write(cache, new, i, specs.sequence_sharded(), prefill=True), out, lse
+      cache = cp_decode.write(cache, new, i, specs, prefill=False)
+      return (cache, *cp_decode.attend(local, q, cache, segment_ids, positions, specs))
+
+    def skip(cache):  # refused: nothing is written and no collective runs
+      shape = q.shape[:3]
+      return cache, jnp.zeros(shape + v.shape[3:], jnp.float32), jnp.full(shape, -jnp.inf)
+
+    if refused is None:
+      cache, out, lse = run(cache)
+    else:
+      cache, out, lse = lax.cond(refused, skip, run, cache)
+    for variable, value in zip((self.keys, self.values, self.segment_ids, self.positions), cache,
+                               strict=True):
+      variable[...] = value
+    self._advance(t, segment_ids, positions, refused, prefill)
+    return out, lse
+
