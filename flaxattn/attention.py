@@ -8,21 +8,28 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flaxattn import checks, planner, registry
 from flaxattn import decode as cp_decode
-from flaxattn import planner, registry
 from flaxattn.context_parallel import ContextParallel, axis_size, choose, context_parallel_attention
 from flaxattn.layout import Layout, resolve, shape_error
 from flaxattn.masks import Causal, Mask, check_mask
 
+# Each axis of q/k/v `[B, T, H, D]` and what one entry of it is, for the empty-axis error.
+_AXES = (("batch", "row"), ("seq", "token"), ("heads", "head"), ("head_dim", "feature"))
+
 
 def check_qkv(q, k, v) -> None:
   """Raises ValueError unless q `[B,T,H,D]`, k `[B,S,Hkv,D]`, v `[B,S,Hkv,Dv]` floating, same
-  dtype, H % Hkv == 0."""
+  dtype, no axis empty, H % Hkv == 0."""
   for name, x in (("q", q), ("k", k), ("v", v)):
     if getattr(x, "ndim", None) != 4:
       raise shape_error(name, x, "a 4-D array [batch, seq, heads, head_dim]")
     if not jnp.issubdtype(x.dtype, jnp.floating):
       raise shape_error(name, x, "a floating dtype (float32, bfloat16, float16)")
+    for i, (axis, entry) in enumerate(_AXES):
+      if x.shape[i] == 0:  # kernels divide by these sizes; an empty result has no use
+        raise ValueError(f"{name} expects at least one {entry} on axis {i} ({axis}), got shape"
+                         f" {x.shape}; skip attention for empty inputs.")
   if not (q.dtype == k.dtype == v.dtype):
     raise ValueError(f"q, k, v expect one dtype, got {q.dtype}, {k.dtype}, {v.dtype}; cast them"
                      " first.")
@@ -46,14 +53,29 @@ def _check_sinks(q, sinks) -> None:
 
 
 def check_soft_cap(logit_soft_cap) -> float | None:
-  """`logit_soft_cap` as a float (or None); raises ValueError unless None or a positive number."""
+  """`logit_soft_cap` as a float, or None.
+
+  Raises:
+    ValueError: not None nor a number (e.g. a bool or a string), not positive, inf or NaN
+      (a cap of inf would give NaN, not "no cap").
+  """
   if logit_soft_cap is None:
     return None
-  if isinstance(logit_soft_cap, bool) or not isinstance(logit_soft_cap, (int, float)) \
-      or not logit_soft_cap > 0:
-    raise ValueError(f"logit_soft_cap expects a positive number (e.g. 50.0) or None, got"
-                     f" {logit_soft_cap!r}.")
-  return float(logit_soft_cap)
+  return checks.number("logit_soft_cap", logit_soft_cap,
+                       "a positive number (finite, e.g. 50.0) or None", lambda x: x > 0)
+
+
+def check_scale(scale) -> float | None:
+  """`scale` as a float, or None (the default, head_dim ** -0.5).
+
+  Raises:
+    ValueError: not None nor a number (e.g. a bool or a string), not positive, inf or NaN.
+  """
+  if scale is None:
+    return None
+  return checks.number("scale", scale,
+                       "a positive number (finite, e.g. 0.125) or None for head_dim ** -0.5",
+                       lambda x: x > 0)
 
 
 def apply_sinks(out, lse, sinks):
@@ -117,7 +139,7 @@ def attention(q, k, v, *, mask: Mask = Causal(), segment_ids=None, positions=Non
     segment_ids: `[B, T]` int, 0 = padding, documents 1, 2, ...; None = one document.
     positions: `[B, T]` int, position of each token inside its document; None = token index.
     kv_segment_ids, kv_positions: `[B, S]` for keys; default to the query ones when S == T.
-    scale: score scale, default `D ** -0.5`.
+    scale: score scale, a positive finite number; None: `D ** -0.5`.
     backend: "auto", a kernel name ("blockwise", "cudnn", "splash", "reference"), "fused"
       (cuDNN where it serves the call, else blockwise; see `flaxattn.explain`),
       or a kernel object carrying options, e.g. `flaxattn.splash.Splash(block_q=256)`.
@@ -127,7 +149,8 @@ def attention(q, k, v, *, mask: Mask = Causal(), segment_ids=None, positions=Non
     sinks: `[H]` float, one logit per query head that joins every row's softmax denominator
       with no value (attention sinks, as in gpt-oss); differentiable. None: no sinks.
     logit_soft_cap: scores become `cap * tanh(scale * q.k / cap)` before masking (Gemma 2:
-      the scale is applied first), forward and backward. None: no cap.
+      the scale is applied first), forward and backward; a positive finite number. None:
+      no cap.
     layout: the ids already resolved by `flaxattn.layout.resolve` (with this
       `context_parallel`), in place of the four id arguments: how `MultiHeadAttention`
       passes what it resolved for RoPE. Used as it is, unchecked.
@@ -137,12 +160,15 @@ def attention(q, k, v, *, mask: Mask = Causal(), segment_ids=None, positions=Non
     attend to gets zeros (lse -inf, or the sink's logit with `sinks`) and zero gradients.
 
   Raises:
-    ValueError / TypeError naming the offending argument on malformed input, and when an
-    explicit backend cannot serve the call (e.g. cuDNN with `logit_soft_cap`).
+    ValueError / TypeError naming the offending argument on malformed input (among them an
+    empty axis of q, k or v, and a `scale` or `logit_soft_cap` that is not a positive finite
+    number), and when an explicit backend cannot serve the call (e.g. cuDNN with
+    `logit_soft_cap`).
   """
   check_qkv(q, k, v)
   _check_sinks(q, sinks)
   soft_cap = check_soft_cap(logit_soft_cap)
+  scale = check_scale(scale)
   mask, layout = _layout(q, k, mask, segment_ids, positions, kv_segment_ids, kv_positions,
                          context_parallel, layout)
   scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -154,7 +180,7 @@ def attention(q, k, v, *, mask: Mask = Causal(), segment_ids=None, positions=Non
   call = _call(q, k, v, mask, layout, with_lse, context_parallel, sinks is not None, soft_cap)
   kernels = registry.per_platform(backend, call)
   here = kernels[registry.lowering_name(call.platform)]
-  options: dict[str, Any] = dict(mask=mask, scale=float(scale), return_lse=with_lse)
+  options: dict[str, Any] = dict(mask=mask, scale=scale, return_lse=with_lse)
   if soft_cap is not None:  # only kernels with `soft_cap = True` take it (registry.Kernel)
     options["soft_cap"] = soft_cap
 
@@ -192,7 +218,12 @@ def explain(q, k, v, *, mask: Mask = Causal(), segment_ids=None, positions=None,
   `decode=True` with `context_parallel`: q are a decode step's new tokens and k/v the
   layer's whole KV cache `[B, max_length, Hkv, D]` (`MultiHeadAttention.init_cache`); it
   describes the kernel each device runs on its shard of the cache and what a step moves
-  between the shards (`flaxattn.decode`)."""
+  between the shards (`flaxattn.decode`).
+
+  Raises:
+    ValueError / TypeError naming the offending argument on malformed input, as `attention`
+    does.
+  """
   if decode and context_parallel is not None:
     n = cp_decode.shards(context_parallel)
     cp_decode.check_length(context_parallel, k.shape[1])

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import jax
 from jax.sharding import PartitionSpec as P
 
-from flaxattn import planner, ring, sharding, ulysses
+from flaxattn import checks, planner, ring, sharding, ulysses
 from flaxattn.layout import Layout, index_check
 from flaxattn.masks import Mask
 
@@ -38,14 +38,15 @@ class ContextParallel:
       sequence and turns the result back: the query heads, and the key/value heads after
       repeating each as little as needed, must divide by the axis size (heads sharded over
       `head_axes` count per shard).
-    load_balance: the token order of the per-token arrays, over `balanced_shards()` shards.
-      True: `flaxattn.load_balance` row order (dual chunk); only the default positions
-      depend on it (they become the permuted token indices), explicit positions are used
-      as given. "document": per-document order (`flaxattn.load_balance(...,
-      segment_ids=)`), which only the data knows: positions must be explicit, and the fast
-      paths that read the row order (the window-aware ring, splash's and cuDNN's index
-      masks) do not apply (`explain` says so). False: the original order. Ulysses alone
-      gains nothing from it (each device sees every query) and undoes row order locally.
+    load_balance: the token order of the per-token arrays, over `balanced_shards()` shards;
+      exactly True, False or "document". True: `flaxattn.load_balance` row order (dual
+      chunk); only the default positions depend on it (they become the permuted token
+      indices), explicit positions are used as given. "document": per-document order
+      (`flaxattn.load_balance(..., segment_ids=)`), which only the data knows: positions
+      must be explicit, and the fast paths that read the row order (the window-aware ring,
+      splash's and cuDNN's index masks) do not apply (`explain` says so). False: the
+      original order. Ulysses alone gains nothing from it (each device sees every query)
+      and undoes row order locally.
     ring_axis: with strategy "ulysses", a second mesh axis for a 2-D hybrid: the sequence
       is sharded over (`ring_axis`, `axis`), ring outer; the all-to-all over `axis` gives
       each device its ring shard's whole sequence for its share of the heads, and a ring
@@ -57,8 +58,10 @@ class ContextParallel:
     cost_model: the platform numbers `strategy="auto"` estimates with: a key of
       `flaxattn.planner.PLATFORMS` or a `planner.Platform`; None: the current backend's.
   Raises:
-    ValueError: unknown strategy, load balancing or cost model, a non-string axis, or a
-      `ring_axis` that is `axis` or comes without strategy "ulysses" or "auto".
+    TypeError: `load_balance` other than True, False or a string (1, 1.0, np.True_, None:
+      the order is read by identity).
+    ValueError: unknown strategy, load balancing string or cost model, a non-string axis,
+      or a `ring_axis` that is `axis` or comes without strategy "ulysses" or "auto".
   """
 
   axis: str = "context"
@@ -75,9 +78,16 @@ class ContextParallel:
     if self.strategy not in STRATEGIES:
       raise ValueError(f"ContextParallel(strategy=...) expects one of {STRATEGIES}, got"
                        f" {self.strategy!r}.")
-    if self.load_balance not in (True, False, "document"):
+    # By identity: the kernels test `load_balance is True` (row_balanced), and 1, 1.0 or
+    # np.True_ would pass a test by equality while running in the other order.
+    lb = self.load_balance
+    if not (lb is True or lb is False or isinstance(lb, str)):
+      raise TypeError(f"ContextParallel(load_balance=...) expects True (row order), False or"
+                      f" 'document' (per-document order), got {lb!r} ({checks.type_name(lb)});"
+                      " pass a Python bool, e.g. bool(x), or 'document'.")
+    if isinstance(lb, str) and lb != "document":
       raise ValueError(f"ContextParallel(load_balance=...) expects True (row order), False or"
-                       f" 'document' (per-document order), got {self.load_balance!r}.")
+                       f" 'document' (per-document order), got {lb!r}.")
     if self.ring_axis is not None:
       if not isinstance(self.ring_axis, str) or self.ring_axis in ("", self.axis):
         raise ValueError(f"ContextParallel(ring_axis=...) expects None or a mesh axis name other"

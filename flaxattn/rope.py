@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flaxattn import checks
+
 SCALINGS = ("default", "linear", "llama3", "yarn")
 
 
@@ -27,7 +29,11 @@ class RoPEScaling:
     `beta_slow` rotations over `original_max_position`, cos/sin scaled by
     `attention_factor`, default 0.1 ln(factor) + 1).
   Raises:
-    ValueError: unknown kind, factor < 1, or llama3/yarn without original_max_position.
+    ValueError: unknown kind; a number field that is not a number (a bool, a string), or
+      inf or NaN (which would give NaN rotations); factor < 1; a freq factor, beta or
+      attention_factor not positive; original_max_position not a positive int; llama3/yarn
+      without original_max_position; llama3 without high_freq_factor > low_freq_factor;
+      yarn with beta_fast < beta_slow.
   """
 
   kind: str = "default"
@@ -42,15 +48,35 @@ class RoPEScaling:
   def __post_init__(self):
     if self.kind not in SCALINGS:
       raise ValueError(f"RoPEScaling(kind=...) expects one of {SCALINGS}, got {self.kind!r}.")
-    if (isinstance(self.factor, bool) or not isinstance(self.factor, (int, float))
-        or self.factor < 1):
-      raise ValueError(f"RoPEScaling(factor=...) expects a number >= 1, got {self.factor!r}.")
-    if self.kind in ("llama3", "yarn") and not self.original_max_position:
+    # Numbers are stored as floats: the dataclass stays hashable (a static argument) when
+    # given a numpy or 0-d array value.
+    def number(field, expected, valid):
+      value = checks.number(f"RoPEScaling({field}=...)", getattr(self, field), expected, valid)
+      object.__setattr__(self, field, value)
+
+    number("factor", "a number >= 1 (finite)", lambda x: x >= 1)
+    for field in ("low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow"):
+      number(field, "a positive number (finite)", lambda x: x > 0)
+    if self.attention_factor is not None:
+      number("attention_factor", "a positive number (finite) or None", lambda x: x > 0)
+    old = self.original_max_position
+    if old is not None:
+      if isinstance(old, bool) or not isinstance(old, (int, np.integer)) or old < 1:
+        raise ValueError(f"RoPEScaling(original_max_position=...) expects a positive int (the"
+                         f" context length the model was trained at) or None, got {old!r}"
+                         f" ({checks.type_name(old)}).")
+      object.__setattr__(self, "original_max_position", int(old))
+    if self.kind in ("llama3", "yarn") and old is None:
       raise ValueError(f"RoPEScaling(kind={self.kind!r}) expects original_max_position (the"
                        " context length the model was trained at), got None.")
     if self.kind == "llama3" and not self.high_freq_factor > self.low_freq_factor > 0:
       raise ValueError(f"RoPEScaling(kind='llama3') expects high_freq_factor > low_freq_factor"
                        f" > 0, got {self.high_freq_factor} and {self.low_freq_factor}.")
+    # Pairs that turn more than beta_fast times extrapolate, fewer than beta_slow
+    # interpolate (inv_freq): the other way round the blend runs backwards.
+    if self.kind == "yarn" and self.beta_fast < self.beta_slow:
+      raise ValueError(f"RoPEScaling(kind='yarn') expects beta_fast >= beta_slow (e.g. 32.0 and"
+                       f" 1.0), got {self.beta_fast} and {self.beta_slow}.")
 
   def inv_freq(self, base: np.ndarray, theta: float, d: int) -> np.ndarray:
     """The scaled inverse frequencies (float64, `[d / 2]`) from the unscaled `base`."""
@@ -89,15 +115,20 @@ class RoPEScaling:
 @dataclasses.dataclass(frozen=True)
 class RoPE:
   """Rotary embedding with base wavelength `theta` and optional `scaling` (hashable, usable
-  as a static argument)."""
+  as a static argument).
+
+  Raises:
+    ValueError: theta not a number (a bool, a string), <= 1, inf or NaN, or scaling not a
+      `RoPEScaling` or None.
+  """
 
   theta: float = 10000.0
   scaling: RoPEScaling | None = None
 
   def __post_init__(self):
-    if isinstance(self.theta, bool) or not isinstance(self.theta, (int, float)) or self.theta <= 1:
-      raise ValueError(f"RoPE(theta=...) expects a number > 1, got {self.theta!r}; 10000.0 is"
-                       " usual.")
+    theta = checks.number("RoPE(theta=...)", self.theta, "a number > 1 (finite)", lambda x: x > 1,
+                          "10000.0 is usual")
+    object.__setattr__(self, "theta", theta)  # a float: hashable, whatever number was given
     if self.scaling is not None and not isinstance(self.scaling, RoPEScaling):
       raise ValueError("RoPE(scaling=...) expects a flaxattn.RoPEScaling or None, got"
                        f" {self.scaling!r}.")

@@ -15,7 +15,7 @@ from typing import cast
 import jax
 import jax.numpy as jnp
 
-from flaxattn.attention import attention
+from flaxattn.attention import attention, check_scale, check_soft_cap
 from flaxattn.masks import Causal, Full, Mask, check_mask
 
 
@@ -42,13 +42,20 @@ def nnx_attention_fn(mask: Mask = Full(), *, backend="auto", context_parallel=No
     value `[..., S, Hkv, Dv]` (leading batch axes of any number), returning `[..., T, H, Dv]`
     in the inputs' dtype (or `dtype`). `precision` is ignored: kernels accumulate in float32.
 
+  Raises (when made):
+    TypeError: `mask` is not a flaxattn mask.
+    ValueError: `scale` or `logit_soft_cap` not a positive finite number.
+
   Raises (from the returned function):
     ValueError: a dense `mask` or `bias` array (flaxattn never applies `[T, S]` arrays:
       nnx passes one for user masks and for `decode=True`), `module` (`sow_weights=True`),
       or attention dropout (`dropout_rate` > 0 and not deterministic).
-  TypeError: `mask` is not a flaxattn mask.
   """
   fixed_mask = check_mask(mask)
+  # Checked here too (flaxattn.attention checks each call): a bad value fails where the
+  # function is made, not at the layer's first call.
+  check_scale(scale)
+  check_soft_cap(logit_soft_cap)
 
   def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout=True,
                    dropout_rng=None, dropout_rate=0.0, deterministic=False, dtype=None,

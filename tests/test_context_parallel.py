@@ -263,6 +263,19 @@ def test_errors():
                 backend="reference").shape == (1, 16, 2, 8)
 
 
+@pytest.mark.parametrize("value,kind", [(1, "int"), (1.0, "float"), (np.True_, "numpy.bool"),
+                                        (0, "int"), (None, "NoneType")])
+def test_load_balance_takes_exactly_true_false_or_document(value, kind):
+  # 1 == True, but the kernels read the order by identity (`row_balanced`): a look-alike
+  # would pass one test and fail the other, and the ring would read the order wrongly.
+  with pytest.raises(TypeError, match=rf"load_balance=\.\.\.\) expects True \(row order\),"
+                                      rf" False or 'document' .*, got {re.escape(repr(value))}"
+                                      rf" \({kind}\); pass a Python bool"):
+    flaxattn.ContextParallel(load_balance=value)
+  assert [flaxattn.ContextParallel(load_balance=x).row_balanced
+          for x in (True, False, "document")] == [True, False, False]
+
+
 def test_ulysses_errors():
   ulysses = flaxattn.ContextParallel(strategy="ulysses")
   hybrid = flaxattn.ContextParallel(strategy="ulysses", ring_axis="context_ring")

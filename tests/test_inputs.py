@@ -41,6 +41,64 @@ def test_bad_input_names_the_argument(kwargs, match):
     flaxattn.attention(args.pop("q"), args.pop("k"), args.pop("v"), **args)
 
 
+INF, NAN = float("inf"), float("nan")
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    # Empty axes: refused by name before any kernel divides by them.
+    (dict(q=jnp.zeros((2, 0, 4, 8))),
+     r"q expects at least one token on axis 1 \(seq\), got shape \(2, 0, 4, 8\)"),
+    (dict(k=jnp.zeros((2, 0, 2, 8)), v=jnp.zeros((2, 0, 2, 8))),
+     r"k expects at least one token on axis 1 \(seq\), got shape \(2, 0, 2, 8\)"),
+    (dict(q=jnp.zeros((0, 16, 4, 8)), k=jnp.zeros((0, 16, 2, 8)), v=jnp.zeros((0, 16, 2, 8))),
+     r"q expects at least one row on axis 0 \(batch\)"),
+    (dict(q=jnp.zeros((2, 16, 0, 8))), r"q expects at least one head on axis 2"),
+    (dict(k=jnp.zeros((2, 16, 0, 8)), v=jnp.zeros((2, 16, 0, 8))),
+     r"k expects at least one head on axis 2 \(heads\)"),
+    (dict(q=jnp.zeros((2, 16, 4, 0)), k=jnp.zeros((2, 16, 2, 0)), v=jnp.zeros((2, 16, 2, 0))),
+     r"q expects at least one feature on axis 3 \(head_dim\)"),
+    (dict(v=jnp.zeros((2, 16, 2, 0))), r"v expects at least one feature on axis 3"),
+    # Numbers: finite and positive, named, with the value and its type.
+    (dict(logit_soft_cap=INF), r"logit_soft_cap expects a positive number.*got inf"),
+    (dict(logit_soft_cap=NAN), r"logit_soft_cap expects a positive number.*got nan"),
+    (dict(logit_soft_cap=-1.0), r"logit_soft_cap expects a positive number.*got -1"),
+    (dict(logit_soft_cap=True), r"logit_soft_cap expects .*got True \(bool\)"),
+    (dict(scale=NAN), r"scale expects a positive number.*got nan"),
+    (dict(scale=INF), r"scale expects a positive number.*got inf"),
+    (dict(scale=0.0), r"scale expects a positive number.*got 0.0"),
+    (dict(scale=-0.5), r"scale expects a positive number.*got -0.5"),
+    (dict(scale="a"), r"scale expects .*got 'a' \(str\)"),
+    (dict(scale=True), r"scale expects .*got True \(bool\)"),
+    (dict(scale=np.ones(2)), r"scale expects .*\(numpy.ndarray\)"),
+])
+def test_bad_sizes_and_numbers_name_the_argument(kwargs, match):
+  args = dict(q=Q, k=K, v=K)
+  args.update(kwargs)
+  q, k, v = args.pop("q"), args.pop("k"), args.pop("v")
+  for backend in ("blockwise", "reference"):
+    with pytest.raises(ValueError, match=match):
+      flaxattn.attention(q, k, v, backend=backend, **args)
+  if "scale" not in args:  # explain takes no scale
+    with pytest.raises(ValueError, match=match):
+      flaxattn.explain(q, k, v, print_fn=None, **args)
+
+
+def test_numbers_of_numpy_types_are_taken():
+  want = flaxattn.attention(Q + 1, K, K, scale=0.5, logit_soft_cap=2.0, backend="reference")
+  got = flaxattn.attention(Q + 1, K, K, scale=np.float32(0.5), logit_soft_cap=np.float64(2),
+                           backend="reference")
+  np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(scale=NAN), r"scale expects a positive number.*got nan"),
+    (dict(logit_soft_cap=INF), r"logit_soft_cap expects a positive number.*got inf"),
+])
+def test_nnx_attention_fn_checks_its_numbers_when_made(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    flaxattn.nnx_attention_fn(**kwargs)
+
+
 def test_mask_type_error():
   with pytest.raises(TypeError, match=r"mask expects a flaxattn mask .*got array"):
     flaxattn.attention(Q, K, K, mask=np.ones((16, 16), bool))

@@ -85,7 +85,7 @@ def test_rotation_uses_the_scaled_frequencies():
 
 @pytest.mark.parametrize("kwargs,words", [
     (dict(kind="ntk"), "kind=...) expects one of"),
-    (dict(kind="linear", factor=0.5), "factor=...) expects a number >= 1, got 0.5"),
+    (dict(kind="linear", factor=0.5), "factor=...) expects a number >= 1 (finite), got 0.5"),
     (dict(kind="llama3", factor=8.0), "expects original_max_position"),
     (dict(kind="llama3", factor=8.0, original_max_position=8192, low_freq_factor=4.0,
           high_freq_factor=1.0), "high_freq_factor > low_freq_factor"),
@@ -94,3 +94,33 @@ def test_scaling_errors(kwargs, words):
   with pytest.raises(ValueError,
                      match=words.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
     RoPEScaling(**kwargs)
+
+
+INF, NAN = float("inf"), float("nan")
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda: RoPE(NAN), r"RoPE\(theta=\.\.\.\) expects a number > 1.*got nan"),
+    (lambda: RoPE(INF), r"RoPE\(theta=\.\.\.\) expects a number > 1.*got inf"),
+    (lambda: RoPE(True), r"RoPE\(theta=\.\.\.\) expects .*got True \(bool\)"),
+    (lambda: RoPE("1e4"), r"RoPE\(theta=\.\.\.\) expects .*got '1e4' \(str\)"),
+    (lambda: RoPEScaling("linear", NAN), r"factor=\.\.\.\) expects a number >= 1"),
+    (lambda: RoPEScaling("linear", INF), r"factor=\.\.\.\) expects a number >= 1"),
+    (lambda: RoPEScaling("llama3", 8.0, NAN),
+     r"original_max_position=\.\.\.\) expects a positive int.*got nan \(float\)"),
+    (lambda: RoPEScaling("yarn", 8.0, -4096),
+     r"original_max_position=\.\.\.\) expects a positive int.*got -4096"),
+    (lambda: RoPEScaling("llama3", 8.0, 8192, high_freq_factor=INF),
+     r"high_freq_factor=\.\.\.\) expects a positive number.*got inf"),
+    (lambda: RoPEScaling("yarn", 8.0, 4096, beta_fast=NAN),
+     r"beta_fast=\.\.\.\) expects a positive number.*got nan"),
+    (lambda: RoPEScaling("yarn", 8.0, 4096, beta_fast=1.0, beta_slow=32.0),
+     r"expects beta_fast >= beta_slow \(e.g. 32.0 and 1.0\), got 1.0 and 32.0"),
+    (lambda: RoPEScaling("yarn", 8.0, 4096, attention_factor=NAN),
+     r"attention_factor=\.\.\.\) expects a positive number.*got nan"),
+    (lambda: RoPEScaling("yarn", 8.0, 4096, attention_factor=0.0),
+     r"attention_factor=\.\.\.\) expects a positive number.*got 0.0"),
+])
+def test_numbers_out_of_range_are_refused(make, match):
+  with pytest.raises(ValueError, match=match):
+    make()
