@@ -7,7 +7,9 @@ sliding window in every layer), `Qwen2ForCausalLM` (q/k/v biases, windowed layer
 options are read from both layouts: transformers 5's `rope_parameters` dict and the
 top-level `rope_theta` / `rope_scaling` of earlier versions (most published checkpoints).
 A field this model cannot represent (MoE, `hidden_act` other than silu, an unknown
-`rope_type`, `mlp_bias`, a layer pattern without period, ...) is refused, naming it.
+`rope_type`, `mlp_bias`, a layer pattern without period, ...) is refused, naming it, and so
+is a tensor whose stored shape is not the one the config implies, even with as many
+elements (`gate_proj` transposed): it would load as another model.
 
 `load(path)` reads a directory (one `model.safetensors` or shards listed in
 `model.safetensors.index.json`) into `Llama`, one tensor at a time, each placed on the
@@ -32,6 +34,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import math
 import os
 from collections.abc import Callable
 from typing import Any
@@ -312,32 +315,38 @@ def config_to_hf(cfg: LlamaConfig, dtype: str) -> dict:
 
 @dataclasses.dataclass(frozen=True)
 class _Tensor:
-  """One HF tensor: its name, and the map between its layout and ours."""
+  """One HF tensor: its name, its shape as stored (HF's layout, which the config
+  determines), and the map between its layout and ours."""
 
   name: str
+  shape: tuple[int, ...]
   to_ours: Callable[[np.ndarray], np.ndarray]  # HF layout -> ours
   to_hf: Callable[[np.ndarray], np.ndarray]
 
 
 def _linear(*our_shape):
   """HF Linear `[out, in]` <-> our kernel `[in, ...]` (reshaped to `our_shape`)."""
-  return (lambda w: w.T.reshape(our_shape)), (lambda k: k.reshape(our_shape[0], -1).T)
+  return ((math.prod(our_shape[1:]), our_shape[0]), (lambda w: w.T.reshape(our_shape)),
+          (lambda k: k.reshape(our_shape[0], -1).T))
 
 
 def _out_proj(h, d, e):
-  return (lambda w: w.T.reshape(h, d, e)), (lambda k: k.reshape(h * d, e).T)
+  """HF o_proj `[E, H * D]` <-> ours `[H, D, E]`."""
+  return (e, h * d), (lambda w: w.T.reshape(h, d, e)), (lambda k: k.reshape(h * d, e).T)
 
 
 def _reshape(*our_shape):
   """HF bias `[H * D]` <-> ours `[H, D]`."""
-  return (lambda b: b.reshape(our_shape)), (lambda b: b.reshape(-1))
+  return (math.prod(our_shape),), (lambda b: b.reshape(our_shape)), (lambda b: b.reshape(-1))
 
 
-_SAME = (lambda x: x), (lambda x: x)
+def _same(*shape):
+  """The same layout in both."""
+  return shape, (lambda x: x), (lambda x: x)
 
 
 def _layer_tensors(cfg: LlamaConfig) -> dict[tuple[str, ...], tuple[str, tuple]]:
-  """Our path inside a block -> (HF name suffix inside layer i, (to_ours, to_hf))."""
+  """Our path inside a block -> (HF name suffix inside layer i, (HF shape, to_ours, to_hf))."""
   e, h, hkv, d, f = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.attn_head_dim, cfg.ffn_dim
   extra = {}
   if cfg.qkv_bias:
@@ -345,17 +354,17 @@ def _layer_tensors(cfg: LlamaConfig) -> dict[tuple[str, ...], tuple[str, tuple]]
                   ("attn", "key", "bias"): ("self_attn.k_proj.bias", _reshape(hkv, d)),
                   ("attn", "value", "bias"): ("self_attn.v_proj.bias", _reshape(hkv, d))})
   if cfg.out_bias:
-    extra[("attn", "out", "bias")] = ("self_attn.o_proj.bias", _SAME)
+    extra[("attn", "out", "bias")] = ("self_attn.o_proj.bias", _same(e))
   if cfg.qk_norm:
-    extra.update({("attn", "query_ln", "scale"): ("self_attn.q_norm.weight", _SAME),
-                  ("attn", "key_ln", "scale"): ("self_attn.k_norm.weight", _SAME)})
+    extra.update({("attn", "query_ln", "scale"): ("self_attn.q_norm.weight", _same(d)),
+                  ("attn", "key_ln", "scale"): ("self_attn.k_norm.weight", _same(d))})
   return extra | {
-      ("attn_norm", "scale"): ("input_layernorm.weight", _SAME),
+      ("attn_norm", "scale"): ("input_layernorm.weight", _same(e)),
       ("attn", "query", "kernel"): ("self_attn.q_proj.weight", _linear(e, h, d)),
       ("attn", "key", "kernel"): ("self_attn.k_proj.weight", _linear(e, hkv, d)),
       ("attn", "value", "kernel"): ("self_attn.v_proj.weight", _linear(e, hkv, d)),
       ("attn", "out", "kernel"): ("self_attn.o_proj.weight", _out_proj(h, d, e)),
-      ("mlp_norm", "scale"): ("post_attention_layernorm.weight", _SAME),
+      ("mlp_norm", "scale"): ("post_attention_layernorm.weight", _same(e)),
       ("mlp", "w1", "kernel"): ("mlp.gate_proj.weight", _linear(e, f)),
       ("mlp", "w3", "kernel"): ("mlp.up_proj.weight", _linear(e, f)),
       ("mlp", "w2", "kernel"): ("mlp.down_proj.weight", _linear(f, e)),
@@ -366,20 +375,21 @@ def _tensors(cfg: LlamaConfig) -> dict[tuple, list[_Tensor]]:
   """Each of our parameter paths -> its HF tensors; a path stacked over layer groups
   (`scan_layers`) lists one tensor per group."""
   out: dict[tuple, list[_Tensor]]
-  out = {("embed", "embedding"): [_Tensor("model.embed_tokens.weight", *_SAME)],
-         ("norm", "scale"): [_Tensor("model.norm.weight", *_SAME)]}
+  out = {("embed", "embedding"): [_Tensor("model.embed_tokens.weight",
+                                          *_same(cfg.vocab_size, cfg.dim))],
+         ("norm", "scale"): [_Tensor("model.norm.weight", *_same(cfg.dim))]}
   if not cfg.tie_embeddings:
     out[("lm_head", "kernel")] = [_Tensor("lm_head.weight", *_linear(cfg.dim, cfg.vocab_size))]
   period = cfg.period
-  for path, (suffix, (to_ours, to_hf)) in _layer_tensors(cfg).items():
+  for path, (suffix, layout) in _layer_tensors(cfg).items():
     if cfg.scan_layers:
       for j in range(period):
         out[("layers", "blocks", j) + path] = [
-            _Tensor(f"model.layers.{g * period + j}.{suffix}", to_ours, to_hf)
+            _Tensor(f"model.layers.{g * period + j}.{suffix}", *layout)
             for g in range(cfg.n_layers // period)]
     else:
       for i in range(cfg.n_layers):
-        out[("layers", i) + path] = [_Tensor(f"model.layers.{i}.{suffix}", to_ours, to_hf)]
+        out[("layers", i) + path] = [_Tensor(f"model.layers.{i}.{suffix}", *layout)]
   return out
 
 
@@ -419,14 +429,16 @@ class _Files:
       return f.get_tensor(name)
 
 
-def _checked(files: _Files, t: _Tensor, shape: tuple[int, ...]) -> np.ndarray:
+def _checked(files: _Files, t: _Tensor) -> np.ndarray:
+  """Tensor `t` in our layout, float32, once its stored shape is the config's: a tensor of
+  the same size in another shape (transposed, flattened) would load into a wrong model."""
   w = files.read(t.name)
-  ours = t.to_ours(w) if w.size == int(np.prod(shape)) else None
-  if ours is None or ours.shape != shape:
+  if w.shape != t.shape:
     raise CheckpointError(f"{os.path.join(files.path, files.where[t.name])}: tensor {t.name!r}"
-                          f" has shape {list(w.shape)}, which does not fit the config (this"
-                          f" model's parameter is {list(shape)}).")
-  return ours.astype(np.float32)
+                          f" has shape {list(w.shape)}, which does not fit the config: expected"
+                          f" {list(t.shape)} (Hugging Face's layout, [out_features,"
+                          " in_features] for a Linear weight). Fix the tensor or config.json.")
+  return t.to_ours(w).astype(np.float32)
 
 
 def load(path: str, *, context_parallel: flaxattn.ContextParallel | None = None,
@@ -442,8 +454,8 @@ def load(path: str, *, context_parallel: flaxattn.ContextParallel | None = None,
 
   Raises:
     CheckpointError: unreadable config, unsupported field, missing file or tensor, a
-      tensor the model has no place for, a tensor whose shape does not fit the config
-      (naming the file and the tensor), or a `config` with other parameters.
+      tensor the model has no place for, a tensor whose stored shape is not the config's
+      (naming the file, the tensor and both shapes), or a `config` with other parameters.
   """
   where = os.path.join(path, "config.json")
   cfg = config_from_hf(read_config(path), where, **overrides)
@@ -485,13 +497,13 @@ def load(path: str, *, context_parallel: flaxattn.ContextParallel | None = None,
     ts = tensors[key]
     shape = tuple(spec.shape)
     if len(ts) == 1:
-      whole = _checked(files, ts[0], shape)  # converted once, sliced per shard
+      whole = _checked(files, ts[0])  # converted once, sliced per shard
       def host(index):
         return whole[index]
     else:  # stacked over layer groups: read only the groups of the shard
       def host(index):
         groups = range(len(ts))[index[0]]
-        stacked = np.stack([_checked(files, ts[g], shape[1:]) for g in groups])
+        stacked = np.stack([_checked(files, ts[g]) for g in groups])
         return stacked[(slice(None),) + index[1:]]
     sharding = getattr(spec, "sharding", None)
     if sharding is None:

@@ -168,16 +168,23 @@ def test_rope_scaling_and_overrides_reach_the_model(tmp_path):
   assert cfg.max_seq_len == 512
 
 
+def _rewrite(path, name: str, change) -> str:
+  """Stores `change(tensor)` in place of tensor `name` of the checkpoint at `path`; the name
+  of the file that holds it."""
+  file = json.loads((path / hf.INDEX).read_text())["weight_map"][name]
+  with safe_open(path / file, framework="np") as f:
+    tensors = {n: f.get_tensor(n) for n in f.keys()}
+  tensors[name] = np.ascontiguousarray(change(tensors[name]))
+  save_file(tensors, path / file, metadata={"format": "pt"})
+  return file
+
+
 def _break(path, how):
   if how == "missing shard":
     os.remove(path / "model-00002-of-00003.safetensors")
   elif how == "wrong shape":
-    file = path / "model-00001-of-00003.safetensors"
-    with safe_open(file, framework="np") as f:
-      tensors = {n: f.get_tensor(n) for n in f.keys()}
-    name = sorted(tensors)[0]
-    tensors[name] = tensors[name][:-1]
-    save_file(tensors, file)
+    name = "lm_head.weight"  # in model-00001-of-00003.safetensors
+    _rewrite(path, name, lambda w: w[:-1])
     return name
   elif how in ("unknown architecture", "gelu"):
     change = (dict(architectures=["GPT2LMHeadModel"]) if how == "unknown architecture"
@@ -201,6 +208,25 @@ def test_bad_directories_name_the_file_and_the_field(tmp_path, how, words):
     assert name in str(e.value) and "model-00001-of-00003.safetensors" in str(e.value)
   if how in ("unknown architecture", "gelu"):
     assert "config.json" in str(e.value)
+
+
+# Each keeps the element count, so only the stored shape tells it from the right tensor.
+@pytest.mark.parametrize("name, change", [
+    pytest.param("model.layers.0.mlp.gate_proj.weight", np.transpose, id="gate_proj transposed"),
+    pytest.param("model.layers.1.self_attn.k_proj.weight", lambda w: w.reshape(64, 32),
+                 id="k_proj reshaped"),
+    pytest.param("lm_head.weight", np.transpose, id="lm_head transposed"),
+    pytest.param("model.layers.0.self_attn.o_proj.weight", np.ravel, id="o_proj flattened"),
+])
+def test_a_tensor_stored_in_another_shape_is_refused(tmp_path, name, change):
+  tensors = write_checkpoint(tmp_path)
+  file = _rewrite(tmp_path, name, change)
+  with pytest.raises(hf.CheckpointError) as e:
+    hf.load(str(tmp_path))
+  stored, expected = list(change(tensors[name]).shape), list(tensors[name].shape)
+  for words in (os.path.join(tmp_path, file), repr(name), f"has shape {stored}",
+                f"expected {expected}"):
+    assert words in str(e.value)
 
 
 # transformers 5 writes the RoPE options as one `rope_parameters` dict, older versions as
