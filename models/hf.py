@@ -7,7 +7,10 @@ sliding window in every layer), `Qwen2ForCausalLM` (q/k/v biases, windowed layer
 options are read from both layouts: transformers 5's `rope_parameters` dict and the
 top-level `rope_theta` / `rope_scaling` of earlier versions (most published checkpoints).
 A field this model cannot represent (MoE, `hidden_act` other than silu, an unknown
-`rope_type`, `mlp_bias`, a layer pattern without period, ...) is refused, naming it.
+`rope_type`, `mlp_bias`, a layer pattern without period, ...) is refused, naming it, and so
+is a field of another type than transformers gives it (`"sliding_window": true`, a
+`hidden_size` of 64.5) and a tensor whose stored shape is not the one the config implies,
+even with as many elements (`gate_proj` transposed): each would load as another model.
 
 `load(path)` reads a directory (one `model.safetensors` or shards listed in
 `model.safetensors.index.json`) into `Llama`, one tensor at a time, each placed on the
@@ -32,6 +35,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import math
 import os
 from collections.abc import Callable
 from typing import Any
@@ -80,147 +84,204 @@ class ExportError(ValueError):
 # config.json
 
 
-def _rope(hf: dict, where: str) -> tuple[float, flaxattn.RoPEScaling]:
+_REQUIRED = object()  # `_Fields.get` without a default: the field must be there
+# The types config.json's fields have in transformers' config classes, named as JSON names them.
+_KINDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string",
+          dict: "an object", list[str]: "a list of strings"}
+
+
+def _is(value, kind) -> bool:
+  """Whether the JSON `value` is a `kind` (one of `_KINDS`)."""
+  if kind == list[str]:
+    return isinstance(value, list) and all(isinstance(v, str) for v in value)
+  if isinstance(value, bool) and kind is not bool:
+    return False  # Python's bool is an int: JSON's true is no number
+  if kind is float:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+  return isinstance(value, kind)
+
+
+class _Fields:
+  """One JSON object of config.json, read field by field with the types transformers gives
+  them; `prefix` places the object in the file (e.g. "rope_scaling.")."""
+
+  def __init__(self, obj: dict, where: str, prefix: str = ""):
+    self.obj, self.where, self.prefix = obj, where, prefix
+
+  def get(self, name: str, kind: Any, default: Any = _REQUIRED, *, null: bool = False) -> Any:
+    """Field `name` as a `kind` of `_KINDS`: `default` when absent, None when null and `null`
+    allows it. An integer is a number (`10000` and `1e4` are the same theta), a float is
+    returned as one.
+
+    Raises:
+      CheckpointError: naming the file, the field, its value and the type expected: absent
+        without `default`, null without `null`, or another type; in particular `true` is no
+        integer and `1` no bool (Python's bool is an int), `64.0` is no integer (as in
+        transformers), and NaN or an infinity is no number.
+    """
+    field = self.prefix + name
+    if name not in self.obj:
+      if default is _REQUIRED:
+        raise CheckpointError(f"{self.where}: required field {field!r} is missing.")
+      return default
+    value = self.obj[name]
+    if value is None:
+      if null:
+        return None
+    elif _is(value, kind):
+      return float(value) if kind is float else value
+    raise CheckpointError(
+        f"{self.where}: {field} expects {_KINDS[kind]}{' or null' if null else ''}, got"
+        f" {json.dumps(value, default=repr)[:60]}; correct it in the file.")
+
+
+def _rope(f: _Fields, max_position: int) -> tuple[float, flaxattn.RoPEScaling]:
   """`(rope_theta, scaling)` of either layout: transformers 5's `rope_parameters` or the
-  top-level `rope_theta` / `rope_scaling` (both may be present; they must agree)."""
-  theta = float(hf.get("rope_theta") or 10000.0)
-  scaling = _scaling(hf.get("rope_scaling"), hf, where, "rope_scaling")
-  params = hf.get("rope_parameters")
+  top-level `rope_theta` / `rope_scaling` (both may be present; they must agree).
+  `max_position`: the checkpoint's `max_position_embeddings` (yarn's default original)."""
+  theta = f.get("rope_theta", float, 10000.0)
+  scaling = _scaling(f, "rope_scaling", max_position)
+  params = f.get("rope_parameters", dict, None, null=True)
   if params is None:
     return theta, scaling
-  if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
-    raise CheckpointError(f"{where}: rope_parameters={params!r} is not supported; expected one"
-                          " dict of rope_type, rope_theta and its scaling fields (not one per"
-                          " layer type).")
-  new_theta = float(params.get("rope_theta", theta))
-  new_scaling = _scaling(params, hf, where, "rope_parameters")
-  if ("rope_theta" in hf and new_theta != theta) or (
-      hf.get("rope_scaling") is not None and new_scaling != scaling):
-    raise CheckpointError(f"{where}: rope_theta={hf.get('rope_theta')!r} and rope_scaling="
-                          f"{hf.get('rope_scaling')!r} disagree with rope_parameters={params!r};"
-                          " expected one RoPE: fix one of the two layouts.")
+  if any(isinstance(v, dict) for v in params.values()):
+    raise CheckpointError(f"{f.where}: rope_parameters={params!r} is not supported; expected"
+                          " one dict of rope_type, rope_theta and its scaling fields (not one"
+                          " per layer type).")
+  new_theta = _Fields(params, f.where, "rope_parameters.").get("rope_theta", float, theta)
+  new_scaling = _scaling(f, "rope_parameters", max_position)
+  if ("rope_theta" in f.obj and new_theta != theta) or (
+      f.obj.get("rope_scaling") is not None and new_scaling != scaling):
+    raise CheckpointError(f"{f.where}: rope_theta={f.obj.get('rope_theta')!r} and rope_scaling="
+                          f"{f.obj.get('rope_scaling')!r} disagree with rope_parameters="
+                          f"{params!r}; expected one RoPE: fix one of the two layouts.")
   return new_theta, new_scaling
 
 
-def _scaling(rs, hf: dict, where: str, field: str) -> flaxattn.RoPEScaling:
+def _scaling(f: _Fields, field: str, max_position: int) -> flaxattn.RoPEScaling:
+  """The `RoPEScaling` of the dict `field` of `f` (`rope_scaling` or `rope_parameters`)."""
+  rs = f.get(field, dict, None, null=True)
   if rs is None:
     return flaxattn.RoPEScaling()
-  if not isinstance(rs, dict):
-    raise CheckpointError(f"{where}: {field}={rs!r} is not supported; expected a dict.")
-  kind = rs.get("rope_type", rs.get("type", "default"))
-
-  def get(key: str, default: Any = None) -> Any:  # a JSON value
-    return rs.get(key, default)
-
-  if get("partial_rotary_factor", 1.0) != 1.0:
-    raise CheckpointError(f"{where}: {field}.partial_rotary_factor="
-                          f"{get('partial_rotary_factor')!r} is not supported (expected 1.0).")
+  g = _Fields(rs, f.where, field + ".")
+  kind = g.get("rope_type", str, g.get("type", str, "default"))
+  partial = g.get("partial_rotary_factor", float, 1.0)
+  if partial != 1.0:
+    raise CheckpointError(f"{f.where}: {field}.partial_rotary_factor={partial!r} is not"
+                          " supported (expected 1.0).")
+  if kind not in ROPE_TYPES:
+    raise CheckpointError(f"{f.where}: {field} rope_type {kind!r} is not supported; expected"
+                          f" one of {', '.join(ROPE_TYPES)}.")
+  if kind == "default":
+    return flaxattn.RoPEScaling()
+  factor = g.get("factor", float)
+  options: dict[str, Any] = {}  # RoPEScaling's fields beyond kind and factor
+  if kind == "llama3":
+    options = dict(original_max_position=g.get("original_max_position_embeddings", int),
+                   low_freq_factor=g.get("low_freq_factor", float, 1.0),
+                   high_freq_factor=g.get("high_freq_factor", float, 4.0))
+  elif kind == "yarn":
+    attention = g.get("attention_factor", float, None, null=True)
+    mscale = g.get("mscale", float, None, null=True)
+    mscale_all = g.get("mscale_all_dim", float, None, null=True)
+    if attention is None and mscale and mscale_all:
+      def m(s):
+        return 0.1 * s * math.log(factor) + 1.0 if factor > 1 else 1.0
+      attention = m(mscale) / m(mscale_all)
+    options = dict(original_max_position=g.get("original_max_position_embeddings", int,
+                                               max_position),
+                   beta_fast=g.get("beta_fast", float, 32.0),
+                   beta_slow=g.get("beta_slow", float, 1.0), attention_factor=attention)
   try:
-    if kind == "default":
-      return flaxattn.RoPEScaling()
-    if kind == "linear":
-      return flaxattn.RoPEScaling("linear", float(get("factor")))
-    if kind == "llama3":
-      return flaxattn.RoPEScaling(
-          "llama3", float(get("factor")), int(get("original_max_position_embeddings")),
-          low_freq_factor=float(get("low_freq_factor", 1.0)),
-          high_freq_factor=float(get("high_freq_factor", 4.0)))
-    if kind == "yarn":
-      factor = float(get("factor"))
-      attention = get("attention_factor")
-      mscale, mscale_all = get("mscale"), get("mscale_all_dim")
-      if attention is None and mscale and mscale_all:
-        def m(s):
-          return 0.1 * s * np.log(factor) + 1.0 if factor > 1 else 1.0
-        attention = m(mscale) / m(mscale_all)
-      return flaxattn.RoPEScaling(
-          "yarn", factor,
-          int(get("original_max_position_embeddings") or hf["max_position_embeddings"]),
-          beta_fast=float(get("beta_fast", 32.0)), beta_slow=float(get("beta_slow", 1.0)),
-          attention_factor=None if attention is None else float(attention))
-  except (TypeError, KeyError, ValueError) as e:
-    raise CheckpointError(f"{where}: {field} {rs} is incomplete or invalid: {e}") from e
-  raise CheckpointError(f"{where}: {field} rope_type {kind!r} is not supported; expected one of"
-                        f" {', '.join(ROPE_TYPES)}.")
+    return flaxattn.RoPEScaling(kind, factor, **options)
+  except ValueError as e:
+    raise CheckpointError(f"{f.where}: {field} {rs} is invalid: {e}") from e
 
 
-def _windows(hf: dict, arch: str, n_layers: int, where: str) -> dict:
+def _windows(f: _Fields, arch: str, n_layers: int) -> dict:
   """`sliding_window` and `global_every` of the architecture's windowed layers."""
-  def field(name):
-    return hf.get(name, ARCHITECTURES[arch].get(name))
-
   if arch == "LlamaForCausalLM":
     return {}
-  window = field("sliding_window")
+  defaults = ARCHITECTURES[arch]
+  window = f.get("sliding_window", int, defaults["sliding_window"], null=True)
   if arch == "MistralForCausalLM":
-    return {} if window is None else dict(sliding_window=int(window), global_every=0)
-  if not field("use_sliding_window") or window is None:
+    return {} if window is None else dict(sliding_window=window, global_every=0)
+  use = f.get("use_sliding_window", bool, defaults["use_sliding_window"])
+  first = f.get("max_window_layers", int, defaults["max_window_layers"])
+  types = f.get("layer_types", list[str], None, null=True)
+  if not use or window is None:
     return {}  # Qwen: layer_types of "sliding_attention" attend fully without both
-  types = hf.get("layer_types") or [
-      "sliding_attention" if i >= field("max_window_layers") else "full_attention"
-      for i in range(n_layers)]
+  if types is None:
+    types = ["sliding_attention" if i >= first else "full_attention" for i in range(n_layers)]
   if len(types) != n_layers or not set(types) <= {"sliding_attention", "full_attention"}:
-    raise CheckpointError(f"{where}: layer_types={types!r} is not supported; expected"
+    raise CheckpointError(f"{f.where}: layer_types={types!r} is not supported; expected"
                           f" {n_layers} of 'sliding_attention' / 'full_attention'.")
   windowed = [t == "sliding_attention" for t in types]
   if not any(windowed):
     return {}
   if all(windowed):
-    return dict(sliding_window=int(window), global_every=0)
+    return dict(sliding_window=window, global_every=0)
   for g in range(2, n_layers + 1):
     if all(w == (i % g != g - 1) for i, w in enumerate(windowed)):
-      return dict(sliding_window=int(window), global_every=g)
+      return dict(sliding_window=window, global_every=g)
   raise CheckpointError(
-      f"{where}: layer_types={types!r} (or max_window_layers={field('max_window_layers')!r})"
-      " is not supported; this model windows every layer but each global_every-th, which"
-      " is full attention. Windowed layers in another pattern cannot be represented.")
+      f"{f.where}: layer_types={types!r} (or max_window_layers={first!r}) is not supported;"
+      " this model windows every layer but each global_every-th, which is full attention."
+      " Windowed layers in another pattern cannot be represented.")
 
 
 def config_from_hf(hf: dict, where: str = "config.json", **overrides) -> LlamaConfig:
   """The `LlamaConfig` of an HF `config.json` dict (`overrides`: our options, e.g.
-  `dtype`, `scan_layers`, `max_seq_len`).
+  `dtype`, `scan_layers`, `max_seq_len`). Each field is read with the type of transformers'
+  config classes; null only where they allow it (`head_dim` but Qwen3's,
+  `num_key_value_heads`, `sliding_window`, `layer_types`, `rope_scaling`, ...).
 
   Raises:
     CheckpointError: not a JSON object, an architecture not in `ARCHITECTURES`, a field
-      with a value this model does not implement (`hidden_act`, `mlp_bias`, experts, an
-      unknown `rope_type`, a window pattern without period, ...), or a missing size,
-      naming `where` and the field.
+      of another type (`true` for an integer, `64.0` for an integer, `1` for a bool, a
+      string for a number, null where transformers has none, ...), a field with a value
+      this model does not implement (`hidden_act`, `mlp_bias`, experts, an unknown
+      `rope_type`, a window pattern without period, ...), or a missing size, naming
+      `where` and the field.
   """
   if not isinstance(hf, dict):
     raise CheckpointError(f"{where}: expects a JSON object of the model's fields, got a JSON"
                           f" {type(hf).__name__} ({json.dumps(hf)[:60]}).")
-  archs = hf.get("architectures") or []
+  f = _Fields(hf, where)
+  archs = f.get("architectures", list[str], None, null=True) or []
   arch = next((a for a in archs if a in ARCHITECTURES), None)
   if arch is None:
     raise CheckpointError(f"{where}: architectures {archs} is not supported; expected one of"
                           f" {tuple(ARCHITECTURES)}.")
-  unsupported = {"hidden_act": ("silu",), "mlp_bias": (False, None),
-                 "partial_rotary_factor": (None, 1, 1.0)}
-  unsupported.update({f: (None, 0) for f in MOE_FIELDS})
-  for field, ok in unsupported.items():
-    if hf.get(field) not in ok:
-      raise CheckpointError(f"{where}: {field}={hf.get(field)!r} is not supported (expected"
+  defaults = ARCHITECTURES[arch]
+  # (field, type, values this model implements; the first is the one when absent)
+  implemented = [("hidden_act", str, ("silu",)), ("mlp_bias", bool, (False,)),
+                 ("partial_rotary_factor", float, (None, 1.0)),
+                 *((name, int, (None, 0)) for name in MOE_FIELDS)]
+  for name, kind, ok in implemented:
+    value = f.get(name, kind, ok[0], null=None in ok)
+    if value not in ok:
+      raise CheckpointError(f"{where}: {name}={value!r} is not supported (expected"
                             f" {' or '.join(map(repr, ok))}).")
-  try:
-    dim, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
-    n_layers = int(hf["num_hidden_layers"])
-    head_dim = hf.get("head_dim", ARCHITECTURES[arch].get("head_dim")) or dim // heads
-    bias = bool(hf.get("attention_bias", False))
-    values: dict[str, Any]  # LlamaConfig's fields
-    values = dict(vocab_size=int(hf["vocab_size"]), dim=dim, n_layers=n_layers,
-                  n_heads=heads, n_kv_heads=int(hf.get("num_key_value_heads") or heads),
-                  ffn_dim=int(hf["intermediate_size"]),
-                  head_dim=None if int(head_dim) * heads == dim else int(head_dim),
-                  qkv_bias=bias or arch == "Qwen2ForCausalLM", out_bias=bias,
-                  qk_norm=arch == "Qwen3ForCausalLM",
-                  norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-                  tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-                  max_seq_len=int(hf.get("max_position_embeddings",
-                                         ARCHITECTURES[arch]["max_position_embeddings"])))
-  except KeyError as e:
-    raise CheckpointError(f"{where}: required field {e.args[0]!r} is missing.") from e
-  values["rope_theta"], values["rope_scaling"] = _rope(hf, where)
-  values.update(_windows(hf, arch, n_layers, where))
+  dim, heads = f.get("hidden_size", int), f.get("num_attention_heads", int)
+  n_layers = f.get("num_hidden_layers", int)
+  kv_heads = f.get("num_key_value_heads", int, None, null=True)
+  # Qwen3's head_dim has a default of its own, and transformers refuses it null.
+  head_dim = f.get("head_dim", int, defaults.get("head_dim"), null="head_dim" not in defaults)
+  bias = f.get("attention_bias", bool, False)
+  max_position = f.get("max_position_embeddings", int, defaults["max_position_embeddings"])
+  values: dict[str, Any]  # LlamaConfig's fields
+  values = dict(vocab_size=f.get("vocab_size", int), dim=dim, n_layers=n_layers,
+                n_heads=heads, n_kv_heads=heads if kv_heads is None else kv_heads,
+                ffn_dim=f.get("intermediate_size", int),
+                head_dim=None if head_dim is None or head_dim * heads == dim else head_dim,
+                qkv_bias=bias or arch == "Qwen2ForCausalLM", out_bias=bias,
+                qk_norm=arch == "Qwen3ForCausalLM",
+                norm_eps=f.get("rms_norm_eps", float, 1e-6),
+                tie_embeddings=f.get("tie_word_embeddings", bool, False),
+                max_seq_len=max_position)
+  values["rope_theta"], values["rope_scaling"] = _rope(f, max_position)
+  values.update(_windows(f, arch, n_layers))
   values.update(overrides)
   try:
     return LlamaConfig(**values)
@@ -312,32 +373,38 @@ def config_to_hf(cfg: LlamaConfig, dtype: str) -> dict:
 
 @dataclasses.dataclass(frozen=True)
 class _Tensor:
-  """One HF tensor: its name, and the map between its layout and ours."""
+  """One HF tensor: its name, its shape as stored (HF's layout, which the config
+  determines), and the map between its layout and ours."""
 
   name: str
+  shape: tuple[int, ...]
   to_ours: Callable[[np.ndarray], np.ndarray]  # HF layout -> ours
   to_hf: Callable[[np.ndarray], np.ndarray]
 
 
 def _linear(*our_shape):
   """HF Linear `[out, in]` <-> our kernel `[in, ...]` (reshaped to `our_shape`)."""
-  return (lambda w: w.T.reshape(our_shape)), (lambda k: k.reshape(our_shape[0], -1).T)
+  return ((math.prod(our_shape[1:]), our_shape[0]), (lambda w: w.T.reshape(our_shape)),
+          (lambda k: k.reshape(our_shape[0], -1).T))
 
 
 def _out_proj(h, d, e):
-  return (lambda w: w.T.reshape(h, d, e)), (lambda k: k.reshape(h * d, e).T)
+  """HF o_proj `[E, H * D]` <-> ours `[H, D, E]`."""
+  return (e, h * d), (lambda w: w.T.reshape(h, d, e)), (lambda k: k.reshape(h * d, e).T)
 
 
 def _reshape(*our_shape):
   """HF bias `[H * D]` <-> ours `[H, D]`."""
-  return (lambda b: b.reshape(our_shape)), (lambda b: b.reshape(-1))
+  return (math.prod(our_shape),), (lambda b: b.reshape(our_shape)), (lambda b: b.reshape(-1))
 
 
-_SAME = (lambda x: x), (lambda x: x)
+def _same(*shape):
+  """The same layout in both."""
+  return shape, (lambda x: x), (lambda x: x)
 
 
 def _layer_tensors(cfg: LlamaConfig) -> dict[tuple[str, ...], tuple[str, tuple]]:
-  """Our path inside a block -> (HF name suffix inside layer i, (to_ours, to_hf))."""
+  """Our path inside a block -> (HF name suffix inside layer i, (HF shape, to_ours, to_hf))."""
   e, h, hkv, d, f = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.attn_head_dim, cfg.ffn_dim
   extra = {}
   if cfg.qkv_bias:
@@ -345,17 +412,17 @@ def _layer_tensors(cfg: LlamaConfig) -> dict[tuple[str, ...], tuple[str, tuple]]
                   ("attn", "key", "bias"): ("self_attn.k_proj.bias", _reshape(hkv, d)),
                   ("attn", "value", "bias"): ("self_attn.v_proj.bias", _reshape(hkv, d))})
   if cfg.out_bias:
-    extra[("attn", "out", "bias")] = ("self_attn.o_proj.bias", _SAME)
+    extra[("attn", "out", "bias")] = ("self_attn.o_proj.bias", _same(e))
   if cfg.qk_norm:
-    extra.update({("attn", "query_ln", "scale"): ("self_attn.q_norm.weight", _SAME),
-                  ("attn", "key_ln", "scale"): ("self_attn.k_norm.weight", _SAME)})
+    extra.update({("attn", "query_ln", "scale"): ("self_attn.q_norm.weight", _same(d)),
+                  ("attn", "key_ln", "scale"): ("self_attn.k_norm.weight", _same(d))})
   return extra | {
-      ("attn_norm", "scale"): ("input_layernorm.weight", _SAME),
+      ("attn_norm", "scale"): ("input_layernorm.weight", _same(e)),
       ("attn", "query", "kernel"): ("self_attn.q_proj.weight", _linear(e, h, d)),
       ("attn", "key", "kernel"): ("self_attn.k_proj.weight", _linear(e, hkv, d)),
       ("attn", "value", "kernel"): ("self_attn.v_proj.weight", _linear(e, hkv, d)),
       ("attn", "out", "kernel"): ("self_attn.o_proj.weight", _out_proj(h, d, e)),
-      ("mlp_norm", "scale"): ("post_attention_layernorm.weight", _SAME),
+      ("mlp_norm", "scale"): ("post_attention_layernorm.weight", _same(e)),
       ("mlp", "w1", "kernel"): ("mlp.gate_proj.weight", _linear(e, f)),
       ("mlp", "w3", "kernel"): ("mlp.up_proj.weight", _linear(e, f)),
       ("mlp", "w2", "kernel"): ("mlp.down_proj.weight", _linear(f, e)),
@@ -366,20 +433,21 @@ def _tensors(cfg: LlamaConfig) -> dict[tuple, list[_Tensor]]:
   """Each of our parameter paths -> its HF tensors; a path stacked over layer groups
   (`scan_layers`) lists one tensor per group."""
   out: dict[tuple, list[_Tensor]]
-  out = {("embed", "embedding"): [_Tensor("model.embed_tokens.weight", *_SAME)],
-         ("norm", "scale"): [_Tensor("model.norm.weight", *_SAME)]}
+  out = {("embed", "embedding"): [_Tensor("model.embed_tokens.weight",
+                                          *_same(cfg.vocab_size, cfg.dim))],
+         ("norm", "scale"): [_Tensor("model.norm.weight", *_same(cfg.dim))]}
   if not cfg.tie_embeddings:
     out[("lm_head", "kernel")] = [_Tensor("lm_head.weight", *_linear(cfg.dim, cfg.vocab_size))]
   period = cfg.period
-  for path, (suffix, (to_ours, to_hf)) in _layer_tensors(cfg).items():
+  for path, (suffix, layout) in _layer_tensors(cfg).items():
     if cfg.scan_layers:
       for j in range(period):
         out[("layers", "blocks", j) + path] = [
-            _Tensor(f"model.layers.{g * period + j}.{suffix}", to_ours, to_hf)
+            _Tensor(f"model.layers.{g * period + j}.{suffix}", *layout)
             for g in range(cfg.n_layers // period)]
     else:
       for i in range(cfg.n_layers):
-        out[("layers", i) + path] = [_Tensor(f"model.layers.{i}.{suffix}", to_ours, to_hf)]
+        out[("layers", i) + path] = [_Tensor(f"model.layers.{i}.{suffix}", *layout)]
   return out
 
 
@@ -419,14 +487,16 @@ class _Files:
       return f.get_tensor(name)
 
 
-def _checked(files: _Files, t: _Tensor, shape: tuple[int, ...]) -> np.ndarray:
+def _checked(files: _Files, t: _Tensor) -> np.ndarray:
+  """Tensor `t` in our layout, float32, once its stored shape is the config's: a tensor of
+  the same size in another shape (transposed, flattened) would load into a wrong model."""
   w = files.read(t.name)
-  ours = t.to_ours(w) if w.size == int(np.prod(shape)) else None
-  if ours is None or ours.shape != shape:
+  if w.shape != t.shape:
     raise CheckpointError(f"{os.path.join(files.path, files.where[t.name])}: tensor {t.name!r}"
-                          f" has shape {list(w.shape)}, which does not fit the config (this"
-                          f" model's parameter is {list(shape)}).")
-  return ours.astype(np.float32)
+                          f" has shape {list(w.shape)}, which does not fit the config: expected"
+                          f" {list(t.shape)} (Hugging Face's layout, [out_features,"
+                          " in_features] for a Linear weight). Fix the tensor or config.json.")
+  return t.to_ours(w).astype(np.float32)
 
 
 def load(path: str, *, context_parallel: flaxattn.ContextParallel | None = None,
@@ -441,9 +511,10 @@ def load(path: str, *, context_parallel: flaxattn.ContextParallel | None = None,
   the checkpoint's.
 
   Raises:
-    CheckpointError: unreadable config, unsupported field, missing file or tensor, a
-      tensor the model has no place for, a tensor whose shape does not fit the config
-      (naming the file and the tensor), or a `config` with other parameters.
+    CheckpointError: unreadable config, a field of the wrong type or unsupported value
+      (as `config_from_hf`), missing file or tensor, a tensor the model has no place for, a
+      tensor whose stored shape is not the config's (naming the file, the tensor and both
+      shapes), or a `config` with other parameters.
   """
   where = os.path.join(path, "config.json")
   cfg = config_from_hf(read_config(path), where, **overrides)
@@ -485,13 +556,13 @@ def load(path: str, *, context_parallel: flaxattn.ContextParallel | None = None,
     ts = tensors[key]
     shape = tuple(spec.shape)
     if len(ts) == 1:
-      whole = _checked(files, ts[0], shape)  # converted once, sliced per shard
+      whole = _checked(files, ts[0])  # converted once, sliced per shard
       def host(index):
         return whole[index]
     else:  # stacked over layer groups: read only the groups of the shard
       def host(index):
         groups = range(len(ts))[index[0]]
-        stacked = np.stack([_checked(files, ts[g], shape[1:]) for g in groups])
+        stacked = np.stack([_checked(files, ts[g]) for g in groups])
         return stacked[(slice(None),) + index[1:]]
     sharding = getattr(spec, "sharding", None)
     if sharding is None:

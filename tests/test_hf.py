@@ -1,8 +1,10 @@
 """Hugging Face Llama checkpoints: bit-identical round trips, logits against a Llama forward
 written here in numpy from the HF tensors, and clear errors for bad directories."""
 
+import dataclasses
 import json
 import os
+import re
 
 import jax
 import ml_dtypes
@@ -168,16 +170,23 @@ def test_rope_scaling_and_overrides_reach_the_model(tmp_path):
   assert cfg.max_seq_len == 512
 
 
+def _rewrite(path, name: str, change) -> str:
+  """Stores `change(tensor)` in place of tensor `name` of the checkpoint at `path`; the name
+  of the file that holds it."""
+  file = json.loads((path / hf.INDEX).read_text())["weight_map"][name]
+  with safe_open(path / file, framework="np") as f:
+    tensors = {n: f.get_tensor(n) for n in f.keys()}
+  tensors[name] = np.ascontiguousarray(change(tensors[name]))
+  save_file(tensors, path / file, metadata={"format": "pt"})
+  return file
+
+
 def _break(path, how):
   if how == "missing shard":
     os.remove(path / "model-00002-of-00003.safetensors")
   elif how == "wrong shape":
-    file = path / "model-00001-of-00003.safetensors"
-    with safe_open(file, framework="np") as f:
-      tensors = {n: f.get_tensor(n) for n in f.keys()}
-    name = sorted(tensors)[0]
-    tensors[name] = tensors[name][:-1]
-    save_file(tensors, file)
+    name = "lm_head.weight"  # in model-00001-of-00003.safetensors
+    _rewrite(path, name, lambda w: w[:-1])
     return name
   elif how in ("unknown architecture", "gelu"):
     change = (dict(architectures=["GPT2LMHeadModel"]) if how == "unknown architecture"
@@ -201,6 +210,75 @@ def test_bad_directories_name_the_file_and_the_field(tmp_path, how, words):
     assert name in str(e.value) and "model-00001-of-00003.safetensors" in str(e.value)
   if how in ("unknown architecture", "gelu"):
     assert "config.json" in str(e.value)
+
+
+# Each keeps the element count, so only the stored shape tells it from the right tensor.
+@pytest.mark.parametrize("name, change", [
+    pytest.param("model.layers.0.mlp.gate_proj.weight", np.transpose, id="gate_proj transposed"),
+    pytest.param("model.layers.1.self_attn.k_proj.weight", lambda w: w.reshape(64, 32),
+                 id="k_proj reshaped"),
+    pytest.param("lm_head.weight", np.transpose, id="lm_head transposed"),
+    pytest.param("model.layers.0.self_attn.o_proj.weight", np.ravel, id="o_proj flattened"),
+])
+def test_a_tensor_stored_in_another_shape_is_refused(tmp_path, name, change):
+  tensors = write_checkpoint(tmp_path)
+  file = _rewrite(tmp_path, name, change)
+  with pytest.raises(hf.CheckpointError) as e:
+    hf.load(str(tmp_path))
+  stored, expected = list(change(tensors[name]).shape), list(tensors[name].shape)
+  for words in (os.path.join(tmp_path, file), repr(name), f"has shape {stored}",
+                f"expected {expected}"):
+    assert words in str(e.value)
+
+
+MISTRAL = dict(architectures=["MistralForCausalLM"], model_type="mistral")
+
+
+def _case(label, words, **change):
+  return pytest.param(change, words, id=label)
+
+
+@pytest.mark.parametrize("change, words", [
+    _case("sliding_window true", "sliding_window expects an integer or null, got true",
+          **MISTRAL, sliding_window=True),
+    _case("hidden_size 64.5", "hidden_size expects an integer, got 64.5", hidden_size=64.5),
+    # As transformers: an integer written as a float is not an integer.
+    _case("hidden_size 64.0", "hidden_size expects an integer, got 64.0", hidden_size=64.0),
+    _case("num_attention_heads 4.9", "num_attention_heads expects an integer, got 4.9",
+          num_attention_heads=4.9),
+    _case("hidden_size null", "hidden_size expects an integer, got null", hidden_size=None),
+    _case("rms_norm_eps string", 'rms_norm_eps expects a number, got "abc"', rms_norm_eps="abc"),
+    _case("bool for an int", "max_position_embeddings expects an integer, got true",
+          max_position_embeddings=True),
+    _case("int for a bool", "attention_bias expects true or false, got 0", attention_bias=0),
+    _case("mlp_bias null", "mlp_bias expects true or false, got null", mlp_bias=None),
+    _case("rope_theta string", 'rope_theta expects a number, got "500000"', rope_theta="500000"),
+    _case("rope factor string", 'rope_scaling.factor expects a number, got "2"',
+          rope_scaling=dict(rope_type="linear", factor="2")),
+    _case("architectures string",
+          'architectures expects a list of strings or null, got "LlamaForCausalLM"',
+          architectures="LlamaForCausalLM"),
+])
+def test_config_values_of_the_wrong_type_are_refused(tmp_path, change, words):
+  write_checkpoint(tmp_path)
+  (tmp_path / "config.json").write_text(json.dumps(dict(CONFIG, **change)))
+  with pytest.raises(hf.CheckpointError, match=re.escape(words)) as e:
+    hf.load(str(tmp_path))
+  assert os.path.join(tmp_path, "config.json") in str(e.value)
+
+
+def test_nulls_and_integers_where_numbers_are_expected_are_read():
+  """Null where transformers allows it takes the default; an integer where a number is
+  expected is that number (published configs write `"rope_theta": 10000`)."""
+  cfg = hf.config_from_hf(CONFIG)
+  assert hf.config_from_hf(dict(CONFIG, head_dim=None)) == cfg
+  assert hf.config_from_hf(dict(CONFIG, num_key_value_heads=None)).n_kv_heads == 4
+  assert hf.config_from_hf(dict(CONFIG, rope_scaling=None)).rope_scaling == flaxattn.RoPEScaling()
+  assert hf.config_from_hf(dict(CONFIG, **MISTRAL, sliding_window=None)).sliding_window is None
+  ints = hf.config_from_hf(dict(CONFIG, rope_theta=10000, rms_norm_eps=1,
+                                rope_scaling=dict(rope_type="linear", factor=2)))
+  assert ints == dataclasses.replace(cfg, norm_eps=1.0)
+  assert type(ints.rope_theta) is float and type(ints.rope_scaling.factor) is float
 
 
 # transformers 5 writes the RoPE options as one `rope_parameters` dict, older versions as

@@ -76,3 +76,20 @@ def test_what_the_model_cannot_represent_is_refused(tmp_path, change, field):
   with pytest.raises(hf.CheckpointError, match=field):
     hf.load(str(tmp_path))
   assert os.path.exists(tmp_path / "model.safetensors")
+
+
+def test_a_transposed_tensor_is_refused_as_transformers_refuses_it(tmp_path):
+  """gate_proj stored transposed holds as many numbers as the right one: transformers refuses
+  its size, and so does `hf.load`, naming the tensor."""
+  from safetensors.numpy import load_file, save_file
+
+  model = hf_parity.hf_model("llama", "default")
+  model.save_pretrained(str(tmp_path))
+  file, name = str(tmp_path / hf.SINGLE), "model.layers.0.mlp.gate_proj.weight"
+  tensors = load_file(file)
+  tensors[name] = tensors[name].T.copy()
+  save_file(tensors, file, metadata={"format": "pt"})
+  with pytest.raises(RuntimeError, match="ignore_mismatched_sizes"):
+    type(model).from_pretrained(str(tmp_path))
+  with pytest.raises(hf.CheckpointError, match=f"{name}' has shape \\[64, 96\\]"):
+    hf.load(str(tmp_path))
