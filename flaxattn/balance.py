@@ -272,8 +272,8 @@ class BalancePlan:
     """Which order each row took and its max/mean, beside the order passed over, one line a
     row: "row 0: document order, max/mean 1.031 (row order 1.214)"."""
     taken = int(self.row_order.sum())
-    lines = [f"balance plan over {self.cp} shards: {taken} of {self.row_order.size} rows in"
-             f" row order, the others in document order"]
+    lines = [f"balance plan over {self.cp} shards, rows in row order: {taken}, in document"
+             f" order: {self.row_order.size - taken}"]
     document = _max_over_mean(self.document_work)
     row = None if self.row_work is None else _max_over_mean(self.row_work)
     for index in np.ndindex(self.row_order.shape):
