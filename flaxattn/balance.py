@@ -9,9 +9,10 @@ Document order (`segment_ids=`): packed rows hold many documents, and a row's du
 leaves the shard that holds the long documents' tails with most of the work. Each document
 is cut into 2 * cp pieces instead (of whole kernel blocks), pieces i and 2cp-1-i to one
 shard; what does not split evenly goes where the work is least; padding goes last on
-every shard. The order depends
-on the data, so it is planned on the host (`balance_plan`, numpy, O(T) per row) and applied
-with a gather. Cost model: docs/design.md, "Load balancing".
+every shard. Where a row's pieces are too coarse to beat the row order (few blocks a
+shard), the row takes the row order instead. The order depends on the data, so it is
+planned on the host (`balance_plan`, numpy, O(T) per row) and applied with a gather. Cost
+model: docs/design.md, "Load balancing".
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ def load_balance(x, cp: int, axis: int = 1, *, segment_ids=None,
   """Reorders `x` along `axis` so that each of cp shards gets the same attention work.
 
   Without `segment_ids`: row order, shard r holds chunks r and 2cp-1-r of 2cp.
-  With `segment_ids`: document order, `balance_plan(segment_ids, cp, masks).apply(x, axis)`.
+  With `segment_ids`: document order, `balance_plan(segment_ids, cp, masks).apply(x, axis)`
+  (a row whose document pieces balance no better takes the row order).
 
   Args:
     x: any array (tokens `[B, T]`, segment ids, positions, activations `[B, T, H, D]`);
@@ -194,16 +196,31 @@ def _host_ids(segment_ids) -> np.ndarray:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class BalancePlan:
-  """A per-document token order over `cp` shards, from `balance_plan`.
+  """A token order over `cp` shards, per row the document order or the row order, from
+  `balance_plan`.
 
   order: `[..., T]` int numpy: token j of the balanced row is token `order[..., j]` of the
     original; shard s holds balanced tokens s T/cp .. (s + 1) T/cp - 1.
-  shard_work: `[..., cp]` int64: the work of each shard (`token_work` summed).
+  row_order: `[...]` bool: the row took the row order (`load_balance(arange(T), cp)`), its
+    document pieces being too coarse to give a lighter busiest shard.
+  document_work: `[..., cp]` int64: each shard's work (`token_work` summed) in document
+    order.
+  row_work: `[..., cp]` int64: the same in row order; None where T is not divisible by
+    2 * cp (row order is then no candidate).
   """
 
   order: np.ndarray
-  shard_work: np.ndarray
   cp: int
+  row_order: np.ndarray
+  document_work: np.ndarray
+  row_work: np.ndarray | None
+
+  @property
+  def shard_work(self) -> np.ndarray:
+    """`[..., cp]` int64: each shard's work in the order taken."""
+    if self.row_work is None:
+      return self.document_work
+    return np.where(self.row_order[..., None], self.row_work, self.document_work)
 
   def _gather(self, x, index, axis: int):
     axis = axis % x.ndim
@@ -249,8 +266,34 @@ class BalancePlan:
 
   def max_over_mean(self) -> np.ndarray:
     """`[...]` float: the busiest shard's work over the mean (1 is perfect balance)."""
-    mean = self.shard_work.mean(-1)
-    return self.shard_work.max(-1) / np.where(mean > 0, mean, 1)
+    return _max_over_mean(self.shard_work)
+
+  def describe(self) -> str:
+    """Which order each row took and its max/mean, beside the order passed over, one line a
+    row: "row 0: document order, max/mean 1.031 (row order 1.214)"."""
+    taken = int(self.row_order.sum())
+    lines = [f"balance plan over {self.cp} shards, rows in row order: {taken}, in document"
+             f" order: {self.row_order.size - taken}"]
+    document = _max_over_mean(self.document_work)
+    row = None if self.row_work is None else _max_over_mean(self.row_work)
+    for index in np.ndindex(self.row_order.shape):
+      name = f"row {', '.join(map(str, index))}: " if index else ""
+      if row is None:
+        t = self.order.shape[-1]
+        lines.append(f"{name}document order, max/mean {document[index]:.3f} (row order: T ="
+                     f" {t} not divisible by 2 * cp = {2 * self.cp})")
+      elif self.row_order[index]:
+        lines.append(f"{name}row order, max/mean {row[index]:.3f} (document order"
+                     f" {document[index]:.3f})")
+      else:
+        lines.append(f"{name}document order, max/mean {document[index]:.3f} (row order"
+                     f" {row[index]:.3f})")
+    return "\n".join(lines)
+
+
+def _max_over_mean(shard_work: np.ndarray) -> np.ndarray:
+  mean = shard_work.mean(-1)
+  return shard_work.max(-1) / np.where(mean > 0, mean, 1)
 
 
 def balance_plan(segment_ids, cp: int, masks: Sequence[Mask] | None = None, *,
@@ -268,6 +311,14 @@ def balance_plan(segment_ids, cp: int, masks: Sequence[Mask] | None = None, *,
   is `token_work` summed over `masks`, so one order serves a model whose layers mix masks.
   Pieces smaller than a block would balance finer but cost block-skipping kernels more
   than they save; `block` is the trade (docs/design.md, "Load balancing").
+
+  A row whose pieces are too coarse (few blocks a shard) can balance worse than the row
+  order, so each row takes the row order where its busiest shard, by the same work, is no
+  heavier than the document order's. A tie takes the row order: the pieces buy nothing
+  there, and the row order is the fixed permutation, the same for every row (one document
+  filling the row balances in row order at least as well as in pieces). Row order needs
+  T divisible by 2 * cp; otherwise every row takes the document order.
+  `BalancePlan.row_order` records the choice and `BalancePlan.describe()` prints it.
 
   O(T) per row plus a sort of the units (fewer than 2cp per document, and the short
   documents); never `[T, T]`.
@@ -298,7 +349,16 @@ def balance_plan(segment_ids, cp: int, masks: Sequence[Mask] | None = None, *,
   loads = np.empty((flat.shape[0], cp), np.int64)
   for i, (seg_T, work_T) in enumerate(zip(flat, work, strict=True)):
     orders[i], loads[i] = _row_plan(seg_T, work_T, cp, block)
-  return BalancePlan(orders.reshape(seg.shape), loads.reshape(seg.shape[:-1] + (cp,)), cp)
+  row_order = np.zeros(flat.shape[0], bool)
+  row_loads = None
+  if t % (2 * cp) == 0:
+    row_loads = load_balance(work, cp).reshape(-1, cp, t // cp).sum(-1)
+    row_order = row_loads.max(-1) <= loads.max(-1)
+    orders[row_order] = load_balance(np.arange(t), cp, axis=0)
+  batch = seg.shape[:-1]
+  return BalancePlan(orders.reshape(seg.shape), cp, row_order.reshape(batch),
+                     loads.reshape(batch + (cp,)),
+                     None if row_loads is None else row_loads.reshape(batch + (cp,)))
 
 
 def _pairs(start: int, n: int, cp: int, block: int):

@@ -113,6 +113,59 @@ def test_mixed_masks_weigh_every_layer():
                                 [2, 200, 101 + 1, 256 + 100, 2, 8])
 
 
+def row_order_work(seg, cp, masks=None):
+  """`[rows, cp]` each shard's work in row order, from the row order's definition."""
+  work = balance.token_work(seg, masks)
+  return flaxattn.load_balance(work, cp).reshape(len(seg), cp, -1).sum(-1)
+
+
+def test_one_document_takes_row_order_where_pieces_are_coarse():
+  # 4096 tokens over 8 shards of one 512-token block: whole-block pieces cannot pair up.
+  seg = np.ones((1, 4096), np.int32)
+  plan = balance.balance_plan(seg, 8, block=512)
+  assert plan.max_over_mean()[0] == 1.0, plan.max_over_mean()
+  assert plan.row_order.tolist() == [True]
+  assert plan.document_work.max() / plan.document_work.mean() > 1.8  # what it passed over
+  np.testing.assert_array_equal(plan.order[0], flaxattn.load_balance(np.arange(4096), 8, 0))
+  np.testing.assert_array_equal(plan.shard_work, row_order_work(seg, 8))
+  assert plan.describe().splitlines()[1] == ("row 0: row order, max/mean 1.000 (document order"
+                                             " 1.875)")
+
+
+@pytest.mark.parametrize("masks", [None, [flaxattn.Local(256), flaxattn.Causal()]])
+def test_plan_never_balances_worse_than_row_order(masks):
+  taken = []
+  for cp, block, median, sigma in [(8, 512, 500, 1.2), (2, 512, 300, 1.0), (4, 128, 1000, 1.5),
+                                   (8, 16, 200, 1.2), (16, 128, 2000, 1.0)]:
+    seg = lognormal_rows(cp + block, 6, 4096, median, sigma)
+    seg[0] = 1  # one document filling the row
+    plan = balance.balance_plan(seg, cp, masks, block=block)
+    row = row_order_work(seg, cp, masks)
+    assert np.all(plan.max_over_mean() <= row.max(-1) / row.mean(-1)), (cp, block)
+    # The recorded order is the order taken, and the work is that order's.
+    arange = flaxattn.load_balance(np.arange(4096), cp, 0)
+    for r in range(len(seg)):
+      assert np.array_equal(plan.order[r], arange) == plan.row_order[r], (cp, block, r)
+    shard_of = np.empty(seg.shape, int)
+    np.put_along_axis(shard_of, plan.order, np.arange(4096) // (4096 // cp), axis=1)
+    work = balance.token_work(seg, masks)
+    for r in range(len(seg)):
+      np.testing.assert_array_equal(plan.shard_work[r], np.bincount(shard_of[r], work[r], cp))
+    np.testing.assert_array_equal(plan.row_work, row)
+    np.testing.assert_array_equal(plan.undo(plan.apply(seg)), seg)
+    taken += plan.row_order.tolist()
+  assert any(taken) and not all(taken), taken  # both orders occur
+
+
+def test_row_order_needs_t_divisible_by_2cp():
+  seg = lognormal_rows(4, 2, 4092, 300, 1.0)  # 4092 = 4 x 1023: document order only
+  plan = balance.balance_plan(seg, 4, block=512)
+  assert plan.row_work is None and not plan.row_order.any()
+  np.testing.assert_array_equal(plan.shard_work, plan.document_work)
+  assert "row 1: document order, max/mean" in plan.describe()
+  assert "(row order: T = 4092 not divisible by 2 * cp = 8)" in plan.describe()
+
+
 def test_plan_errors():
   seg = np.ones((1, 12), np.int32)
   with pytest.raises(ValueError, match=r"divisible by cp = 5"):
