@@ -208,7 +208,7 @@ def attention(q, k, v, *, mask: Mask = Causal(), segment_ids=None, positions=Non
 def explain(q, k, v, *, mask: Mask = Causal(), segment_ids=None, positions=None,
             kv_segment_ids=None, kv_positions=None, backend="auto", context_parallel=None,
             return_lse: bool = False, sinks=None, logit_soft_cap: float | None = None,
-            decode: bool = False, print_fn=print) -> str:
+            decode: bool = False, balance_plan=None, print_fn=print) -> str:
   """Prints (and returns) which kernel `attention` would use for these arguments on this
   platform, why each registered kernel accepts or declines, and what `backend` would run
   on each platform (cpu, gpu, tpu) with the reasons of the kernels it passed over (e.g.
@@ -219,6 +219,10 @@ def explain(q, k, v, *, mask: Mask = Causal(), segment_ids=None, positions=None,
   layer's whole KV cache `[B, max_length, Hkv, D]` (`MultiHeadAttention.init_cache`); it
   describes the kernel each device runs on its shard of the cache and what a step moves
   between the shards (`flaxattn.decode`).
+
+  `balance_plan`: the `flaxattn.BalancePlan` the per-token arrays were ordered by (with
+  `ContextParallel(load_balance="document")`): the text then says which order each row
+  took, document or row, and the balance of both (`BalancePlan.describe`).
 
   Raises:
     ValueError / TypeError naming the offending argument on malformed input, as `attention`
@@ -254,6 +258,8 @@ def explain(q, k, v, *, mask: Mask = Causal(), segment_ids=None, positions=None,
     text += "\n" + planner.communication(
         cp.strategy, cp.load_balance, mask, q.shape[1], axis_size(cp),
         layout.q_positions is not None, axis_size(cp, cp.ring_axis) if cp.ring_axis else None)
+  if balance_plan is not None:
+    text += "\n" + balance_plan.describe()
   if print_fn is not None:
     print_fn(text)
   return text

@@ -239,10 +239,13 @@ def test_document_order_needs_positions_and_explains():
   with jax.set_mesh(mesh):
     with pytest.raises(ValueError, match="expects explicit positions"):
       flaxattn.attention(q, k, v, segment_ids=seg, context_parallel=cp)
+    plan = balance.balance_plan(seg, 4, block=16)  # pieces too coarse: row order balances
     text = flaxattn.explain(q, k, v, mask=flaxattn.Local(4), segment_ids=seg,
-                            positions=np.arange(64)[None], context_parallel=cp, print_fn=None)
+                            positions=np.arange(64)[None], context_parallel=cp,
+                            balance_plan=plan, print_fn=None)
   assert "window-aware ring's neighbour fetches do not apply" in text
   assert "token order: per document" in text
+  assert text.endswith("row 0: row order, max/mean 1.000 (document order 1.738)")
   assert ring.ring_fetches(flaxattn.Local(4), 64, 4, "document") is None
   assert ring.ring_fetches(flaxattn.Local(4), 64, 4, True) is not None
   with pytest.raises(ValueError, match="load_balance"):
