@@ -38,6 +38,7 @@ import numpy as np
 from flax import nnx
 
 import flaxattn
+from flaxattn import checks
 from flaxattn.sharding import constrain, param_metadata
 
 X_NAMES = ("batch", "seq", "embed")
@@ -141,11 +142,9 @@ class LlamaConfig:
       raise ValueError(f"LlamaConfig(sliding_window=...) expects None with chunk_size"
                        f" ({self.chunk_size}), got {self.sliding_window}: a layer is chunked or"
                        " windowed, not both. Set one of them.")
-    if self.logit_soft_cap is not None and (
-        isinstance(self.logit_soft_cap, bool) or not isinstance(self.logit_soft_cap, (int, float))
-        or self.logit_soft_cap <= 0):
-      raise ValueError(f"LlamaConfig(logit_soft_cap=...) expects a positive number or None, got"
-                       f" {self.logit_soft_cap!r}.")
+    if self.logit_soft_cap is not None:
+      checks.number("LlamaConfig(logit_soft_cap=...)", self.logit_soft_cap,
+                    "a positive number (finite) or None", lambda x: x > 0)
     if self.head_dim is None and self.dim % self.n_heads:
       raise ValueError(f"LlamaConfig(dim=...) expects a multiple of n_heads ({self.n_heads}),"
                        f" got {self.dim}: head_dim = dim // n_heads (or set head_dim).")
@@ -165,11 +164,10 @@ class LlamaConfig:
     if self.dtype not in DTYPES:
       raise ValueError(f"LlamaConfig(dtype=...) expects one of {tuple(DTYPES)}, got"
                        f" {self.dtype!r}; parameters are always float32.")
-    if not isinstance(self.rope_theta, (int, float)) or self.rope_theta <= 1:
-      raise ValueError("LlamaConfig(rope_theta=...) expects a number > 1, got"
-                       f" {self.rope_theta!r}.")
-    if not isinstance(self.norm_eps, (int, float)) or self.norm_eps <= 0:
-      raise ValueError(f"LlamaConfig(norm_eps=...) expects a number > 0, got {self.norm_eps!r}.")
+    checks.number("LlamaConfig(rope_theta=...)", self.rope_theta, "a number > 1 (finite)",
+                  lambda x: x > 1)
+    checks.number("LlamaConfig(norm_eps=...)", self.norm_eps, "a number > 0 (finite)",
+                  lambda x: x > 0)
     if not isinstance(self.attention_backend, str) or not self.attention_backend:
       raise ValueError(f"LlamaConfig(attention_backend=...) expects a flaxattn backend name"
                        f" ('auto', 'fused', 'reference', ...), got {self.attention_backend!r}.")

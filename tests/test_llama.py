@@ -363,6 +363,10 @@ def test_every_parameter_has_logical_axis_names(tie, scan):
     (dict(chunk_size=0), r"chunk_size=.*positive int, got 0"),
     (dict(scan_layers=True, chunk_size=4, global_every=4, n_layers=6),
      r"n_layers=.*multiple of global_every \(4\).*got 6"),
+    (dict(rope_theta=float("nan")), r"rope_theta=.*number > 1 \(finite\), got nan"),
+    (dict(rope_theta=True), r"rope_theta=.*got True \(bool\)"),
+    (dict(norm_eps=float("inf")), r"norm_eps=.*number > 0 \(finite\), got inf"),
+    (dict(logit_soft_cap=float("inf")), r"logit_soft_cap=.*positive number \(finite\) or None"),
 ])
 def test_bad_config_raises_naming_field_and_value(change, match):
   with pytest.raises(ValueError, match=match):
