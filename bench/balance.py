@@ -29,7 +29,7 @@ Sets XLA_FLAGS=--xla_force_host_platform_device_count=8 before importing jax.
    time: its queries against all keys, blockwise fwd+bwd on one device, best of
    `--repeats`; the slowest device's time is the step's critical path on devices that run
    in parallel. And, exact: the (query block, key block) pairs the blockwise kernel
-   computes for each device's queries (`blockwise.block_schedule`, 512-token blocks).
+   computes for each device's queries (`blocks.block_schedule`, 512-token blocks).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import AxisType  # noqa: E402
 
 import flaxattn  # noqa: E402
-from flaxattn import balance, blockwise  # noqa: E402
+from flaxattn import balance, blocks  # noqa: E402
 
 ROWS = 20
 BLOCK = 512  # the blockwise kernel's block on CPU (`flaxattn.blockwise.DEFAULT_BLOCK_Q`)
@@ -215,8 +215,8 @@ def timed_step(repeats: int) -> dict:
     w = permute(balance.token_work(seg)).reshape(cp, -1).sum(-1)
     # The (query block, key block) pairs the blockwise kernel computes for each device's
     # queries (exact, from its schedule): what its time follows.
-    kinds = blockwise.block_schedule(np, flaxattn.Causal(), s, s, p, p, BLOCK, BLOCK)[0]
-    blocks = (kinds != blockwise.SKIP).reshape(cp, -1).sum(-1)
+    kinds = blocks.block_schedule(np, flaxattn.Causal(), s, s, p, p, BLOCK, BLOCK)[0]
+    computed = (kinds != blocks.EMPTY).reshape(cp, -1).sum(-1)
 
     def loss(q, k, v, s=s, p=p, cpar=cpar):
       out = flaxattn.attention(q, k, v, segment_ids=s, positions=p, context_parallel=cpar,
@@ -240,11 +240,11 @@ def timed_step(repeats: int) -> dict:
                    p[:, r * n:(r + 1) * n], s, p)
     per_device = [_best(functools.partial(alone, r), repeats) for r in range(cp)]
     out[name] = {"fwd_bwd_8_devices_s": seconds, "work_max_over_mean": float(w.max() / w.mean()),
-                 "blocks_per_device": blocks.tolist(),
+                 "blocks_per_device": computed.tolist(),
                  "per_device_alone_s": per_device,
                  "per_device_alone_max_s": max(per_device),
                  "per_device_alone_max_over_mean": max(per_device) / float(np.mean(per_device))}
-    print(f"| {name} | {w.max() / w.mean():.2f} | {blocks.sum()} | {blocks.max()}"
+    print(f"| {name} | {w.max() / w.mean():.2f} | {computed.sum()} | {computed.max()}"
           f" ({blocks.max() / blocks.mean():.2f}) | {seconds:.3f} | {max(per_device):.3f} |"
           f" {max(per_device) / np.mean(per_device):.2f} |", flush=True)
   out["setting"] = dict(t=t, cp=cp, heads=h, head_dim=d,

@@ -131,16 +131,17 @@ def run_case(case: dict) -> dict:
 def _smem(splash, flaxattn, mask, cp, n: int, t: int) -> int:
   """The largest per-device scalar-memory metadata of the splash kernels the case built
   (the kernels are cached: nothing is rebuilt)."""
+  from flaxattn import blocks  # pylint: disable=import-outside-toplevel
   kernel = splash.Splash()
   q_shape, kv_shape = (1, t, 16, 128), (1, t, 4, 128)
   if cp is None or cp.strategy == "ulysses":  # the whole sequence on each device
-    kernels = [kernel.kernel(mask, splash.TokenOrder(), q_shape, kv_shape)]
+    kernels = [kernel.kernel(mask, blocks.TokenOrder(), q_shape, kv_shape)]
   elif cp.strategy == "ring":
     kv_step = (1, t // n, 4, 128)
-    kernels = [kernel.kernel(mask, splash.TokenOrder(n, True, s), q_shape, kv_step)
+    kernels = [kernel.kernel(mask, blocks.TokenOrder(n, True, s), q_shape, kv_step)
                for s in range(n)]
   else:
-    kernels = [kernel.kernel(mask, splash.TokenOrder(n, True, None), q_shape, kv_shape)]
+    kernels = [kernel.kernel(mask, blocks.TokenOrder(n, True, None), q_shape, kv_shape)]
   return max(splash.smem_bytes(k) for k in kernels if k is not None)
 
 

@@ -17,8 +17,8 @@ random, so permuting them would change nothing measured: no permutation of data 
      cp = 2, 4, 8, and the ratio cp=8 / cp=2 (target <= 0.45); all_gather alongside;
   2. compute balance, exact, with numpy: the ring is replayed (device r holds its shard's
      positions, at step s it sees the keys of device (r - s) mod cp) and the (query block,
-     key block) pairs the local blockwise kernel computes (kind != SKIP, from
-     `flaxattn.blockwise.block_schedule` with the kernel's block size for length T/cp) are
+     key block) pairs the local blockwise kernel computes (kind != EMPTY, from
+     `flaxattn.blocks.block_schedule` with the kernel's block size for length T/cp) are
      counted per device, with and without load balancing, cp=8, T=16384; and FULL vs PARTIAL
      (masked) blocks per ring step;
   3. ring vs all_gather at T=32768, cp=8: step time, per-device temp memory, and useful
@@ -71,7 +71,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import flaxattn  # noqa: E402
 from bench.attention import B, D, H, best_time, causal_pairs, qkv, useful_gflops  # noqa: E402
-from flaxattn import blockwise, cudnn, cudnn_ring  # noqa: E402
+from flaxattn import blocks, blockwise, cudnn, cudnn_ring  # noqa: E402
 from flaxattn.blockwise import ring_block  # noqa: E402
 from flaxattn.layout import Layout, index_check, resolve  # noqa: E402
 
@@ -118,7 +118,8 @@ def bench_memory(t: int, cps) -> list[dict]:
 
 def ring_schedule(t: int, cp: int, load_balance: bool):
   """Replays the ring with numpy. Returns (bq, counts [cp, cp, 3]): for device r at ring step s
-  the number of SKIP / FULL / PARTIAL (query block, key block) pairs of the local kernel."""
+  the number of EMPTY / PARTIAL / FULL (query block, key block) pairs of the local kernel
+  (indexed by `BlockKind`)."""
   pos = np.arange(t, dtype=np.int32)[None]
   if load_balance:
     pos = np.asarray(flaxattn.load_balance(pos, cp, axis=1))
@@ -131,8 +132,8 @@ def ring_schedule(t: int, cp: int, load_balance: bool):
   counts = np.zeros((cp, cp, 3), np.int64)
   for r in range(cp):
     for s in range(cp):
-      kinds = blockwise.block_schedule(np, flaxattn.Causal(), seg, seg, shards[r],
-                                       shards[(r - s) % cp], bq, bk)
+      kinds = blocks.block_schedule(np, flaxattn.Causal(), seg, seg, shards[r],
+                                    shards[(r - s) % cp], bq, bk)
       counts[r, s] = np.bincount(kinds.ravel(), minlength=3)
   return bq, bk, counts
 
@@ -141,15 +142,15 @@ def bench_balance(t: int, cp: int) -> dict:
   out = {}
   for lb in (True, False):
     bq, bk, counts = ring_schedule(t, cp, lb)
-    computed = counts[:, :, blockwise.FULL] + counts[:, :, blockwise.PARTIAL]  # [cp, cp]
+    computed = counts[:, :, blocks.FULL] + counts[:, :, blocks.PARTIAL]  # [cp, cp]
     per_device = computed.sum(1)
     out["balanced" if lb else "contiguous"] = dict(
         t=t, cp=cp, load_balance=lb, block_q=bq, block_k=bk,
         blocks_per_step=int(counts[0, 0].sum()),
         computed_per_device=per_device.tolist(),
         max_over_min=float(per_device.max() / per_device.min()),
-        full_per_step=counts[:, :, blockwise.FULL].tolist(),
-        partial_per_step=counts[:, :, blockwise.PARTIAL].tolist(),
+        full_per_step=counts[:, :, blocks.FULL].tolist(),
+        partial_per_step=counts[:, :, blocks.PARTIAL].tolist(),
         total_computed=int(per_device.sum()))
   return out
 

@@ -74,7 +74,7 @@ def _measure(kind: str, t: int) -> dict:
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
   import flaxattn
-  from flaxattn import splash
+  from flaxattn import blocks, splash
   from flaxattn.layout import Layout
 
   q = jax.ShapeDtypeStruct((1, t, H, D), jnp.bfloat16)
@@ -83,7 +83,7 @@ def _measure(kind: str, t: int) -> dict:
   base = _rss_mib()
   start = time.perf_counter()
   if kind == "lazy":
-    splash.Splash(block_q=BLOCK, block_kv=BLOCK).kernel(flaxattn.Causal(), splash.TokenOrder(),
+    splash.Splash(block_q=BLOCK, block_kv=BLOCK).kernel(flaxattn.Causal(), blocks.TokenOrder(),
                                                        q.shape, kv.shape)
     def attn(q, k, v):
       return flaxattn.attention(q, k, v, backend="splash")

@@ -43,9 +43,11 @@ __all__ = [
 
 
 def __getattr__(name):
-  # Kernel modules that use JAX private APIs load on first use (`flaxattn.splash.Splash`),
-  # and so does `flaxattn.selftest` (callable: `flaxattn.selftest(quick=True)`).
-  if name in ("blockwise", "cudnn", "reference", "splash", "selftest"):
+  # The registry's kernel modules load on first use (`flaxattn.splash.Splash`): some use
+  # JAX private APIs. So does `flaxattn.selftest` (callable: `flaxattn.selftest(quick=True)`).
+  from flaxattn import registry  # pylint: disable=import-outside-toplevel
+  modules = {**registry.kernel_modules(), "selftest": "flaxattn.selftest"}
+  if name in modules:
     import importlib  # pylint: disable=import-outside-toplevel
-    return importlib.import_module(f"flaxattn.{name}")
+    return importlib.import_module(modules[name])
   raise AttributeError(f"module 'flaxattn' has no attribute {name!r}")

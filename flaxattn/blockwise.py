@@ -1,7 +1,8 @@
 """Blockwise (flash) attention in JAX with a custom VJP, O(T) memory: the `blockwise` kernel.
 
-Owns the block schedule (which (query block, key block) pairs are skipped, dense or
-masked), the forward and backward passes, and their use as the ring's per-device step.
+Runs the run-time block schedule of `flaxattn.blocks` (which (query block, key block) pairs
+are skipped, dense or masked); owns the forward and backward passes and their use as the
+ring's per-device step.
 Internally q is `[B, K, T, G, D]` so GQA folds into the matmul rows (docs/design.md).
 """
 
@@ -12,101 +13,19 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from flaxattn import registry
+from flaxattn.blocks import EMPTY, FULL, PARTIAL, pad_axis1, round_up, schedule, visit_bounds
 from flaxattn.layout import Layout
 from flaxattn.masks import Mask
 from flaxattn.ring import RingStep
 
-SKIP, FULL, PARTIAL = 0, 1, 2
 DEFAULT_BLOCK_Q = 512
 DEFAULT_BLOCK_KV = 512
 
 
-def _round_up(x: int, m: int) -> int:
-  return -(-x // m) * m
-
-
 def _block_size(length: int, requested: int) -> int:
-  return min(requested, _round_up(length, 8))
-
-
-def _pad_axis1(x, length: int, value: float = 0):
-  pad = length - x.shape[1]
-  if pad == 0:
-    return x
-  widths = [(0, 0)] * x.ndim
-  widths[1] = (0, pad)
-  return jnp.pad(x, widths, constant_values=value)
-
-
-def _block_ranges(xp, seg, pos, block: int):
-  """Per-block bounds over non-padding tokens: (seg_lo, seg_hi, pos_lo, pos_hi, dense).
-
-  seg/pos: `[B, L]` with L a multiple of `block`. Returns `[B, L // block]` arrays;
-  `dense` is True where the block has no padding token.
-  """
-  b, length = seg.shape
-  seg = seg.reshape(b, length // block, block)
-  pos = pos.reshape(b, length // block, block)
-  real = seg != 0
-  big = np.int32(np.iinfo(np.int32).max)
-  def lo(x):
-    return xp.where(real, x, big).min(-1)
-
-  def hi(x):
-    return xp.where(real, x, -big).max(-1)
-  return lo(seg), hi(seg), lo(pos), hi(pos), real.all(-1)
-
-
-def block_schedule(xp, mask: Mask, q_seg, kv_seg, q_pos, kv_pos, bq: int, bk: int):
-  """The block schedule `[B, nq, nk]` int32 of SKIP/FULL/PARTIAL (numpy or jax by `xp`)."""
-  qs_lo, qs_hi, qp_lo, qp_hi, q_dense = (x[:, :, None]
-                                         for x in _block_ranges(xp, q_seg, q_pos, bq))
-  ks_lo, ks_hi, kp_lo, kp_hi, k_dense = (x[:, None, :]
-                                         for x in _block_ranges(xp, kv_seg, kv_pos, bk))
-  # An all-padding block has lo > hi, so the overlap test below rules it out.
-  segs_overlap = (qs_lo <= ks_hi) & (ks_lo <= qs_hi)
-  one_doc = (qs_lo == qs_hi) & (ks_lo == ks_hi) & (qs_lo == ks_lo) & q_dense & k_dense
-  mask_skip, mask_full = mask.block_kinds(qp_lo, qp_hi, kp_lo, kp_hi)
-  skip = ~segs_overlap | mask_skip
-  full = one_doc & mask_full
-  return (~skip).astype(np.int32) * (2 - full.astype(np.int32))
-
-
-def _visit_bounds(xp, kinds, axis: int):
-  """First and one-past-last non-skipped block along `axis` (0, 0 when all are skipped)."""
-  live = kinds != SKIP
-  n = kinds.shape[axis]
-  any_live = live.any(axis)
-  first = xp.argmax(live, axis=axis)
-  last = n - xp.argmax(xp.flip(live, axis=axis), axis=axis)
-  zero = xp.zeros_like(first)
-  return (xp.where(any_live, first, zero).astype(np.int32),
-          xp.where(any_live, last, zero).astype(np.int32))
-
-
-def _schedule(mask, layout: Layout, b, t_pad, s_pad, t, s, bq, bk):
-  """Padded int32 layout arrays and the block schedule (static when the layout is default)."""
-  def default_arrays(xp, length, padded):
-    seg = xp.broadcast_to((xp.arange(padded) < length).astype(np.int32), (b, padded))
-    pos = xp.broadcast_to(xp.arange(padded, dtype=np.int32), (b, padded))
-    return seg, pos
-
-  if layout.is_default:
-    q_seg, q_pos = default_arrays(np, t, t_pad)
-    kv_seg, kv_pos = default_arrays(np, s, s_pad)
-    kinds = block_schedule(np, mask, q_seg, kv_seg, q_pos, kv_pos, bq, bk)
-    arrays = tuple(jnp.asarray(x) for x in (q_seg, kv_seg, q_pos, kv_pos))
-    return arrays, jnp.asarray(kinds)
-  full = layout.materialize(b, t, s)
-  q_seg = _pad_axis1(full.q_segment_ids, t_pad)
-  kv_seg = _pad_axis1(full.kv_segment_ids, s_pad)
-  q_pos = _pad_axis1(full.q_positions, t_pad)
-  kv_pos = _pad_axis1(full.kv_positions, s_pad)
-  kinds = block_schedule(jnp, mask, q_seg, kv_seg, q_pos, kv_pos, bq, bk)
-  return (q_seg, kv_seg, q_pos, kv_pos), kinds
+  return min(requested, round_up(length, 8))
 
 
 def _int32(*idx):
@@ -130,6 +49,14 @@ def _block(x, bi, start, size):
   `[K, size, ...]`."""
   return jax.lax.dynamic_slice(x, _int32(bi, 0, start, *(0,) * (x.ndim - 3)),
                                (1, x.shape[1], size) + x.shape[3:])[0]
+
+
+def _by_kind(update):
+  """`lax.switch` branches indexed by `BlockKind`: EMPTY leaves the carry, PARTIAL runs
+  `update(True, n, carry)` (masked), FULL `update(False, n, carry)`."""
+  by_kind = {EMPTY: lambda n, carry: carry, PARTIAL: functools.partial(update, True),
+             FULL: functools.partial(update, False)}
+  return [by_kind[kind] for kind in sorted(by_kind)]
 
 
 def _allowed(mask, q_seg, kv_seg, q_pos, kv_pos, g: int):
@@ -186,9 +113,7 @@ def _blockwise_fwd(q, k, v, arrays, kinds, lo, hi, *, mask, bq, bk, soft_cap):
       return m_new, denom, alpha[..., None] * acc + pv
 
     def body(j, carry):
-      kind = _at(kinds, bi, i, j)
-      return jax.lax.switch(kind, [lambda j, c: c, functools.partial(update, False),
-                                   functools.partial(update, True)], j, carry)
+      return jax.lax.switch(_at(kinds, bi, i, j), _by_kind(update), j, carry)
 
     init = (jnp.full((hkv, bq * g), -jnp.inf, jnp.float32), jnp.zeros((hkv, bq * g), jnp.float32),
             jnp.zeros((hkv, bq * g, dv), jnp.float32))
@@ -249,9 +174,7 @@ def _blockwise_bwd(q, k, v, out, lse, dout, dlse, arrays, kinds, lo_t, hi_t, *, 
       return dq, dk, dv
 
     def body(i, carry):
-      kind = _at(kinds, bi, i, j)
-      return jax.lax.switch(kind, [lambda i, c: c, functools.partial(update, False),
-                                   functools.partial(update, True)], i, carry)
+      return jax.lax.switch(_at(kinds, bi, i, j), _by_kind(update), i, carry)
 
     def zeros(dim):
       return jnp.zeros((hkv, bk, dim), jnp.float32)
@@ -270,7 +193,7 @@ def _blockwise_bwd(q, k, v, out, lse, dout, dlse, arrays, kinds, lo_t, hi_t, *, 
 def _rows_in(x, t_pad: int, hkv: int, fill=0.0):
   """`[B, T, H, ...]` -> `[B, K, T, G, ...]`, padding T with `fill`."""
   b, _, h = x.shape[:3]
-  x = _pad_axis1(x, t_pad, fill).reshape((b, t_pad, hkv, h // hkv) + x.shape[3:])
+  x = pad_axis1(x, t_pad, fill).reshape((b, t_pad, hkv, h // hkv) + x.shape[3:])
   return jnp.moveaxis(x, 2, 1)
 
 
@@ -284,12 +207,12 @@ def _prepare(q, k, v, layout, mask, scale, block_q, block_kv):
   b, t, _, _ = q.shape
   s, hkv = k.shape[1], k.shape[2]
   bq, bk = _block_size(t, block_q), _block_size(s, block_kv)
-  t_pad, s_pad = _round_up(t, bq), _round_up(s, bk)
-  arrays, kinds = _schedule(mask, layout, b, t_pad, s_pad, t, s, bq, bk)
+  t_pad, s_pad = round_up(t, bq), round_up(s, bk)
+  arrays, kinds = schedule(mask, layout, b, t_pad, s_pad, t, s, bq, bk)
   # Scale q once instead of every score block.
   q_BKTGD = _rows_in(q * jnp.asarray(scale, q.dtype), t_pad, hkv)
   def kv_in(x):
-    return _pad_axis1(x, s_pad).transpose(0, 2, 1, 3)
+    return pad_axis1(x, s_pad).transpose(0, 2, 1, 3)
   return q_BKTGD, kv_in(k), kv_in(v), arrays, kinds, bq, bk
 
 
@@ -299,7 +222,7 @@ def forward(q, k, v, layout: Layout, *, mask: Mask, scale: float,
   """Forward pass without autodiff rules: out `[B, T, H, Dv]` (q dtype), lse `[B, T, H]` f32."""
   q_BKTGD, k_BKSD, v_BKSD, arrays, kinds, bq, bk = _prepare(q, k, v, layout, mask, scale,
                                                             block_q, block_kv)
-  lo, hi = _visit_bounds(jnp, kinds, axis=2)
+  lo, hi = visit_bounds(jnp, kinds, axis=2)
   out, lse = _blockwise_fwd(q_BKTGD, k_BKSD, v_BKSD, arrays, kinds, lo, hi, mask=mask, bq=bq,
                             bk=bk, soft_cap=soft_cap)
   t = q.shape[1]
@@ -314,7 +237,7 @@ def backward(q, k, v, layout: Layout, out, lse, dout, dlse, *, mask: Mask, scale
   merged result of every key block) and their cotangents `dout`, `dlse` (float32 `[B, T, H]`)."""
   q_BKTGD, k_BKSD, v_BKSD, arrays, kinds, bq, bk = _prepare(q, k, v, layout, mask, scale,
                                                             block_q, block_kv)
-  lo_t, hi_t = _visit_bounds(jnp, kinds, axis=1)
+  lo_t, hi_t = visit_bounds(jnp, kinds, axis=1)
   t_pad, hkv = q_BKTGD.shape[2], k.shape[2]
   dq, dk, dv = _blockwise_bwd(
       q_BKTGD, k_BKSD, v_BKSD, _rows_in(out, t_pad, hkv), _rows_in(lse, t_pad, hkv, -jnp.inf),
@@ -396,6 +319,25 @@ class BlockwiseStep(RingStep):
   def backward(self, step, q, k, v, layout, out, lse, dout, dlse):
     return backward(q, k, v, layout, out, lse, dout, dlse, mask=self.mask, scale=self.scale,
                     block_q=self.block, block_kv=self.block, soft_cap=self.soft_cap)
+
+
+@dataclasses.dataclass(frozen=True)
+class Passes:
+  """The blockwise passes as `checked.Passes`: the exact fallback of the kernels whose
+  exactness depends on the data (`operands` unused; no lse cotangent is a zero one)."""
+
+  mask: Mask
+  scale: float
+  soft_cap: float | None = None
+
+  def forward(self, operands, q, k, v, layout: Layout):
+    return forward(q, k, v, layout, mask=self.mask, scale=self.scale, soft_cap=self.soft_cap)
+
+  def backward(self, operands, q, k, v, layout: Layout, out, lse, dout, dlse):
+    dlse = jnp.zeros(lse.shape, jnp.float32) if dlse is None else dlse
+    dq, dk, dv = backward(q, k, v, layout, out, lse, dout, dlse, mask=self.mask, scale=self.scale,
+                          soft_cap=self.soft_cap)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax._src.cudnn import fused_attention_stablehlo as fsa
 
-from flaxattn import blockwise, cudnn_ring, registry
+from flaxattn import blockwise, checked, cudnn_ring, registry
 from flaxattn.layout import Layout, index_check
 from flaxattn.masks import Mask, NoBand, band
 from flaxattn.segments import SeqlensOffsets, seqlens_and_offsets
@@ -410,28 +410,29 @@ def _with_kv_ids(layout: Layout) -> Layout:
   return dataclasses.replace(layout, kv_segment_ids=layout.q_segment_ids)
 
 
-def _forward(q, k, v, layout: Layout, cfg: _Config):
-  if layout.q_segment_ids is None:
-    return _cudnn_forward(q, k, v, None, cfg)
-  packing = _packing(layout, q.shape[1], k.shape[1], cfg)
-  return jax.lax.cond(
-      packing.exact, lambda: _cudnn_forward(q, k, v, packing, cfg),
-      lambda: blockwise.forward(q, k, v, layout, mask=cfg.mask, scale=cfg.scale))
+@dataclasses.dataclass(frozen=True)
+class _Passes:
+  """cuDNN's forward and backward as `checked.Passes`; `operands` is the packing of the
+  rows (None: one sequence per row)."""
+
+  cfg: _Config
+
+  def forward(self, packing, q, k, v, layout: Layout):
+    return _cudnn_forward(q, k, v, packing, self.cfg)
+
+  def backward(self, packing, q, k, v, layout: Layout, out, lse, dout, dlse):
+    return _cudnn_backward(q, k, v, out, lse, dout, dlse, packing, self.cfg)
 
 
-def _backward(q, k, v, layout: Layout, out, lse, dout, dlse, cfg: _Config):
-  if layout.q_segment_ids is None:
-    return _cudnn_backward(q, k, v, out, lse, dout, dlse, None, cfg)
-  packing = _packing(layout, q.shape[1], k.shape[1], cfg)
-  zero_dlse = jnp.zeros(lse.shape, jnp.float32) if dlse is None else dlse
-
-  def fallback():
-    dq, dk, dv = blockwise.backward(q, k, v, layout, out, lse, dout, zero_dlse,
-                                              mask=cfg.mask, scale=cfg.scale)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
-
-  return jax.lax.cond(
-      packing.exact, lambda: _cudnn_backward(q, k, v, out, lse, dout, dlse, packing, cfg), fallback)
+def _checked(q, k, layout: Layout, cfg: _Config):
+  """The arguments of `checked.forward` / `backward` / `attention` before q, k, v: cuDNN's
+  passes, the blockwise fallback, and the run-time check with the packing it comes from
+  (None for rows of one sequence, which are always exact)."""
+  packing = None
+  if layout.q_segment_ids is not None:
+    packing = _packing(layout, q.shape[1], k.shape[1], cfg)
+  return (_Passes(cfg), blockwise.Passes(cfg.mask, cfg.scale),
+          None if packing is None else packing.exact, packing)
 
 
 def forward(q, k, v, layout: Layout, *, mask: Mask, scale: float,
@@ -441,7 +442,8 @@ def forward(q, k, v, layout: Layout, *, mask: Mask, scale: float,
   Arguments as `cudnn_attention`.
   """
   layout = _with_kv_ids(layout)
-  return _forward(q, k, v, layout, _config(q, k, layout, mask, scale, max_segments))
+  cfg = _config(q, k, layout, mask, scale, max_segments)
+  return checked.forward(*_checked(q, k, layout, cfg), q, k, v, layout)
 
 
 def backward(q, k, v, layout: Layout, out, lse, dout, dlse, *, mask: Mask, scale: float,
@@ -452,7 +454,7 @@ def backward(q, k, v, layout: Layout, out, lse, dout, dlse, *, mask: Mask, scale
   lse cotangent, which saves a cuDNN call)."""
   layout = _with_kv_ids(layout)
   cfg = _config(q, k, layout, mask, scale, max_segments)
-  return _backward(q, k, v, layout, out, lse, dout, dlse, cfg)
+  return checked.backward(*_checked(q, k, layout, cfg), q, k, v, layout, out, lse, dout, dlse)
 
 
 def served_by_cudnn(q, k, layout: Layout, *, mask: Mask, max_segments: int | None = None):
@@ -467,36 +469,6 @@ def served_by_cudnn(q, k, layout: Layout, *, mask: Mask, max_segments: int | Non
     return jnp.asarray(True)
   cfg = _config(q, k, layout, mask, 1.0, max_segments)
   return _packing(layout, q.shape[1], k.shape[1], cfg).exact
-
-
-def _primal(q, k, v, layout, cfg) -> tuple[jax.Array, jax.Array]:
-  return _forward(q, k, v, layout, cfg)
-
-
-# Applied as a call, not a decorator through functools.partial, so the result stays typed.
-_attention = jax.custom_vjp(_primal, nondiff_argnums=(4,))
-
-
-def _attention_fwd(q, k, v, layout, cfg):
-  # symbolic_zeros wraps every differentiable leaf in a CustomVJPPrimal.
-  q, k, v, layout = jax.custom_derivatives.custom_vjp_primal_tree_values((q, k, v, layout))
-  out, lse = _forward(q, k, v, layout, cfg)
-  return (out, lse), (q, k, v, layout, out, lse)
-
-
-def _attention_bwd(cfg, residuals, cotangents):
-  q, k, v, layout, out, lse = residuals
-  dout, dlse = cotangents
-  if isinstance(dout, jax.custom_derivatives.SymbolicZero):
-    dout = jnp.zeros(out.shape, out.dtype)
-  if isinstance(dlse, jax.custom_derivatives.SymbolicZero):
-    dlse = None
-  dq, dk, dv = _backward(q, k, v, layout, out, lse, dout, dlse, cfg)
-  return dq, dk, dv, None
-
-
-# Symbolic zeros tell the backward pass when the lse has no cotangent, to skip its cuDNN call.
-_attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
 
 
 def cudnn_attention(q, k, v, layout: Layout, *, mask: Mask, scale: float, return_lse: bool,
@@ -519,7 +491,8 @@ def cudnn_attention(q, k, v, layout: Layout, *, mask: Mask, scale: float, return
     NoBand (a ValueError): a mask cuDNN has no equivalent for (Chunked).
   """
   layout = _with_kv_ids(layout)
-  out, lse = _attention(q, k, v, layout, _config(q, k, layout, mask, scale, max_segments))
+  cfg = _config(q, k, layout, mask, scale, max_segments)
+  out, lse = checked.attention(*_checked(q, k, layout, cfg), q, k, v, layout)
   return (out, lse) if return_lse else out
 
 

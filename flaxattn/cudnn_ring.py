@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from flaxattn import checked
 from flaxattn.layout import Layout
 from flaxattn.masks import Full, Mask
 from flaxattn.ring import RingStep
@@ -120,9 +121,6 @@ class CudnnStep(RingStep):
     return jax.lax.switch(jnp.asarray(branch)[piece],
                           [functools.partial(piece_fn, p) for p in used])
 
-  def _exact_or_fallback(self, by_cudnn, fallback):
-    return by_cudnn() if self.exact is None else jax.lax.cond(self.exact, by_cudnn, fallback)
-
   def forward(self, step, q, k, v, layout: Layout):
     def piece_fn(piece):
       if piece == NOTHING:
@@ -133,8 +131,8 @@ class CudnnStep(RingStep):
                                     scale=self.scale, max_segments=self.max_segments)
       return _place(out, rows, q.shape[1], 0), _place(lse, rows, q.shape[1], -jnp.inf)
 
-    return self._exact_or_fallback(lambda: self._run_piece(step, piece_fn),
-                                   lambda: self.fallback.forward(step, q, k, v, layout))
+    return checked.either(self.exact, lambda: self._run_piece(step, piece_fn),
+                          lambda: self.fallback.forward(step, q, k, v, layout))
 
   def backward(self, step, q, k, v, layout: Layout, out, lse, dout, dlse):
     def piece_fn(piece):
@@ -148,6 +146,6 @@ class CudnnStep(RingStep):
       s = k.shape[1]
       return _place(dq, rows, q.shape[1], 0), _place(dk, cols, s, 0), _place(dv, cols, s, 0)
 
-    return self._exact_or_fallback(
-        lambda: self._run_piece(step, piece_fn),
+    return checked.either(
+        self.exact, lambda: self._run_piece(step, piece_fn),
         lambda: self.fallback.backward(step, q, k, v, layout, out, lse, dout, dlse))

@@ -237,6 +237,13 @@ def names() -> list[str]:
   return sorted(set(_BUILTIN) | set(_KERNELS))
 
 
+def kernel_modules() -> dict[str, str]:
+  """The built-in kernels' modules by short name ("splash": "flaxattn.splash"), for
+  `flaxattn.<name>` to load on first use."""
+  modules = (spec.split(":")[0] for spec in _BUILTIN.values())
+  return {m.rsplit(".", 1)[1]: m for m in modules}
+
+
 def backend_names() -> list[str]:
   """Every string `backend=` takes: "auto", the aliases and the kernel names."""
   return ["auto", *ALIASES, *names()]

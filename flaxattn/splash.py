@@ -1,7 +1,7 @@
 """Splash attention (JAX's Pallas TPU kernel): the `splash` kernel.
 
-Owns lazy splash masks built from a mask's normal form (never a `NumpyMask`), the
-`TokenOrder` that maps context-parallel shards back to original token indices, GQA through
+Owns lazy splash masks built from a mask's normal form (never a `NumpyMask`) on the
+`blocks.TokenOrder` that maps context-parallel shards back to original token indices, GQA through
 the MQA kernel, the lse and gradients with its cotangent, and the run-time check that index
 masking is exact for a batch (else the blockwise kernel runs it). Off TPU it runs in Pallas
 interpret mode. Derivations: docs/design.md.
@@ -23,9 +23,10 @@ from jax.experimental.pallas.ops.tpu.splash_attention import (
 )
 from jax.sharding import PartitionSpec as P
 
-from flaxattn import blockwise, registry, sharding, splash_blocks
+from flaxattn import blocks, blockwise, checked, registry, sharding, splash_blocks
+from flaxattn.blocks import TokenOrder
 from flaxattn.layout import Layout, index_check, needs_index_check
-from flaxattn.masks import Band, Mask, NoBand, band, floor_div
+from flaxattn.masks import Band, Mask, NoBand, band
 from flaxattn.ring import RingStep
 
 LANES = 128  # splash's blocks are multiples of the TPU lane width
@@ -34,56 +35,6 @@ LANES = 128  # splash's blocks are multiples of the TPU lane width
 _EMPTY_LSE = sk.DEFAULT_MASK_VALUE / 2
 # Stands in for lse = -inf in the backward pass: exp(score - this) = 0 for every score.
 _NO_KEYS_LSE = 1e30
-
-@dataclasses.dataclass(frozen=True)
-class TokenOrder:
-  """Where a kernel's rows and columns sit in the original sequence.
-
-  The sequence (T tokens) is split over `shards` devices of `T / shards` tokens each, in
-  `flaxattn.load_balance` order when `load_balance`. Rows are the queries of all shards,
-  in shard order. Columns are the keys of one shard, the one device r receives at ring
-  step `step` (shard r - step), or, with `step=None`, all shards in shard order (gathered).
-  """
-
-  shards: int = 1
-  load_balance: bool = False
-  step: int | None = None
-
-  def original(self, shard, local, shard_len: int):
-    """Original index of token `local` of shard `shard` (numpy or jax integers)."""
-    if not self.load_balance:
-      return shard * shard_len + local
-    chunk_len = shard_len // 2
-    second = floor_div(local, chunk_len)  # 0: chunk `shard`, 1: chunk 2n-1-shard
-    chunk = shard + second * (2 * self.shards - 1 - 2 * shard)
-    return chunk * chunk_len + local - second * chunk_len
-
-  def shard_of(self, index, shard_len: int):
-    """The shard holding the token of original index `index`."""
-    if not self.load_balance:
-      return floor_div(index, shard_len)
-    chunk = floor_div(index, shard_len // 2)
-    return chunk + floor_div(chunk, self.shards) * (2 * self.shards - 1 - 2 * chunk)
-
-  def key_original(self, q_index, col, shard_len: int):
-    """Original index of key column `col` for a query of original index `q_index`.
-
-    Called on a block's `[bq, 1]` query and `[1, bkv]` column indices: the arithmetic is
-    arranged so that as much as possible stays on one of the two vectors (the host visits
-    every block of T x T when the kernel is built)."""
-    if self.step is None:
-      shard = floor_div(col, shard_len)
-      return self.original(shard, col - shard * shard_len, shard_len)
-    source = self.shard_of(q_index, shard_len) + (self.shards - self.step)
-    source = source - self.shards * floor_div(source, self.shards)  # mod
-    if not self.load_balance:
-      return source * shard_len + col
-    chunk_len = shard_len // 2
-    second = floor_div(col, chunk_len)
-    first_start = source * chunk_len
-    second_start = (2 * self.shards - 1 - source) * chunk_len
-    return first_start + second * (second_start - first_start) + (col - second * chunk_len)
-
 
 @dataclasses.dataclass(frozen=True)
 class _OrderedRule:
@@ -134,7 +85,7 @@ def default_block(head_dim: int) -> int:
 @dataclasses.dataclass(frozen=True)
 class ShardedKernel:
   """A splash kernel whose queries are split over devices, holding each distinct device's
-  block metadata once (`splash_blocks.per_device`): the mask infos' block rows are `rows`
+  block metadata once (`blocks.per_device`): the mask infos' block rows are `rows`
   per distinct device, `which[r]` names device r's, and `q_sequence` is the whole sequence's
   (sharded with the queries). Splash's own layout holds every device's rows: at cp=128 and
   10M tokens, 128 ring steps x 128 devices of them."""
@@ -208,25 +159,25 @@ def _kernel(normal: Band, order: TokenOrder, q_len: int, kv_len: int, groups: in
                         block_kv_dkv=bkv, block_kv_dkv_compute=bkv, use_fused_bwd_kernel=True)
   del groups  # every head has the same mask: splash keeps one copy of its metadata
   mask_function = _mask_function(normal, (q_len, kv_len), order)
-  # The block metadata in closed form (splash_blocks), exactly what splash's `process_mask`
+  # The block metadata in closed form (blocks, splash_blocks), exactly what splash's `process_mask`
   # builds by evaluating the mask on every token pair; for sharded queries, each distinct
   # device's rows once (the dK/dV indices are relative to each query shard, and the forward
   # grid's width is the widest row of any device, so the rows are the same).
-  blocks = splash_blocks.block_mask(normal, order, q_len, kv_len, bq, bkv)
-  if not blocks.any():
+  kinds = blocks.block_mask(normal, order, q_len, kv_len, bq, bkv)
+  if not kinds.any():
     return None
-  if not (blocks == splash_blocks.PARTIAL).any():
+  if not (kinds == blocks.PARTIAL).any():
     # No partial block: the mask is never evaluated (full blocks need none), and without
     # a mask function the ring's steps of equal shapes share one trace of the kernel.
     mask_function = None
   which = None
   if order.shards > 1:
-    blocks, which = splash_blocks.per_device(blocks, order.shards)
+    kinds, which = blocks.per_device(kinds, order.shards)
   devices = 1 if which is None else int(which.max()) + 1
   q_sequence = (None if mask_function is None else
                 _q_sequence(q_len, order.shards, order.load_balance))
-  infos = (splash_blocks.forward_info(blocks, None),
-           splash_blocks.dkv_info(blocks, devices, None))
+  infos = (splash_blocks.forward_info(kinds, None),
+           splash_blocks.dkv_info(kinds, devices, None))
   if not interpret:
     _check_smem(infos, devices, q_len // order.shards, kv_len, bq, bkv)
   # Host (numpy) constants, concrete inside any trace: a jax array made under `jax.set_mesh`
@@ -359,39 +310,21 @@ def _fused_backward(mask_info, q, k, v, seg, lse, dout, di, *, sizes, mask_value
   return dq, dk, dv
 
 
-def _index_masked_or_blockwise(exact, index_masked, blockwise_fn):
-  """`index_masked()` where splash is exact (`exact` None: always), else `blockwise_fn()`."""
-  return index_masked() if exact is None else jax.lax.cond(exact, index_masked, blockwise_fn)
+@dataclasses.dataclass(frozen=True)
+class Passes:
+  """Splash's forward and backward as `checked.Passes`; `operands` is the kernel (a
+  `ShardedKernel` is called inside its shard_map)."""
 
+  scale: float
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _attend(scale, mask, soft_cap, kernel, exact, q, k, v,
-            layout) -> tuple[jax.Array, jax.Array]:
-  return _attend_fwd(scale, mask, soft_cap, kernel, exact, q, k, v, layout)[0]
+  def forward(self, kernel, q, k, v, layout: Layout):
+    return forward(kernel, q, k, v, layout.q_segment_ids, layout.kv_segment_ids,
+                   scale=self.scale)
 
-
-def _attend_fwd(scale, mask, soft_cap, kernel, exact, q, k, v, layout):
-  """Splash where `exact` (see `index_check`) holds, else the blockwise kernel."""
-  out, lse = _index_masked_or_blockwise(
-      exact,
-      lambda: forward(kernel, q, k, v, layout.q_segment_ids, layout.kv_segment_ids, scale=scale),
-      lambda: blockwise.forward(q, k, v, layout, mask=mask, scale=scale, soft_cap=soft_cap))
-  return (out, lse), (kernel, exact, q, k, v, layout, out, lse)
-
-
-def _attend_bwd(scale, mask, soft_cap, residuals, cotangents):
-  kernel, exact, q, k, v, layout, out, lse = residuals
-  dout, dlse = cotangents
-  dq, dk, dv = _index_masked_or_blockwise(
-      exact,
-      lambda: backward(kernel, q, k, v, layout.q_segment_ids, layout.kv_segment_ids, out, lse,
-                       dout, dlse, scale=scale),
-      lambda: blockwise.backward(q, k, v, layout, out, lse, dout, dlse, mask=mask,
-                                 scale=scale, soft_cap=soft_cap))
-  return None, None, dq, dk, dv, None
-
-
-_attend.defvjp(_attend_fwd, _attend_bwd)
+  def backward(self, kernel, q, k, v, layout: Layout, out, lse, dout, dlse):
+    dlse = jnp.zeros(lse.shape, jnp.float32) if dlse is None else dlse
+    return backward(kernel, q, k, v, layout.q_segment_ids, layout.kv_segment_ids, out, lse,
+                    dout, dlse, scale=self.scale)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -482,7 +415,8 @@ class Splash(registry.Kernel):
     kernel = self.kernel(mask, TokenOrder(), q.shape, k.shape, soft_cap)
     index = layout.index(*q.shape[:2])
     exact = index_check(mask, layout, index, index)
-    attend = functools.partial(_attend, float(scale), mask, soft_cap)
+    attend = functools.partial(checked.attention, Passes(float(scale)),
+                               blockwise.Passes(mask, float(scale), soft_cap))
     mesh = jax.sharding.get_abstract_mesh()
     auto = frozenset(mesh.axis_names) - frozenset(mesh.manual_axes)  # empty without a mesh
     if auto:
@@ -493,10 +427,10 @@ class Splash(registry.Kernel):
       qkv, seq = P(batch, None, heads), P(batch, None)
       layout_spec = jax.tree.map(lambda _: seq, layout)
       attend = jax.shard_map(attend,
-                             in_specs=(_kernel_spec(kernel, None), P(), qkv, qkv, qkv, layout_spec),
+                             in_specs=(P(), _kernel_spec(kernel, None), qkv, qkv, qkv, layout_spec),
                              out_specs=(qkv, P(batch, None, heads)), axis_names=auto,
                              check_vma=False)
-    out, lse = attend(kernel, exact, q, k, v, layout)
+    out, lse = attend(exact, kernel, q, k, v, layout)
     return (out, lse) if return_lse else out
 
   def ring_step(self, *, strategy: str, mask: Mask, scale: float, shards: int, axis: str,
@@ -556,23 +490,21 @@ class SplashStep(RingStep):
     kernel = self.kernels[step]
     if self.exact is None and kernel is None:  # no query sees these keys: skip the step
       return None
-    return _index_masked_or_blockwise(
-        self.exact,
-        lambda: forward(kernel, q, k, v, layout.q_segment_ids, layout.kv_segment_ids,
-                        scale=self.scale),
+    return checked.either(
+        self.exact, lambda: Passes(self.scale).forward(kernel, q, k, v, layout),
         lambda: _fallback_forward(self.fallback, jnp.int32(step), q, k, v, layout))
 
   def backward(self, step: int, q, k, v, layout: Layout, out, lse, dout, dlse):
     kernel = self.kernels[step]
     if self.exact is None and kernel is None:
       return None
-    return _index_masked_or_blockwise(
-        self.exact,
-        lambda: backward(kernel, q, k, v, layout.q_segment_ids, layout.kv_segment_ids, out, lse,
-                         dout, dlse, scale=self.scale),
+    return checked.either(
+        self.exact, lambda: Passes(self.scale).backward(kernel, q, k, v, layout, out, lse,
+                                                        dout, dlse),
         lambda: _fallback_backward(self.fallback, jnp.int32(step), q, k, v, layout, out, lse,
                                    dout, dlse))
 
   def gathered(self, axis, n, q, k, v, layout: Layout):
-    return _attend(self.scale, self.mask, self.fallback.soft_cap, self.kernels[0], self.exact,
-                   q, k, v, layout)
+    return checked.attention(Passes(self.scale),
+                             blockwise.Passes(self.mask, self.scale, self.fallback.soft_cap),
+                             self.exact, self.kernels[0], q, k, v, layout)

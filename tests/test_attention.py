@@ -104,15 +104,16 @@ def test_fully_masked_rows_are_zero_with_finite_gradients(backend):
 
 def test_block_schedule_skips_other_documents():
   """Packed documents aligned to blocks: only diagonal blocks are visited."""
-  from flaxattn.blockwise import SKIP, block_schedule
+  from flaxattn.blocks import EMPTY, FULL, block_schedule
   seg = np.repeat(np.arange(1, 5, dtype=np.int32), 64)[None]
   pos = np.tile(np.arange(64, dtype=np.int32), 4)[None]
   kinds = block_schedule(np, flaxattn.Full(), seg, seg, pos, pos, 32, 32)
-  live = kinds[0] != SKIP
+  live = kinds[0] != EMPTY
   assert live.sum() == 4 * 4  # 4 documents x (2 x 2) blocks each
   assert np.array_equal(live, np.kron(np.eye(4, dtype=bool), np.ones((2, 2), bool)))
   causal = block_schedule(np, flaxattn.Causal(), seg, seg, pos, pos, 32, 32)[0]
-  assert (causal != SKIP).sum() == 4 * 3 and (causal == 1).sum() == 4  # per doc: 2 diag + 1 full
+  # per document: 2 diagonal blocks and 1 full one
+  assert (causal != EMPTY).sum() == 4 * 3 and (causal == FULL).sum() == 4
 
 
 def test_fused_memory_is_linear_in_t():

@@ -148,10 +148,11 @@ def reference_fallback(monkeypatch):
   """Swaps the blockwise kernel, which packed calls compile as their fallback branch, for
   reference passes: still exact, much faster to compile. For tests that assert the cuDNN
   branch runs."""
-  def forward(q, k, v, layout, *, mask, scale):
+  def forward(q, k, v, layout, *, mask, scale, soft_cap=None):
+    assert soft_cap is None  # cuDNN has none
     return reference_attention(q, k, v, layout, mask=mask, scale=scale, return_lse=True)
 
-  def backward(q, k, v, layout, out, lse, dout, dlse, *, mask, scale):
+  def backward(q, k, v, layout, out, lse, dout, dlse, *, mask, scale, soft_cap=None):
     _, vjp = jax.vjp(lambda q, k, v: forward(q, k, v, layout, mask=mask, scale=scale), q, k, v)
     return vjp((dout, dlse))
 

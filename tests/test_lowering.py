@@ -59,13 +59,13 @@ def test_default_program_holds_only_its_devices_kernel(monkeypatch):
   """On this CPU host a program holds the blockwise kernel and builds no splash metadata, even
   after the same function was traced for TPU (the switch keys JAX's trace caches); with
   `lowering_for("cpu", "tpu")` one program holds both and each lowering keeps its own."""
-  from flaxattn import splash_blocks  # pylint: disable=import-outside-toplevel
+  from flaxattn import blocks  # pylint: disable=import-outside-toplevel
   q = jnp.zeros((1, 256, 4, 64), jnp.bfloat16)
   kv = jnp.zeros((1, 256, 2, 64), jnp.bfloat16)
   fn = _grad_fn(segment_ids=_packed(1, 256), mask=flaxattn.Local(96))  # uncached: a new mask
   assert "tpu_custom_call" in tpu_program(fn, q, kv, kv)
   built = []
-  monkeypatch.setattr(splash_blocks, "block_mask", lambda *a: built.append(a))
+  monkeypatch.setattr(blocks, "block_mask", lambda *a: built.append(a))
   cpu = jax.jit(fn).lower(q, kv, kv).as_text()
   assert "tpu_custom_call" not in cpu and "while" in cpu and not built
   assert jax.jit(fn)(q, kv, kv)[0].shape == q.shape  # and it runs here

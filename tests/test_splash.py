@@ -13,7 +13,7 @@ import pytest
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
 import flaxattn
-from flaxattn import splash
+from flaxattn import blocks, splash
 from flaxattn.layout import Layout
 from flaxattn.masks import Band
 from helpers import as_layout, compare, qkv, random_packing
@@ -107,7 +107,7 @@ def test_long_causal_kernel_builds_without_dense_mask(monkeypatch):
   tracemalloc.start()
   try:
     # uncached
-    splash._kernel.__wrapped__(Band(causal=True), splash.TokenOrder(), t, t, 4, 512, 512, True)
+    splash._kernel.__wrapped__(Band(causal=True), blocks.TokenOrder(), t, t, 4, 512, 512, True)
     peak = tracemalloc.get_traced_memory()[1]
   finally:
     tracemalloc.stop()

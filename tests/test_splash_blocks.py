@@ -14,15 +14,15 @@ from jax.experimental.pallas.ops.tpu.splash_attention import (
 )
 
 import flaxattn
-from flaxattn import splash, splash_blocks
+from flaxattn import blocks, splash, splash_blocks
 from flaxattn.masks import band
 
 T = 1024
 MASKS = [flaxattn.Full(), flaxattn.Causal(), flaxattn.Local(200), flaxattn.Chunked(256),
          flaxattn.Chunked(384) & flaxattn.Local(300), flaxattn.Chunked(128) & flaxattn.Local(64)]
-ORDERS = ([splash.TokenOrder()]
-          + [splash.TokenOrder(4, lb, step) for lb in (False, True) for step in (None, 0, 1, 2, 3)]
-          + [splash.TokenOrder(2, True, step) for step in (None, 0, 1)])
+ORDERS = ([blocks.TokenOrder()]
+          + [blocks.TokenOrder(4, lb, step) for lb in (False, True) for step in (None, 0, 1, 2, 3)]
+          + [blocks.TokenOrder(2, True, step) for step in (None, 0, 1)])
 
 
 class _Evaluated(sm._ComputableMask):  # pylint: disable=protected-access
@@ -69,14 +69,14 @@ def _assert_same(got, want, what):
 def test_closed_form_metadata_equals_per_pair_evaluation(mask, order):
   normal = band(mask)
   kv_len = T if order.step is None else T // order.shards
-  blocks = [(128, 128), (256, 128), (128, 256)]  # (256, x) under 2 x 2 balanced shards: a
-  for bq, bkv in blocks:                          # block crosses its shard's two chunks
+  sizes = [(128, 128), (256, 128), (128, 256)]  # (256, x) under 2 x 2 balanced shards: a
+  for bq, bkv in sizes:                          # block crosses its shard's two chunks
     kernel = splash._kernel.__wrapped__(normal, order, T, kv_len, 2, bq, bkv, True)  # uncached
     fwd, dkv = _today(normal, order, kv_len, bq, bkv)
     if kernel is None:
       assert fwd is None, "an empty step has no kernel"
       continue
-    partial = bool((dkv.block_mask == splash_blocks.PARTIAL).any())
+    partial = bool((dkv.block_mask == blocks.PARTIAL).any())
     assert (kernel_of(kernel).kwargs["mask_function"] is None) == (
       not partial or splash._mask_function(normal, (T, kv_len), order) is None)
     if not partial:  # no block evaluates the mask: no mask function, no row indices
@@ -119,9 +119,9 @@ def test_metadata_that_cannot_fit_scalar_memory_raises_naming_block_sizes():
   t, causal = 131072, band(flaxattn.Causal())
   with pytest.raises(ValueError, match=r"block_q=128, block_kv=128 needs 3145728 bytes of TPU"
                      r" scalar memory.*Splash\(block_q=256, block_kv=256\)"):
-    splash._kernel.__wrapped__(causal, splash.TokenOrder(), t, t, 2, 128, 128, False)
-  kernel = splash._kernel.__wrapped__(causal, splash.TokenOrder(), t, t, 2, 256, 256, False)
+    splash._kernel.__wrapped__(causal, blocks.TokenOrder(), t, t, 2, 128, 128, False)
+  kernel = splash._kernel.__wrapped__(causal, blocks.TokenOrder(), t, t, 2, 256, 256, False)
   infos = _infos(kernel)
   assert max(splash_blocks.smem_bytes(i, 1) for i in infos) == 512 * 512 * 3
-  interpreted = splash._kernel.__wrapped__(causal, splash.TokenOrder(), t, t, 2, 128, 128, True)
+  interpreted = splash._kernel.__wrapped__(causal, blocks.TokenOrder(), t, t, 2, 128, 128, True)
   assert interpreted is not None

@@ -1,0 +1,103 @@
+"""Every registered kernel, one set of cases: a kernel gets them all by registering.
+
+Each kernel is asked about each case on its home platform (the first row of
+`registry.BACKENDS` that holds it): where it accepts, it runs here (Pallas kernels in
+interpret mode, cuDNN through the CPU model of cuDNN) and must equal attention written out
+from the definitions (`helpers.dense_oracle`) in out, lse and the gradients of q, k, v and
+the sinks; where it declines, its reason must be a sentence and the automatic choice of
+that platform must still serve the case.
+"""
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import flaxattn
+from flaxattn import registry
+from flaxattn.attention import apply_sinks
+from helpers import TOL, as_layout, dense_oracle, grads_of, normal, qkv, random_packing
+
+SCALE = 0.3
+T = 256  # two of splash's 128-token blocks
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  name: str
+  mask: flaxattn.Mask = flaxattn.Causal()
+  hkv: int = 2  # of 4 query heads
+  packed: bool = True  # random documents with padding, else one document per row
+  dv: int = 16  # of D = 16
+  soft_cap: float | None = None
+  sinks: bool = False
+  dtype: object = jnp.float32
+  empty_row: bool = False  # row 1 all padding: zeros, lse -inf, zero gradients
+
+
+CASES = [
+    Case("causal-packed-gqa"),
+    Case("window-and-causal-mqa", flaxattn.Local(48) & flaxattn.Causal(), hkv=1),
+    Case("chunked", flaxattn.Chunked(64)),
+    Case("full-one-document", flaxattn.Full(), hkv=4, packed=False),
+    Case("soft-cap-sinks-dv", soft_cap=2.0, sinks=True, dv=32),
+    Case("bfloat16-empty-row", dtype=jnp.bfloat16, empty_row=True),
+]
+
+
+def home(name: str) -> str:
+  """The platform whose row of `registry.BACKENDS` first holds the kernel (cpu if none)."""
+  return next((p for p in registry.PLATFORMS if name in registry.order(p)), "cpu")
+
+
+def _data(case: Case):
+  q, k, v = qkv(3, 2, T, T, 4, case.hkv, 16, case.dtype)
+  if case.dv != 16:
+    v = normal((2, T, case.hkv, case.dv), 4, case.dtype)
+  seg, pos = random_packing(5, 2, T, max_docs=5, pad_tail=7) if case.packed else (None, None)
+  if case.empty_row:
+    seg = np.ones((2, T), np.int32) if seg is None else seg.copy()
+    seg[1] = 0
+  return q, k, v, normal((4,), 6), as_layout(seg, pos)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("name", registry.names())
+def test_kernel_conforms(name, case, fake_cudnn):
+  q, k, v, sinks, layout = _data(case)
+  call = dataclasses.replace(
+      registry.Call.of(q, k, v, case.mask, layout, True, has_sinks=case.sinks,
+                       soft_cap=case.soft_cap), platform=home(name))
+  kernel = registry.get(name)
+  reason = kernel.unsupported_reason(call)
+  if reason is not None:  # declines: says why, and its platform still serves the case
+    assert reason.endswith(".") and len(reason.split()) >= 5, reason
+    assert registry.select("auto", call).name != name
+    return
+  kernel = kernel.on("cpu")  # as it runs here: interpret mode for Pallas kernels
+  extra = {} if case.soft_cap is None else {"soft_cap": case.soft_cap}
+
+  def attend(q, k, v, s):
+    out, lse = kernel(q, k, v, layout, mask=case.mask, scale=SCALE, return_lse=True, **extra)
+    return apply_sinks(out, lse, s) if case.sinks else (out, lse)
+
+  def oracle(q, k, v, s):
+    return dense_oracle(q, k, v, layout, case.mask, SCALE, s if case.sinks else None,
+                        case.soft_cap)
+
+  want_g, (want_o, want_l) = grads_of(oracle, 4)(q, k, v, sinks)
+  got_g, (got_o, got_l) = grads_of(attend, 4)(q, k, v, sinks)
+  tol = TOL[case.dtype]
+  np.testing.assert_allclose(got_o, want_o, **tol)
+  np.testing.assert_array_equal(np.isinf(got_l), np.isinf(want_l))
+  np.testing.assert_allclose(np.where(np.isinf(got_l), 0, got_l),
+                             np.where(np.isinf(want_l), 0, want_l), **tol)
+  for arg, got, want in zip(("dq", "dk", "dv", "dsinks"), got_g, want_g, strict=True):
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert np.isfinite(got).all(), arg
+    scale = max(1.0, float(np.abs(want).max()))
+    np.testing.assert_allclose(got / scale, want / scale, err_msg=arg, **tol)
+  if case.empty_row:
+    np.testing.assert_array_equal(got_o[1], 0.0)
+    assert np.isneginf(got_l[1]).all()
