@@ -37,6 +37,7 @@ ALIASES = {"fused": ("cudnn", "blockwise")}
 _BUILTIN = {
     "blockwise": "flaxattn.blockwise:Blockwise",
     "cudnn": "flaxattn.cudnn:Cudnn",
+    "pallas_gpu": "flaxattn.pallas_gpu:PallasGpu",
     "reference": "flaxattn.reference:Reference",
     "splash": "flaxattn.splash:Splash",
 }

@@ -32,7 +32,8 @@ K = jnp.zeros((2, 16, 2, 8))
     (dict(kv_positions=jnp.ones((2, 8), jnp.int32)), r"kv_positions expects .*\(2, 16\)"),
     (dict(kv_segment_ids=jnp.ones((2, 16), jnp.int32)), r"segment_ids is required"),
     (dict(backend="nope"),
-     r"backend expects one of \['auto', 'fused', 'blockwise', 'cudnn', 'reference', 'splash'\]"),
+     r"backend expects one of \['auto', 'fused', 'blockwise', 'cudnn', 'pallas_gpu', 'reference',"
+     r" 'splash'\]"),
 ])
 def test_bad_input_names_the_argument(kwargs, match):
   args = dict(q=Q, k=K, v=K)
@@ -130,7 +131,8 @@ def picky(monkeypatch):
 
 def test_explicit_backend_that_declines_names_reason_and_alternatives(picky):
   with pytest.raises(ValueError, match=r"backend='picky' cannot serve this call: needs bfloat16\..*"
-                                       r"Kernels that can: \['blockwise', 'reference'\]"):
+                                       r"Kernels that can: \['blockwise', 'pallas_gpu',"
+                                       r" 'reference'\]"):
     flaxattn.attention(Q, K, K, backend="picky")
   text = flaxattn.explain(Q, K, K, print_fn=None)
   assert "picky: declines: needs bfloat16." in text
