@@ -309,6 +309,20 @@ def test_context_parallel_lowers_triton_kernels_for_cuda(strategy, kernels):
   assert ("collective_permute" in text) == (strategy == "ring")
 
 
+def test_auto_and_fused_take_it_where_cudnn_declines():
+  """On GPU the order is cudnn, pallas_gpu, blockwise: a chunked mask (which cuDNN has not)
+  lowers to Triton kernels through backend="auto"; off GPU it is never chosen."""
+  q = jax.ShapeDtypeStruct((1, 512, 4, 64), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((1, 512, 2, 64), jnp.bfloat16)
+  mask = flaxattn.Chunked(128)
+  text = flaxattn.explain(q, kv, kv, mask=mask, print_fn=None)
+  assert "gpu: pallas_gpu (cudnn declines: cuDNN has no chunked mask" in text
+  assert "  cpu: blockwise\n" in text
+  def loss(q, k, v):
+    return flaxattn.attention(q, k, v, mask=mask).astype(jnp.float32).sum()
+  assert cuda_program(jax.grad(loss, (0, 1, 2)), q, kv, kv).count(TRITON) == 3
+
+
 def _gpu_call(**kw):
   shape = (1, 256, 4, 64)
   fields = dict(platform="gpu", q_shape=shape, kv_shape=shape, dtype="bfloat16",
@@ -324,6 +338,7 @@ def test_declines_with_reasons_and_checks_its_options():
   assert "head dims up to 256, got D=512" in kernel.unsupported_reason(
       _gpu_call(q_shape=(1, 256, 4, 512), kv_shape=(1, 256, 4, 512)))
   assert "got float64" in kernel.unsupported_reason(_gpu_call(dtype="float64"))
+  assert registry.select("fused", _gpu_call(dtype="float64")).name == "blockwise"
   assert kernel.on("gpu").interpret is False and kernel.on("cpu").interpret is True
   with pytest.raises(ValueError, match=r"PallasGpu\(block_q=...\) expects a power of two >= 16"):
     pallas_gpu.PallasGpu(block_q=24)
