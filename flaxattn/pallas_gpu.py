@@ -94,7 +94,8 @@ def _visit(kinds_ref, lo_ref, hi_ref, update, carry):
   branches = {SKIP: _skip, FULL: functools.partial(update, False),
               PARTIAL: functools.partial(update, True)}
   def body(n, carry):
-    return jax.lax.switch(kinds_ref[n], [branches[kind] for kind in sorted(branches)], n, carry)
+    return jax.lax.switch(kinds_ref[n].astype(jnp.int32), [branches[kind] for kind in
+                                                           sorted(branches)], n, carry)
   return jax.lax.fori_loop(lo_ref[0], hi_ref[0], body, carry)
 
 
@@ -187,7 +188,7 @@ class _Operands:
   """A call in the kernels' layout: q `[B, K, Rp, Dp]` (rows (token, group) of each KV head,
   padded to whole blocks, head dim padded to a power of two), k `[B, K, Sp, Dp]`, v
   `[B, K, Sp, Dvp]`, ids per row and per key `[B, Rp]` / `[B, Sp]`, the block schedule
-  `[B, nq, nk]` (numpy when known at trace time) and the tiling."""
+  `[B, nq, nk]` int8 (numpy when known at trace time) and the tiling."""
 
   q_BKRD: jax.Array
   k_BKSD: jax.Array
@@ -240,7 +241,9 @@ def _prepare(q, k, v, layout: Layout, mask: Mask, tiling: Tiling) -> _Operands:
   s, hkv = k.shape[1], k.shape[2]
   rows_pad, s_pad = _round_up(t * (h // hkv), tiling.rows), _round_up(s, tiling.keys)
   xp, q_seg, q_pos, kv_seg, kv_pos = _ids(layout, b, t, s, h // hkv, rows_pad, s_pad)
-  kinds = block_schedule(xp, mask, q_seg, kv_seg, q_pos, kv_pos, tiling.rows, tiling.keys)
+  # int8: the schedule has (T x G / block_q) x (S / block_kv) entries per batch row.
+  kinds = block_schedule(xp, mask, q_seg, kv_seg, q_pos, kv_pos, tiling.rows,
+                         tiling.keys).astype(np.int8)
   return _Operands(_to_rows(q, hkv, rows_pad, _pow2(d)), _to_rows(k, hkv, s_pad, _pow2(d)),
                    _to_rows(v, hkv, s_pad, _pow2(v.shape[-1])),
                    tuple(jnp.asarray(x) for x in (q_seg, q_pos, kv_seg, kv_pos)), kinds, tiling)

@@ -63,21 +63,21 @@ def _check(layout, mask, q, k, v, dtype=jnp.float32, soft_cap=None, use_sinks=Fa
   return got
 
 
-# mask, KV heads (of 4 query heads), dtype; T = 44 tokens, packed rows with padding.
+# mask, query heads, KV heads, dtype; T = 44 tokens, packed rows with padding.
 CASES = [
-    (flaxattn.Causal(), 2, jnp.float32),
-    (flaxattn.Full(), 1, jnp.float32),
-    (flaxattn.Local(5), 2, jnp.float32),
-    (flaxattn.Chunked(8), 4, jnp.float32),
-    (flaxattn.Chunked(16) & flaxattn.Local(7), 2, jnp.float32),
-    (flaxattn.Causal(), 2, jnp.bfloat16),
+    (flaxattn.Causal(), 4, 2, jnp.float32),
+    (flaxattn.Full(), 4, 1, jnp.float32),
+    (flaxattn.Local(5), 4, 2, jnp.float32),
+    (flaxattn.Chunked(8), 4, 4, jnp.float32),
+    (flaxattn.Chunked(16) & flaxattn.Local(7), 6, 2, jnp.float32),  # 3 rows a token
+    (flaxattn.Causal(), 4, 2, jnp.bfloat16),
 ]
 
 
-@pytest.mark.parametrize("mask,hkv,dtype", CASES, ids=lambda x: getattr(x, "__name__", str(x)))
-def test_matches_definition_on_packed_rows(mask, hkv, dtype):
+@pytest.mark.parametrize("mask,h,hkv,dtype", CASES, ids=lambda x: getattr(x, "__name__", str(x)))
+def test_matches_definition_on_packed_rows(mask, h, hkv, dtype):
   b, t = 2, 44
-  q, k, v = qkv(1, b, t, t, 4, hkv, 8, dtype)
+  q, k, v = qkv(1, b, t, t, h, hkv, 8, dtype)
   seg, pos = random_packing(hkv, b, t, max_docs=5, pad_tail=3)
   _check(as_layout(seg, pos), mask, q, k, v, dtype)
 
