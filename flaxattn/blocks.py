@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 
 import jax.numpy as jnp
 import numpy as np
@@ -33,6 +34,15 @@ class BlockKind(enum.IntEnum):
 
 
 EMPTY, PARTIAL, FULL = BlockKind.EMPTY, BlockKind.PARTIAL, BlockKind.FULL
+
+
+def by_kind(update):
+  """The `lax.switch` branches of a kernel's loop over blocks, indexed by `BlockKind`:
+  EMPTY leaves the carry (nothing of the block is loaded), PARTIAL runs
+  `update(True, n, carry)` (masked), FULL `update(False, n, carry)`."""
+  by = {EMPTY: lambda n, carry: carry, PARTIAL: functools.partial(update, True),
+        FULL: functools.partial(update, False)}
+  return [by[kind] for kind in sorted(by)]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from flaxattn import registry
-from flaxattn.blocks import EMPTY, FULL, PARTIAL, pad_axis1, round_up, schedule, visit_bounds
+from flaxattn.blocks import by_kind, pad_axis1, round_up, schedule, visit_bounds
 from flaxattn.layout import Layout
 from flaxattn.masks import Mask
 from flaxattn.ring import RingStep
@@ -49,14 +49,6 @@ def _block(x, bi, start, size):
   `[K, size, ...]`."""
   return jax.lax.dynamic_slice(x, _int32(bi, 0, start, *(0,) * (x.ndim - 3)),
                                (1, x.shape[1], size) + x.shape[3:])[0]
-
-
-def _by_kind(update):
-  """`lax.switch` branches indexed by `BlockKind`: EMPTY leaves the carry, PARTIAL runs
-  `update(True, n, carry)` (masked), FULL `update(False, n, carry)`."""
-  by_kind = {EMPTY: lambda n, carry: carry, PARTIAL: functools.partial(update, True),
-             FULL: functools.partial(update, False)}
-  return [by_kind[kind] for kind in sorted(by_kind)]
 
 
 def _allowed(mask, q_seg, kv_seg, q_pos, kv_pos, g: int):
@@ -113,7 +105,7 @@ def _blockwise_fwd(q, k, v, arrays, kinds, lo, hi, *, mask, bq, bk, soft_cap):
       return m_new, denom, alpha[..., None] * acc + pv
 
     def body(j, carry):
-      return jax.lax.switch(_at(kinds, bi, i, j), _by_kind(update), j, carry)
+      return jax.lax.switch(_at(kinds, bi, i, j), by_kind(update), j, carry)
 
     init = (jnp.full((hkv, bq * g), -jnp.inf, jnp.float32), jnp.zeros((hkv, bq * g), jnp.float32),
             jnp.zeros((hkv, bq * g, dv), jnp.float32))
@@ -174,7 +166,7 @@ def _blockwise_bwd(q, k, v, out, lse, dout, dlse, arrays, kinds, lo_t, hi_t, *, 
       return dq, dk, dv
 
     def body(i, carry):
-      return jax.lax.switch(_at(kinds, bi, i, j), _by_kind(update), i, carry)
+      return jax.lax.switch(_at(kinds, bi, i, j), by_kind(update), i, carry)
 
     def zeros(dim):
       return jnp.zeros((hkv, bk, dim), jnp.float32)

@@ -27,16 +27,18 @@ BACKENDS: dict[str, list[str]] = {
     "tpu": ["splash",      # Pallas TPU kernel with lazy masks; exact by a run-time check
             "blockwise"],  # whatever splash declines
     "gpu": ["cudnn",       # cuDNN fused THD attention, where it is exact
-            "blockwise"],  # whatever cuDNN declines (Chunked, float32, windows under CP,
-                           # soft cap, Dv != D)
+            "pallas_gpu",  # flash attention in Pallas (Triton): whatever cuDNN declines
+                           # (Chunked, float32, windows under CP, soft cap, Dv != D)
+            "blockwise"],  # whatever both decline (head dims above 256, float64)
     "cpu": ["blockwise"],  # flash attention in JAX: serves every call
 }
 # Names that stand for "the first of these kernels that accepts".
-ALIASES = {"fused": ("cudnn", "blockwise")}
+ALIASES = {"fused": ("cudnn", "pallas_gpu", "blockwise")}
 # Where each built-in kernel lives ("module:class"); `register` adds kernel objects.
 _BUILTIN = {
     "blockwise": "flaxattn.blockwise:Blockwise",
     "cudnn": "flaxattn.cudnn:Cudnn",
+    "pallas_gpu": "flaxattn.pallas_gpu:PallasGpu",
     "reference": "flaxattn.reference:Reference",
     "splash": "flaxattn.splash:Splash",
 }

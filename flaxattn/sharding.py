@@ -74,6 +74,25 @@ def dividing_axes(mesh, axes, *sizes: int) -> tuple[str, ...]:
   return tuple(kept)
 
 
+def per_batch_and_head(fn, q_shape, kv_heads: int, layout, leading_specs=()):
+  """`fn(*leading, q, k, v, layout) -> (out, lse)` run per (batch, head) shard of the
+  current mesh's automatic axes, the batch over `default_axes("batch")` and the heads over
+  `default_axes("heads")` where they divide q `q_shape` `[B, T, H, D]` and the `kv_heads`;
+  `fn` itself without a mesh. A Pallas call is opaque to automatic partitioning, which
+  would gather its operands whole. `leading_specs`: the specs of `fn`'s leading arguments."""
+  mesh = jax.sharding.get_abstract_mesh()
+  auto = frozenset(mesh.axis_names) - frozenset(mesh.manual_axes)  # empty without a mesh
+  if not auto:
+    return fn
+  batch = dividing_axes(mesh, default_axes("batch"), q_shape[0]) or None
+  heads = dividing_axes(mesh, default_axes("heads"), q_shape[2], kv_heads) or None
+  qkv, seq = PartitionSpec(batch, None, heads), PartitionSpec(batch, None)
+  return jax.shard_map(fn, in_specs=(*leading_specs, qkv, qkv, qkv,
+                                     jax.tree.map(lambda _: seq, layout)),
+                       out_specs=(qkv, PartitionSpec(batch, None, heads)), axis_names=auto,
+                       check_vma=False)
+
+
 def _mesh_shape(mesh) -> dict[str, int]:
   return dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
 

@@ -417,19 +417,8 @@ class Splash(registry.Kernel):
     exact = index_check(mask, layout, index, index)
     attend = functools.partial(checked.attention, Passes(float(scale)),
                                blockwise.Passes(mask, float(scale), soft_cap))
-    mesh = jax.sharding.get_abstract_mesh()
-    auto = frozenset(mesh.axis_names) - frozenset(mesh.manual_axes)  # empty without a mesh
-    if auto:
-      # A Pallas call is opaque to automatic partitioning: run it per (batch, head) shard.
-      batch = sharding.dividing_axes(mesh, sharding.default_axes("batch"), q.shape[0]) or None
-      heads = sharding.dividing_axes(mesh, sharding.default_axes("heads"), q.shape[2],
-                                     k.shape[2]) or None
-      qkv, seq = P(batch, None, heads), P(batch, None)
-      layout_spec = jax.tree.map(lambda _: seq, layout)
-      attend = jax.shard_map(attend,
-                             in_specs=(P(), _kernel_spec(kernel, None), qkv, qkv, qkv, layout_spec),
-                             out_specs=(qkv, P(batch, None, heads)), axis_names=auto,
-                             check_vma=False)
+    attend = sharding.per_batch_and_head(attend, q.shape, k.shape[2], layout,
+                                         (P(), _kernel_spec(kernel, None)))
     out, lse = attend(exact, kernel, q, k, v, layout)
     return (out, lse) if return_lse else out
 

@@ -71,7 +71,7 @@ def test_serves_context_parallelism_for_causal_and_full_masks_only():
     local = cudnn.Cudnn().unsupported_reason(cp(flaxattn.Local(64), strategy))
     assert "straddles the context shards' chunks" in local
     assert "no chunked mask" in cudnn.Cudnn().unsupported_reason(cp(flaxattn.Chunked(64), strategy))
-    assert registry.select("fused", cp(flaxattn.Local(64), strategy)).name == "blockwise"
+    assert registry.select("fused", cp(flaxattn.Local(64), strategy)).name == "pallas_gpu"
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 8])

@@ -32,7 +32,8 @@ K = jnp.zeros((2, 16, 2, 8))
     (dict(kv_positions=jnp.ones((2, 8), jnp.int32)), r"kv_positions expects .*\(2, 16\)"),
     (dict(kv_segment_ids=jnp.ones((2, 16), jnp.int32)), r"segment_ids is required"),
     (dict(backend="nope"),
-     r"backend expects one of \['auto', 'fused', 'blockwise', 'cudnn', 'reference', 'splash'\]"),
+     r"backend expects one of \['auto', 'fused', 'blockwise', 'cudnn', 'pallas_gpu', 'reference',"
+     r" 'splash'\]"),
 ])
 def test_bad_input_names_the_argument(kwargs, match):
   args = dict(q=Q, k=K, v=K)
@@ -130,7 +131,8 @@ def picky(monkeypatch):
 
 def test_explicit_backend_that_declines_names_reason_and_alternatives(picky):
   with pytest.raises(ValueError, match=r"backend='picky' cannot serve this call: needs bfloat16\..*"
-                                       r"Kernels that can: \['blockwise', 'reference'\]"):
+                                       r"Kernels that can: \['blockwise', 'pallas_gpu',"
+                                       r" 'reference'\]"):
     flaxattn.attention(Q, K, K, backend="picky")
   text = flaxattn.explain(Q, K, K, print_fn=None)
   assert "picky: declines: needs bfloat16." in text
@@ -143,11 +145,11 @@ def test_explicit_backend_that_declines_names_reason_and_alternatives(picky):
 def test_registry_order_is_pinned_and_extended_by_name(picky):
   assert registry.order("cpu") == ["picky", "blockwise"]
   assert registry.order("tpu") == ["splash", "blockwise"]
-  assert registry.order("gpu") == ["cudnn", "blockwise"]
-  assert registry.ALIASES == {"fused": ("cudnn", "blockwise")}
+  assert registry.order("gpu") == ["cudnn", "pallas_gpu", "blockwise"]
+  assert registry.ALIASES == {"fused": ("cudnn", "pallas_gpu", "blockwise")}
   registry.register(_Picky(), platforms=("cpu", "gpu"), after="blockwise")
   assert registry.order("cpu") == ["blockwise", "picky"]
-  assert registry.order("gpu") == ["cudnn", "blockwise", "picky"]
+  assert registry.order("gpu") == ["cudnn", "pallas_gpu", "blockwise", "picky"]
   registry.register(_Picky(), platforms=("tpu",), before="splash")
   assert registry.order("tpu") == ["picky", "splash", "blockwise"]
   with pytest.raises(ValueError, match=r"after='nope'\) expects a kernel of the cpu row"):
@@ -197,17 +199,18 @@ def test_explain_shows_each_platform():
   text = flaxattn.explain(q, kv, kv, segment_ids=shape(1, 4096, dtype=jnp.int32), print_fn=None)
   assert "  cpu: blockwise\n  gpu: cudnn (packed rows checked per batch" in text
   assert "\n  tpu: splash\n" in text + "\n"
-  # Chunked: no cuDNN mask, so GPU falls back and says why; splash chunks lazily on TPU.
+  # Chunked: no cuDNN mask, so GPU takes the next kernel and says why; splash chunks lazily
+  # on TPU.
   text = flaxattn.explain(q, kv, kv, mask=flaxattn.Chunked(1024), print_fn=None)
-  assert "gpu: blockwise (cudnn declines: cuDNN has no chunked mask" in text
+  assert "gpu: pallas_gpu (cudnn declines: cuDNN has no chunked mask" in text
   assert "tpu: splash" in text
   text = flaxattn.explain(q, kv, kv, mask=flaxattn.Chunked(1024), backend="fused", print_fn=None)
-  assert "gpu: blockwise (cudnn declines: cuDNN has no chunked mask" in text
+  assert "gpu: pallas_gpu (cudnn declines: cuDNN has no chunked mask" in text
   # 4000 tokens: not a multiple of splash's 128-token blocks, so TPU takes the blockwise kernel.
   q, kv = shape(1, 4000, 8, 128, dtype=jnp.float32), shape(1, 4000, 2, 128, dtype=jnp.float32)
   text = flaxattn.explain(q, kv, kv, print_fn=None)
   assert "tpu: blockwise (splash declines: splash needs a sequence length" in text
-  assert "gpu: blockwise (cudnn declines:" in text
+  assert "gpu: pallas_gpu (cudnn declines:" in text
   text = flaxattn.explain(q, kv, kv, backend="splash", print_fn=None)
   assert ("  tpu: error: backend='splash' cannot serve this call: splash needs a sequence length"
           in text)

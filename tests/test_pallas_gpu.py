@@ -1,0 +1,344 @@
+"""The `pallas_gpu` kernel: in Pallas interpret mode on this CPU host against attention written
+out from the definitions (every mask, packed rows, padding, GQA, sinks, soft cap, Dv != D,
+bfloat16, cross attention), as the ring's local step, its block schedule (skipped blocks are
+never visited), and programs lowered for CUDA that hold its Triton kernels."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType
+
+import flaxattn
+from flaxattn import balance, pallas_gpu, registry
+from flaxattn.layout import Layout
+from helpers import (
+  TOL,
+  as_layout,
+  dense_oracle,
+  grads_of,
+  legal_layout,
+  normal,
+  qkv,
+  random_packing,
+)
+
+SCALE = 0.3
+# Blocks of 16 rows and 16 keys: with 2 query heads per KV head a query block holds 8
+# tokens, so documents of random_packing cross block boundaries.
+KERNEL = pallas_gpu.PallasGpu(block_q=16, block_kv=16)
+TRITON = "__gpu$xla.gpu.triton"
+
+
+def _attend(layout, mask, kernel=KERNEL, soft_cap=None, use_sinks=False):
+  def attend(q, k, v, sinks):
+    return flaxattn.attention(q, k, v, mask=mask, layout=layout, scale=SCALE, backend=kernel,
+                              sinks=sinks if use_sinks else None, logit_soft_cap=soft_cap,
+                              return_lse=True)
+  return attend
+
+
+def _check(layout, mask, q, k, v, dtype=jnp.float32, soft_cap=None, use_sinks=False):
+  """Out, lse and the gradients of q, k, v and the sinks (of a loss that reads the lse)
+  against `dense_oracle`; returns the kernel's (grads, (out, lse))."""
+  sinks = normal((q.shape[2],), 7)
+  def oracle(q, k, v, s):
+    return dense_oracle(q, k, v, layout, mask, SCALE, s if use_sinks else None, soft_cap)
+  want_g, (want_o, want_l) = grads_of(oracle, 4)(q, k, v, sinks)
+  got = grads_of(_attend(layout, mask, soft_cap=soft_cap, use_sinks=use_sinks), 4)(q, k, v, sinks)
+  got_g, (got_o, got_l) = got
+  tol = TOL[dtype]
+  np.testing.assert_allclose(got_o, want_o, **tol)
+  np.testing.assert_array_equal(np.isinf(got_l), np.isinf(want_l))
+  def finite(x):
+    return np.where(np.isinf(x), 0, x)
+  np.testing.assert_allclose(finite(got_l), finite(want_l), **tol)
+  for name, g, w in zip(("dq", "dk", "dv", "dsinks"), got_g, want_g, strict=True):
+    assert np.isfinite(np.asarray(g, np.float32)).all(), name
+    scale = max(1.0, float(jnp.abs(w.astype(jnp.float32)).max()))
+    np.testing.assert_allclose(np.asarray(g, np.float32) / scale, np.asarray(w, np.float32) / scale,
+                               err_msg=name, **tol)
+  return got
+
+
+# mask, query heads, KV heads, dtype; T = 44 tokens, packed rows with padding.
+CASES = [
+    (flaxattn.Causal(), 4, 2, jnp.float32),
+    (flaxattn.Full(), 4, 1, jnp.float32),
+    (flaxattn.Local(5), 4, 2, jnp.float32),
+    (flaxattn.Chunked(8), 4, 4, jnp.float32),
+    (flaxattn.Chunked(16) & flaxattn.Local(7), 6, 2, jnp.float32),  # 3 rows a token
+    (flaxattn.Causal(), 4, 2, jnp.bfloat16),
+]
+
+
+@pytest.mark.parametrize("mask,h,hkv,dtype", CASES, ids=lambda x: getattr(x, "__name__", str(x)))
+def test_matches_definition_on_packed_rows(mask, h, hkv, dtype):
+  b, t = 2, 44
+  q, k, v = qkv(1, b, t, t, h, hkv, 8, dtype)
+  seg, pos = random_packing(hkv, b, t, max_docs=5, pad_tail=3)
+  _check(as_layout(seg, pos), mask, q, k, v, dtype)
+
+
+def test_sinks_soft_cap_and_dv():
+  """Sinks (applied outside the kernel: its lse and lse cotangent carry them), a logit soft
+  cap and Dv = 12 != D = 20 (head dims Triton pads to 32 and 16), MQA, a window."""
+  b, t = 2, 44
+  q, k, _ = qkv(2, b, t, t, 4, 1, 20)
+  v = normal((b, t, 1, 12), 9)
+  seg, pos = random_packing(2, b, t, max_docs=4, pad_tail=3)
+  _check(as_layout(seg, pos), flaxattn.Local(9), q, k, v, soft_cap=1.5, use_sinks=True)
+
+
+def test_cross_attention_on_legal_layouts():
+  """S != T, keys with their own ids: odd ids, padding runs, documents with queries and no
+  keys (their rows see nothing), position gaps."""
+  b, t, s = 2, 40, 28
+  q, k, v = qkv(3, b, t, s, 4, 2, 8)
+  seg, pos, kv_seg, kv_pos = legal_layout(3, b, t, s)
+  _check(as_layout(seg, pos, kv_seg, kv_pos), flaxattn.Causal(), q, k, v)
+
+
+def test_default_layout_and_rows_with_nothing_to_see():
+  """The all-default layout (a schedule known at trace time); then a batch row of padding
+  only and a padded tail: zeros, lse -inf and zero gradients, never NaN."""
+  b, t = 2, 44
+  q, k, v = qkv(4, b, t, t, 4, 2, 8)
+  _check(Layout(), flaxattn.Causal(), q, k, v)
+  seg, pos = random_packing(4, b, t, max_docs=3, pad_tail=5)
+  seg[1] = 0
+  (dq, dk, dv, _), (out, lse) = _check(as_layout(seg, pos), flaxattn.Causal(), q, k, v)
+  empty = seg == 0
+  assert np.all(np.asarray(out)[empty] == 0) and np.all(np.isneginf(np.asarray(lse)[empty]))
+  for g in (dq, dk, dv):
+    assert np.all(np.asarray(g)[empty] == 0)
+
+
+def _counting(monkeypatch):
+  """Counts, at run time (a callback in the interpreted kernels), the blocks whose scores
+  the kernels compute and the empty blocks their loops step over."""
+  visits = {"live": 0, "skipped": 0}
+
+  def counted(name, fn):
+    def count():
+      visits[name] += 1
+
+    def wrapper(*args):
+      jax.debug.callback(count)
+      return fn(*args)
+    return wrapper
+  monkeypatch.setattr(pallas_gpu, "_scores", counted("live", pallas_gpu._scores))
+  monkeypatch.setattr(pallas_gpu, "_skip", counted("skipped", pallas_gpu._skip))
+  return visits
+
+
+def test_schedule_visits_only_live_blocks(monkeypatch):
+  """A causal mask over 4 query and 4 key blocks visits 10 pairs in each of the forward, dQ
+  and dK/dV passes, not 16, and its loops never step over an empty block."""
+  visits = _counting(monkeypatch)
+  q, k, v = qkv(5, 1, 64, 64, 1, 1, 16)
+  def loss(q, k, v):
+    return flaxattn.attention(q, k, v, backend=KERNEL).sum()
+  jax.block_until_ready(flaxattn.attention(q, k, v, backend=KERNEL))
+  assert visits == {"live": 10, "skipped": 0}
+  visits.update(live=0)
+  jax.block_until_ready(jax.grad(loss, (0, 1, 2))(q, k, v))
+  assert visits == {"live": 30, "skipped": 0}
+
+
+def test_skipped_blocks_inside_the_range_are_never_loaded(monkeypatch):
+  """The middle one of three key blocks belongs to a document no query is in, and its keys
+  and values are NaN: a visit (masked or not: 0 x NaN is NaN) would poison the output and
+  the gradients. The forward and dQ loops step over it; dK/dV has no query block for it."""
+  visits = _counting(monkeypatch)
+  b, t, s = 1, 16, 48
+  q, k, v = qkv(6, b, t, s, 1, 1, 16)  # one query block of 16 rows
+  kv_seg = np.ones((b, s), np.int32)
+  kv_seg[:, 16:32] = 9
+  layout = as_layout(np.ones((b, t), np.int32), None, kv_seg, None)
+  poisoned = [jnp.where((kv_seg == 9)[..., None, None], jnp.nan, x) for x in (k, v)]
+  sinks = normal((1,), 7)
+  got_g, (got_o, got_l) = grads_of(_attend(layout, flaxattn.Full()), 4)(q, *poisoned, sinks)
+  assert visits == {"live": 6, "skipped": 2}, visits
+  def oracle(q, k, v, s):
+    return dense_oracle(q, k, v, layout, flaxattn.Full(), SCALE)
+  want_g, (want_o, want_l) = grads_of(oracle, 4)(q, k, v, sinks)
+  for got, want in zip([got_o, got_l, *got_g[:3]], [want_o, want_l, *want_g[:3]], strict=True):
+    np.testing.assert_allclose(got, want, **TOL[jnp.float32])
+
+
+# As the ring's local step: cp_check.run_case's cases (the reference without context
+# parallelism, errors relative to its largest magnitude) on 2 of this process's devices.
+def _cp_case(strategy, mask, hkv, features=False):
+  name = f"pallas_gpu-{strategy}-{mask}-hkv{hkv}" + ("-sinks-cap-dv" if features else "")
+  return dict(name=name, mesh=dict(context=2), strategy=strategy, lb=True, mask=mask, h=4,
+              hkv=hkv, packed=True, pipeline=False, t=64, backend=KERNEL, features=features,
+              dtype="float32")
+
+
+@pytest.mark.parametrize("case", [
+    _cp_case("ring", "causal", 2),
+    _cp_case("ring", "local", 1, features=True),
+    _cp_case("all_gather", "chunked", 2),
+], ids=lambda c: c["name"])
+def test_context_parallel_row_order(case):
+  import cp_check  # pylint: disable=import-outside-toplevel (a helper module, not a test file)
+  result = cp_check.run_case(case)
+  errors = {k: result[k] for k in ("out", "lse", "dq", "dk", "dv", "dsinks") if k in result}
+  assert max(errors.values()) < 1e-5, errors
+  assert result["collective_permutes"] > 0 or case["strategy"] == "all_gather", result
+
+
+@pytest.mark.parametrize("strategy", ["ring", "all_gather"])
+def test_context_parallel_document_order(strategy):
+  """Per-document load balancing (`balance_plan`): each device's tokens in no index order."""
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("context",),
+                           axis_types=(AxisType.Auto,))
+  cp = flaxattn.ContextParallel(strategy=strategy, load_balance="document")
+  t, mask = 64, flaxattn.Causal()
+  seg, pos = random_packing(11, 2, t, max_docs=5, cp=2)
+  plan = balance.balance_plan(seg, 2, [mask], block=1)
+  q, k, v = qkv(5, 2, t, t, 4, 2, 8)
+
+  def reference(q, k, v):
+    return flaxattn.attention(q, k, v, mask=mask, segment_ids=seg, positions=pos,
+                              backend="reference", return_lse=True)
+
+  def parallel(q, k, v):
+    out, lse = flaxattn.attention(
+        plan.apply(q), plan.apply(k), plan.apply(v), mask=mask, segment_ids=plan.apply(seg),
+        positions=plan.apply(pos), context_parallel=cp, return_lse=True, backend=KERNEL)
+    return plan.undo(out), plan.undo(lse)
+
+  want = grads_of(reference)(q, k, v)
+  with jax.set_mesh(mesh):
+    got = grads_of(parallel)(q, k, v)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    w = np.asarray(w)
+    finite = np.isfinite(w)
+    np.testing.assert_array_equal(np.isfinite(g), finite)
+    np.testing.assert_allclose(np.asarray(g)[finite], w[finite],
+                               atol=1e-5 * np.abs(w[finite]).max())
+
+
+def test_under_a_mesh_runs_per_batch_and_head_shard():
+  """Without context parallelism on a (data, fsdp, tensor) mesh: per batch and head shard
+  (shard_map), nothing floating-point gathered; against the reference."""
+  import cp_check  # pylint: disable=import-outside-toplevel
+  mesh = cp_check.mesh_of(dict(data=2, fsdp=2, tensor=2))
+  b, t = 4, 32
+  q, k, v = qkv(7, b, t, t, 4, 2, 8)
+  seg, pos = random_packing(7, b, t, max_docs=4, pad_tail=5)
+  def attend(backend):
+    return lambda q, k, v: flaxattn.attention(q, k, v, segment_ids=seg, positions=pos,
+                                              backend=backend, return_lse=True)
+  want = grads_of(attend("reference"))(q, k, v)
+  spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "fsdp"), None,
+                                                                     "tensor"))
+  with jax.set_mesh(mesh):
+    args = [jax.device_put(x, spec) for x in (q, k, v)]
+    compiled = grads_of(attend(KERNEL)).lower(*args).compile()
+    got = compiled(*args)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_allclose(np.where(np.isinf(w), 0, g), np.where(np.isinf(w), 0, w),
+                               atol=1e-5)
+  assert not re.search(r"f32\[[^\]]*\]\S* all-gather", compiled.as_text())
+  assert got[1][0].sharding.spec == spec.spec
+
+
+# Programs lowered for CUDA from this host: the Triton kernels, compiled, not interpreted.
+
+
+def cuda_program(fn, *args) -> str:
+  with flaxattn.lowering_for("gpu"):
+    return jax.export.export(
+        jax.jit(fn), platforms=("cuda",),
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)])(*args).mlir_module()
+
+
+def _loss(**kwargs):
+  def loss(q, k, v):
+    out, lse = flaxattn.attention(q, k, v, backend="pallas_gpu", return_lse=True, **kwargs)
+    return jnp.sum(out.astype(jnp.float32) ** 2) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0))
+  return loss
+
+
+@pytest.mark.parametrize("mask,dtype,d,dv,cap", [
+    (flaxattn.Causal(), jnp.bfloat16, 128, 128, None),
+    (flaxattn.Chunked(1024) & flaxattn.Local(300), jnp.float16, 96, 64, 30.0),
+    (flaxattn.Full(), jnp.float32, 256, 256, None),
+], ids=["causal-bf16", "chunked-local-f16-cap-dv", "full-f32-d256"])
+def test_lowers_triton_kernels_for_cuda(mask, dtype, d, dv, cap):
+  """Forward: one Triton kernel; forward and backward: three (forward, dQ, dK/dV), and no
+  interpret-mode loop outside them. At T = 8192 no [T, T] array anywhere."""
+  b, t = 1, 8192
+  q = jax.ShapeDtypeStruct((b, t, 8, d), dtype)
+  k = jax.ShapeDtypeStruct((b, t, 2, d), dtype)
+  v = jax.ShapeDtypeStruct((b, t, 2, dv), dtype)
+  ids = jax.ShapeDtypeStruct((b, t), jnp.int32)
+  options = dict(mask=mask, logit_soft_cap=cap)
+
+  def forward(q, k, v, seg, pos):
+    return flaxattn.attention(q, k, v, segment_ids=seg, positions=pos, backend="pallas_gpu",
+                              **options)
+
+  def grads(q, k, v, seg, pos):
+    return jax.grad(_loss(segment_ids=seg, positions=pos, **options), (0, 1, 2))(q, k, v)
+  for fn, kernels in ((forward, 1), (grads, 3)):
+    text = cuda_program(fn, q, k, v, ids, ids)
+    assert text.count(TRITON) == kernels, (fn.__name__, text.count(TRITON))
+    assert "stablehlo.while" not in text, fn.__name__
+    assert not re.search(rf"tensor<[^>]*{t}x{t}", text), fn.__name__
+
+
+@pytest.mark.parametrize("strategy,kernels", [("ring", 6), ("all_gather", 3), ("ulysses", 3)])
+def test_context_parallel_lowers_triton_kernels_for_cuda(strategy, kernels):
+  """The ring holds the forward twice (its scanned steps and the last one) and dQ, dK/dV
+  twice; all-gather and Ulysses call the kernel once. No interpret-mode loop."""
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("context",),
+                           axis_types=(AxisType.Auto,))
+  spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "context"))
+  q = jax.ShapeDtypeStruct((1, 4096, 8, 128), jnp.bfloat16, sharding=spec)
+  kv = jax.ShapeDtypeStruct((1, 4096, 2, 128), jnp.bfloat16, sharding=spec)
+  cp = flaxattn.ContextParallel(strategy=strategy)
+  with jax.set_mesh(mesh):
+    text = cuda_program(jax.grad(_loss(context_parallel=cp), (0, 1, 2)), q, kv, kv)
+  assert text.count(TRITON) == kernels, text.count(TRITON)
+  assert ("collective_permute" in text) == (strategy == "ring")
+
+
+def test_auto_and_fused_take_it_where_cudnn_declines():
+  """On GPU the order is cudnn, pallas_gpu, blockwise: a chunked mask (which cuDNN has not)
+  lowers to Triton kernels through backend="auto"; off GPU it is never chosen."""
+  q = jax.ShapeDtypeStruct((1, 512, 4, 64), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((1, 512, 2, 64), jnp.bfloat16)
+  mask = flaxattn.Chunked(128)
+  text = flaxattn.explain(q, kv, kv, mask=mask, print_fn=None)
+  assert "gpu: pallas_gpu (cudnn declines: cuDNN has no chunked mask" in text
+  assert "  cpu: blockwise\n" in text
+  def loss(q, k, v):
+    return flaxattn.attention(q, k, v, mask=mask).astype(jnp.float32).sum()
+  assert cuda_program(jax.grad(loss, (0, 1, 2)), q, kv, kv).count(TRITON) == 3
+
+
+def _gpu_call(**kw):
+  shape = (1, 256, 4, 64)
+  fields = dict(platform="gpu", q_shape=shape, kv_shape=shape, dtype="bfloat16",
+                mask=flaxattn.Causal(), has_segment_ids=True, has_positions=True,
+                return_lse=True)
+  return registry.Call(**{**fields, **kw})
+
+
+def test_declines_with_reasons_and_checks_its_options():
+  kernel = registry.get("pallas_gpu")
+  assert kernel.unsupported_reason(_gpu_call(soft_cap=30.0, v_head_dim=32, cp_size=4,
+                                             cp_strategy="ring")) is None
+  assert "head dims up to 256, got D=512" in kernel.unsupported_reason(
+      _gpu_call(q_shape=(1, 256, 4, 512), kv_shape=(1, 256, 4, 512)))
+  assert "got float64" in kernel.unsupported_reason(_gpu_call(dtype="float64"))
+  assert registry.select("fused", _gpu_call(dtype="float64")).name == "blockwise"
+  assert kernel.on("gpu").interpret is False and kernel.on("cpu").interpret is True
+  with pytest.raises(ValueError, match=r"PallasGpu\(block_q=...\) expects a power of two >= 16"):
+    pallas_gpu.PallasGpu(block_q=24)
