@@ -41,7 +41,7 @@ def mask_band(mask: Mask) -> tuple[bool, int | None]:
   normal = band(mask)
   if normal.chunk is not None:
     raise NoBand(f"cuDNN has no chunked mask ({mask!r}, Llama 4 chunked attention); the"
-                 " blockwise kernel serves it.")
+                 " pallas_gpu and blockwise kernels serve it.")
   return normal.causal, normal.window
 
 
@@ -97,11 +97,11 @@ def _reason(call: registry.Call) -> str | None:
             " to bfloat16 or float16 (scores and softmax still accumulate in float32).")
   if call.soft_cap is not None:
     return (f"cuDNN fused attention (JAX's cuDNN SDPA) has no logit soft-capping, got"
-            f" logit_soft_cap={call.soft_cap}; the blockwise kernel serves it.")
+            f" logit_soft_cap={call.soft_cap}; the pallas_gpu and blockwise kernels serve it.")
   d = call.q_shape[-1]
   if call.dv != d:
     return (f"flaxattn's cuDNN path takes v with q/k's head_dim ({d}), got v head_dim"
-            f" {call.dv}; the blockwise kernel serves Dv != D.")
+            f" {call.dv}; the pallas_gpu and blockwise kernels serve Dv != D.")
   if d % 8 or d > MAX_HEAD_DIM:
     return (f"cuDNN fused attention needs head_dim a multiple of 8 and at most {MAX_HEAD_DIM}"
             f" (128 before Hopper), got {d}; pad the head dimension or use the blockwise kernel.")
@@ -504,7 +504,7 @@ def _ring_reason(call: registry.Call) -> str | None:
   causal, window = mask_band(call.mask)
   if window is not None:
     return ("a sliding window straddles the context shards' chunks, which cuDNN's index"
-            " masks cannot express per shard; the blockwise kernel serves it.")
+            " masks cannot express per shard; the pallas_gpu and blockwise kernels serve it.")
   return None
 
 
