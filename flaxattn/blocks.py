@@ -36,11 +36,16 @@ class BlockKind(enum.IntEnum):
 EMPTY, PARTIAL, FULL = BlockKind.EMPTY, BlockKind.PARTIAL, BlockKind.FULL
 
 
+def skip_block(n, carry):
+  """The EMPTY branch of `by_kind`: nothing of block n is loaded, the carry passes."""
+  return carry
+
+
 def by_kind(update):
   """The `lax.switch` branches of a kernel's loop over blocks, indexed by `BlockKind`:
-  EMPTY leaves the carry (nothing of the block is loaded), PARTIAL runs
-  `update(True, n, carry)` (masked), FULL `update(False, n, carry)`."""
-  by = {EMPTY: lambda n, carry: carry, PARTIAL: functools.partial(update, True),
+  EMPTY `skip_block`, PARTIAL `update(True, n, carry)` (masked), FULL
+  `update(False, n, carry)`."""
+  by = {EMPTY: skip_block, PARTIAL: functools.partial(update, True),
         FULL: functools.partial(update, False)}
   return [by[kind] for kind in sorted(by)]
 

@@ -348,6 +348,9 @@ class Blockwise(registry.Kernel):
     return blockwise_attention(q, k, v, layout, mask=mask, scale=scale, return_lse=return_lse,
                                block_q=self.block_q, block_kv=self.block_kv, soft_cap=soft_cap)
 
+  def passes(self, mask: Mask, scale: float, soft_cap: float | None = None) -> Passes:
+    return Passes(mask, float(scale), soft_cap)
+
   def ring_step(self, *, strategy: str, mask: Mask, scale: float, shards: int, axis: str,
                 load_balance: bool, q_shape, kv_shape, layout: Layout,
                 soft_cap: float | None = None) -> RingStep:

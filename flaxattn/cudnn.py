@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax._src.cudnn import fused_attention_stablehlo as fsa
 
-from flaxattn import blockwise, checked, cudnn_ring, registry
+from flaxattn import checked, cudnn_ring, registry
 from flaxattn.layout import Layout, index_check
 from flaxattn.masks import Mask, NoBand, band
 from flaxattn.segments import SeqlensOffsets, seqlens_and_offsets
@@ -26,6 +26,13 @@ DTYPES = ("bfloat16", "float16")
 DEFAULT_MAX_SEGMENTS = 32
 MAX_HEAD_DIM = 256  # Hopper and newer; 128 before (checked on a live device)
 HOPPER = (9, 0)
+# Temporaries of one forward+backward call, in bytes per element of B x T x H x D (query
+# heads) x itemsize, measured on one H100 (jax 0.11.2, docs/design.md "cuDNN THD memory"):
+# the packed (THD) call holds 4.06 to 4.28 per slot of its descriptor (M = 8, 16, 32; T =
+# 8K, 32K, 128K; H = 16, 32), from JAX's own THD backward; the unpacked call 6.03.
+THD_BYTES_PER_SLOT = 4.3
+UNPACKED_BYTES = 6.0
+GIB = 2**30
 
 
 # ---------------------------------------------------------------------------------------
@@ -431,8 +438,16 @@ def _checked(q, k, layout: Layout, cfg: _Config):
   packing = None
   if layout.q_segment_ids is not None:
     packing = _packing(layout, q.shape[1], k.shape[1], cfg)
-  return (_Passes(cfg), blockwise.Passes(cfg.mask, cfg.scale),
-          None if packing is None else packing.exact, packing)
+  fallback = _fallback().passes(cfg.mask, cfg.scale)
+  assert fallback is not None  # pallas_gpu and blockwise have passes
+  return (_Passes(cfg), fallback, None if packing is None else packing.exact, packing)
+
+
+def _fallback() -> registry.Kernel:
+  """The kernel a batch cuDNN cannot serve exactly runs (more documents than slots, ids on
+  two runs, positions that are not the index): pallas_gpu where the program is lowered for
+  a GPU, blockwise elsewhere (cuDNN's CPU model in tests)."""
+  return registry.get("pallas_gpu" if registry.lowering_platforms()[0] == "gpu" else "blockwise")
 
 
 def forward(q, k, v, layout: Layout, *, mask: Mask, scale: float,
@@ -496,6 +511,15 @@ def cudnn_attention(q, k, v, layout: Layout, *, mask: Mask, scale: float, return
   return (out, lse) if return_lse else out
 
 
+def thd_bytes(call: registry.Call, slots: int) -> tuple[int, int]:
+  """(packed, unpacked): the forward+backward temporaries of `call` through cuDNN's THD
+  layout with `slots` documents per row, and of the same call unpacked (one sequence per
+  row), per device, from the fit above."""
+  b, t, h, d = call.q_shape
+  elements = b * (t // call.cp_size) * h * d * np.dtype(call.dtype).itemsize
+  return int(THD_BYTES_PER_SLOT * slots * elements), int(UNPACKED_BYTES * elements)
+
+
 def _ring_reason(call: registry.Call) -> str | None:
   """Why cuDNN cannot serve `call` under context parallelism, or None (docs/design.md,
   "cuDNN in the ring"): with positions that follow the token index, each ring step (and
@@ -510,9 +534,17 @@ def _ring_reason(call: registry.Call) -> str | None:
 
 @dataclasses.dataclass(frozen=True)
 class Cudnn(registry.Kernel):
-  """`backend="cudnn"`: cuDNN fused attention on NVIDIA GPUs (docs/design.md)."""
+  """`backend="cudnn"`: cuDNN fused attention on NVIDIA GPUs (docs/design.md).
+
+  `max_segments`: documents per row of the packed (THD) descriptor (None:
+  `DEFAULT_MAX_SEGMENTS`); a batch with more runs the fallback. `thd_budget`: the bytes of
+  temporaries a packed call may hold (`thd_bytes`, which grow with the slots); above it
+  cuDNN declines packed rows and the next kernel serves them. None: twice the unpacked
+  call's.
+  """
 
   max_segments: int | None = None
+  thd_budget: int | None = None
   name: str = "cudnn"
   ring: bool = True
   traces_anywhere: bool = False  # JAX checks for cuDNN while tracing
@@ -521,7 +553,26 @@ class Cudnn(registry.Kernel):
     reason = _reason(call)
     if reason is None and call.cp_strategy is not None:
       reason = _ring_reason(call)
+    if reason is None and call.has_segment_ids:
+      packed, budget, slots = self._thd(call)
+      if packed > budget:
+        reason = (f"cuDNN's packed (THD) layout with {slots} slots would hold about"
+                  f" {packed / GIB:.2f} GiB of temporaries ({THD_BYTES_PER_SLOT} x slots x B x"
+                  f" T x H x D x bytes, measured on an H100), over its budget of"
+                  f" {budget / GIB:.2f} GiB ({self._budget_text()}); the pallas_gpu kernel"
+                  " serves packed rows with O(T) memory.")
     return reason
+
+  def _thd(self, call: registry.Call) -> tuple[int, int, int]:
+    """(packed bytes, budget, slots) of a packed call (`thd_bytes`)."""
+    slots = DEFAULT_MAX_SEGMENTS if self.max_segments is None else self.max_segments
+    packed, unpacked = thd_bytes(call, slots)
+    return packed, 2 * unpacked if self.thd_budget is None else self.thd_budget, slots
+
+  def _budget_text(self) -> str:
+    if self.thd_budget is None:
+      return "twice the unpacked call's; Cudnn(thd_budget=...) sets it"
+    return "Cudnn(thd_budget=...)"
 
   def describe(self, call: registry.Call) -> str | None:
     if call.cp_strategy is not None:
@@ -529,8 +580,10 @@ class Cudnn(registry.Kernel):
       what = f"{per}: causal on the device's own tokens, unmasked on earlier chunks"
       return what + ("; positions checked per batch at run time" if call.has_positions else "")
     if call.has_segment_ids:
-      return ("packed rows checked per batch at run time, a batch cuDNN cannot mask exactly"
-              " runs the blockwise kernel")
+      packed, budget, slots = self._thd(call)
+      return (f"packed rows, {slots} slots, about {packed / GIB:.2f} GiB of THD temporaries"
+              f" (budget {budget / GIB:.2f} GiB); checked per batch at run time, a batch"
+              f" cuDNN cannot mask exactly runs {_fallback().name}")
     return None
 
   def __call__(self, q, k, v, layout: Layout, *, mask: Mask, scale: float, return_lse: bool):
@@ -542,7 +595,7 @@ class Cudnn(registry.Kernel):
                 soft_cap: float | None = None) -> cudnn_ring.CudnnStep:
     """cuDNN calls per ring step or gathered shard (`flaxattn.cudnn_ring`), with the global
     run-time check that positions follow the token index; a batch that fails it runs the
-    blockwise step."""
+    fallback's step (`_fallback`)."""
     _kv_offsets_per_key_head()  # probed here, outside the shard_map (it evaluates eagerly)
     index = layout.index(q_shape[0], q_shape[1])
     return cudnn_ring.CudnnStep(
@@ -550,4 +603,6 @@ class Cudnn(registry.Kernel):
         scale=scale, axis=axis, shards=shards, load_balance=load_balance,
         packed=layout.q_segment_ids is not None, max_segments=self.max_segments,
         fused_forward=forward, fused_backward=backward,
-        fallback=blockwise.ring_step(mask, scale, q_shape[1], shards, load_balance))
+        fallback=_fallback().ring_step(strategy="ring", mask=mask, scale=scale, shards=shards,
+                                       axis=axis, load_balance=load_balance, q_shape=q_shape,
+                                       kv_shape=kv_shape, layout=layout))

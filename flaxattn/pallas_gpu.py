@@ -446,6 +446,30 @@ class PallasGpuStep(RingStep):
 
 
 @dataclasses.dataclass(frozen=True)
+class Passes:
+  """The Pallas GPU passes as `checked.Passes` (`operands` unused; no lse cotangent is a
+  zero one): what cuDNN falls back on for a batch it cannot serve exactly, on a GPU."""
+
+  kernel: PallasGpu
+  mask: Mask
+  scale: float
+  soft_cap: float | None = None
+
+  def forward(self, operands, q, k, v, layout: Layout):
+    return forward(q, k, v, layout, mask=self.mask, scale=self.scale,
+                   tiling=self.kernel.tiling(q.shape, k.shape, v.shape[-1]),
+                   soft_cap=self.soft_cap)
+
+  def backward(self, operands, q, k, v, layout: Layout, out, lse, dout, dlse):
+    dlse = jnp.zeros(lse.shape, jnp.float32) if dlse is None else dlse
+    dq, dk, dv = backward(q, k, v, layout, out, lse, dout, dlse, mask=self.mask,
+                          scale=self.scale, tiling=self.kernel.tiling(q.shape, k.shape,
+                                                                       v.shape[-1]),
+                          soft_cap=self.soft_cap)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
 class PallasGpu(registry.Kernel):
   """`backend="pallas_gpu"`: flash attention in Pallas, compiled by Triton on NVIDIA GPUs
   (interpret mode elsewhere); every mask, packed rows, GQA, soft cap, Dv != D and the ring.
@@ -496,14 +520,17 @@ class PallasGpu(registry.Kernel):
     """This kernel's `Tiling` for these shapes (`choose_tiling`)."""
     interpret = jax.default_backend() != "gpu" if self.interpret is None else self.interpret
     return choose_tiling(q_shape, kv_shape, dv, block_q=self.block_q, block_kv=self.block_kv,
-                  num_warps=self.num_warps, num_stages=self.num_stages, interpret=interpret,
-                  chunk=chunk)
+                         num_warps=self.num_warps, num_stages=self.num_stages,
+                         interpret=interpret, chunk=chunk)
 
   def __call__(self, q, k, v, layout: Layout, *, mask: Mask, scale: float, return_lse: bool,
                soft_cap: float | None = None):
     return pallas_gpu_attention(q, k, v, layout, mask=mask, scale=scale, return_lse=return_lse,
                                 tiling=self.tiling(q.shape, k.shape, v.shape[-1]),
                                 soft_cap=soft_cap)
+
+  def passes(self, mask: Mask, scale: float, soft_cap: float | None = None) -> Passes:
+    return Passes(self, mask, float(scale), soft_cap)
 
   def ring_step(self, *, strategy: str, mask: Mask, scale: float, shards: int, axis: str,
                 load_balance: bool, q_shape, kv_shape, layout: Layout,

@@ -193,6 +193,13 @@ class Kernel:
     Kernels with `soft_cap = True` also take `soft_cap=` (a float or None)."""
     raise NotImplementedError
 
+  def passes(self, mask: Mask, scale: float, soft_cap: float | None = None):
+    """The kernel's forward and backward passes without autodiff rules, as
+    `flaxattn.checked.Passes`: what a kernel exact only for some data runs on a batch it
+    cannot serve. None: the kernel has none to offer (it is itself exact only for some
+    data, or has no backward of its own)."""
+    return None
+
   def ring_step(self, *, strategy: str, mask: Mask, scale: float, shards: int, axis: str,
                 load_balance: bool, q_shape, kv_shape, layout: Layout,
                 soft_cap: float | None = None) -> RingStep:

@@ -15,7 +15,7 @@ import pytest
 
 import cudnn_ring_check
 import flaxattn
-from flaxattn import cudnn, cudnn_ring, registry
+from flaxattn import blockwise, cudnn, cudnn_ring, registry
 from flaxattn.layout import Layout
 from flaxattn.reference import reference_attention
 from helpers import TOL, as_layout, compare, normal, qkv, random_packing
@@ -43,7 +43,31 @@ def _call(platform="gpu", dtype="bfloat16", d=128, mask=flaxattn.Causal(), segme
     ids=lambda c: (f"{c.dtype}-d{c.q_shape[-1]}-{c.mask}-seg{c.has_segment_ids}"
                    f"-pos{c.has_positions}"))
 def test_accepts(call):
-  assert cudnn.Cudnn().unsupported_reason(call) is None
+  # Two slots keep packed rows within the default THD budget (test_thd_budget).
+  assert cudnn.Cudnn(max_segments=2).unsupported_reason(call) is None
+
+
+def test_thd_budget():
+  """Packed rows through cuDNN's THD layout hold temporaries that grow with the slots
+  (about 4.3 x slots x B x T x H x D x bytes on an H100, against 6 for the unpacked call):
+  by default cuDNN takes them while that stays under twice the unpacked call's, else the
+  next kernel, pallas_gpu, serves them, and the reason gives the bytes."""
+  call = _call(t=32768, s=32768)  # B=2, H=8, D=128, bf16: B x T x H x D x bytes = 2**27
+  packed, unpacked = cudnn.thd_bytes(call, 32)
+  assert (packed, unpacked) == (int(4.3 * 32 * 2**27), int(6.0 * 2**27))
+  reason = cudnn.Cudnn().unsupported_reason(call)
+  assert ("packed (THD) layout with 32 slots would hold about 17.20 GiB of temporaries"
+          in reason and "over its budget of 1.50 GiB (twice the unpacked call's" in reason)
+  assert registry.select("auto", call).name == "pallas_gpu"
+  assert cudnn.Cudnn(max_segments=2).unsupported_reason(call) is None  # 1.07 GiB
+  assert cudnn.Cudnn(max_segments=3).unsupported_reason(call) is not None  # 1.61 GiB
+  assert cudnn.Cudnn(thd_budget=200 * 2**30).unsupported_reason(call) is None
+  unpacked_call = _call(t=32768, s=32768, segments=False)
+  assert registry.select("auto", unpacked_call).name == "cudnn"
+  # Per device under context parallelism: the same rule on T / cp tokens.
+  ring = dataclasses.replace(call, cp_size=4, cp_strategy="ring")
+  assert "about 4.30 GiB" in cudnn.Cudnn().unsupported_reason(ring)
+  assert "packed rows, 2 slots, about 1.07 GiB" in cudnn.Cudnn(max_segments=2).describe(call)
 
 
 @pytest.mark.parametrize("call,words", [
@@ -66,8 +90,9 @@ def test_serves_context_parallelism_for_causal_and_full_masks_only():
     return dataclasses.replace(_call(mask=mask), cp_size=4, cp_strategy=strategy)
   for strategy in ("ring", "all_gather"):
     for mask in (flaxattn.Causal(), flaxattn.Full()):
-      assert cudnn.Cudnn().unsupported_reason(cp(mask, strategy)) is None
-      assert registry.select("auto", cp(mask, strategy)).name == "cudnn"
+      assert cudnn.Cudnn(max_segments=2).unsupported_reason(cp(mask, strategy)) is None
+      unpacked = dataclasses.replace(cp(mask, strategy), has_segment_ids=False)
+      assert registry.select("auto", unpacked).name == "cudnn"
     local = cudnn.Cudnn().unsupported_reason(cp(flaxattn.Local(64), strategy))
     assert "straddles the context shards' chunks" in local
     assert "no chunked mask" in cudnn.Cudnn().unsupported_reason(cp(flaxattn.Chunked(64), strategy))
@@ -156,8 +181,8 @@ def reference_fallback(monkeypatch):
     _, vjp = jax.vjp(lambda q, k, v: forward(q, k, v, layout, mask=mask, scale=scale), q, k, v)
     return vjp((dout, dlse))
 
-  monkeypatch.setattr(cudnn.blockwise, "forward", forward)
-  monkeypatch.setattr(cudnn.blockwise, "backward", backward)
+  monkeypatch.setattr(blockwise, "forward", forward)
+  monkeypatch.setattr(blockwise, "backward", backward)
 
 
 def _kernel(max_segments):

@@ -117,7 +117,7 @@ def _gpu_call(**kw):
 
 @pytest.mark.parametrize("kw,words", [
     (dict(soft_cap=30.0), "no logit soft-capping, got logit_soft_cap=30.0"),
-    (dict(v_head_dim=32), "v head_dim 32; the blockwise kernel serves Dv != D"),
+    (dict(v_head_dim=32), "v head_dim 32; the pallas_gpu and blockwise kernels serve Dv != D"),
 ])
 def test_cudnn_declines_with_reason_and_fused_takes_pallas_gpu(kw, words):
   call = _gpu_call(**kw)

@@ -197,7 +197,11 @@ def test_explain_shows_each_platform():
     return jax.ShapeDtypeStruct(s, dtype)
   q, kv = shape(1, 4096, 8, 128), shape(1, 4096, 2, 128)
   text = flaxattn.explain(q, kv, kv, segment_ids=shape(1, 4096, dtype=jnp.int32), print_fn=None)
-  assert "  cpu: blockwise\n  gpu: cudnn (packed rows checked per batch" in text
+  # Packed rows: cuDNN's THD temporaries, 4.3 x 32 slots x 4096 x 8 x 128 x 2 bytes, pass
+  # its budget, twice the unpacked call's (2 x 6.0 x 4096 x 8 x 128 x 2 bytes).
+  assert ("  cpu: blockwise\n  gpu: pallas_gpu (cudnn declines: cuDNN's packed (THD) layout"
+          " with 32 slots would hold about 1.07 GiB of temporaries") in text
+  assert "over its budget of 0.09 GiB" in text
   assert "\n  tpu: splash\n" in text + "\n"
   # Chunked: no cuDNN mask, so GPU takes the next kernel and says why; splash chunks lazily
   # on TPU.

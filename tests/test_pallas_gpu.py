@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import AxisType
 
 import flaxattn
-from flaxattn import balance, pallas_gpu, registry
+from flaxattn import balance, blocks, pallas_gpu, registry
 from flaxattn.layout import Layout
 from helpers import (
   TOL,
@@ -130,7 +130,7 @@ def _counting(monkeypatch):
       return fn(*args)
     return wrapper
   monkeypatch.setattr(pallas_gpu, "_scores", counted("live", pallas_gpu._scores))
-  monkeypatch.setattr(pallas_gpu, "_skip", counted("skipped", pallas_gpu._skip))
+  monkeypatch.setattr(blocks, "skip_block", counted("skipped", blocks.skip_block))
   return visits
 
 
