@@ -52,30 +52,42 @@ def _check_sinks(q, sinks) -> None:
                       " head, or None")
 
 
+# Bounds of the numbers that set up the scores. Past MAX_SCALE, float32 scores overflow to
+# inf for ordinary inputs (and softmax gives NaN); past MAX_SOFT_CAP, scores divided by the
+# cap fall below float32's normal range and flush to zero (a cap of 1e38 flattens
+# attention). Scales in use are below 1 (head_dim ** -0.5), caps tens.
+MAX_SCALE = 1e6
+MAX_SOFT_CAP = 1e6
+
+
 def check_soft_cap(logit_soft_cap) -> float | None:
   """`logit_soft_cap` as a float, or None.
 
   Raises:
-    ValueError: not None nor a number (e.g. a bool or a string), not positive, inf or NaN
-      (a cap of inf would give NaN, not "no cap").
+    ValueError: not None nor a number (e.g. a bool or a string), not in (0, MAX_SOFT_CAP],
+      inf or NaN (a cap of inf would give NaN, not "no cap").
   """
   if logit_soft_cap is None:
     return None
   return checks.number("logit_soft_cap", logit_soft_cap,
-                       "a positive number (finite, e.g. 50.0) or None", lambda x: x > 0)
+                       f"a positive number at most {MAX_SOFT_CAP:g} (e.g. 50.0) or None",
+                       lambda x: 0 < x <= MAX_SOFT_CAP,
+                       "caps in use are tens; larger ones lose float32 precision")
 
 
 def check_scale(scale) -> float | None:
   """`scale` as a float, or None (the default, head_dim ** -0.5).
 
   Raises:
-    ValueError: not None nor a number (e.g. a bool or a string), not positive, inf or NaN.
+    ValueError: not None nor a number (e.g. a bool or a string), not in (0, MAX_SCALE], inf
+      or NaN.
   """
   if scale is None:
     return None
   return checks.number("scale", scale,
-                       "a positive number (finite, e.g. 0.125) or None for head_dim ** -0.5",
-                       lambda x: x > 0)
+                       f"a positive number at most {MAX_SCALE:g} (e.g. 0.125) or None for"
+                       " head_dim ** -0.5", lambda x: 0 < x <= MAX_SCALE,
+                       "larger scales overflow float32 scores")
 
 
 def apply_sinks(out, lse, sinks):

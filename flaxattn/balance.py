@@ -339,6 +339,9 @@ def balance_plan(segment_ids, cp: int, masks: Sequence[Mask] | None = None, *,
     raise ValueError(f"block expects a positive int (tokens per kernel block), got {block!r}.")
   seg = _host_ids(segment_ids)
   t = seg.shape[-1]
+  if t == 0:
+    raise ValueError(f"document load balancing expects at least one token on the last axis of"
+                     f" segment_ids, got shape {seg.shape}.")
   if t % cp:
     raise ValueError(f"document load balancing expects the sequence length ({t}) of"
                      f" segment_ids {seg.shape} divisible by cp = {cp}; pad the rows to a"

@@ -88,8 +88,8 @@ def number(arg: str, value, expected: str, valid: Callable[[float], bool], hint:
 
   Raises:
     ValueError: not a real number (a bool, a string, an array that is not 0-d, a traced
-      value), inf, NaN, or outside `valid`. A ValueError for every case, as for the other
-      numbers of the library (sizes, positions).
+      value), inf, NaN, an int past float's range, or outside `valid`. A ValueError for
+      every case, as for the other numbers of the library (sizes, positions).
   """
   why = f"; {hint}" if hint else ""
   dtype = getattr(value, "dtype", None)
@@ -101,7 +101,10 @@ def number(arg: str, value, expected: str, valid: Callable[[float], bool], hint:
                      f" {value!r}; pass a Python number (a static argument under jit).")
   if not (scalar or zero_d):
     raise ValueError(f"{arg} expects {expected}, got {value!r} ({type_name(value)}){why}.")
-  x = float(value)
+  try:
+    x = float(value)
+  except OverflowError:  # a Python int past float's range
+    x = math.inf
   if not (math.isfinite(x) and valid(x)):
     raise ValueError(f"{arg} expects {expected}, got {value!r}{why}.")
   return x

@@ -224,6 +224,9 @@ class KVCache(nnx.Module):
     """
     cp = self.context_parallel
     assert cp is not None  # the caller decodes under context parallelism
+    # The new tokens attend to their keys as the cache holds them (rounded to its dtype), as
+    # on one device, where they are read back from the cache.
+    k, v = (x.astype(c.dtype).astype(x.dtype) for x, c in ((k, self.keys), (v, self.values)))
     i = self.index[...]
     t = k.shape[1]
     specs = cp_decode.specs(cp, q.shape[0], self.heads, self.keys.shape[2])

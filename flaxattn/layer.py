@@ -61,6 +61,9 @@ def _check_input(arg: str, x, features: int, features_arg: str) -> None:
   if x.shape[-1] != features:
     raise ValueError(f"{arg} expects {features} features ({features_arg}={features}), got shape"
                      f" {x.shape}.")
+  if math.prod(x.shape[:-1]) == 0:
+    raise ValueError(f"{arg} expects at least one token (axis -2) in every batch axis, got"
+                     f" shape {x.shape}; skip the call for empty inputs.")
 
 
 def _fold_batch(shape) -> tuple[int, ...]:

@@ -16,6 +16,10 @@ import numpy as np
 from flaxattn import checks
 
 SCALINGS = ("default", "linear", "llama3", "yarn")
+MAX_POSITION = 2**31 - 1  # positions are int32
+# yarn's attention factor scales cos and sin, so scores grow by its square; published
+# models use about 1 (0.1 ln(factor) + 1), and past this float32 scores overflow.
+MAX_ATTENTION_FACTOR = 1e3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,14 +61,16 @@ class RoPEScaling:
     number("factor", "a number >= 1 (finite)", lambda x: x >= 1)
     for field in ("low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow"):
       number(field, "a positive number (finite)", lambda x: x > 0)
-    if self.attention_factor is not None:
-      number("attention_factor", "a positive number (finite) or None", lambda x: x > 0)
+    if self.attention_factor is not None:  # scales q and k: scores grow by its square
+      number("attention_factor", f"a positive number at most {MAX_ATTENTION_FACTOR:g} or None",
+             lambda x: 0 < x <= MAX_ATTENTION_FACTOR)
     old = self.original_max_position
     if old is not None:
-      if isinstance(old, bool) or not isinstance(old, (int, np.integer)) or old < 1:
-        raise ValueError(f"RoPEScaling(original_max_position=...) expects a positive int (the"
-                         f" context length the model was trained at) or None, got {old!r}"
-                         f" ({checks.type_name(old)}).")
+      if (isinstance(old, bool) or not isinstance(old, (int, np.integer)) or old < 1
+          or old > MAX_POSITION):
+        raise ValueError(f"RoPEScaling(original_max_position=...) expects a positive int at"
+                         f" most {MAX_POSITION} (the context length the model was trained at;"
+                         f" positions are int32) or None, got {old!r} ({checks.type_name(old)}).")
       object.__setattr__(self, "original_max_position", int(old))
     if self.kind in ("llama3", "yarn") and old is None:
       raise ValueError(f"RoPEScaling(kind={self.kind!r}) expects original_max_position (the"

@@ -39,6 +39,7 @@ from flax import nnx
 
 import flaxattn
 from flaxattn import checks
+from flaxattn.attention import MAX_SOFT_CAP
 from flaxattn.sharding import constrain, param_metadata
 
 X_NAMES = ("batch", "seq", "embed")
@@ -98,7 +99,8 @@ class LlamaConfig:
     multiple of `n_heads` without `head_dim`, an odd head dim (RoPE), `n_heads` not a
     multiple of `n_kv_heads`,
     unknown `remat` or `dtype`, `norm_eps`/`rope_theta` out of range, both `chunk_size` and
-    `sliding_window`, a `logit_soft_cap` that is not a positive number, or `scan_layers`
+    `sliding_window`, a `logit_soft_cap` that is not a positive number at most
+    `flaxattn.attention.MAX_SOFT_CAP`, or `scan_layers`
     with a layer pattern and `n_layers` not a multiple of `global_every`.
   """
 
@@ -142,9 +144,11 @@ class LlamaConfig:
       raise ValueError(f"LlamaConfig(sliding_window=...) expects None with chunk_size"
                        f" ({self.chunk_size}), got {self.sliding_window}: a layer is chunked or"
                        " windowed, not both. Set one of them.")
-    if self.logit_soft_cap is not None:
-      checks.number("LlamaConfig(logit_soft_cap=...)", self.logit_soft_cap,
-                    "a positive number (finite) or None", lambda x: x > 0)
+    if self.logit_soft_cap is not None:  # stored as a float: the config stays hashable
+      object.__setattr__(self, "logit_soft_cap", checks.number(
+          "LlamaConfig(logit_soft_cap=...)", self.logit_soft_cap,
+          f"a positive number at most {MAX_SOFT_CAP:g} or None",
+          lambda x: 0 < x <= MAX_SOFT_CAP))
     if self.head_dim is None and self.dim % self.n_heads:
       raise ValueError(f"LlamaConfig(dim=...) expects a multiple of n_heads ({self.n_heads}),"
                        f" got {self.dim}: head_dim = dim // n_heads (or set head_dim).")
@@ -164,10 +168,10 @@ class LlamaConfig:
     if self.dtype not in DTYPES:
       raise ValueError(f"LlamaConfig(dtype=...) expects one of {tuple(DTYPES)}, got"
                        f" {self.dtype!r}; parameters are always float32.")
-    checks.number("LlamaConfig(rope_theta=...)", self.rope_theta, "a number > 1 (finite)",
-                  lambda x: x > 1)
-    checks.number("LlamaConfig(norm_eps=...)", self.norm_eps, "a number > 0 (finite)",
-                  lambda x: x > 0)
+    object.__setattr__(self, "rope_theta", checks.number(
+        "LlamaConfig(rope_theta=...)", self.rope_theta, "a number > 1 (finite)", lambda x: x > 1))
+    object.__setattr__(self, "norm_eps", checks.number(
+        "LlamaConfig(norm_eps=...)", self.norm_eps, "a number > 0 (finite)", lambda x: x > 0))
     if not isinstance(self.attention_backend, str) or not self.attention_backend:
       raise ValueError(f"LlamaConfig(attention_backend=...) expects a flaxattn backend name"
                        f" ('auto', 'fused', 'reference', ...), got {self.attention_backend!r}.")

@@ -178,6 +178,9 @@ def test_plan_errors():
     flaxattn.load_balance(np.ones((1, 6)), 2, segment_ids=seg)
   with pytest.raises(TypeError, match="traced"):
     jax.jit(lambda s: flaxattn.load_balance(s, 2, segment_ids=s))(seg)
+  with pytest.raises(ValueError, match=r"at least one token on the last axis of segment_ids,"
+                     r" got shape \(1, 0\)"):
+    flaxattn.balance_plan(np.ones((1, 0), np.int32), 2)
 
 
 def _mesh(shape, names):

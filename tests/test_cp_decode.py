@@ -292,3 +292,19 @@ def test_a_decode_step_moves_the_same_bytes_at_any_cache_length():
   want = {"all-gather": {"count": 1, "bytes": n * b * h * f32},
           "all-reduce": {"count": 1, "bytes": b * h * d * f32}}
   assert moved == [want, want]
+
+
+def test_a_low_precision_cache_gives_the_same_prefill_on_a_mesh():
+  """With a bfloat16 cache the new tokens attend to their keys as the cache holds them, on
+  a mesh as on one device (the mesh used the float32 keys: 2.6e-3 apart)."""
+  x = normal((1, 8, E))
+
+  def prefill(cp):
+    m = MultiHeadAttention(2, E, mask=Causal(), context_parallel=cp, rngs=nnx.Rngs(0))
+    m.init_cache((1, 8, E), jnp.bfloat16)
+    return np.asarray(_decode(m, x, None, None))
+
+  want = prefill(None)
+  with jax.set_mesh(_mesh(2)):
+    got = prefill(ContextParallel(strategy="all_gather", load_balance=False))
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())

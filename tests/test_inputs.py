@@ -71,6 +71,12 @@ INF, NAN = float("inf"), float("nan")
     (dict(scale="a"), r"scale expects .*got 'a' \(str\)"),
     (dict(scale=True), r"scale expects .*got True \(bool\)"),
     (dict(scale=np.ones(2)), r"scale expects .*\(numpy.ndarray\)"),
+    # Finite but past float32: scores overflow (scale) or flush to zero (cap), so NaN or
+    # flattened attention; an int past float's range is refused the same way.
+    (dict(scale=1e38), r"scale expects a positive number at most 1e\+06.*got 1e\+38"),
+    (dict(scale=10**400), r"scale expects a positive number at most 1e\+06"),
+    (dict(logit_soft_cap=1e38), r"logit_soft_cap expects a positive number at most 1e\+06"),
+    (dict(logit_soft_cap=10**400), r"logit_soft_cap expects a positive number at most"),
 ])
 def test_bad_sizes_and_numbers_name_the_argument(kwargs, match):
   args = dict(q=Q, k=K, v=K)

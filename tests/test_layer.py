@@ -197,6 +197,9 @@ def test_constructor_errors(make, match):
      r"decode=True expects a KV cache: call init_cache"),
     (lambda m: m(normal((B, T, E)), None, normal((B, T, E))),
      r"inputs_k expects an array when inputs_v"),
+    (lambda m: m(normal((B, 0, E))),
+     r"inputs_q expects at least one token \(axis -2\) in every batch axis, got shape"
+     r" \(2, 0, 16\)"),
 ])
 def test_call_errors(call, match):
   m = MultiHeadAttention(4, E, rngs=nnx.Rngs(0))
@@ -274,6 +277,13 @@ def test_decode_past_the_cache_is_refused_and_writes_nothing(jit, caplog):
   np.testing.assert_allclose(call(m, x[:, 3:], decode=True), want[:, 3:], atol=1e-5)
   m.init_cache((1, 4, E))
   np.testing.assert_allclose(call(m, x, decode=True), want, atol=1e-5)
+
+
+def test_decode_of_no_tokens_is_refused_by_name():
+  m = _decoder(4)
+  with pytest.raises(ValueError, match=r"inputs_q expects at least one token"):
+    m(normal((1, 0, E)), decode=True)
+  assert int(m.cache.index[...]) == 0
 
 
 def test_init_cache_checks_the_shape():

@@ -366,11 +366,23 @@ def test_every_parameter_has_logical_axis_names(tie, scan):
     (dict(rope_theta=float("nan")), r"rope_theta=.*number > 1 \(finite\), got nan"),
     (dict(rope_theta=True), r"rope_theta=.*got True \(bool\)"),
     (dict(norm_eps=float("inf")), r"norm_eps=.*number > 0 \(finite\), got inf"),
-    (dict(logit_soft_cap=float("inf")), r"logit_soft_cap=.*positive number \(finite\) or None"),
+    (dict(logit_soft_cap=float("inf")), r"logit_soft_cap=.*positive number at most 1e\+06"),
+    (dict(logit_soft_cap=1e39), r"logit_soft_cap=.*positive number at most 1e\+06"),
+    (dict(norm_eps=10**400), r"norm_eps=.*number > 0 \(finite\), got 1000"),
 ])
 def test_bad_config_raises_naming_field_and_value(change, match):
   with pytest.raises(ValueError, match=match):
     dataclasses.replace(SMALL, **change)
+
+
+def test_config_numbers_are_stored_as_floats():
+  """A numpy or 0-d array value is checked and kept as a float: the config stays hashable
+  (it is a static argument) and equal to the one made with floats."""
+  cfg = dataclasses.replace(SMALL, norm_eps=np.array(1e-5), rope_theta=jnp.array(1e4),
+                            logit_soft_cap=np.float32(30.0))
+  assert hash(cfg) == hash(dataclasses.replace(SMALL, norm_eps=1e-5, rope_theta=1e4,
+                                               logit_soft_cap=30.0))
+  assert type(cfg.norm_eps) is float and type(cfg.rope_theta) is float
 
 
 def test_call_errors(small):

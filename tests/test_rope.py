@@ -120,6 +120,12 @@ INF, NAN = float("inf"), float("nan")
      r"attention_factor=\.\.\.\) expects a positive number.*got nan"),
     (lambda: RoPEScaling("yarn", 8.0, 4096, attention_factor=0.0),
      r"attention_factor=\.\.\.\) expects a positive number.*got 0.0"),
+    # Finite, but the rotation would overflow float32 scores, or past int32 positions.
+    (lambda: RoPEScaling("yarn", 8.0, 4096, attention_factor=1e39),
+     r"attention_factor=\.\.\.\) expects a positive number at most 1000"),
+    (lambda: RoPEScaling("yarn", 2.0, 10**400),
+     r"original_max_position=\.\.\.\) expects a positive int at most 2147483647"),
+    (lambda: RoPE(10**400), r"RoPE\(theta=\.\.\.\) expects a number > 1"),
 ])
 def test_numbers_out_of_range_are_refused(make, match):
   with pytest.raises(ValueError, match=match):
