@@ -41,7 +41,9 @@ only allowed (query, key) pairs: forward 4 * D * H * pairs (two matmuls), forwar
 3.5x that (the backward's five matmuls, the QK^T recomputation included, as FlashAttention
 counts). Each kernel is also shown as a fraction of the GPU's bf16 matmul TFLOP/s
 (8192 x 8192 x 8192), measured in the same run. "temp MiB" is XLA's compiled temporary
-memory of the forward+backward (cuDNN workspaces included).
+memory of the forward+backward (cuDNN workspaces included). These measurements are
+`bench.measure`'s, shared with `python -m bench.gpu` (the fuller GPU report: every kernel,
+more masks and lengths, a trainer step).
 """
 
 from __future__ import annotations
@@ -51,14 +53,12 @@ import contextlib
 import json
 import os
 import resource
-import statistics
 import subprocess
 import sys
 import time
 
 H, HKV, D = 8, 2, 128
 BLOCK = 512
-GPU_H, GPU_HKV, GPU_DOCS = 16, 8, 16
 
 
 def _rss_mib() -> float:
@@ -139,60 +139,38 @@ def _run_case(kind: str, t: int, timeout: int) -> dict:
   return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _median_time(fn, args, repeats: int) -> float:
-  from flaxattn.selftest import run_times  # imports jax: only where the GPU section runs
-  return statistics.median(run_times(fn, args, repeats, warmup=2))
-
-
-def _matmul_tflops(repeats: int) -> float:
-  import jax
-  import jax.numpy as jnp
-  n = 8192
-  a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
-  b = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
-  return 2 * n**3 / _median_time(jax.jit(jnp.matmul), (a, b), repeats) / 1e12
-
-
 def _gpu_kernels(t: int, case: str):
   """(name, attention fn of q, k, v) for one case; the fns close over the layout."""
   import jax
   import jax.numpy as jnp
-  import numpy as np
 
   import flaxattn
+  from bench import measure, peers
   from flaxattn import blockwise, cudnn
   from flaxattn.layout import Layout
 
-  mask, scale = flaxattn.Causal(), D ** -0.5
+  mask, scale = flaxattn.Causal(), measure.D ** -0.5
   if case == "causal":
     layouts = [("", Layout())]
     one_doc = jnp.ones((1, t), jnp.int32)
     layouts.append((" THD, 1 document", Layout(one_doc, one_doc)))
   else:
-    seg = jnp.asarray(np.repeat(np.arange(1, GPU_DOCS + 1, dtype=np.int32), t // GPU_DOCS)[None])
-    pos = jnp.asarray(np.tile(np.arange(t // GPU_DOCS, dtype=np.int32), GPU_DOCS)[None])
+    seg, pos = (jnp.asarray(x) for x in measure.packed_row(t))
     layouts = [(" THD", Layout(seg, seg, pos, pos))]
-  q_shape = jax.ShapeDtypeStruct((1, t, GPU_H, D), jnp.bfloat16)
-  kv_shape = jax.ShapeDtypeStruct((1, t, GPU_HKV, D), jnp.bfloat16)
+  q_shape = jax.ShapeDtypeStruct((1, t, measure.H, measure.D), jnp.bfloat16)
+  kv_shape = jax.ShapeDtypeStruct((1, t, measure.HKV, measure.D), jnp.bfloat16)
   for label, layout in layouts:  # else the numbers would be the blockwise fallback's
     assert cudnn.served_by_cudnn(q_shape, kv_shape, layout, mask=mask), label
   kernels = [(f"flaxattn cuDNN{label}", lambda q, k, v, layout=layout: cudnn.cudnn_attention(
       q, k, v, layout, mask=mask, scale=scale, return_lse=False)) for label, layout in layouts]
-
-  def jax_nn(q, k, v, **kwargs):
-    return jax.nn.dot_product_attention(q, k, v, scale=scale, implementation="cudnn", **kwargs)
-
   if case == "causal":
-    kernels.append(("jax.nn cuDNN is_causal", lambda q, k, v: jax_nn(q, k, v, is_causal=True)))
+    kernels.append(("jax.nn cuDNN is_causal", peers.jax_nn_cudnn))
   else:
-    def docs(x):
-      return x.reshape((GPU_DOCS, t // GPU_DOCS) + x.shape[2:])
-    kernels.append(("jax.nn cuDNN, docs as batch rows", lambda q, k, v: jax_nn(
-        docs(q), docs(k), docs(v), is_causal=True).reshape(q.shape)))
+    kernels.append(("jax.nn cuDNN, docs as batch rows", peers.docs_as_rows(measure.DOCS)))
     if t <= 8192:
       same = (seg[:, :, None] == seg[:, None, :]) & (pos[:, :, None] >= pos[:, None, :])
-      kernels.append(("jax.nn cuDNN, [T, T] mask", lambda q, k, v: jax_nn(
-          q, k, v, mask=same[:, None])))
+      kernels.append(("jax.nn cuDNN, [T, T] mask", lambda q, k, v: peers.jax_nn_cudnn(
+          q, k, v, is_causal=False, mask=same[:, None])))
   layout = layouts[-1][1] if case == "packed" else Layout()
   kernels.append(("flaxattn blockwise", lambda q, k, v: blockwise.blockwise_attention(
       q, k, v, layout, mask=mask, scale=scale, return_lse=False)))
@@ -201,27 +179,23 @@ def _gpu_kernels(t: int, case: str):
 
 def _gpu_row(name: str, attn, t: int, case: str, matmul: float, repeats: int) -> dict:
   import jax
-  import jax.numpy as jnp
+  import numpy as np
 
-  keys = jax.random.split(jax.random.key(t), 3)
-  q = jax.random.normal(keys[0], (1, t, GPU_H, D), jnp.bfloat16)
-  k = jax.random.normal(keys[1], (1, t, GPU_HKV, D), jnp.bfloat16)
-  v = jax.random.normal(keys[2], (1, t, GPU_HKV, D), jnp.bfloat16)
-  from bench.attention import causal_pairs
+  import flaxattn
+  from bench import measure
 
-  docs = 1 if case == "causal" else GPU_DOCS
-  fwd_flops = 4 * D * GPU_H * docs * causal_pairs(t // docs)
-  row = dict(section="gpu", kernel=name, case=case, T=t, H=GPU_H, HKV=GPU_HKV, D=D,
-             device=jax.devices()[0].device_kind, matmul_tflops=round(matmul, 1))
+  seg = np.ones((1, t), np.int32) if case == "causal" else measure.packed_row(t)[0]
+  fwd_flops, fwd_bwd_flops = measure.flops(measure.useful_pairs(flaxattn.Causal(), seg))
+  row = dict(section="gpu", kernel=name, case=case, T=t, H=measure.H, HKV=measure.HKV,
+             D=measure.D, device=jax.devices()[0].device_kind, matmul_tflops=round(matmul, 1))
+  args = measure.inputs(t)
   try:
-    fwd = jax.jit(attn)
-    grad = jax.jit(jax.grad(lambda q, k, v: jnp.sum(attn(q, k, v).astype(jnp.float32)),
-                            argnums=(0, 1, 2)))
-    memory = grad.lower(q, k, v).compile().memory_analysis()
-    if memory is not None:
-      row["temp_mib"] = round(memory.temp_size_in_bytes / 2**20, 1)
-    for label, fn, flops in (("fwd", fwd, fwd_flops), ("fwd_bwd", grad, 3.5 * fwd_flops)):
-      seconds = _median_time(fn, (q, k, v), repeats)
+    compiled = measure.compile_pair(attn, args)
+    if compiled.temp_bytes is not None:
+      row["temp_mib"] = round(compiled.temp_bytes / 2**20, 1)
+    for label, fn, flops in (("fwd", compiled.forward, fwd_flops),
+                             ("fwd_bwd", compiled.forward_backward, fwd_bwd_flops)):
+      seconds = measure.median_seconds(fn, args, repeats)
       row[f"{label}_ms"] = round(seconds * 1e3, 3)
       row[f"{label}_tflops"] = round(flops / seconds / 1e12, 1)
       row[f"{label}_of_matmul"] = round(flops / seconds / 1e12 / matmul, 3)
@@ -234,14 +208,16 @@ def gpu_section(lengths: list[int], repeats: int) -> list[dict]:
   """The GPU throughput rows (empty, after saying why, when there is no GPU)."""
   import jax
 
+  from bench import measure
+
   if jax.default_backend() != "gpu":
     print(f"GPU section skipped: jax.default_backend() is {jax.default_backend()!r}; it"
           " measures cuDNN attention on an NVIDIA GPU.", flush=True)
     return []
-  matmul = _matmul_tflops(repeats)
+  matmul = measure.matmul_tflops(repeats)
   print(f"\nGPU {jax.devices()[0].device_kind}: bf16 matmul 8192^3 {matmul:.1f} TFLOP/s."
-        f" Attention B=1, H={GPU_H} on {GPU_HKV} KV heads, D={D}, bfloat16; causal = one"
-        f" document, packed = {GPU_DOCS} equal causal documents.")
+        f" Attention B=1, H={measure.H} on {measure.HKV} KV heads, D={measure.D}, bfloat16;"
+        f" causal = one document, packed = {measure.DOCS} equal causal documents.")
   header = (f"{'kernel':34} {'case':>6} {'T':>6} {'fwd ms':>8} {'TFLOP/s':>8} {'of mm':>6}"
             f" {'f+b ms':>8} {'TFLOP/s':>8} {'of mm':>6} {'temp MiB':>9}")
   print(header + "\n" + "-" * len(header), flush=True)

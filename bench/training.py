@@ -16,10 +16,10 @@ multi-device program has run, so there it is most of the step; on one device, GP
 it returns at once). Medians over the steps after the first two (compile and warm-up).
 
 The demo model (`configs/demo.yaml`: its model config, seq_len and global batch_size) is
-trained with the trainer's own pieces: `train.loop._make_state` (Llama + AdamW from
-`train.optimizer`), `train.loop.train_step` (the jitted step `python -m train` runs),
-`train.mesh.make`, `flaxattn.sharding.rules` and `train.data.GlobalBatches`. Variants, all on
-the same global batch (`batch_size` rows of `seq_len`) and the same initial parameters:
+trained with the trainer's own pieces (`bench.train_step`): `train.loop._make_state` (Llama
++ AdamW from `train.optimizer`), `train.loop.train_step` (the jitted step `python -m train`
+runs), `train.mesh.make`, `flaxattn.sharding.rules` and `train.data.GlobalBatches`. Variants,
+all on the same global batch (`batch_size` rows of `seq_len`) and the same initial parameters:
 
   1. ring:        mesh context=4 (the demo config), ContextParallel("ring", load_balance);
   2. all_gather:  mesh context=4, ContextParallel("all_gather", load_balance) (the demo
@@ -78,7 +78,6 @@ os.environ["XLA_FLAGS"] = " ".join(_flags)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse  # noqa: E402
-import gc  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
 import statistics  # noqa: E402
@@ -87,125 +86,12 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
-from jax.sharding import AxisType  # noqa: E402
 
-import flaxattn  # noqa: E402
 from bench.attention import matmul_gflops  # noqa: E402
+from bench.train_step import Variant, one_batch  # noqa: E402
 from models.llama import flops_per_token, num_params  # noqa: E402
 from train import config as config_lib  # noqa: E402
-from train import data, loop  # noqa: E402
-from train import mesh as mesh_lib  # noqa: E402
-from train import tokenizer as tokenizer_lib  # noqa: E402
-
-
-def dense_mask_attention(q, k, v, *, mask, segment_ids=None, positions=None,
-                         kv_segment_ids=None, kv_positions=None, backend=None,
-                         context_parallel=None, **unused):
-  """`flaxattn.attention`'s signature; plain jax.nn.dot_product_attention with a dense
-  [B, 1, T, S] mask from segment ids and positions (causal masks only, no CP)."""
-  del backend, unused
-  if context_parallel is not None or mask != flaxattn.Causal():
-    raise ValueError(f"dense_mask_attention serves Causal() without CP, got {mask!r}, "
-                     f"{context_parallel!r}.")
-  b, t, s = q.shape[0], q.shape[1], k.shape[1]
-  if segment_ids is None:
-    segment_ids = jnp.ones((b, t), jnp.int32)
-  if positions is None:
-    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-  kv_seg = segment_ids if kv_segment_ids is None else kv_segment_ids
-  kv_pos = positions if kv_positions is None else kv_positions
-  allowed = ((segment_ids[:, :, None] == kv_seg[:, None, :]) & (segment_ids[:, :, None] != 0)
-             & (kv_pos[:, None, :] <= positions[:, :, None]))
-  assert allowed.shape == (b, t, s)
-  return jax.nn.dot_product_attention(q, k, v, mask=allowed[:, None], implementation="xla")
-
-
-def _rules(mesh, m):
-  return flaxattn.sharding.rules(mesh, kv_heads=m.n_kv_heads, heads=m.n_heads, mlp=m.ffn_dim,
-                                 vocab=m.vocab_size, embed=m.dim)
-
-
-def one_batch(cfg, index: int | None, min_docs: int) -> tuple[int, dict]:
-  """(its index, one local batch: numpy, original token order) from the trainer's pipeline:
-  batch `index`, or with index None the first batch whose every row holds at least
-  `min_docs` documents."""
-  tok = tokenizer_lib.make(cfg.data.tokenizer)
-  train_docs, _ = data.split_documents(data.list_documents(cfg.data.source),
-                                       cfg.data.eval_fraction)
-  ds = data.pipeline(train_docs, tok, cfg.data, seq_len=cfg.seq_len, batch=cfg.batch_size,
-                     seed=cfg.seed, shard_index=0, shard_count=1, shuffle=True)
-  it = iter(ds)
-  for i in range(10_000):
-    batch = {k: np.array(v) for k, v in next(it).items()}
-    docs = min(len(np.unique(r[r > 0])) for r in batch["segment_ids"])
-    if i == index or (index is None and docs >= min_docs):
-      break
-  else:
-    raise SystemExit(f"no batch with >= {min_docs} documents per row in the first 10000")
-  del it, ds  # stop the reader threads before timing
-  gc.collect()
-  time.sleep(1.0)
-  return i, batch
-
-
-class Variant:
-  """One variant's mesh, state and global batch, compiled and warmed up; `step()` runs and
-  times one training step (wall seconds, process CPU seconds)."""
-
-  def __init__(self, name: str, cfg, local: dict, *, cp_size: int, dense: bool, warmup: int):
-    self.name, self.cfg, self.dense = name, cfg, dense
-    if cp_size > 1:
-      self.mesh = mesh_lib.make(cfg)
-      assert self.mesh.shape["context"] == cp_size, dict(self.mesh.shape)
-      self.cp = mesh_lib.context_parallel(cfg, self.mesh)
-    else:
-      axes = config_lib.MESH_AXES
-      self.mesh = jax.make_mesh((1,) * len(axes), axes, axis_types=(AxisType.Auto,) * len(axes),
-                                devices=jax.devices()[:1])
-      self.cp = None
-    self.rules = _rules(self.mesh, cfg.model)
-    batches = data.GlobalBatches(
-        self.mesh, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
-        cp=(self.cp.balanced_shards(self.mesh)
-            if self.cp is not None and self.cp.load_balance else None))
-    with jax.set_mesh(self.mesh), nnx.logical_axis_rules(self.rules):
-      self.state = nnx.jit(lambda: loop._make_state(cfg, self.cp))()
-      if dense:  # Llama does not expose attention_fn: patch the layer instances
-        for block in self.state.model.layers:
-          block.attn.attention_fn = dense_mask_attention
-      self.batch = jax.block_until_ready(batches.to_global(local))
-    self.first_step_s, _, out = self._run()
-    self.first_loss = float(out["loss"])
-    for _ in range(warmup - 1):
-      self._run()
-    self.times, self.cpu = [], []
-
-  def _run(self):
-    with jax.set_mesh(self.mesh), nnx.logical_axis_rules(self.rules):
-      cpu0, start = time.process_time(), time.perf_counter()
-      out = jax.block_until_ready(loop.train_step(self.state, self.batch))
-      return time.perf_counter() - start, time.process_time() - cpu0, out
-
-  def step(self) -> None:
-    wall, cpu, _ = self._run()
-    self.times.append(wall)
-    self.cpu.append(cpu)
-
-  def result(self) -> dict:
-    cfg, tokens = self.cfg, self.cfg.batch_size * self.cfg.seq_len
-    median = statistics.median(self.times)
-    return dict(variant=self.name, mesh=dict(self.mesh.shape), devices=self.mesh.size,
-                strategy=None if self.cp is None else self.cp.strategy,
-                load_balance=None if self.cp is None else self.cp.load_balance,
-                attention="jax.nn.dot_product_attention xla + dense mask" if self.dense
-                else f"flaxattn (backend={cfg.model.attention_backend})",
-                first_step_s=self.first_step_s, first_loss=self.first_loss,
-                step_times=self.times, median_step_s=median, best_step_s=min(self.times),
-                cores_used=sum(self.cpu) / sum(self.times), tokens_per_step=tokens,
-                tokens_per_s=tokens / median, tokens_per_s_best=tokens / min(self.times))
 
 
 def trainer_runs(steps: int) -> list[dict]:
