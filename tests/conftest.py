@@ -1,5 +1,6 @@
 """Shared test fixtures. Every test process sees 8 simulated CPU devices, so multi-device
-tests run in process on `jax.devices()[:n]`; processes the tests start (the trainer, two-process
+tests run in process on `helpers.devices(n)` (the default backend's, or these on a host
+with one GPU); processes the tests start (the trainer, two-process
 jobs) get the environment they were given, with LLVM's cheapest optimization level added to
 `XLA_FLAGS` for them too. `fake_cudnn`: JAX's cuDNN attention runs on CPU through the model
 of cuDNN in cudnn_model.py."""
@@ -7,6 +8,7 @@ of cuDNN in cudnn_model.py."""
 import atexit
 import os
 import shutil
+import sys
 import tempfile
 
 _DEVICES = "--xla_force_host_platform_device_count=8"
@@ -25,6 +27,12 @@ import jax  # noqa: E402  (after XLA_FLAGS: JAX reads it when its backend starts
 
 jax.devices()  # start the backend now, then give subprocesses the caller's flags (and -O0)
 os.environ["XLA_FLAGS"] = " ".join([_flags or "", *(f for f in _ours if f != _DEVICES)]).strip()
+# The float32 comparisons assume float32 matmuls; GPUs default to reduced precision (TF32:
+# about 3e-4 relative on an H100). CPUs compute float32 either way.
+jax.config.update("jax_default_matmul_precision", "highest")
+# Processes the tests start import what this one imports, however it found it (PYTHONPATH,
+# pytest's pythonpath, a .pth file): the whole import path goes to them.
+os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in sys.path if p))
 
 # The persistent compilation cache of the trainer runs the tests start (trainer.py): one per
 # session, named before pytest-xdist starts its workers, which inherit it.

@@ -25,13 +25,13 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import flaxattn
+import helpers
 from helpers import CP_MASKS, grads_of, legal_layout, normal, qkv, random_packing, rel_error
 
 
 def mesh_of(axes: dict[str, int]) -> jax.sharding.Mesh:
   """A mesh of `axes` (automatic sharding) on the first devices of this process."""
-  return jax.make_mesh(tuple(axes.values()), tuple(axes), axis_types=(AxisType.Auto,) * len(axes),
-                       devices=jax.devices()[:math.prod(axes.values())])
+  return helpers.mesh(axes)
 
 def _hlo_collectives(text: str) -> dict:
   """Result dtypes of every all-gather op line and the numbers of collective-permutes and

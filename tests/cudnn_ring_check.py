@@ -8,9 +8,9 @@ ran cuDNN."""
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType
 
 import flaxattn
+import helpers
 from flaxattn import blockwise, cudnn
 from flaxattn.context_parallel import context_parallel_attention
 from flaxattn.layout import resolve
@@ -41,7 +41,7 @@ def _loss(out, lse):
 
 
 def run(n, mask, lb, layout_kind, hkv, strategy) -> list[float]:
-  mesh = jax.make_mesh((n,), ("context",), axis_types=(AxisType.Auto,), devices=jax.devices()[:n])
+  mesh = helpers.mesh({"context": n})
   b, t, h, d = 2, 64 * n, 4, 16
   rng = np.random.default_rng(n)
   q, k, v = (jnp.asarray(rng.standard_normal(s, np.float32), jnp.bfloat16)

@@ -7,15 +7,51 @@ program (the tests are compile-bound on CPU).
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
+from jax.sharding import AxisType
 
 import flaxattn
 from flaxattn import reference
 from flaxattn.layout import Layout
 from flaxattn.reference import reference_attention
 from flaxattn.selftest import relative_error as rel_error  # noqa: F401 (shared)
+
+
+def devices(n: int) -> list:
+  """`n` devices for a multi-device test: the default backend's where it has `n`, else the
+  CPU backend's (conftest.py simulates 8 there, beside one GPU), else the test is skipped,
+  naming how many it needs."""
+  found = jax.devices()
+  if len(found) < n:
+    found = jax.devices("cpu")
+  if len(found) < n:
+    here = [f"{len(found)} cpu"]
+    if jax.default_backend() != "cpu":
+      here.insert(0, f"{jax.device_count()} {jax.default_backend()}")
+    pytest.skip(f"needs {n} devices; this host has {' and '.join(here)} (XLA_FLAGS="
+                f"--xla_force_host_platform_device_count={n} simulates {n} cpu devices)")
+  return found[:n]
+
+
+def needs_default_devices(n: int) -> None:
+  """Skips the test unless the default backend itself has `n` devices (code under test that
+  takes the process's devices, as the trainer and the self-test do)."""
+  if jax.device_count() < n:
+    pytest.skip(f"needs {n} devices of the default backend; this host's"
+                f" {jax.default_backend()} backend has {jax.device_count()} (on a CPU host"
+                f" XLA_FLAGS=--xla_force_host_platform_device_count={n} simulates them)")
+
+
+def mesh(axes: dict[str, int]) -> jax.sharding.Mesh:
+  """A mesh of `axes` (automatic sharding) on `devices` of their product."""
+  return jax.make_mesh(tuple(axes.values()), tuple(axes), axis_types=(AxisType.Auto,) * len(axes),
+                       devices=devices(math.prod(axes.values())))
+
 
 # float32 matches to rounding; bfloat16 inputs round q/k/v and p before the matmuls.
 TOL = {jnp.float32: dict(atol=2e-5, rtol=2e-5), jnp.bfloat16: dict(atol=3e-2, rtol=3e-2)}

@@ -9,7 +9,7 @@ from jax.sharding import AxisType
 
 import flaxattn
 from flaxattn import balance, planner, ring
-from helpers import grads_of, qkv, random_packing
+from helpers import devices, grads_of, qkv, random_packing
 
 TOL = 1e-5  # float32, relative to the largest reference magnitude
 
@@ -185,7 +185,7 @@ def test_plan_errors():
 
 def _mesh(shape, names):
   n = int(np.prod(shape))
-  return jax.sharding.Mesh(np.array(jax.devices()[:n]).reshape(shape), names,
+  return jax.sharding.Mesh(np.array(devices(n)).reshape(shape), names,
                            axis_types=(AxisType.Auto,) * len(names))
 
 

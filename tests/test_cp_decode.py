@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import AxisType
 
+import helpers
 from bench import hlo
 from flaxattn import (
   Causal,
@@ -126,8 +126,7 @@ def test_prefill_and_decode_equal_one_device(case):
   ref.init_cache((b, slots, E))
   want = _run(ref, prompt, steps, ids, calls, _same, _same)
 
-  mesh = jax.make_mesh((case.data, case.ring, case.n), ("data", "context_ring", "context"),
-                       axis_types=(AxisType.Auto,) * 3, devices=jax.devices()[:case.data * n])
+  mesh = helpers.mesh({"data": case.data, "context_ring": case.ring, "context": case.n})
   cp = ContextParallel(strategy=case.strategy, load_balance=case.load_balance,
                        ring_axis="context_ring" if case.ring > 1 else None)
   balanced = case.ring if case.ring > 1 else case.n  # ContextParallel.balanced_shards
@@ -154,7 +153,7 @@ def test_prefill_and_decode_equal_one_device(case):
 
 
 def _mesh(n):
-  return jax.make_mesh((n,), ("context",), axis_types=(AxisType.Auto,), devices=jax.devices()[:n])
+  return helpers.mesh({"context": n})
 
 
 def _values(m) -> list[np.ndarray]:
@@ -268,7 +267,7 @@ def test_greedy_sample_on_a_mesh_gives_the_same_tokens(tmp_path):
   from train import config  # pylint: disable=import-outside-toplevel
   saved = config.to_dict(config.load(None, ["context_parallel.strategy=all_gather"]))
   (tmp_path / "config.json").write_text(json.dumps(saved))
-  with sample.on_mesh(model, str(tmp_path), 4) as cp:
+  with sample.on_mesh(model, str(tmp_path), 4, helpers.devices(4)) as cp:
     got = sample.generate(model, prompt, 8, context_parallel=cp)
     assert model.layers[0].attn.cache.keys[...].addressable_shards[0].data.shape[1] == 16 // 4
   assert cp == ContextParallel(strategy="all_gather")

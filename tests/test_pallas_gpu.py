@@ -18,6 +18,7 @@ from helpers import (
   TOL,
   as_layout,
   dense_oracle,
+  devices,
   grads_of,
   legal_layout,
   normal,
@@ -194,7 +195,7 @@ def test_context_parallel_row_order(case):
 @pytest.mark.parametrize("strategy", ["ring", "all_gather"])
 def test_context_parallel_document_order(strategy):
   """Per-document load balancing (`balance_plan`): each device's tokens in no index order."""
-  mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("context",),
+  mesh = jax.sharding.Mesh(np.array(devices(2)), ("context",),
                            axis_types=(AxisType.Auto,))
   cp = flaxattn.ContextParallel(strategy=strategy, load_balance="document")
   t, mask = 64, flaxattn.Causal()
@@ -297,7 +298,7 @@ def test_lowers_triton_kernels_for_cuda(mask, dtype, d, dv, cap):
 def test_context_parallel_lowers_triton_kernels_for_cuda(strategy, kernels):
   """The ring holds the forward twice (its scanned steps and the last one) and dQ, dK/dV
   twice; all-gather and Ulysses call the kernel once. No interpret-mode loop."""
-  mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("context",),
+  mesh = jax.sharding.Mesh(np.array(devices(2)), ("context",),
                            axis_types=(AxisType.Auto,))
   spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "context"))
   q = jax.ShapeDtypeStruct((1, 4096, 8, 128), jnp.bfloat16, sharding=spec)

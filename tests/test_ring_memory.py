@@ -3,17 +3,17 @@
 import jax
 import jax.numpy as jnp
 import pytest
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import flaxattn
+import helpers
 
 
 def _temp_mib(cp: int, t: int = 16384) -> float:
   """Compiled temporary memory per device of the ring's forward+backward (B=1, H=4, D=64,
   float32, load balanced), as bench/context_parallel.py part 1 measures it."""
-  mesh = jax.make_mesh((cp,), ("context",), axis_types=(AxisType.Auto,),
-                       devices=jax.devices()[:cp])
+  mesh = helpers.mesh({"context": cp})
   context = flaxattn.ContextParallel(axis="context", strategy="ring")
 
   def loss(q, k, v):

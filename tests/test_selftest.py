@@ -3,6 +3,7 @@
 import pytest
 
 import flaxattn
+import helpers
 from flaxattn import registry, selftest
 
 
@@ -42,6 +43,7 @@ def test_mismatch_fails_with_exit_status_1(only, capsys):
 @pytest.mark.slow  # the context-parallel cases on 8 devices
 def test_matching_kernels_pass(only):
   """With 8 devices the self-test also checks every strategy that splits its heads."""
+  helpers.needs_default_devices(8)
   only("blockwise", context_parallel=True)
   lines = []
   assert flaxattn.selftest(quick=True, print_fn=lines.append) is True

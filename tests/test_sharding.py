@@ -4,9 +4,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
-from jax.sharding import AbstractMesh, AxisType, NamedSharding
+from jax.sharding import AbstractMesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import helpers
 from flaxattn import sharding
 from flaxattn.layer import MultiHeadAttention
 from flaxattn.rope import RoPE
@@ -73,8 +74,7 @@ def eight_devices():
                          ("fsdp_tensor", dict(fsdp=2, tensor=4), None),
                          ("data_context", dict(data=2, context=4), 2)]:
     want = make(kv)(x, segment_ids=seg, positions=pos)
-    mesh = jax.make_mesh(tuple(axes.values()), tuple(axes), axis_types=(AxisType.Auto,) * len(axes),
-                         devices=jax.devices()[:8])
+    mesh = helpers.mesh(axes)
     with jax.set_mesh(mesh), nnx.logical_axis_rules(sharding.rules(mesh, kv_heads=kv or h)):
       m = nnx.jit(lambda: make(kv))()  # noqa: B023 (called right here)
       x_spec = sharding.logical_to_spec(("batch", "seq", "embed"), x.shape)

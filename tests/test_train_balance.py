@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+import helpers
 from trainer import losses, metrics, train_together
 
 
@@ -25,6 +26,7 @@ def test_document_balance_matches_row_balance(tmp_path):
 
 
 def test_balance_choices_and_the_context_parallel_they_set():
+  helpers.needs_default_devices(8)  # the trainer's mesh takes the process's devices
   from train import config  # pylint: disable=import-outside-toplevel
   with pytest.raises(config.ConfigError, match="'data.balance' expects one of 'document'"):
     config.load("configs/demo.yaml", ["data.balance=rows"])

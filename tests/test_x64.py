@@ -15,7 +15,17 @@ from jax.sharding import PartitionSpec as P
 
 import flaxattn
 from flaxattn import cudnn
-from helpers import TOL, as_layout, compare, grads_of, normal, qkv, random_packing, rel_error
+from helpers import (
+  TOL,
+  as_layout,
+  compare,
+  devices,
+  grads_of,
+  normal,
+  qkv,
+  random_packing,
+  rel_error,
+)
 
 ERR = 1e-5  # float32, relative to the largest reference magnitude
 
@@ -90,7 +100,7 @@ def test_context_parallel(strategy):
                                               positions=pos, return_lse=True, **kw)
 
   want = grads_of(attend(backend="reference"))(q, k, v)
-  mesh = Mesh(np.array(jax.devices()[:n]), ("context",), axis_types=(AxisType.Auto,))
+  mesh = Mesh(np.array(devices(n)), ("context",), axis_types=(AxisType.Auto,))
   def shard(x):
     return jax.device_put(x, NamedSharding(mesh, P(None, "context")))
   with jax.set_mesh(mesh):

@@ -205,10 +205,11 @@ def load(run_dir: str):
 
 
 @contextlib.contextmanager
-def on_mesh(model: Llama, run_dir: str, n: int):
-  """With n > 1: a mesh of n devices (axis `context`) set around the block, the model's
-  parameters replicated on it; yields a `ContextParallel` over `context` with the run's
-  strategy and the dual-chunk order. n = 1: nothing changes, yields None.
+def on_mesh(model: Llama, run_dir: str, n: int, devices=None):
+  """With n > 1: a mesh of n of `devices` (default `jax.devices()`; axis `context`) set
+  around the block, the model's parameters replicated on it; yields a `ContextParallel`
+  over `context` with the run's strategy and the dual-chunk order. n = 1: nothing changes,
+  yields None.
 
   Raises:
     ValueError: n < 1 or more than the devices there are.
@@ -218,15 +219,16 @@ def on_mesh(model: Llama, run_dir: str, n: int):
   import flaxattn
   from train import run_dir as run_dir_lib
 
-  if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= len(jax.devices()):
+  devices = jax.devices() if devices is None else devices
+  if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= len(devices):
     raise ValueError(f"--context_parallel expects a number of devices in [1,"
-                     f" {len(jax.devices())}], got {n!r}; on a CPU host set XLA_FLAGS="
+                     f" {len(devices)}], got {n!r}; on a CPU host set XLA_FLAGS="
                      f"--xla_force_host_platform_device_count={n} to simulate them.")
   if n == 1:
     yield None
     return
   run = run_dir_lib.saved_config(run_dir).context_parallel
-  mesh = jax.make_mesh((n,), ("context",), axis_types=(AxisType.Auto,), devices=jax.devices()[:n])
+  mesh = jax.make_mesh((n,), ("context",), axis_types=(AxisType.Auto,), devices=devices[:n])
   state = jax.device_put(nnx.state(model), NamedSharding(mesh, PartitionSpec()))
   nnx.update(model, state)
   with jax.set_mesh(mesh):
