@@ -2,15 +2,17 @@
 
 Architectures (`ARCHITECTURES`), each a `LlamaConfig` with the options it needs:
 `LlamaForCausalLM` (an explicit `head_dim`, `attention_bias`), `MistralForCausalLM` (a
-sliding window in every layer), `Qwen2ForCausalLM` (q/k/v biases, windowed layers by
-`layer_types`) and `Qwen3ForCausalLM` (RMSNorm of each q/k head, a free `head_dim`). RoPE
-options are read from both layouts: transformers 5's `rope_parameters` dict and the
-top-level `rope_theta` / `rope_scaling` of earlier versions (most published checkpoints).
-A field this model cannot represent (MoE, `hidden_act` other than silu, an unknown
-`rope_type`, `mlp_bias`, a layer pattern without period, ...) is refused, naming it, and so
-is a field of another type than transformers gives it (`"sliding_window": true`, a
-`hidden_size` of 64.5) and a tensor whose stored shape is not the one the config implies,
-even with as many elements (`gate_proj` transposed): each would load as another model.
+sliding window in every layer, or in those its `layer_types` names: transformers reads such
+a config as Ministral), `Qwen2ForCausalLM` (q/k/v biases, windowed layers by `layer_types`)
+and `Qwen3ForCausalLM` (RMSNorm of each q/k head, a free `head_dim`). RoPE options are read
+from both layouts: transformers 5's `rope_parameters` dict and the top-level `rope_theta` /
+`rope_scaling` of earlier versions (most published checkpoints). A field this model cannot
+represent (MoE, `hidden_act` other than silu, an unknown `rope_type`, `mlp_bias`, windowed
+layers in a pattern other than `global_every`'s, ...) is refused, naming it, and so is a
+field that transformers refuses (`"sliding_window": true`, a `hidden_size` of 64.5, a
+`layer_types` that is no list of known names, one per layer) and a tensor whose stored
+shape is not the one the config implies, even with as many elements (`gate_proj`
+transposed): each would load as another model.
 
 `load(path)` reads a directory (one `model.safetensors` or shards listed in
 `model.safetensors.index.json`) into `Llama`, one tensor at a time, each placed on the
@@ -198,36 +200,69 @@ def _scaling(f: _Fields, field: str, max_position: int) -> flaxattn.RoPEScaling:
     raise CheckpointError(f"{f.where}: {field} {rs} is invalid: {e}") from e
 
 
+# `layer_types` entries this model runs -> whether the layer is windowed ("attention" is
+# transformers' older name of "full_attention").
+LAYER_TYPES = {"full_attention": False, "attention": False, "sliding_attention": True}
+
+
 def _windows(f: _Fields, arch: str, n_layers: int) -> dict:
-  """`sliding_window` and `global_every` of the architecture's windowed layers."""
-  if arch == "LlamaForCausalLM":
-    return {}
-  defaults = ARCHITECTURES[arch]
-  window = f.get("sliding_window", int, defaults["sliding_window"], null=True)
-  if arch == "MistralForCausalLM":
-    return {} if window is None else dict(sliding_window=window, global_every=0)
-  use = f.get("use_sliding_window", bool, defaults["use_sliding_window"])
-  first = f.get("max_window_layers", int, defaults["max_window_layers"])
+  """`sliding_window` and `global_every` of the layers the architecture windows, as
+  transformers 5 reads them: Qwen2/Qwen3 from `layer_types`, else from `max_window_layers`
+  (the layers from it on, with `use_sliding_window`); Mistral from `sliding_window` alone
+  (every layer), or from `layer_types` where the config carries it (transformers then reads
+  it as Ministral, which honours it); Llama has none. `layer_types` is checked in every
+  architecture, as transformers checks it. Nothing of size `n_layers` is built unless
+  `layer_types` lists it, so a config of 10**9 layers is read at once."""
   types = f.get("layer_types", list[str], None, null=True)
-  if not use or window is None:
-    return {}  # Qwen: layer_types of "sliding_attention" attend fully without both
+  if types is not None and (len(types) != n_layers or not set(types) <= set(LAYER_TYPES)):
+    raise CheckpointError(
+        f"{f.where}: layer_types expects one of {', '.join(map(repr, LAYER_TYPES))} per layer"
+        f" (num_hidden_layers={n_layers}), got {_shown(types)}; correct it in the file.")
+  defaults = ARCHITECTURES[arch]
+  off = None  # why the architecture has no window, if it has none
+  first = 0  # without layer_types, the layers from `first` on are windowed
+  if arch == "LlamaForCausalLM":
+    window, off = None, "LlamaForCausalLM has no windowed layers"
+  else:
+    window = f.get("sliding_window", int, defaults["sliding_window"], null=True)
+    if window is None:
+      off = "sliding_window is null"
+  if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+    first = f.get("max_window_layers", int, defaults["max_window_layers"])
+    if not f.get("use_sliding_window", bool, defaults["use_sliding_window"]):
+      window, off = None, "use_sliding_window is false"
   if types is None:
-    types = ["sliding_attention" if i >= first else "full_attention" for i in range(n_layers)]
-  if len(types) != n_layers or not set(types) <= {"sliding_attention", "full_attention"}:
-    raise CheckpointError(f"{f.where}: layer_types={types!r} is not supported; expected"
-                          f" {n_layers} of 'sliding_attention' / 'full_attention'.")
-  windowed = [t == "sliding_attention" for t in types]
+    if window is None or first >= n_layers:
+      return {}
+    if first <= 0:
+      return dict(sliding_window=window, global_every=0)
+    raise CheckpointError(
+        f"{f.where}: max_window_layers={first} with use_sliding_window is not supported:"
+        f" without layer_types it windows layers {first} to {n_layers - 1}, after {first} of"
+        " full attention, and this model windows every layer but each global_every-th.")
+  windowed = [LAYER_TYPES[t] for t in types]
+  if any(windowed) and window is None:
+    raise CheckpointError(
+        f"{f.where}: layer_types={_shown(types)} windows layers"
+        f" {[i for i, w in enumerate(windowed) if w][:8]}, but {off}: transformers has no"
+        " window for them. Set the window or make them full_attention.")
   if not any(windowed):
     return {}
   if all(windowed):
     return dict(sliding_window=window, global_every=0)
-  for g in range(2, n_layers + 1):
-    if all(w == (i % g != g - 1) for i, w in enumerate(windowed)):
-      return dict(sliding_window=window, global_every=g)
+  g = windowed.index(False) + 1  # the first full layer is global_every - 1
+  if g >= 2 and all(w == (i % g != g - 1) for i, w in enumerate(windowed)):
+    return dict(sliding_window=window, global_every=g)
   raise CheckpointError(
-      f"{f.where}: layer_types={types!r} (or max_window_layers={first!r}) is not supported;"
-      " this model windows every layer but each global_every-th, which is full attention."
-      " Windowed layers in another pattern cannot be represented.")
+      f"{f.where}: layer_types={_shown(types)} is not supported: this model windows every"
+      " layer but each global_every-th (layers global_every - 1, 2 * global_every - 1, ...),"
+      " which attends fully; windowed layers in another pattern would load as another model.")
+
+
+def _shown(value, limit: int = 240) -> str:
+  """`value` as the error messages show it, cut at `limit` characters."""
+  text = repr(value)
+  return text if len(text) <= limit else text[:limit] + " ...]"
 
 
 def config_from_hf(hf: dict, where: str = "config.json", **overrides) -> LlamaConfig:

@@ -17,7 +17,7 @@ from safetensors.numpy import save_file
 
 import flaxattn
 from models import hf
-from models.llama import LAYERS_AXIS, Llama, LlamaConfig
+from models.llama import LAYERS_AXIS, Llama, LlamaConfig, layer_masks
 
 BF16 = ml_dtypes.bfloat16
 CONFIG = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=97, hidden_size=64,
@@ -378,3 +378,87 @@ def test_a_tensor_without_a_place_in_the_model_is_refused(tmp_path):
   save_file(dict(extra, **{"model.layers.0.self_attn.q_norm.weight": np.ones(16, BF16)}), file)
   with pytest.raises(hf.CheckpointError, match="q_norm.weight.*no place in the model"):
     hf.load(str(tmp_path))
+
+
+# ---------------------------------------------------------------------------------------
+# layer_types: which layers attend in a window (transformers 5: Qwen2/Qwen3 natively; a
+# Mistral config that carries it is read by AutoConfig as Ministral, which honours it)
+
+S, F = "sliding_attention", "full_attention"
+QWEN2 = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2")
+QWEN3 = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=16)
+WINDOWED = dict(use_sliding_window=True, sliding_window=8)
+
+
+@pytest.mark.parametrize("arch", [
+    pytest.param({}, id="llama"), pytest.param(MISTRAL, id="mistral"),
+    pytest.param(dict(QWEN2, **WINDOWED), id="qwen2"),
+    pytest.param(QWEN3, id="qwen3 windows off")])
+@pytest.mark.parametrize("layer_types", [True, 0, "2", {"a": 1}, [2], [S, "bogus"], [F],
+                                         [F, F, F]], ids=json.dumps)
+def test_layer_types_that_transformers_refuses_are_refused(arch, layer_types):
+  with pytest.raises(hf.CheckpointError, match="layer_types") as e:
+    hf.config_from_hf(dict(CONFIG, **arch, layer_types=layer_types))
+  assert any(show(layer_types)[:20] in str(e.value) for show in (json.dumps, repr))
+
+
+@pytest.mark.parametrize("fields, windowed", [
+    (dict(MISTRAL, sliding_window=8), [True, True]),
+    (dict(MISTRAL, sliding_window=8, layer_types=None), [True, True]),
+    (dict(MISTRAL, sliding_window=8, layer_types=[S, S]), [True, True]),
+    (dict(MISTRAL, sliding_window=8, layer_types=[F, F]), [False, False]),
+    (dict(MISTRAL, sliding_window=8, layer_types=[S, F]), [True, False]),
+    (dict(MISTRAL, sliding_window=8, layer_types=["attention", F]), [False, False]),  # legacy name
+    (dict(MISTRAL, sliding_window=None, layer_types=[F, F]), [False, False]),
+    (dict(QWEN2, **WINDOWED, max_window_layers=0), [True, True]),
+    (dict(QWEN2, **WINDOWED), [False, False]),  # the first max_window_layers=28 attend fully
+    (dict(QWEN2, **WINDOWED, layer_types=[S, F]), [True, False]),
+    (dict(QWEN3, layer_types=[F, F]), [False, False]),
+    (dict(QWEN3, **WINDOWED, layer_types=[S, S]), [True, True]),
+    (dict(layer_types=[F, F], sliding_window=8), [False, False]),  # Llama has no window
+])
+def test_layer_types_give_each_layer_its_window(fields, windowed):
+  cfg = hf.config_from_hf(dict(CONFIG, **fields))
+  assert [m != flaxattn.Causal() for m in layer_masks(cfg)] == windowed
+  assert all(m in (flaxattn.Causal(), flaxattn.Local(8)) for m in layer_masks(cfg))
+
+
+@pytest.mark.parametrize("fields, words", [
+    # Full attention first, then a window: no global_every gives it.
+    (dict(MISTRAL, sliding_window=8, layer_types=[F, S]),
+     "layer_types=['full_attention', 'sliding_attention']"),
+    (dict(QWEN2, **WINDOWED, max_window_layers=1), "max_window_layers=1"),
+    # Windowed layers without a window: transformers fails on them.
+    (dict(MISTRAL, sliding_window=None, layer_types=[S, S]), "sliding_window is null"),
+    (dict(QWEN3, layer_types=[F, S]), "use_sliding_window is false"),
+    (dict(QWEN2, use_sliding_window=True, sliding_window=None, layer_types=[S, F]),
+     "sliding_window is null"),
+    (dict(layer_types=[S, S], sliding_window=8), "LlamaForCausalLM has no windowed layers"),
+])
+def test_layer_patterns_this_model_does_not_run_are_refused(fields, words):
+  with pytest.raises(hf.CheckpointError, match=re.escape(words)) as e:
+    hf.config_from_hf(dict(CONFIG, **fields))
+  assert "layer_types" in str(e.value) or "max_window_layers" in str(e.value)
+
+
+@pytest.mark.parametrize("cfg", [
+    LlamaConfig(**TINY),
+    LlamaConfig(**dict(TINY, sliding_window=8, global_every=0)),
+    LlamaConfig(**dict(TINY, n_layers=4, qkv_bias=True, sliding_window=8, global_every=2)),
+    LlamaConfig(**dict(TINY, n_layers=4, qk_norm=True, sliding_window=8, global_every=4)),
+    LlamaConfig(**dict(TINY, qk_norm=True, sliding_window=8, global_every=1)),  # none windowed
+], ids=["llama", "mistral", "qwen2 alternating", "qwen3 3:1", "qwen3 no window"])
+def test_the_written_layer_types_are_the_models_windows(cfg):
+  """What `save` writes for the window and for `layer_types` agree, and read back as the
+  same layers: Qwen's own `layer_types`; none for Mistral, whose `sliding_window` alone
+  windows every layer (a `layer_types` would make transformers read it as Ministral)."""
+  written = hf.config_to_hf(cfg, "float32")
+  windowed = [m != flaxattn.Causal() for m in layer_masks(cfg)]
+  if written["architectures"][0].startswith("Qwen"):
+    assert written["layer_types"] == [S if w else F for w in windowed]
+    assert written["use_sliding_window"] == any(windowed)
+    assert (written["sliding_window"] is None) == (not any(windowed))
+  else:
+    assert "layer_types" not in written
+  back = hf.config_from_hf(json.loads(json.dumps(written)))
+  assert layer_masks(back) == layer_masks(cfg)
