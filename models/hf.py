@@ -9,8 +9,9 @@ from both layouts: transformers 5's `rope_parameters` dict and the top-level `ro
 `rope_scaling` of earlier versions (most published checkpoints). A field this model cannot
 represent (MoE, `hidden_act` other than silu, an unknown `rope_type`, `mlp_bias`, windowed
 layers in a pattern other than `global_every`'s, ...) is refused, naming it, and so is a
-field that transformers refuses (`"sliding_window": true`, a `hidden_size` of 64.5, a
-`layer_types` that is no list of known names, one per layer) and a tensor whose stored
+field that transformers refuses (`"sliding_window": true`, a `hidden_size` of 64.5, an
+integer `rms_norm_eps`, a llama3 RoPE without its frequency factors, a `layer_types` that is
+no list of known names, one per layer) and a tensor whose stored
 shape is not the one the config implies, even with as many elements (`gate_proj`
 transposed): each would load as another model.
 
@@ -87,9 +88,13 @@ class ExportError(ValueError):
 
 
 _REQUIRED = object()  # `_Fields.get` without a default: the field must be there
+# A field that transformers' strict config classes declare `float` (`rms_norm_eps`): they
+# refuse an integer there, though the numbers of the RoPE dicts may be integers.
+_FLOAT_ONLY = "float, not int"
 # The types config.json's fields have in transformers' config classes, named as JSON names them.
 _KINDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string",
-          dict: "an object", list[str]: "a list of strings"}
+          dict: "an object", list[str]: "a list of strings",
+          _FLOAT_ONLY: "a number with a decimal point or an exponent (1e-06, 1.0)"}
 
 
 def _is(value, kind) -> bool:
@@ -98,8 +103,9 @@ def _is(value, kind) -> bool:
     return isinstance(value, list) and all(isinstance(v, str) for v in value)
   if isinstance(value, bool) and kind is not bool:
     return False  # Python's bool is an int: JSON's true is no number
-  if kind is float:
-    return isinstance(value, (int, float)) and math.isfinite(value)
+  if kind in (float, _FLOAT_ONLY):
+    number = float if kind == _FLOAT_ONLY else (int, float)
+    return isinstance(value, number) and math.isfinite(value)
   return isinstance(value, kind)
 
 
@@ -112,8 +118,8 @@ class _Fields:
 
   def get(self, name: str, kind: Any, default: Any = _REQUIRED, *, null: bool = False) -> Any:
     """Field `name` as a `kind` of `_KINDS`: `default` when absent, None when null and `null`
-    allows it. An integer is a number (`10000` and `1e4` are the same theta), a float is
-    returned as one.
+    allows it. An integer is a number (`10000` and `1e4` are the same theta), but no
+    `_FLOAT_ONLY`; a number is returned as a float.
 
     Raises:
       CheckpointError: naming the file, the field, its value and the type expected: absent
@@ -131,7 +137,7 @@ class _Fields:
       if null:
         return None
     elif _is(value, kind):
-      return float(value) if kind is float else value
+      return float(value) if kind in (float, _FLOAT_ONLY) else value
     raise CheckpointError(
         f"{self.where}: {field} expects {_KINDS[kind]}{' or null' if null else ''}, got"
         f" {json.dumps(value, default=repr)[:60]}; correct it in the file.")
@@ -179,9 +185,11 @@ def _scaling(f: _Fields, field: str, max_position: int) -> flaxattn.RoPEScaling:
   factor = g.get("factor", float)
   options: dict[str, Any] = {}  # RoPEScaling's fields beyond kind and factor
   if kind == "llama3":
-    options = dict(original_max_position=g.get("original_max_position_embeddings", int),
-                   low_freq_factor=g.get("low_freq_factor", float, 1.0),
-                   high_freq_factor=g.get("high_freq_factor", float, 4.0))
+    # transformers requires both factors and takes max_position_embeddings for the length.
+    options = dict(original_max_position=g.get("original_max_position_embeddings", int,
+                                               max_position),
+                   low_freq_factor=g.get("low_freq_factor", float),
+                   high_freq_factor=g.get("high_freq_factor", float))
   elif kind == "yarn":
     attention = g.get("attention_factor", float, None, null=True)
     mscale = g.get("mscale", float, None, null=True)
@@ -312,7 +320,7 @@ def config_from_hf(hf: dict, where: str = "config.json", **overrides) -> LlamaCo
                 head_dim=None if head_dim is None or head_dim * heads == dim else head_dim,
                 qkv_bias=bias or arch == "Qwen2ForCausalLM", out_bias=bias,
                 qk_norm=arch == "Qwen3ForCausalLM",
-                norm_eps=f.get("rms_norm_eps", float, 1e-6),
+                norm_eps=f.get("rms_norm_eps", _FLOAT_ONLY, 1e-6),
                 tie_embeddings=f.get("tie_word_embeddings", bool, False),
                 max_seq_len=max_position)
   values["rope_theta"], values["rope_scaling"] = _rope(f, max_position)

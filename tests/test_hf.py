@@ -1,7 +1,6 @@
 """Hugging Face Llama checkpoints: bit-identical round trips, logits against a Llama forward
 written here in numpy from the HF tensors, and clear errors for bad directories."""
 
-import dataclasses
 import json
 import os
 import re
@@ -247,7 +246,10 @@ def _case(label, words, **change):
     _case("num_attention_heads 4.9", "num_attention_heads expects an integer, got 4.9",
           num_attention_heads=4.9),
     _case("hidden_size null", "hidden_size expects an integer, got null", hidden_size=None),
-    _case("rms_norm_eps string", 'rms_norm_eps expects a number, got "abc"', rms_norm_eps="abc"),
+    _case("rms_norm_eps string", 'rms_norm_eps expects a number with a decimal point or an'
+          ' exponent (1e-06, 1.0), got "abc"', rms_norm_eps="abc"),
+    _case("rms_norm_eps integer", 'rms_norm_eps expects a number with a decimal point or an'
+          ' exponent (1e-06, 1.0), got 1', rms_norm_eps=1),
     _case("bool for an int", "max_position_embeddings expects an integer, got true",
           max_position_embeddings=True),
     _case("int for a bool", "attention_bias expects true or false, got 0", attention_bias=0),
@@ -275,9 +277,9 @@ def test_nulls_and_integers_where_numbers_are_expected_are_read():
   assert hf.config_from_hf(dict(CONFIG, num_key_value_heads=None)).n_kv_heads == 4
   assert hf.config_from_hf(dict(CONFIG, rope_scaling=None)).rope_scaling == flaxattn.RoPEScaling()
   assert hf.config_from_hf(dict(CONFIG, **MISTRAL, sliding_window=None)).sliding_window is None
-  ints = hf.config_from_hf(dict(CONFIG, rope_theta=10000, rms_norm_eps=1,
+  ints = hf.config_from_hf(dict(CONFIG, rope_theta=10000,
                                 rope_scaling=dict(rope_type="linear", factor=2)))
-  assert ints == dataclasses.replace(cfg, norm_eps=1.0)
+  assert ints == cfg
   assert type(ints.rope_theta) is float and type(ints.rope_scaling.factor) is float
 
 
@@ -462,3 +464,31 @@ def test_the_written_layer_types_are_the_models_windows(cfg):
     assert "layer_types" not in written
   back = hf.config_from_hf(json.loads(json.dumps(written)))
   assert layer_masks(back) == layer_masks(cfg)
+
+
+# ---------------------------------------------------------------------------------------
+# RoPE and numbers as transformers 5's config classes read them
+
+
+@pytest.mark.parametrize("layout", ["old", "new"])
+@pytest.mark.parametrize("drop", ["low_freq_factor", "high_freq_factor"])
+def test_llama3_rope_without_its_frequency_factors_is_refused(layout, drop):
+  scaling = {k: v for k, v in LLAMA3.items() if k != drop}
+  with pytest.raises(hf.CheckpointError, match=f"{drop}' is missing"):
+    hf.config_from_hf(_layouts(500000.0, scaling)[layout == "new"])
+
+
+def test_llama3_rope_takes_max_position_embeddings_as_its_original_length():
+  """As transformers, which sets `original_max_position_embeddings` from it when absent."""
+  scaling = {k: v for k, v in LLAMA3.items() if k != "original_max_position_embeddings"}
+  for config in _layouts(500000.0, scaling):
+    assert hf.config_from_hf(config).rope_scaling.original_max_position == 256
+
+
+def test_an_integer_rms_norm_eps_is_refused_as_transformers_refuses_it():
+  """transformers 5 declares `rms_norm_eps: float` and refuses 1; its RoPE numbers take
+  integers (`"rope_theta": 10000`, a llama3 `"factor": 8`)."""
+  with pytest.raises(hf.CheckpointError, match="rms_norm_eps expects a number with a"):
+    hf.config_from_hf(dict(CONFIG, rms_norm_eps=1))
+  ints = dict(LLAMA3, factor=8, low_freq_factor=1, high_freq_factor=4)
+  assert hf.config_from_hf(_layouts(500000, ints)[1]) == hf.config_from_hf(_layouts(5e5, LLAMA3)[1])
