@@ -467,6 +467,55 @@ def test_the_written_layer_types_are_the_models_windows(cfg):
 
 
 # ---------------------------------------------------------------------------------------
+# Tensors are checked against the config from the safetensors headers, before the model
+# (whose size the config sets) is built
+
+
+def _no_model(monkeypatch):
+  def built(*args, **kwargs):
+    raise AssertionError("hf.load built the model before checking the tensors")
+  monkeypatch.setattr(hf, "Llama", built)
+
+
+@pytest.mark.parametrize("layers", [200, 10**9])
+def test_a_config_with_more_layers_than_tensors_is_refused_at_once(tmp_path, monkeypatch, layers):
+  write_checkpoint(tmp_path)
+  (tmp_path / "config.json").write_text(json.dumps(dict(CONFIG, num_hidden_layers=layers)))
+  _no_model(monkeypatch)
+  with pytest.raises(hf.CheckpointError, match=r"'model\.layers\.2\.[a-z_.]+'.* missing") as e:
+    hf.load(str(tmp_path))
+  assert f"{layers * 9 + 3} tensors" in str(e.value)  # as many as the config asks for
+  assert "config.json" in str(e.value)
+
+
+@pytest.mark.parametrize("how, words", [
+    ("wrong shape", "has shape [96, 64], which does not fit the config"),
+    ("extra tensor", "no place in the model"),
+    ("missing tensor", "'model.norm.weight' is missing"),
+])
+def test_tensors_are_checked_before_the_model_is_built(tmp_path, monkeypatch, how, words):
+  tensors = write_checkpoint(tmp_path, shards=1)
+  if how == "wrong shape":
+    tensors["lm_head.weight"] = tensors["lm_head.weight"][:-1]
+  elif how == "extra tensor":
+    tensors["model.layers.0.self_attn.q_norm.weight"] = np.ones(16, BF16)
+  else:
+    del tensors["model.norm.weight"]
+  _single(tmp_path, tensors)
+  _no_model(monkeypatch)
+  with pytest.raises(hf.CheckpointError, match=re.escape(words)):
+    hf.load(str(tmp_path))
+
+
+def _single(path, tensors):
+  """The checkpoint at `path` as one model.safetensors holding `tensors`, no index."""
+  for file in os.listdir(path):
+    if file.endswith(".safetensors") or file == hf.INDEX:
+      os.remove(path / file)
+  save_file(tensors, path / hf.SINGLE, metadata={"format": "pt"})
+
+
+# ---------------------------------------------------------------------------------------
 # RoPE and numbers as transformers 5's config classes read them
 
 
@@ -492,3 +541,46 @@ def test_an_integer_rms_norm_eps_is_refused_as_transformers_refuses_it():
     hf.config_from_hf(dict(CONFIG, rms_norm_eps=1))
   ints = dict(LLAMA3, factor=8, low_freq_factor=1, high_freq_factor=4)
   assert hf.config_from_hf(_layouts(500000, ints)[1]) == hf.config_from_hf(_layouts(5e5, LLAMA3)[1])
+
+
+# ---------------------------------------------------------------------------------------
+# Unreadable files: a CheckpointError naming the file
+
+
+def _corrupt(path, how) -> str:
+  """Breaks the checkpoint at `path` (three shards and an index) as `how` says; the file the
+  error must name."""
+  index = path / hf.INDEX
+  where = json.loads(index.read_text())["weight_map"]
+  if how in ("garbage", "truncated"):
+    _single(path, _read_all(path))
+    file = path / hf.SINGLE
+    if how == "garbage":
+      file.write_bytes(b"\0" * 100)
+    else:
+      os.truncate(file, file.stat().st_size // 2)
+    return hf.SINGLE
+  if how == "config.json a directory":
+    os.remove(path / "config.json")
+    os.mkdir(path / "config.json")
+    return "config.json"
+  if how == "tensor not in its file":  # model.norm.weight is in shard 3
+    where["model.norm.weight"] = "model-00001-of-00003.safetensors"
+  index.write_text(json.dumps({
+      "index a list": [1],
+      "weight_map a list": dict(weight_map=list(where)),
+      "weight_map null": dict(weight_map=None),
+      "weight_map entry an integer": dict(weight_map=dict(where, **{"model.norm.weight": 3})),
+      "tensor not in its file": dict(weight_map=where)}[how]))
+  return hf.INDEX
+
+
+@pytest.mark.parametrize("how", ["garbage", "truncated", "index a list", "weight_map a list",
+                                 "weight_map null", "weight_map entry an integer",
+                                 "tensor not in its file", "config.json a directory"])
+def test_unreadable_files_are_refused_naming_the_file(tmp_path, how):
+  write_checkpoint(tmp_path)
+  file = _corrupt(tmp_path, how)
+  with pytest.raises(hf.CheckpointError) as e:
+    hf.load(str(tmp_path))
+  assert os.path.join(tmp_path, file) in str(e.value)
