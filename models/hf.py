@@ -2,15 +2,20 @@
 
 Architectures (`ARCHITECTURES`), each a `LlamaConfig` with the options it needs:
 `LlamaForCausalLM` (an explicit `head_dim`, `attention_bias`), `MistralForCausalLM` (a
-sliding window in every layer), `Qwen2ForCausalLM` (q/k/v biases, windowed layers by
-`layer_types`) and `Qwen3ForCausalLM` (RMSNorm of each q/k head, a free `head_dim`). RoPE
-options are read from both layouts: transformers 5's `rope_parameters` dict and the
-top-level `rope_theta` / `rope_scaling` of earlier versions (most published checkpoints).
-A field this model cannot represent (MoE, `hidden_act` other than silu, an unknown
-`rope_type`, `mlp_bias`, a layer pattern without period, ...) is refused, naming it, and so
-is a field of another type than transformers gives it (`"sliding_window": true`, a
-`hidden_size` of 64.5) and a tensor whose stored shape is not the one the config implies,
-even with as many elements (`gate_proj` transposed): each would load as another model.
+sliding window in every layer, or in those its `layer_types` names: transformers reads such
+a config as Ministral), `Qwen2ForCausalLM` (q/k/v biases, windowed layers by `layer_types`)
+and `Qwen3ForCausalLM` (RMSNorm of each q/k head, a free `head_dim`). RoPE options are read
+from both layouts: transformers 5's `rope_parameters` dict and the top-level `rope_theta` /
+`rope_scaling` of earlier versions (most published checkpoints). A field this model cannot
+represent (MoE, `hidden_act` other than silu, an unknown `rope_type`, `mlp_bias`, windowed
+layers in a pattern other than `global_every`'s, ...) is refused, naming it, and so is a
+field that transformers refuses (`"sliding_window": true`, a `hidden_size` of 64.5, an
+integer `rms_norm_eps`, a llama3 RoPE without its frequency factors, a `layer_types` that is
+no list of known names, one per layer) and a tensor missing, extra, or stored in another
+shape than the config implies, even with as many elements (`gate_proj` transposed): each
+would load as another model. Tensors are checked from the safetensors headers before the
+model is built, so a wrong `num_hidden_layers` fails at once; an unreadable file (config,
+index, safetensors) is a `CheckpointError` naming it.
 
 `load(path)` reads a directory (one `model.safetensors` or shards listed in
 `model.safetensors.index.json`) into `Llama`, one tensor at a time, each placed on the
@@ -37,7 +42,7 @@ import functools
 import json
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -45,7 +50,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 import flaxattn
@@ -85,9 +90,13 @@ class ExportError(ValueError):
 
 
 _REQUIRED = object()  # `_Fields.get` without a default: the field must be there
+# A field that transformers' strict config classes declare `float` (`rms_norm_eps`): they
+# refuse an integer there, though the numbers of the RoPE dicts may be integers.
+_FLOAT_ONLY = "float, not int"
 # The types config.json's fields have in transformers' config classes, named as JSON names them.
 _KINDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string",
-          dict: "an object", list[str]: "a list of strings"}
+          dict: "an object", list[str]: "a list of strings",
+          _FLOAT_ONLY: "a number with a decimal point or an exponent (1e-06, 1.0)"}
 
 
 def _is(value, kind) -> bool:
@@ -96,8 +105,9 @@ def _is(value, kind) -> bool:
     return isinstance(value, list) and all(isinstance(v, str) for v in value)
   if isinstance(value, bool) and kind is not bool:
     return False  # Python's bool is an int: JSON's true is no number
-  if kind is float:
-    return isinstance(value, (int, float)) and math.isfinite(value)
+  if kind in (float, _FLOAT_ONLY):
+    number = float if kind == _FLOAT_ONLY else (int, float)
+    return isinstance(value, number) and math.isfinite(value)
   return isinstance(value, kind)
 
 
@@ -110,8 +120,8 @@ class _Fields:
 
   def get(self, name: str, kind: Any, default: Any = _REQUIRED, *, null: bool = False) -> Any:
     """Field `name` as a `kind` of `_KINDS`: `default` when absent, None when null and `null`
-    allows it. An integer is a number (`10000` and `1e4` are the same theta), a float is
-    returned as one.
+    allows it. An integer is a number (`10000` and `1e4` are the same theta), but no
+    `_FLOAT_ONLY`; a number is returned as a float.
 
     Raises:
       CheckpointError: naming the file, the field, its value and the type expected: absent
@@ -129,7 +139,7 @@ class _Fields:
       if null:
         return None
     elif _is(value, kind):
-      return float(value) if kind is float else value
+      return float(value) if kind in (float, _FLOAT_ONLY) else value
     raise CheckpointError(
         f"{self.where}: {field} expects {_KINDS[kind]}{' or null' if null else ''}, got"
         f" {json.dumps(value, default=repr)[:60]}; correct it in the file.")
@@ -177,9 +187,11 @@ def _scaling(f: _Fields, field: str, max_position: int) -> flaxattn.RoPEScaling:
   factor = g.get("factor", float)
   options: dict[str, Any] = {}  # RoPEScaling's fields beyond kind and factor
   if kind == "llama3":
-    options = dict(original_max_position=g.get("original_max_position_embeddings", int),
-                   low_freq_factor=g.get("low_freq_factor", float, 1.0),
-                   high_freq_factor=g.get("high_freq_factor", float, 4.0))
+    # transformers requires both factors and takes max_position_embeddings for the length.
+    options = dict(original_max_position=g.get("original_max_position_embeddings", int,
+                                               max_position),
+                   low_freq_factor=g.get("low_freq_factor", float),
+                   high_freq_factor=g.get("high_freq_factor", float))
   elif kind == "yarn":
     attention = g.get("attention_factor", float, None, null=True)
     mscale = g.get("mscale", float, None, null=True)
@@ -198,36 +210,69 @@ def _scaling(f: _Fields, field: str, max_position: int) -> flaxattn.RoPEScaling:
     raise CheckpointError(f"{f.where}: {field} {rs} is invalid: {e}") from e
 
 
+# `layer_types` entries this model runs -> whether the layer is windowed ("attention" is
+# transformers' older name of "full_attention").
+LAYER_TYPES = {"full_attention": False, "attention": False, "sliding_attention": True}
+
+
 def _windows(f: _Fields, arch: str, n_layers: int) -> dict:
-  """`sliding_window` and `global_every` of the architecture's windowed layers."""
-  if arch == "LlamaForCausalLM":
-    return {}
-  defaults = ARCHITECTURES[arch]
-  window = f.get("sliding_window", int, defaults["sliding_window"], null=True)
-  if arch == "MistralForCausalLM":
-    return {} if window is None else dict(sliding_window=window, global_every=0)
-  use = f.get("use_sliding_window", bool, defaults["use_sliding_window"])
-  first = f.get("max_window_layers", int, defaults["max_window_layers"])
+  """`sliding_window` and `global_every` of the layers the architecture windows, as
+  transformers 5 reads them: Qwen2/Qwen3 from `layer_types`, else from `max_window_layers`
+  (the layers from it on, with `use_sliding_window`); Mistral from `sliding_window` alone
+  (every layer), or from `layer_types` where the config carries it (transformers then reads
+  it as Ministral, which honours it); Llama has none. `layer_types` is checked in every
+  architecture, as transformers checks it. Nothing of size `n_layers` is built unless
+  `layer_types` lists it, so a config of 10**9 layers is read at once."""
   types = f.get("layer_types", list[str], None, null=True)
-  if not use or window is None:
-    return {}  # Qwen: layer_types of "sliding_attention" attend fully without both
+  if types is not None and (len(types) != n_layers or not set(types) <= set(LAYER_TYPES)):
+    raise CheckpointError(
+        f"{f.where}: layer_types expects one of {', '.join(map(repr, LAYER_TYPES))} per layer"
+        f" (num_hidden_layers={n_layers}), got {_shown(types)}; correct it in the file.")
+  defaults = ARCHITECTURES[arch]
+  off = None  # why the architecture has no window, if it has none
+  first = 0  # without layer_types, the layers from `first` on are windowed
+  if arch == "LlamaForCausalLM":
+    window, off = None, "LlamaForCausalLM has no windowed layers"
+  else:
+    window = f.get("sliding_window", int, defaults["sliding_window"], null=True)
+    if window is None:
+      off = "sliding_window is null"
+  if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+    first = f.get("max_window_layers", int, defaults["max_window_layers"])
+    if not f.get("use_sliding_window", bool, defaults["use_sliding_window"]):
+      window, off = None, "use_sliding_window is false"
   if types is None:
-    types = ["sliding_attention" if i >= first else "full_attention" for i in range(n_layers)]
-  if len(types) != n_layers or not set(types) <= {"sliding_attention", "full_attention"}:
-    raise CheckpointError(f"{f.where}: layer_types={types!r} is not supported; expected"
-                          f" {n_layers} of 'sliding_attention' / 'full_attention'.")
-  windowed = [t == "sliding_attention" for t in types]
+    if window is None or first >= n_layers:
+      return {}
+    if first <= 0:
+      return dict(sliding_window=window, global_every=0)
+    raise CheckpointError(
+        f"{f.where}: max_window_layers={first} with use_sliding_window is not supported:"
+        f" without layer_types it windows layers {first} to {n_layers - 1}, after {first} of"
+        " full attention, and this model windows every layer but each global_every-th.")
+  windowed = [LAYER_TYPES[t] for t in types]
+  if any(windowed) and window is None:
+    raise CheckpointError(
+        f"{f.where}: layer_types={_shown(types)} windows layers"
+        f" {[i for i, w in enumerate(windowed) if w][:8]}, but {off}: transformers has no"
+        " window for them. Set the window or make them full_attention.")
   if not any(windowed):
     return {}
   if all(windowed):
     return dict(sliding_window=window, global_every=0)
-  for g in range(2, n_layers + 1):
-    if all(w == (i % g != g - 1) for i, w in enumerate(windowed)):
-      return dict(sliding_window=window, global_every=g)
+  g = windowed.index(False) + 1  # the first full layer is global_every - 1
+  if g >= 2 and all(w == (i % g != g - 1) for i, w in enumerate(windowed)):
+    return dict(sliding_window=window, global_every=g)
   raise CheckpointError(
-      f"{f.where}: layer_types={types!r} (or max_window_layers={first!r}) is not supported;"
-      " this model windows every layer but each global_every-th, which is full attention."
-      " Windowed layers in another pattern cannot be represented.")
+      f"{f.where}: layer_types={_shown(types)} is not supported: this model windows every"
+      " layer but each global_every-th (layers global_every - 1, 2 * global_every - 1, ...),"
+      " which attends fully; windowed layers in another pattern would load as another model.")
+
+
+def _shown(value, limit: int = 240) -> str:
+  """`value` as the error messages show it, cut at `limit` characters."""
+  text = repr(value)
+  return text if len(text) <= limit else text[:limit] + " ...]"
 
 
 def config_from_hf(hf: dict, where: str = "config.json", **overrides) -> LlamaConfig:
@@ -277,7 +322,7 @@ def config_from_hf(hf: dict, where: str = "config.json", **overrides) -> LlamaCo
                 head_dim=None if head_dim is None or head_dim * heads == dim else head_dim,
                 qkv_bias=bias or arch == "Qwen2ForCausalLM", out_bias=bias,
                 qk_norm=arch == "Qwen3ForCausalLM",
-                norm_eps=f.get("rms_norm_eps", float, 1e-6),
+                norm_eps=f.get("rms_norm_eps", _FLOAT_ONLY, 1e-6),
                 tie_embeddings=f.get("tie_word_embeddings", bool, False),
                 max_seq_len=max_position)
   values["rope_theta"], values["rope_scaling"] = _rope(f, max_position)
@@ -429,26 +474,44 @@ def _layer_tensors(cfg: LlamaConfig) -> dict[tuple[str, ...], tuple[str, tuple]]
   }
 
 
+def _model_tensors(cfg: LlamaConfig) -> dict[tuple, _Tensor]:
+  """Our parameter path -> HF tensor, for the parameters outside the layers."""
+  out = {("embed", "embedding"): _Tensor("model.embed_tokens.weight",
+                                         *_same(cfg.vocab_size, cfg.dim)),
+         ("norm", "scale"): _Tensor("model.norm.weight", *_same(cfg.dim))}
+  if not cfg.tie_embeddings:
+    out[("lm_head", "kernel")] = _Tensor("lm_head.weight", *_linear(cfg.dim, cfg.vocab_size))
+  return out
+
+
 def _tensors(cfg: LlamaConfig) -> dict[tuple, list[_Tensor]]:
   """Each of our parameter paths -> its HF tensors; a path stacked over layer groups
   (`scan_layers`) lists one tensor per group."""
-  out: dict[tuple, list[_Tensor]]
-  out = {("embed", "embedding"): [_Tensor("model.embed_tokens.weight",
-                                          *_same(cfg.vocab_size, cfg.dim))],
-         ("norm", "scale"): [_Tensor("model.norm.weight", *_same(cfg.dim))]}
-  if not cfg.tie_embeddings:
-    out[("lm_head", "kernel")] = [_Tensor("lm_head.weight", *_linear(cfg.dim, cfg.vocab_size))]
+  out = {path: [t] for path, t in _model_tensors(cfg).items()}
   period = cfg.period
   for path, (suffix, layout) in _layer_tensors(cfg).items():
     if cfg.scan_layers:
       for j in range(period):
-        out[("layers", "blocks", j) + path] = [
-            _Tensor(f"model.layers.{g * period + j}.{suffix}", *layout)
-            for g in range(cfg.n_layers // period)]
+        out[("layers", "blocks", j) + path] = [_in_layer(g * period + j, suffix, layout)
+                                               for g in range(cfg.n_layers // period)]
     else:
       for i in range(cfg.n_layers):
-        out[("layers", i) + path] = [_Tensor(f"model.layers.{i}.{suffix}", *layout)]
+        out[("layers", i) + path] = [_in_layer(i, suffix, layout)]
   return out
+
+
+def _hf_tensors(cfg: LlamaConfig) -> Iterator[_Tensor]:
+  """The HF tensors of `cfg`, one by one: those outside the layers, then layer by layer."""
+  yield from _model_tensors(cfg).values()
+  layer = _layer_tensors(cfg).values()
+  for i in range(cfg.n_layers):
+    for suffix, layout in layer:
+      yield _in_layer(i, suffix, layout)
+
+
+def _in_layer(i: int, suffix: str, layout: tuple) -> _Tensor:
+  """The tensor `suffix` (of `_layer_tensors`) of layer `i`."""
+  return _Tensor(f"model.layers.{i}.{suffix}", *layout)
 
 
 # ---------------------------------------------------------------------------------------
@@ -456,47 +519,111 @@ def _tensors(cfg: LlamaConfig) -> dict[tuple, list[_Tensor]]:
 
 
 class _Files:
-  """The safetensors files of a directory and which holds each tensor."""
+  """The safetensors files of a directory: which file holds each tensor and its stored
+  shape, from the files' headers (no tensor data is read)."""
 
   def __init__(self, path: str):
     self.path = path
     index = os.path.join(path, INDEX)
     if os.path.exists(index):
-      with open(index) as f:
-        try:
-          self.where = json.load(f)["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-          raise CheckpointError(f"{index}: not a safetensors index ({e}).") from e
+      listed = _index(index)
+      headers = {}
+      for file in sorted(set(listed.values())):
+        if not os.path.exists(os.path.join(path, file)):
+          raise CheckpointError(f"{index}: lists {file}, which is missing.")
+        headers[file] = _header(os.path.join(path, file))
+      for name, file in listed.items():
+        if name not in headers[file]:
+          raise CheckpointError(f"{index}: puts tensor {name!r} in {file}, which does not hold"
+                                " it; correct the index's weight_map.")
+      self.where = listed
+      self.shapes = {name: headers[file][name] for name, file in listed.items()}
     elif os.path.exists(os.path.join(path, SINGLE)):
-      with safe_open(os.path.join(path, SINGLE), framework="np") as f:
-        self.where = {name: SINGLE for name in f.keys()}
+      self.shapes = _header(os.path.join(path, SINGLE))
+      self.where = dict.fromkeys(self.shapes, SINGLE)
     else:
       raise CheckpointError(f"{path}: neither {SINGLE} nor {INDEX} is there.")
-    for file in sorted(set(self.where.values())):
-      if not os.path.exists(os.path.join(path, file)):
-        raise CheckpointError(f"{os.path.join(path, index if os.path.exists(index) else SINGLE)}:"
-                              f" lists {file}, which is missing.")
     # Per instance: a cache on the method itself would keep its last tensors (and this
     # object) alive after loading.
     self.read = functools.lru_cache(maxsize=2)(self._read)
 
   def _read(self, name: str) -> np.ndarray:
-    if name not in self.where:
-      raise CheckpointError(f"{self.path}: tensor {name!r} is missing (the config asks for it).")
     with safe_open(os.path.join(self.path, self.where[name]), framework="np") as f:
       return f.get_tensor(name)
 
 
-def _checked(files: _Files, t: _Tensor) -> np.ndarray:
-  """Tensor `t` in our layout, float32, once its stored shape is the config's: a tensor of
-  the same size in another shape (transposed, flattened) would load into a wrong model."""
-  w = files.read(t.name)
-  if w.shape != t.shape:
-    raise CheckpointError(f"{os.path.join(files.path, files.where[t.name])}: tensor {t.name!r}"
-                          f" has shape {list(w.shape)}, which does not fit the config: expected"
-                          f" {list(t.shape)} (Hugging Face's layout, [out_features,"
-                          " in_features] for a Linear weight). Fix the tensor or config.json.")
-  return t.to_ours(w).astype(np.float32)
+def _index(file: str) -> dict[str, str]:
+  """The `weight_map` (tensor name -> file name) of the safetensors index `file`."""
+  try:
+    with open(file) as f:
+      index = json.load(f)
+  except (OSError, ValueError) as e:  # ValueError: not JSON, or not text
+    raise CheckpointError(f"{file}: not a safetensors index ({e}).") from e
+  where = index.get("weight_map") if isinstance(index, dict) else None
+  if not isinstance(where, dict) or not all(isinstance(v, str) for v in where.values()):
+    raise CheckpointError(f"{file}: expects a JSON object whose weight_map maps each tensor"
+                          f" name to the name of its file, got {_shown(index, 80)}; correct"
+                          " the index or remove it (one model.safetensors needs none).")
+  return where
+
+
+def _header(file: str) -> dict[str, tuple[int, ...]]:
+  """Tensor name -> stored shape of the safetensors `file`, from its header."""
+  try:
+    with safe_open(file, framework="np") as f:
+      return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+  except (SafetensorError, OSError) as e:
+    raise CheckpointError(f"{file}: not a readable safetensors file ({e}); write it again.") from e
+
+
+def _check_tensors(files: _Files, cfg: LlamaConfig, where: str) -> None:
+  """That the checkpoint stores the tensors `cfg` asks for, each in the shape it implies
+  (a tensor of the same size in another shape, transposed or flattened, would load into a
+  wrong model), and no other: from the headers, before anything of the config's size is
+  built, so a config of 10**9 layers fails at once.
+
+  Raises:
+    CheckpointError: a missing tensor (the first few), one in another shape (naming its
+      file and both shapes), or one the model has no place for.
+  """
+  missing, used, more = [], set(), ""
+  for t in _hf_tensors(cfg):
+    if t.name not in files.shapes:
+      if len(missing) == 4:  # the config may ask for far more than the files hold
+        more = " ..."
+        break
+      missing.append(t.name)
+      continue
+    used.add(t.name)
+    if files.shapes[t.name] != t.shape:
+      raise CheckpointError(
+          f"{os.path.join(files.path, files.where[t.name])}: tensor {t.name!r} has shape"
+          f" {list(files.shapes[t.name])}, which does not fit the config: expected"
+          f" {list(t.shape)} (Hugging Face's layout, [out_features, in_features] for a Linear"
+          " weight). Fix the tensor or config.json.")
+  if missing:
+    asked = len(_model_tensors(cfg)) + cfg.n_layers * len(_layer_tensors(cfg))
+    names = (f"tensor {missing[0]!r} is" if len(missing) == 1 else
+             f"tensors {missing}{more} are")
+    raise CheckpointError(
+        f"{files.path}: {names} missing: {where} (num_hidden_layers={cfg.n_layers}) asks for"
+        f" {asked} tensors, the checkpoint holds {len(files.shapes)}. Fix config.json or the"
+        " tensors.")
+  # Some checkpoints carry RoPE's inverse frequencies, which the config determines.
+  unused = sorted(n for n in files.where if n not in used and not n.endswith("rotary_emb.inv_freq"))
+  if cfg.tie_embeddings and "lm_head.weight" in unused and np.array_equal(
+      files.read("lm_head.weight"), files.read("model.embed_tokens.weight")):
+    unused.remove("lm_head.weight")  # a tied head written out as a copy
+  if unused:
+    raise CheckpointError(
+        f"{files.path}: tensors {unused[:4]}{' ...' if len(unused) > 4 else ''} have no place"
+        f" in the model that {where} describes; a model without them would compute something"
+        " else.")
+
+
+def _ours(files: _Files, t: _Tensor) -> np.ndarray:
+  """Tensor `t` in our layout, float32 (its shape checked by `_check_tensors`)."""
+  return t.to_ours(files.read(t.name)).astype(np.float32)
 
 
 def load(path: str, *, context_parallel: flaxattn.ContextParallel | None = None,
@@ -518,6 +645,8 @@ def load(path: str, *, context_parallel: flaxattn.ContextParallel | None = None,
   """
   where = os.path.join(path, "config.json")
   cfg = config_from_hf(read_config(path), where, **overrides)
+  files = _Files(path)
+  _check_tensors(files, cfg, where)
   if config is not None:
     differ = param_changes(dataclasses.replace(cfg, scan_layers=config.scan_layers), config)
     if differ:
@@ -525,7 +654,6 @@ def load(path: str, *, context_parallel: flaxattn.ContextParallel | None = None,
           f"{k}={getattr(cfg, k)!r}" for k in differ) + " give other parameters than config's "
           + ", ".join(f"{k}={getattr(config, k)!r}" for k in differ) + ".")
     cfg = config
-  files = _Files(path)
   mesh = jax.sharding.get_abstract_mesh()
 
   def make():
@@ -540,29 +668,19 @@ def load(path: str, *, context_parallel: flaxattn.ContextParallel | None = None,
   missing = set(flat) - set(tensors)
   if missing:
     raise CheckpointError(f"{path}: parameters {sorted(missing)} have no Hugging Face tensor.")
-  used = {t.name for ts in tensors.values() for t in ts}
-  # Some checkpoints carry RoPE's inverse frequencies, which the config determines.
-  unused = sorted(n for n in files.where if n not in used and not n.endswith("rotary_emb.inv_freq"))
-  if cfg.tie_embeddings and "lm_head.weight" in unused and np.array_equal(
-      files.read("lm_head.weight"), files.read("model.embed_tokens.weight")):
-    unused.remove("lm_head.weight")  # a tied head written out as a copy
-  if unused:
-    raise CheckpointError(f"{path}: tensors {unused[:4]}{' ...' if len(unused) > 4 else ''} have"
-                          f" no place in the model that {where} describes; a model without them"
-                          " would compute something else.")
 
   def value(key, var):
     spec = var.get_value() if hasattr(var, "get_value") else var.value
     ts = tensors[key]
     shape = tuple(spec.shape)
     if len(ts) == 1:
-      whole = _checked(files, ts[0])  # converted once, sliced per shard
+      whole = _ours(files, ts[0])  # converted once, sliced per shard
       def host(index):
         return whole[index]
     else:  # stacked over layer groups: read only the groups of the shard
       def host(index):
         groups = range(len(ts))[index[0]]
-        stacked = np.stack([_checked(files, ts[g]) for g in groups])
+        stacked = np.stack([_ours(files, ts[g]) for g in groups])
         return stacked[(slice(None),) + index[1:]]
     sharding = getattr(spec, "sharding", None)
     if sharding is None:
@@ -584,14 +702,17 @@ def read_config(path: str) -> dict:
   try:
     with open(file) as f:
       hf = json.load(f)
-    if not isinstance(hf, dict):
-      raise CheckpointError(f"{file}: expects a JSON object of the model's fields, got a JSON"
-                            f" {type(hf).__name__} ({json.dumps(hf)[:60]}).")
-    return hf
   except FileNotFoundError as e:
     raise CheckpointError(f"{file}: missing; a Hugging Face checkpoint directory has one.") from e
-  except json.JSONDecodeError as e:
+  except OSError as e:  # a directory, no permission, ...
+    raise CheckpointError(f"{file}: cannot be read ({e.strerror or e}); expected the JSON file"
+                          " of the model's fields.") from e
+  except ValueError as e:  # not JSON, or not text
     raise CheckpointError(f"{file}: not JSON ({e}).") from e
+  if not isinstance(hf, dict):
+    raise CheckpointError(f"{file}: expects a JSON object of the model's fields, got a JSON"
+                          f" {type(hf).__name__} ({json.dumps(hf)[:60]}).")
+  return hf
 
 
 # ---------------------------------------------------------------------------------------

@@ -1,7 +1,6 @@
 """Hugging Face Llama checkpoints: bit-identical round trips, logits against a Llama forward
 written here in numpy from the HF tensors, and clear errors for bad directories."""
 
-import dataclasses
 import json
 import os
 import re
@@ -17,7 +16,7 @@ from safetensors.numpy import save_file
 
 import flaxattn
 from models import hf
-from models.llama import LAYERS_AXIS, Llama, LlamaConfig
+from models.llama import LAYERS_AXIS, Llama, LlamaConfig, layer_masks
 
 BF16 = ml_dtypes.bfloat16
 CONFIG = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=97, hidden_size=64,
@@ -247,7 +246,10 @@ def _case(label, words, **change):
     _case("num_attention_heads 4.9", "num_attention_heads expects an integer, got 4.9",
           num_attention_heads=4.9),
     _case("hidden_size null", "hidden_size expects an integer, got null", hidden_size=None),
-    _case("rms_norm_eps string", 'rms_norm_eps expects a number, got "abc"', rms_norm_eps="abc"),
+    _case("rms_norm_eps string", 'rms_norm_eps expects a number with a decimal point or an'
+          ' exponent (1e-06, 1.0), got "abc"', rms_norm_eps="abc"),
+    _case("rms_norm_eps integer", 'rms_norm_eps expects a number with a decimal point or an'
+          ' exponent (1e-06, 1.0), got 1', rms_norm_eps=1),
     _case("bool for an int", "max_position_embeddings expects an integer, got true",
           max_position_embeddings=True),
     _case("int for a bool", "attention_bias expects true or false, got 0", attention_bias=0),
@@ -275,9 +277,9 @@ def test_nulls_and_integers_where_numbers_are_expected_are_read():
   assert hf.config_from_hf(dict(CONFIG, num_key_value_heads=None)).n_kv_heads == 4
   assert hf.config_from_hf(dict(CONFIG, rope_scaling=None)).rope_scaling == flaxattn.RoPEScaling()
   assert hf.config_from_hf(dict(CONFIG, **MISTRAL, sliding_window=None)).sliding_window is None
-  ints = hf.config_from_hf(dict(CONFIG, rope_theta=10000, rms_norm_eps=1,
+  ints = hf.config_from_hf(dict(CONFIG, rope_theta=10000,
                                 rope_scaling=dict(rope_type="linear", factor=2)))
-  assert ints == dataclasses.replace(cfg, norm_eps=1.0)
+  assert ints == cfg
   assert type(ints.rope_theta) is float and type(ints.rope_scaling.factor) is float
 
 
@@ -378,3 +380,207 @@ def test_a_tensor_without_a_place_in_the_model_is_refused(tmp_path):
   save_file(dict(extra, **{"model.layers.0.self_attn.q_norm.weight": np.ones(16, BF16)}), file)
   with pytest.raises(hf.CheckpointError, match="q_norm.weight.*no place in the model"):
     hf.load(str(tmp_path))
+
+
+# ---------------------------------------------------------------------------------------
+# layer_types: which layers attend in a window (transformers 5: Qwen2/Qwen3 natively; a
+# Mistral config that carries it is read by AutoConfig as Ministral, which honours it)
+
+S, F = "sliding_attention", "full_attention"
+QWEN2 = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2")
+QWEN3 = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=16)
+WINDOWED = dict(use_sliding_window=True, sliding_window=8)
+
+
+@pytest.mark.parametrize("arch", [
+    pytest.param({}, id="llama"), pytest.param(MISTRAL, id="mistral"),
+    pytest.param(dict(QWEN2, **WINDOWED), id="qwen2"),
+    pytest.param(QWEN3, id="qwen3 windows off")])
+@pytest.mark.parametrize("layer_types", [True, 0, "2", {"a": 1}, [2], [S, "bogus"], [F],
+                                         [F, F, F]], ids=json.dumps)
+def test_layer_types_that_transformers_refuses_are_refused(arch, layer_types):
+  with pytest.raises(hf.CheckpointError, match="layer_types") as e:
+    hf.config_from_hf(dict(CONFIG, **arch, layer_types=layer_types))
+  assert any(show(layer_types)[:20] in str(e.value) for show in (json.dumps, repr))
+
+
+@pytest.mark.parametrize("fields, windowed", [
+    (dict(MISTRAL, sliding_window=8), [True, True]),
+    (dict(MISTRAL, sliding_window=8, layer_types=None), [True, True]),
+    (dict(MISTRAL, sliding_window=8, layer_types=[S, S]), [True, True]),
+    (dict(MISTRAL, sliding_window=8, layer_types=[F, F]), [False, False]),
+    (dict(MISTRAL, sliding_window=8, layer_types=[S, F]), [True, False]),
+    (dict(MISTRAL, sliding_window=8, layer_types=["attention", F]), [False, False]),  # legacy name
+    (dict(MISTRAL, sliding_window=None, layer_types=[F, F]), [False, False]),
+    (dict(QWEN2, **WINDOWED, max_window_layers=0), [True, True]),
+    (dict(QWEN2, **WINDOWED), [False, False]),  # the first max_window_layers=28 attend fully
+    (dict(QWEN2, **WINDOWED, layer_types=[S, F]), [True, False]),
+    (dict(QWEN3, layer_types=[F, F]), [False, False]),
+    (dict(QWEN3, **WINDOWED, layer_types=[S, S]), [True, True]),
+    (dict(layer_types=[F, F], sliding_window=8), [False, False]),  # Llama has no window
+])
+def test_layer_types_give_each_layer_its_window(fields, windowed):
+  cfg = hf.config_from_hf(dict(CONFIG, **fields))
+  assert [m != flaxattn.Causal() for m in layer_masks(cfg)] == windowed
+  assert all(m in (flaxattn.Causal(), flaxattn.Local(8)) for m in layer_masks(cfg))
+
+
+@pytest.mark.parametrize("fields, words", [
+    # Full attention first, then a window: no global_every gives it.
+    (dict(MISTRAL, sliding_window=8, layer_types=[F, S]),
+     "layer_types=['full_attention', 'sliding_attention']"),
+    (dict(QWEN2, **WINDOWED, max_window_layers=1), "max_window_layers=1"),
+    # Windowed layers without a window: transformers fails on them.
+    (dict(MISTRAL, sliding_window=None, layer_types=[S, S]), "sliding_window is null"),
+    (dict(QWEN3, layer_types=[F, S]), "use_sliding_window is false"),
+    (dict(QWEN2, use_sliding_window=True, sliding_window=None, layer_types=[S, F]),
+     "sliding_window is null"),
+    (dict(layer_types=[S, S], sliding_window=8), "LlamaForCausalLM has no windowed layers"),
+])
+def test_layer_patterns_this_model_does_not_run_are_refused(fields, words):
+  with pytest.raises(hf.CheckpointError, match=re.escape(words)) as e:
+    hf.config_from_hf(dict(CONFIG, **fields))
+  assert "layer_types" in str(e.value) or "max_window_layers" in str(e.value)
+
+
+@pytest.mark.parametrize("cfg", [
+    LlamaConfig(**TINY),
+    LlamaConfig(**dict(TINY, sliding_window=8, global_every=0)),
+    LlamaConfig(**dict(TINY, n_layers=4, qkv_bias=True, sliding_window=8, global_every=2)),
+    LlamaConfig(**dict(TINY, n_layers=4, qk_norm=True, sliding_window=8, global_every=4)),
+    LlamaConfig(**dict(TINY, qk_norm=True, sliding_window=8, global_every=1)),  # none windowed
+], ids=["llama", "mistral", "qwen2 alternating", "qwen3 3:1", "qwen3 no window"])
+def test_the_written_layer_types_are_the_models_windows(cfg):
+  """What `save` writes for the window and for `layer_types` agree, and read back as the
+  same layers: Qwen's own `layer_types`; none for Mistral, whose `sliding_window` alone
+  windows every layer (a `layer_types` would make transformers read it as Ministral)."""
+  written = hf.config_to_hf(cfg, "float32")
+  windowed = [m != flaxattn.Causal() for m in layer_masks(cfg)]
+  if written["architectures"][0].startswith("Qwen"):
+    assert written["layer_types"] == [S if w else F for w in windowed]
+    assert written["use_sliding_window"] == any(windowed)
+    assert (written["sliding_window"] is None) == (not any(windowed))
+  else:
+    assert "layer_types" not in written
+  back = hf.config_from_hf(json.loads(json.dumps(written)))
+  assert layer_masks(back) == layer_masks(cfg)
+
+
+# ---------------------------------------------------------------------------------------
+# Tensors are checked against the config from the safetensors headers, before the model
+# (whose size the config sets) is built
+
+
+def _no_model(monkeypatch):
+  def built(*args, **kwargs):
+    raise AssertionError("hf.load built the model before checking the tensors")
+  monkeypatch.setattr(hf, "Llama", built)
+
+
+@pytest.mark.parametrize("layers", [200, 10**9])
+def test_a_config_with_more_layers_than_tensors_is_refused_at_once(tmp_path, monkeypatch, layers):
+  write_checkpoint(tmp_path)
+  (tmp_path / "config.json").write_text(json.dumps(dict(CONFIG, num_hidden_layers=layers)))
+  _no_model(monkeypatch)
+  with pytest.raises(hf.CheckpointError, match=r"'model\.layers\.2\.[a-z_.]+'.* missing") as e:
+    hf.load(str(tmp_path))
+  assert f"{layers * 9 + 3} tensors" in str(e.value)  # as many as the config asks for
+  assert "config.json" in str(e.value)
+
+
+@pytest.mark.parametrize("how, words", [
+    ("wrong shape", "has shape [96, 64], which does not fit the config"),
+    ("extra tensor", "no place in the model"),
+    ("missing tensor", "'model.norm.weight' is missing"),
+])
+def test_tensors_are_checked_before_the_model_is_built(tmp_path, monkeypatch, how, words):
+  tensors = write_checkpoint(tmp_path, shards=1)
+  if how == "wrong shape":
+    tensors["lm_head.weight"] = tensors["lm_head.weight"][:-1]
+  elif how == "extra tensor":
+    tensors["model.layers.0.self_attn.q_norm.weight"] = np.ones(16, BF16)
+  else:
+    del tensors["model.norm.weight"]
+  _single(tmp_path, tensors)
+  _no_model(monkeypatch)
+  with pytest.raises(hf.CheckpointError, match=re.escape(words)):
+    hf.load(str(tmp_path))
+
+
+def _single(path, tensors):
+  """The checkpoint at `path` as one model.safetensors holding `tensors`, no index."""
+  for file in os.listdir(path):
+    if file.endswith(".safetensors") or file == hf.INDEX:
+      os.remove(path / file)
+  save_file(tensors, path / hf.SINGLE, metadata={"format": "pt"})
+
+
+# ---------------------------------------------------------------------------------------
+# RoPE and numbers as transformers 5's config classes read them
+
+
+@pytest.mark.parametrize("layout", ["old", "new"])
+@pytest.mark.parametrize("drop", ["low_freq_factor", "high_freq_factor"])
+def test_llama3_rope_without_its_frequency_factors_is_refused(layout, drop):
+  scaling = {k: v for k, v in LLAMA3.items() if k != drop}
+  with pytest.raises(hf.CheckpointError, match=f"{drop}' is missing"):
+    hf.config_from_hf(_layouts(500000.0, scaling)[layout == "new"])
+
+
+def test_llama3_rope_takes_max_position_embeddings_as_its_original_length():
+  """As transformers, which sets `original_max_position_embeddings` from it when absent."""
+  scaling = {k: v for k, v in LLAMA3.items() if k != "original_max_position_embeddings"}
+  for config in _layouts(500000.0, scaling):
+    assert hf.config_from_hf(config).rope_scaling.original_max_position == 256
+
+
+def test_an_integer_rms_norm_eps_is_refused_as_transformers_refuses_it():
+  """transformers 5 declares `rms_norm_eps: float` and refuses 1; its RoPE numbers take
+  integers (`"rope_theta": 10000`, a llama3 `"factor": 8`)."""
+  with pytest.raises(hf.CheckpointError, match="rms_norm_eps expects a number with a"):
+    hf.config_from_hf(dict(CONFIG, rms_norm_eps=1))
+  ints = dict(LLAMA3, factor=8, low_freq_factor=1, high_freq_factor=4)
+  assert hf.config_from_hf(_layouts(500000, ints)[1]) == hf.config_from_hf(_layouts(5e5, LLAMA3)[1])
+
+
+# ---------------------------------------------------------------------------------------
+# Unreadable files: a CheckpointError naming the file
+
+
+def _corrupt(path, how) -> str:
+  """Breaks the checkpoint at `path` (three shards and an index) as `how` says; the file the
+  error must name."""
+  index = path / hf.INDEX
+  where = json.loads(index.read_text())["weight_map"]
+  if how in ("garbage", "truncated"):
+    _single(path, _read_all(path))
+    file = path / hf.SINGLE
+    if how == "garbage":
+      file.write_bytes(b"\0" * 100)
+    else:
+      os.truncate(file, file.stat().st_size // 2)
+    return hf.SINGLE
+  if how == "config.json a directory":
+    os.remove(path / "config.json")
+    os.mkdir(path / "config.json")
+    return "config.json"
+  if how == "tensor not in its file":  # model.norm.weight is in shard 3
+    where["model.norm.weight"] = "model-00001-of-00003.safetensors"
+  index.write_text(json.dumps({
+      "index a list": [1],
+      "weight_map a list": dict(weight_map=list(where)),
+      "weight_map null": dict(weight_map=None),
+      "weight_map entry an integer": dict(weight_map=dict(where, **{"model.norm.weight": 3})),
+      "tensor not in its file": dict(weight_map=where)}[how]))
+  return hf.INDEX
+
+
+@pytest.mark.parametrize("how", ["garbage", "truncated", "index a list", "weight_map a list",
+                                 "weight_map null", "weight_map entry an integer",
+                                 "tensor not in its file", "config.json a directory"])
+def test_unreadable_files_are_refused_naming_the_file(tmp_path, how):
+  write_checkpoint(tmp_path)
+  file = _corrupt(tmp_path, how)
+  with pytest.raises(hf.CheckpointError) as e:
+    hf.load(str(tmp_path))
+  assert os.path.join(tmp_path, file) in str(e.value)

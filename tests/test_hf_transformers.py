@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 
@@ -29,6 +30,8 @@ TOL = 1e-4
     ("mistral", "default", {}, {}),
     ("qwen2", "yarn", {}, {}),
     ("qwen3", "llama3", dict(attention_bias=True), {}),
+    ("qwen3", "default", dict(use_sliding_window=True, sliding_window=8,
+                              layer_types=["sliding_attention", "full_attention"]), {}),
 ])
 def test_transformers_checkpoints_in_and_out(tmp_path, arch, rope, fields, save):
   model = hf_parity.hf_model(arch, rope, **fields)
@@ -93,3 +96,30 @@ def test_a_transposed_tensor_is_refused_as_transformers_refuses_it(tmp_path):
     type(model).from_pretrained(str(tmp_path))
   with pytest.raises(hf.CheckpointError, match=f"{name}' has shape \\[64, 96\\]"):
     hf.load(str(tmp_path))
+
+
+S, F = "sliding_attention", "full_attention"
+
+
+@pytest.mark.parametrize("layer_types", [[S, S], [F, F], [S, F], [F, S], ["attention", S], None])
+def test_mistral_layer_types_give_the_model_transformers_reads(tmp_path, layer_types):
+  """transformers reads a Mistral config that carries `layer_types` as Ministral, which
+  windows exactly the layers it names (null: every layer, as Mistral); `hf.load` builds
+  those layers or refuses a pattern it cannot build, naming it."""
+  import torch
+  import transformers
+
+  hf_parity.hf_model("mistral", "default").save_pretrained(str(tmp_path))  # sliding_window=8
+  path = tmp_path / "config.json"
+  path.write_text(json.dumps(dict(json.loads(path.read_text()), layer_types=layer_types)))
+  theirs = transformers.AutoModelForCausalLM.from_pretrained(
+      str(tmp_path), dtype=torch.float32, attn_implementation="eager").eval()
+  if layer_types and layer_types[0] != S and S in layer_types:  # full attention, then a window
+    with pytest.raises(hf.CheckpointError, match=re.escape(f"layer_types={layer_types}")):
+      hf.load(str(tmp_path))
+    return
+  ours = hf.load(str(tmp_path), attention_backend="reference")
+  tokens, seg, pos = hf_parity.rows(ours.config.vocab_size)
+  error = hf_parity.rel_error(hf_parity.logits(ours, tokens, seg, pos),
+                              hf_parity.hf_logits(theirs, tokens, seg))
+  assert error < TOL, error
