@@ -564,6 +564,11 @@ def _index(file: str) -> dict[str, str]:
     raise CheckpointError(f"{file}: expects a JSON object whose weight_map maps each tensor"
                           f" name to the name of its file, got {_shown(index, 80)}; correct"
                           " the index or remove it (one model.safetensors needs none).")
+  # Shards lie beside the index: a path elsewhere would read another checkpoint's tensors.
+  outside = sorted({v for v in where.values() if os.path.basename(v) != v or v in ("", ".", "..")})
+  if outside:
+    raise CheckpointError(f"{file}: expects weight_map files in the checkpoint's directory (a"
+                          f" file name, no path), got {outside[:3]}; correct the index.")
   return where
 
 

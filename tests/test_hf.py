@@ -566,18 +566,22 @@ def _corrupt(path, how) -> str:
     return "config.json"
   if how == "tensor not in its file":  # model.norm.weight is in shard 3
     where["model.norm.weight"] = "model-00001-of-00003.safetensors"
+  if how == "weight_map entry outside the directory":  # another checkpoint's shard
+    where["model.norm.weight"] = "../other/model-00003-of-00003.safetensors"
   index.write_text(json.dumps({
       "index a list": [1],
       "weight_map a list": dict(weight_map=list(where)),
       "weight_map null": dict(weight_map=None),
       "weight_map entry an integer": dict(weight_map=dict(where, **{"model.norm.weight": 3})),
-      "tensor not in its file": dict(weight_map=where)}[how]))
+      "tensor not in its file": dict(weight_map=where),
+      "weight_map entry outside the directory": dict(weight_map=where)}[how]))
   return hf.INDEX
 
 
 @pytest.mark.parametrize("how", ["garbage", "truncated", "index a list", "weight_map a list",
                                  "weight_map null", "weight_map entry an integer",
-                                 "tensor not in its file", "config.json a directory"])
+                                 "tensor not in its file", "config.json a directory",
+                                 "weight_map entry outside the directory"])
 def test_unreadable_files_are_refused_naming_the_file(tmp_path, how):
   write_checkpoint(tmp_path)
   file = _corrupt(tmp_path, how)
