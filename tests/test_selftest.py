@@ -52,3 +52,13 @@ def test_matching_kernels_pass(only):
     case = ("blockwise: Causal(), float32, packed" if strategy == "blockwise" else
             f"auto: Causal(), float32, packed, {strategy} over 8 devices")
     assert any(line.startswith(f"  ok   {case}: ") for line in lines), (case, lines)
+
+
+def test_timings_name_their_yardstick():
+  """The "of matmul" column is against a matmul large enough to reach the device's rate,
+  timed in the same run, and the output says which."""
+  lines = []
+  selftest._timings((256,), "float32", 1, lines.append)
+  assert lines[-1].startswith("(of matmul: against a 2048^3 float32 matmul timed in the same"
+                              " run after a warm-up, best of 3: ")
+  assert [line.split()[0] for line in lines[1:-1]] == ["causal", "16"]
