@@ -120,7 +120,8 @@ def test_context_parallel_lowers_compiled_splash_for_tpu(n):
 
 def _train_step(devices: int, preset: str) -> dict:
   env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-             JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+             JAX_PLATFORMS="cpu",
+             PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
   out = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "tpu_train_step.py"), preset],
                        capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
