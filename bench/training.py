@@ -16,9 +16,9 @@ multi-device program has run, so there it is most of the step; on one device, GP
 it returns at once). Medians over the steps after the first two (compile and warm-up).
 
 The demo model (`configs/demo.yaml`: its model config, seq_len and global batch_size) is
-trained with the trainer's own pieces (`bench.train_step`): `train.loop._make_state` (Llama
+trained with the trainer's own pieces (`bench.train_step`): `train.state.make_state` (Llama
 + AdamW from `train.optimizer`), `train.loop.train_step` (the jitted step `python -m train`
-runs), `train.mesh.make`, `flaxattn.sharding.rules` and `train.data.GlobalBatches`. Variants,
+runs), `train.mesh.make` and `train.data.GlobalBatches`. Variants,
 all on the same global batch (`batch_size` rows of `seq_len`) and the same initial parameters:
 
   1. ring:        mesh context=4 (the demo config), ContextParallel("ring", load_balance);
@@ -41,9 +41,9 @@ Python standard library's `.py` files, byte tokenizer, first-fit packed, shuffle
 config's seed): by default the first batch whose rows hold at least `--min-docs` (3)
 documents, real documents of uneven lengths plus padding (`--batch-index N` picks pipeline
 batch N instead; at seq_len 4096 most demo batches are one piece of a long file). The CP
-variants get it in `flaxattn.load_balance` order, as the trainer feeds it
-(`GlobalBatches(cp=4)`); the others in the original order. The same batch is reused for every
-step (data loading is not timed).
+variants get it in the trainer's token order (`data.balance`, through `GlobalBatches`); the
+others in the original order. The same batch is reused for every step (data loading is not
+timed).
 
 XLA_FLAGS gets `--xla_force_host_platform_device_count=4` and
 `--xla_cpu_multi_thread_eigen=false` (what `train.distributed.setup` sets when simulating

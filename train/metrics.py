@@ -92,6 +92,11 @@ class MetricsWriter:
       self._file.close()
       self._tb.close()
 
+  def plot(self) -> None:
+    """Draws the run's loss.png (`plot_loss`) on process 0."""
+    if self.enabled:
+      plot_loss(str(self.path.parent))
+
 
 def _summary_writer():
   """tensorboardX's `SummaryWriter`, imported without torch. tensorboardX imports torch,
