@@ -3,10 +3,12 @@ config errors surface before anything is written or compiled), `train.state.rest
 (the state to start from) and `_loop` (a jitted step per batch, metrics, periodic eval and
 checkpoints, and a clean save-and-exit on SIGTERM).
 
-The host does not wait for each step: it dispatches step n + 1, then fetches step n's
-metrics (evals, saves and the last step wait for their step first). A line per
-`log_every` steps goes to the `logging` module (`train.throughput.format_step`), and a
-summary at the end.
+The host reads and places step n + 1's batch while the device runs step n, then waits for
+step n and dispatches step n + 1. A step's time is the wall time between the completions
+of consecutive steps (the first step's from the loop's start, compiling included; an eval
+or a save in between counts in the next step's), so the steps' times add up to the run's
+and none reads below its own dispatch. A line per `log_every` steps goes to the `logging`
+module (`train.throughput.format_step`), and a summary at the end.
 
 Resume semantics: a run with an existing `run_dir` restores parameters, optimizer state
 (with its step) and the data iterator's position from the newest usable checkpoint at
@@ -18,6 +20,7 @@ resume refuses, and how a run starts over, is in `train.run_dir`; SIGTERM in `tr
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import pathlib
 import sys
@@ -28,7 +31,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from models.llama import Llama, flops_per_token, loss_fn
+from models.llama import Llama, loss_fn
 from train import data, metrics, optimizer, throughput, tokenizer
 from train import mesh as mesh_lib
 from train.config import TrainConfig
@@ -89,6 +92,18 @@ def _setup(cfg: TrainConfig, stop: StopRequest) -> tuple[mesh_lib.Parallelism, d
   return parallel, data.make(cfg, tok, parallel.mesh, parallel.cp, stop.call)
 
 
+@dataclasses.dataclass
+class _Step:
+  """A dispatched step: its metrics on the device, its model FLOPs, and the host's seconds
+  on it (`host`: reading and placing its batch, metrics and logging; `dispatch`: its call)."""
+
+  step: int
+  out: dict
+  flops: float
+  host: float
+  dispatch: float
+
+
 def _loop(cfg: TrainConfig, mesh, run_data: data.Data, start: Start, stop: StopRequest
           ) -> tuple[int, bool]:
   """Trains from `start` to `cfg.steps` (or a SIGTERM) on `mesh`: steps, evals, saves,
@@ -100,41 +115,43 @@ def _loop(cfg: TrainConfig, mesh, run_data: data.Data, start: Start, stop: StopR
   if start.position is not None:
     data_it.set_state(start.position)
   position = data_it.get_state()  # after the last batch trained on: what a save records
-  device = mesh.devices.flat[0]
-  reporter = _Reporter(cfg, throughput.Rates(
-      flops_per_token(cfg.model, cfg.seq_len), mesh.size,
-      throughput.peak(device.device_kind, device.platform, cfg.peak_tflops_per_device)), step)
-  saved, stopped = step, False
-  pending = None  # (step, metrics on device, host seconds) of the step not yet reported
+  flops = throughput.Flops(state.model, run_data.masks)
+  reporter = _Reporter(cfg, throughput.Rates(mesh.size, throughput.peak(
+      mesh, cfg.peak_tflops_per_device)), step)
+  saved, stopped, pending = step, False, None
   try:
     while step < cfg.steps:
       begin = time.perf_counter()
-      batch = batches.to_global(stop.call(lambda: next(data_it)))
+      local = stop.call(lambda: next(data_it))
+      # This process's rows stand for those of the processes that read other shards.
+      step_flops = flops.of(local["segment_ids"]) * batches.shard_count
+      batch = batches.to_global(local)
+      waited = reporter.report(pending) if pending else 0.0
       dispatch = time.perf_counter()
-      out = train_step(state, batch)  # dispatched: the device runs it while the host goes on
+      out = train_step(state, batch)
       dispatch = time.perf_counter() - dispatch
       step += 1
       position = data_it.get_state()
-      waited = reporter.report(*pending) if pending else 0.0
-      pending = (step, out, time.perf_counter() - begin - waited - dispatch, dispatch)
+      pending = _Step(step, out, step_flops, time.perf_counter() - begin - waited - dispatch,
+                      dispatch)
       save_now = cfg.checkpoint_every and step % cfg.checkpoint_every == 0
       eval_now = run_data.eval is not None and (step % cfg.eval_every == 0 or step == cfg.steps)
       if save_now or eval_now or step == cfg.steps:
-        reporter.report(*pending)
+        reporter.report(pending)
         pending = None
+      paused = time.perf_counter()
       if save_now:
         ckpts.save(step, nnx.state(state), position)
         saved = step
       if eval_now:
         reporter.writer.write(step, _evaluate(state, run_data.eval, batches,
                                               cfg.data.eval_batches, stop))
-      if save_now or eval_now:
-        reporter.restart_clock()
+      reporter.paused += time.perf_counter() - paused
   except Stopped:
     stopped = True
   try:
     if pending:
-      reporter.report(*pending)
+      reporter.report(pending)
     if saved != step:
       ckpts.save(step, nnx.state(state), position)
       if stopped:
@@ -144,9 +161,10 @@ def _loop(cfg: TrainConfig, mesh, run_data: data.Data, start: Start, stop: StopR
   finally:
     reporter.close()
     ckpts.close()  # waits for the saves in flight
+  wall = time.perf_counter() - reporter.started
   reporter.writer.plot()
   if jax.process_index() == 0:
-    log.info("%s", reporter.summary(step, ckpts.directory))
+    log.info("%s", reporter.summary(step, wall, ckpts.directory))
   return step, stopped
 
 
@@ -167,47 +185,43 @@ def _evaluate(state: TrainState, eval_ds, batches: data.GlobalBatches, num: int,
 
 
 class _Reporter:
-  """Fetches each step's metrics once the step is done, writes them every `log_every`
-  steps (metrics.jsonl, TensorBoard, a log line, the progress bar) and keeps totals for
-  the summary.
-
-  Step time is the time between the completions of consecutive steps (the loop dispatches
-  step n + 1 before fetching step n's metrics), restarted after evals and saves."""
+  """Waits for each step and reports it (metrics.jsonl, TensorBoard, a log line every
+  `log_every` steps, the progress bar), and keeps totals for the summary."""
 
   def __init__(self, cfg: TrainConfig, rates: throughput.Rates, start_step: int):
-    self.cfg, self.rates = cfg, rates
+    self.cfg, self.rates, self.start_step = cfg, rates, start_step
     self.writer = metrics.MetricsWriter(cfg.run_dir, start_step)
     self.bar = _progress(start_step, cfg.steps)
     # On the host once: a schedule call per step would queue behind the running step.
     self.lrs = np.asarray(optimizer.schedule(cfg.optimizer, cfg.steps)(np.arange(cfg.steps)))
     self.tokens_per_step = cfg.batch_size * cfg.seq_len
-    self.start_step, self.last = start_step, None
-    self.timed_tokens = self.timed_seconds = 0.0  # steps after this process's first (compile)
-    self.restart_clock()
+    self.started = self.done_at = time.perf_counter()
+    self.paused = 0.0  # seconds in evals and saves, left out of the summary's rates
+    self.last = None
+    self.first = None  # seconds of this run's first step (compiling)
+    self.timed = [0.0, 0.0, 0.0, 0.0]  # tokens, FLOPs, seconds, paused after the first step
 
-  def restart_clock(self) -> None:
-    self.done_at = time.perf_counter()
-
-  def report(self, step: int, out: dict, host_time: float, dispatch_time: float) -> float:
-    """Fetches step `step`'s metrics `out` (blocking until it is done) and reports them
-    with the host's seconds on the step (data, metrics, logging) and in the step's call
-    (its dispatch); returns the seconds waited."""
+  def report(self, s: _Step) -> float:
+    """Waits for step `s` and reports it; returns the seconds waited."""
     fetch = time.perf_counter()
-    out = jax.device_get(out)
+    out = jax.device_get(s.out)
     now = time.perf_counter()
     elapsed, self.done_at = now - self.done_at, now
     m = {"loss": float(out["loss"]), "grad_norm": float(out["grad_norm"]),
-         "lr": float(self.lrs[step - 1]), "tokens": float(out["tokens"]),
-         **self.rates.of(self.tokens_per_step, elapsed), "step_time": elapsed,
-         "host_time": host_time, "dispatch_time": dispatch_time}
-    if step > self.start_step + 1:
-      self.timed_tokens += self.tokens_per_step
-      self.timed_seconds += elapsed
-    self.last = (step, m)
-    if step % self.cfg.log_every == 0 or step == self.cfg.steps:
-      self.writer.write(step, m)
+         "lr": float(self.lrs[s.step - 1]), "tokens": float(out["tokens"]),
+         **self.rates.of(self.tokens_per_step, s.flops, elapsed), "step_time": elapsed,
+         "host_time": s.host, "dispatch_time": s.dispatch}
+    if self.first is None:
+      self.first, self.paused = elapsed, 0.0
+    else:
+      for i, v in enumerate((self.tokens_per_step, s.flops, elapsed, self.paused)):
+        self.timed[i] += v
+      self.paused = 0.0
+    self.last = (s.step, m)
+    if s.step % self.cfg.log_every == 0 or s.step == self.cfg.steps:
+      self.writer.write(s.step, m)
       if jax.process_index() == 0:
-        log.info("%s", throughput.format_step(step, self.cfg.steps, m, self.rates.peak))
+        log.info("%s", throughput.format_step(s.step, self.cfg.steps, m, self.rates.peak))
     self.bar.update(1)
     self.bar.set_postfix(loss=f"{m['loss']:.3f}")
     return now - fetch
@@ -216,19 +230,28 @@ class _Reporter:
     self.bar.close()
     self.writer.close()
 
-  def summary(self, step: int, ckpt_dir) -> str:
-    """The run's closing lines: steps, final loss, throughput, where its files are."""
-    run = pathlib.Path(self.cfg.run_dir).absolute()
-    lines = [f"done: step {step}/{self.cfg.steps} ({step - self.start_step} this run)"]
+  def summary(self, step: int, wall: float, ckpt_dir) -> str:
+    """The run's closing lines: steps, final loss, `wall` seconds of the loop and the steps'
+    share, throughput, where its files are."""
+    cfg = self.cfg
+    run = pathlib.Path(cfg.run_dir).absolute()
+    lines = [f"done: step {step}/{cfg.steps} ({step - self.start_step} this run)"]
     if self.last is not None:
       lines[0] += f", final loss {self.last[1]['loss']:.4f} (step {self.last[0]})"
-    if self.timed_seconds:
-      r = self.rates.of(self.timed_tokens, self.timed_seconds)
+    if self.first is not None:
+      seconds, paused = self.timed[2:]
+      lines.append(f"wall time {wall:.2f} s, the steps {self.first + seconds:.2f} s of it: the"
+                   f" first {self.first:.2f} s (compiling), the others {seconds:.2f} s with"
+                   f" {paused:.2f} s of evals and saves between them")
+    if self.timed[2] > self.timed[3]:
+      tokens, flops, seconds, paused = self.timed
+      r = self.rates.of(tokens, flops, seconds - paused)
       peak = self.rates.peak  # None exactly when r["mfu"] is
       mfu = ("n/a" if r["mfu"] is None or peak is None
              else f"{100 * r['mfu']:.2f}% ({peak.source} peak)")
-      lines.append(f"throughput after the first step: tokens/s {r['tokens_per_s']:,.0f},"
-                   f" tokens/s/device {r['tokens_per_s_per_device']:,.0f}, TFLOP/s/device"
+      lines.append(f"throughput after the first step, evals and saves left out: tokens/s"
+                   f" {r['tokens_per_s']:,.0f}, tokens/s/device"
+                   f" {r['tokens_per_s_per_device']:,.0f}, TFLOP/s/device"
                    f" {r['tflops_per_device']:.4g}, MFU {mfu}")
     lines += [f"checkpoints: {ckpt_dir}", f"metrics: {run / 'metrics.jsonl'}",
               f"TensorBoard: {run / 'tensorboard'}", f"loss plot: {run / 'loss.png'}"]
