@@ -2,7 +2,8 @@
 
   python -m bench.balance [--json bench/results/balance_cpu.json] [--repeats 5] [--no-time]
 
-Sets XLA_FLAGS=--xla_force_host_platform_device_count=8 before importing jax.
+Sets XLA_FLAGS=--xla_force_host_platform_device_count=8 before importing jax (on a GPU host
+the GPUs are the devices: with fewer than 8 the timed step is skipped, saying so).
 
 1. Work (exact arithmetic, no timing): a query sees as many keys as its mask and document
    allow (`flaxattn.balance.token_work`, summed over a model's layer masks); a device's
@@ -50,6 +51,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import AxisType  # noqa: E402
 
 import flaxattn  # noqa: E402
+from bench import devices  # noqa: E402
 from flaxattn import balance, blocks  # noqa: E402
 
 ROWS = 20
@@ -245,7 +247,7 @@ def timed_step(repeats: int) -> dict:
                  "per_device_alone_max_s": max(per_device),
                  "per_device_alone_max_over_mean": max(per_device) / float(np.mean(per_device))}
     print(f"| {name} | {w.max() / w.mean():.2f} | {computed.sum()} | {computed.max()}"
-          f" ({blocks.max() / blocks.mean():.2f}) | {seconds:.3f} | {max(per_device):.3f} |"
+          f" ({computed.max() / computed.mean():.2f}) | {seconds:.3f} | {max(per_device):.3f} |"
           f" {max(per_device) / np.mean(per_device):.2f} |", flush=True)
   out["setting"] = dict(t=t, cp=cp, heads=h, head_dim=d,
                         docs=int(len(np.unique(seg[seg > 0]))), padding=float((seg == 0).mean()))
@@ -263,7 +265,7 @@ def main():
   print("| rows, cp, documents, masks | docs/row | contiguous | row order | document order |")
   print("|---|---:|---:|---:|---:|")
   results = {"work": work_tables(args.quick)}
-  if not args.no_time:
+  if not args.no_time and devices.enough(8, "\nthe timed step (ring over 8 devices)"):
     print("\n| order | work max/mean | blocks computed | busiest device's blocks (max/mean) |"
           " fwd+bwd, 8 devices (s) | slowest device alone (s) | device times max/mean |")
     print("|---|---:|---:|---:|---:|---:|---:|")

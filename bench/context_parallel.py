@@ -3,8 +3,10 @@
   python -m bench.context_parallel [--json bench/results/context_parallel_cpu.json] [--quick]
 
 Sets XLA_FLAGS=--xla_force_host_platform_device_count=8 before importing jax, so the host
-CPU shows up as 8 devices. Everything is causal, forward+backward (gradient of sum(out**2)
-w.r.t. q, k, v), B=1, H=4, D=64, float32, with meshes
+CPU shows up as 8 devices (on a GPU host the GPUs are the devices: a part that needs more
+than there are is skipped, with a line saying how many it needs). Everything is causal,
+forward+backward (gradient of sum(out**2) w.r.t. q, k, v), B=1, H=4, D=64, float32, with
+meshes
 `jax.make_mesh((cp,), ("context",), axis_types=(Auto,), devices=jax.devices()[:cp])` used
 under `with jax.set_mesh(mesh):` and q/k/v sharded P(None, "context").
 
@@ -70,6 +72,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import flaxattn  # noqa: E402
+from bench import devices  # noqa: E402
 from bench.attention import B, D, H, best_time, causal_pairs, qkv, useful_gflops  # noqa: E402
 from flaxattn import blocks, blockwise, cudnn, cudnn_ring  # noqa: E402
 from flaxattn.blockwise import ring_block  # noqa: E402
@@ -430,10 +433,10 @@ def main():
   start = time.perf_counter()
   cores = os.cpu_count()
   results = dict(devices=len(jax.devices()), cpu_cores=cores, quick=args.quick, parts=args.parts)
-  print(f"{len(jax.devices())} simulated {jax.devices()[0].platform} devices on {cores} CPU cores")
+  print(f"{len(jax.devices())} {jax.devices()[0].platform} devices on {cores} CPU cores")
   print(f"B={B} H={H} D={D} float32, causal, forward+backward in parts 1-3")
 
-  if 1 in args.parts:
+  if 1 in args.parts and devices.enough(cp_max, "\n1. per-device compiled memory"):
     mem_rows = bench_memory(t_mem, cps)
     print(f"\n1. per-device compiled memory, T={t_mem} (MiB)")
     print(f"{'strategy':<11} {'cp':>3} {'T/cp':>6} {'temp':>8} {'args':>7} {'outputs':>8}")
@@ -479,7 +482,7 @@ def main():
 
     results.update(balance=bal)
 
-  if 3 in args.parts:
+  if 3 in args.parts and devices.enough(cp_max, "\n3. ring vs all_gather"):
     print(f"\n3. ring vs all_gather, T={t_time}, cp={cp_max}, vs fused on one device (no mesh)")
     time_rows = bench_strategies(t_time, cp_max, args.repeats)
     print(f"{'case':<14} {'impl':<17} {'seconds':>8} {'x 1 dev':>8} {'GFLOP/s':>8}"
@@ -494,16 +497,18 @@ def main():
 
   if 4 in args.parts:
     t_plan = 1024 if args.quick else 8192
-    plan_rows = [gpu_ring_plan(cp, case, t_plan) for cp in (4, 8)
+    plan_rows = [gpu_ring_plan(cp, case, t_plan)
+                 for cp in (4, 8) if devices.enough(cp, f"\n4. the GPU ring's plans at cp={cp}")
                  for case in ("causal", "packed", "packed, many documents", "packed, positions x2",
                               "Local")]
-    print_gpu_ring_plans(plan_rows)
+    if plan_rows:
+      print_gpu_ring_plans(plan_rows)
     results.update(gpu_ring_plans=plan_rows)
 
   if 5 in args.parts:
     results.update(gpu_ring=bench_gpu_ring(t_time, args.repeats))
 
-  if 6 in args.parts:
+  if 6 in args.parts and devices.enough(8, "\n6. every strategy"):
     masks = [flaxattn.Causal() if m == "causal" else flaxattn.Local(int(m))
              for m in args.strategy_masks]
     rows = [r for t in lengths for mask in masks

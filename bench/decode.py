@@ -2,7 +2,9 @@
 
   python -m bench.decode [--json bench/results/decode_cpu.json] [--lengths 32768 131072]
 
-Sets XLA_FLAGS=--xla_force_host_platform_device_count=8 before importing jax. One
+Sets XLA_FLAGS=--xla_force_host_platform_device_count=8 before importing jax (on a GPU host
+the GPUs are the devices: a cp or the prefill needing more than there are is skipped, with
+a line saying how many it needs). One
 `flaxattn.MultiHeadAttention` layer: in_features 512, H=8 query heads, Hkv=2, D=64,
 causal, float32, B=1, `context_parallel=ContextParallel()` (ring, load balanced) on a mesh
 `jax.make_mesh((cp,), ("context",))` of the first cp devices, no context parallelism at
@@ -38,7 +40,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import AxisType  # noqa: E402
 
-from bench import hlo  # noqa: E402
+from bench import devices, hlo  # noqa: E402
 from flaxattn import Causal, ContextParallel, MultiHeadAttention  # noqa: E402
 
 E, H, HKV, D, B = 512, 8, 2, 64, 1
@@ -123,13 +125,14 @@ def main():
   parser.add_argument("--prefill", type=int, default=8192)
   parser.add_argument("--json", default=None)
   args = parser.parse_args()
+  cps = [n for n in args.cps if devices.enough(n, f"cp={n}")]
   rows = []
   print("| cache length | cp | cache per device (MiB) | x cp=1 | decode step (ms) | bytes per step"
         " (collectives) |")
   print("|---:|---:|---:|---:|---:|---|")
   for length in args.lengths:
     base = None
-    for n in args.cps:
+    for n in cps:
       row = decode_case(length, n, args.steps)
       base = base or row["cache_bytes_per_device"]
       rows.append(row)
@@ -137,13 +140,15 @@ def main():
       print(f"| {length} | {n} | {row['cache_bytes_per_device'] / MIB:.2f} |"
             f" {row['cache_bytes_per_device'] / base:.3f} | {row['step_seconds'] * 1e3:.2f} |"
             f" {row['step_bytes']} ({kinds or 'none'}) |", flush=True)
-  prefill = prefill_collectives(args.prefill, 4)
-  print(f"\nring prefill of {args.prefill} tokens, cp=4, per device: "
-        + ", ".join(f"{k} {v['count']}x {v['bytes']} B" for k, v in prefill.items()))
+  prefill = None
+  if devices.enough(4, "\nring prefill, cp=4"):
+    prefill = prefill_collectives(args.prefill, 4)
+    print(f"\nring prefill of {args.prefill} tokens, cp=4, per device: "
+          + ", ".join(f"{k} {v['count']}x {v['bytes']} B" for k, v in prefill.items()))
   if args.json:
     with open(args.json, "w") as f:
-      json.dump(dict(decode=rows, prefill=dict(tokens=args.prefill, cp=4, collectives=prefill)),
-                f, indent=1)
+      json.dump(dict(decode=rows, prefill=prefill and dict(tokens=args.prefill, cp=4,
+                                                           collectives=prefill)), f, indent=1)
 
 
 if __name__ == "__main__":

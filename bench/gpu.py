@@ -51,7 +51,8 @@ after one warm-up, as many as fit in about half a second.
 Trainer: `bench.train_step` on configs/demo.yaml with `TRAINER_OVERRIDES` (the demo model in
 bfloat16 on rows of 32K tokens from the trainer's own pipeline, one GPU, no context
 parallelism): tokens/s and step time, the median of --trainer-steps steps after 2 warm-up
-steps.
+steps, and model TFLOP/s from the batch's documents (`train.throughput.Flops`) beside the
+upper bound of rows counted as one causal document each (`models.llama.flops_per_token`).
 
 JSON: {"device", "jax", "command", "shapes", "matmul_tflops", "lengths", "cells": [{"kernel",
 "case", "length", "status", "reason", "runs", "same_as", "pairs", "fwd_tflops", "fb_tflops",
@@ -441,6 +442,7 @@ def trainer_step(steps: int, matmul: float) -> dict:
     from bench.train_step import Variant, one_batch
     from models.llama import flops_per_token, layer_masks
     from train import config as config_lib
+    from train.throughput import Flops
   except ImportError as e:
     return dict(status="absent", reason=f"the trainer's dependencies are missing ({e});"
                 " pip install -e '.[train]'")
@@ -463,6 +465,7 @@ def trainer_step(steps: int, matmul: float) -> dict:
   with flaxattn.lowering_for("gpu"):
     kernels = sorted({registry.select(m.attention_backend, registry.Call.of(
         q, kv, kv, mask, layout, return_lse=False)).name for mask in layer_masks(m)})
+  flops = Flops(variant.state.model, layer_masks(m)).of(seg)  # the batch's documents
   fpt = flops_per_token(m, cfg.seq_len)
   return dict(status="ok", config="configs/demo.yaml", overrides=list(TRAINER_OVERRIDES),
               batch_index=index, document_lengths=[
@@ -471,8 +474,9 @@ def trainer_step(steps: int, matmul: float) -> dict:
               tokens_per_s=result["tokens_per_s"], median_step_s=result["median_step_s"],
               best_step_s=result["best_step_s"], first_step_s=result["first_step_s"],
               first_loss=result["first_loss"], step_times=result["step_times"],
-              flops_per_token=fpt, model_tflops=fpt * result["tokens_per_s"] / 1e12,
-              model_of_matmul=fpt * result["tokens_per_s"] / 1e12 / matmul)
+              model_flops=flops, model_tflops=flops / result["median_step_s"] / 1e12,
+              model_of_matmul=flops / result["median_step_s"] / 1e12 / matmul,
+              upper_bound_tflops=fpt * result["tokens_per_s"] / 1e12)
 
 
 def main(argv=None) -> int:
@@ -530,8 +534,9 @@ def main(argv=None) -> int:
             f" {trainer['first_step_s']:.1f} s with compiling), attention"
             f" {', '.join(trainer['attention_kernels'])}, documents per row"
             f" {trainer['document_lengths']}; model {trainer['model_tflops']:.1f} TFLOP/s"
-            f" (flops_per_token, an upper bound for packed rows) ="
-            f" {trainer['model_of_matmul']:.2f} of the matmul")
+            f" (the batch's documents) = {trainer['model_of_matmul']:.2f} of the matmul;"
+            f" counting each row as one causal document, an upper bound:"
+            f" {trainer['upper_bound_tflops']:.1f} TFLOP/s")
     else:
       print(f"  {trainer['status']}: {trainer.get('reason') or trainer.get('error')}")
   elapsed = time.perf_counter() - wall

@@ -1,7 +1,7 @@
-"""The trainer's own step, built and timed: the state of `train.loop._make_state`, the jitted
+"""The trainer's own step, built and timed: the state of `train.state.make_state`, the jitted
 `train.loop.train_step` that `python -m train` runs, and a global batch from the trainer's
-data pipeline (`train.data`). `bench.training` times its variants on simulated CPU devices
-with it, `bench.gpu` one step on one GPU.
+data pipeline (`train.data`) in the trainer's token order. `bench.training` times its
+variants on simulated CPU devices with it, `bench.gpu` one step on one GPU.
 
 Sets up no devices: the caller's process decides the platform (and simulated devices)
 before jax starts.
@@ -20,10 +20,12 @@ from flax import nnx
 from jax.sharding import AxisType
 
 import flaxattn
+from models.llama import layer_masks
 from train import config as config_lib
 from train import data, loop
 from train import mesh as mesh_lib
 from train import tokenizer as tokenizer_lib
+from train.state import make_state
 
 
 def dense_mask_attention(q, k, v, *, mask, segment_ids=None, positions=None,
@@ -46,11 +48,6 @@ def dense_mask_attention(q, k, v, *, mask, segment_ids=None, positions=None,
              & (kv_pos[:, None, :] <= positions[:, :, None]))
   assert allowed.shape == (b, t, s)
   return jax.nn.dot_product_attention(q, k, v, mask=allowed[:, None], implementation="xla")
-
-
-def _rules(mesh, m):
-  return flaxattn.sharding.rules(mesh, kv_heads=m.n_kv_heads, heads=m.n_heads, mlp=m.ffn_dim,
-                                 vocab=m.vocab_size, embed=m.dim)
 
 
 def one_batch(cfg, index: int | None, min_docs: int) -> tuple[int, dict]:
@@ -83,21 +80,19 @@ class Variant:
   def __init__(self, name: str, cfg, local: dict, *, cp_size: int, dense: bool, warmup: int):
     self.name, self.cfg, self.dense = name, cfg, dense
     if cp_size > 1:
-      self.mesh = mesh_lib.make(cfg)
-      assert self.mesh.shape["context"] == cp_size, dict(self.mesh.shape)
-      self.cp = mesh_lib.context_parallel(cfg, self.mesh)
+      parallel = mesh_lib.make(cfg)
+      assert parallel.mesh.shape["context"] == cp_size, dict(parallel.mesh.shape)
+      self.mesh, self.rules, self.cp = parallel.mesh, parallel.rules, parallel.cp
     else:
       axes = config_lib.MESH_AXES
       self.mesh = jax.make_mesh((1,) * len(axes), axes, axis_types=(AxisType.Auto,) * len(axes),
                                 devices=jax.devices()[:1])
-      self.cp = None
-    self.rules = _rules(self.mesh, cfg.model)
-    batches = data.GlobalBatches(
-        self.mesh, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
-        cp=(self.cp.balanced_shards(self.mesh)
-            if self.cp is not None and self.cp.load_balance else None))
+      self.rules, self.cp = mesh_lib.rules(self.mesh, cfg.model), None
+    batches = data.GlobalBatches(self.mesh, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
+                                 cp=self.cp, masks=layer_masks(cfg.model))
     with jax.set_mesh(self.mesh), nnx.logical_axis_rules(self.rules):
-      self.state = nnx.jit(lambda: loop._make_state(cfg, self.cp))()
+      self.state = nnx.jit(
+          lambda: make_state(cfg.model, cfg.optimizer, cfg.steps, cfg.seed, self.cp))()
       if dense:  # Llama does not expose attention_fn: patch the layer instances
         for block in self.state.model.layers:
           block.attn.attention_fn = dense_mask_attention

@@ -7,18 +7,19 @@ the same run.
 Part 2 (`--trainer-steps`, 0 skips it; `--trainer-only` runs only it): `python -m train`
 itself on configs/demo.yaml and configs/extend_demo.yaml (init_from a random tiny Llama
 written by `python -m models.hf random`), no checkpoints or evals, and what its log and
-metrics.jsonl report: tokens/s, tokens/s and TFLOP/s per device, MFU (against the CPU
-matmul the trainer times at start), step time, the host's own time per step outside the
-device step (data, metrics, logging: `host_time`; it overlaps the device's work, since the
-loop dispatches step n + 1 before fetching step n's metrics) and the step call's own time
-(`dispatch_time`: on several simulated CPU devices XLA's CPU client returns only when the
-multi-device program has run, so there it is most of the step; on one device, GPU or TPU
-it returns at once). Medians over the steps after the first two (compile and warm-up).
+metrics.jsonl report: tokens/s, tokens/s and TFLOP/s per device, MFU (the batches' model
+FLOPs against the matmuls the trainer times at start, one on each of its devices at once),
+step time, the host's own time per step outside the device step (data, metrics, logging:
+`host_time`; it overlaps the device's work, since the loop reads and places step n + 1's
+batch while the device runs step n) and the step call's own time (`dispatch_time`: the
+loop calls it once the step before is done). Medians over the steps after the first two
+(compile and warm-up).
 
 The demo model (`configs/demo.yaml`: its model config, seq_len and global batch_size) is
-trained with the trainer's own pieces (`bench.train_step`): `train.loop._make_state` (Llama
+trained with the trainer's own pieces (`bench.train_step`): `train.state.make_state` (Llama
 + AdamW from `train.optimizer`), `train.loop.train_step` (the jitted step `python -m train`
-runs), `train.mesh.make`, `flaxattn.sharding.rules` and `train.data.GlobalBatches`. Variants,
+runs), `train.mesh.make` and `train.data.GlobalBatches`. Part 1 needs 4 devices (JAX_PLATFORMS
+is cpu unless set; with fewer devices it is skipped, saying so). Variants,
 all on the same global batch (`batch_size` rows of `seq_len`) and the same initial parameters:
 
   1. ring:        mesh context=4 (the demo config), ContextParallel("ring", load_balance);
@@ -41,9 +42,9 @@ Python standard library's `.py` files, byte tokenizer, first-fit packed, shuffle
 config's seed): by default the first batch whose rows hold at least `--min-docs` (3)
 documents, real documents of uneven lengths plus padding (`--batch-index N` picks pipeline
 batch N instead; at seq_len 4096 most demo batches are one piece of a long file). The CP
-variants get it in `flaxattn.load_balance` order, as the trainer feeds it
-(`GlobalBatches(cp=4)`); the others in the original order. The same batch is reused for every
-step (data loading is not timed).
+variants get it in the trainer's token order (`data.balance`, through `GlobalBatches`); the
+others in the original order. The same batch is reused for every step (data loading is not
+timed).
 
 XLA_FLAGS gets `--xla_force_host_platform_device_count=4` and
 `--xla_cpu_multi_thread_eigen=false` (what `train.distributed.setup` sets when simulating
@@ -56,12 +57,12 @@ Step time: after `--warmup` compile-and-warm-up steps per variant, `--steps` rou
 each time one step of every variant in turn (interleaved, so that load from other users of
 the machine hits the variants alike), each to `jax.block_until_ready` of the step's outputs.
 tokens/s = batch_size x seq_len (padding included, as the trainer's tokens_per_s) / the
-median step time (the best is also shown). MFU = `models.llama.flops_per_token(model,
-seq_len)` x tokens/s / this CPU's float32 matmul FLOP/s (2048^3, `bench.attention`'s
-`matmul_gflops` on the default device), measured before and after the steps, the higher
-taken. flops_per_token counts each row as one causal document, so for packed rows its
-attention term is an upper bound of the work needed. The loss of the first step (same
-initial parameters and batch) is printed per variant as a consistency check.
+median step time (the best is also shown). MFU = the model FLOPs of the batch's documents
+(`train.throughput.Flops`: matmuls of the tokens that are not padding, the query-key pairs
+each layer's mask allows) / the median step time / this CPU's float32 matmul FLOP/s
+(2048^3, `bench.attention`'s `matmul_gflops` on the default device), measured before and
+after the steps, the higher taken. The loss of the first step (same initial parameters and
+batch) is printed per variant as a consistency check.
 """
 
 from __future__ import annotations
@@ -88,10 +89,12 @@ import time  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from bench import devices  # noqa: E402
 from bench.attention import matmul_gflops  # noqa: E402
 from bench.train_step import Variant, one_batch  # noqa: E402
-from models.llama import flops_per_token, num_params  # noqa: E402
+from models.llama import layer_masks, num_params  # noqa: E402
 from train import config as config_lib  # noqa: E402
+from train.throughput import Flops  # noqa: E402
 
 
 def trainer_runs(steps: int) -> list[dict]:
@@ -179,59 +182,12 @@ def main():
     return
 
   base = config_lib.load(args.config)
-  if jax.device_count() != 4 or base.mesh.context != 4:
-    raise SystemExit(f"expects 4 devices and mesh.context=4, got {jax.device_count()} devices"
-                     f" and {base.mesh}")
-  specs = [  # (name, overrides, cp_size, dense)
-      ("ring (context=4, LB)", ["context_parallel.strategy=ring"], 4, False),
-      ("all_gather (context=4, LB)", ["context_parallel.strategy=all_gather"], 4, False),
-      ("no CP (1 device)", [], 1, False),
-      ("dense mask jax.nn (1 device)", [], 1, True),
-  ]
-  cfg0 = config_lib.load(args.config, specs[0][1])
-  batch_index, local = one_batch(cfg0, args.batch_index, args.min_docs)
-  seg = local["segment_ids"]
-  lengths = [[int(np.sum(r == s)) for s in np.unique(r[r > 0])] for r in seg]
-  padding = int(np.sum(seg == 0))
-  fpt = flops_per_token(cfg0.model, cfg0.seq_len)
-  print(f"device: {jax.devices()[0].device_kind} x{jax.device_count()} (simulated),"
-        f" host cpus: {os.cpu_count()}; XLA_FLAGS={os.environ['XLA_FLAGS']}")
-  print(f"model: {num_params(cfg0.model) / 1e6:.3f}M params, {cfg0.model}")
-  print(f"batch: pipeline batch {batch_index}, {cfg0.batch_size} x {cfg0.seq_len} tokens,"
-        f" document lengths per row {lengths}, {padding} padding tokens;"
-        f" flops_per_token {fpt / 1e6:.2f} MFLOP")
-
-  mm_before = matmul_gflops(args.repeats)
-  variants = []
-  for name, overrides, cp_size, dense in specs:
-    v = Variant(name, config_lib.load(args.config, overrides), local, cp_size=cp_size,
-                dense=dense, warmup=args.warmup)
-    print(f"  {name}: first step (compile) {v.first_step_s:.1f} s, loss {v.first_loss:.5f}",
-          flush=True)
-    variants.append(v)
-  for _ in range(args.steps):  # interleaved, so that load from other users hits all alike
-    for v in variants:
-      v.step()
-  mm_after = matmul_gflops(args.repeats)
-  mm = max(mm_before, mm_after)
-  print(f"float32 matmul 2048^3 on one simulated device: {mm_before:.1f} GFLOP/s before,"
-        f" {mm_after:.1f} after the steps; MFU uses the higher")
-
-  rows = [v.result() for v in variants]
-  for r in rows:
-    r["ratio_to_ring"] = r["tokens_per_s"] / rows[0]["tokens_per_s"]
-    r["mfu"] = fpt * r["tokens_per_s"] / (mm * 1e9)
-  head = (f"{'variant':<30} {'tokens/s':>9} {'step s':>8} {'best s':>8} {'x ring':>7}"
-          f" {'MFU':>6} {'cores':>6} {'loss@0':>8}")
-  lines = [head] + [
-      f"{r['variant']:<30} {r['tokens_per_s']:>9.0f} {r['median_step_s']:>8.3f}"
-      f" {r['best_step_s']:>8.3f} {r['ratio_to_ring']:>7.2f} {r['mfu']:>6.3f}"
-      f" {r['cores_used']:>6.2f} {r['first_loss']:>8.4f}" for r in rows]
-  print("\n" + "\n".join(lines))
-  elapsed = time.perf_counter() - wall
-  print(f"\ntokens/s and step s: median of {args.steps} interleaved steps after {args.warmup}"
-        f" warm-up; x ring: tokens/s ratio; MFU vs {mm:.1f} GFLOP/s; cores: process CPU"
-        f" time / wall time over the timed steps; total {elapsed:.0f} s")
+  if base.mesh.context != 4:
+    raise SystemExit(f"expects a config with mesh.context=4, got {base.mesh}")
+  results = {}
+  if devices.enough(4, "part 1 (the variants on 4 devices)"):
+    results = variants(args)
+    print(f"total {time.perf_counter() - wall:.0f} s")
   trainer_rows = trainer_lines = None
   if args.trainer_steps >= 3:
     trainer_rows = trainer_runs(args.trainer_steps)
@@ -243,15 +199,68 @@ def main():
                      machine=platform.machine(), jax=jax.__version__,
                      xla_flags=os.environ["XLA_FLAGS"], config=args.config,
                      command=" ".join(["python -m bench.training"] + sys.argv[1:]),
-                     model=config_lib.to_dict(cfg0)["model"], seq_len=cfg0.seq_len,
-                     batch_size=cfg0.batch_size, steps=args.steps, warmup=args.warmup,
-                     batch_source=f"train.data.pipeline (stdlib .py files, bytes tokenizer,"
-                                  f" first-fit packed, seed {cfg0.seed}), batch {batch_index}",
-                     document_lengths=lengths, padding_tokens=padding,
-                     flops_per_token=fpt, matmul_gflops=mm, matmul_gflops_before=mm_before,
-                     matmul_gflops_after=mm_after, variants=rows, table=lines,
-                     trainer=trainer_rows, trainer_table=trainer_lines,
+                     **results, trainer=trainer_rows, trainer_table=trainer_lines,
                      wall_s=time.perf_counter() - wall), f, indent=2)
+
+
+def variants(args) -> dict:
+  """Part 1: the variants timed side by side; prints their table, returns the JSON fields."""
+  specs = [  # (name, overrides, cp_size, dense)
+      ("ring (context=4, LB)", ["context_parallel.strategy=ring"], 4, False),
+      ("all_gather (context=4, LB)", ["context_parallel.strategy=all_gather"], 4, False),
+      ("no CP (1 device)", [], 1, False),
+      ("dense mask jax.nn (1 device)", [], 1, True),
+  ]
+  cfg0 = config_lib.load(args.config, specs[0][1])
+  batch_index, local = one_batch(cfg0, args.batch_index, args.min_docs)
+  seg = local["segment_ids"]
+  lengths = [[int(np.sum(r == s)) for s in np.unique(r[r > 0])] for r in seg]
+  padding = int(np.sum(seg == 0))
+  print(f"device: {jax.devices()[0].device_kind} x{jax.device_count()} (simulated),"
+        f" host cpus: {os.cpu_count()}; XLA_FLAGS={os.environ['XLA_FLAGS']}")
+  print(f"model: {num_params(cfg0.model) / 1e6:.3f}M params, {cfg0.model}")
+
+  mm_before = matmul_gflops(args.repeats)
+  variants = []
+  for name, overrides, cp_size, dense in specs:
+    v = Variant(name, config_lib.load(args.config, overrides), local, cp_size=cp_size,
+                dense=dense, warmup=args.warmup)
+    print(f"  {name}: first step (compile) {v.first_step_s:.1f} s, loss {v.first_loss:.5f}",
+          flush=True)
+    variants.append(v)
+  flops = Flops(variants[0].state.model, layer_masks(cfg0.model)).of(seg)
+  print(f"batch: pipeline batch {batch_index}, {cfg0.batch_size} x {cfg0.seq_len} tokens,"
+        f" document lengths per row {lengths}, {padding} padding tokens; model FLOPs of the"
+        f" batch's documents {flops / 1e9:.3f} GFLOP")
+  for _ in range(args.steps):  # interleaved, so that load from other users hits all alike
+    for v in variants:
+      v.step()
+  mm_after = matmul_gflops(args.repeats)
+  mm = max(mm_before, mm_after)
+  print(f"float32 matmul 2048^3 on one simulated device: {mm_before:.1f} GFLOP/s before,"
+        f" {mm_after:.1f} after the steps; MFU uses the higher")
+
+  rows = [v.result() for v in variants]
+  for r in rows:
+    r["ratio_to_ring"] = r["tokens_per_s"] / rows[0]["tokens_per_s"]
+    r["mfu"] = flops / r["median_step_s"] / (mm * 1e9)
+  head = (f"{'variant':<30} {'tokens/s':>9} {'step s':>8} {'best s':>8} {'x ring':>7}"
+          f" {'MFU':>6} {'cores':>6} {'loss@0':>8}")
+  lines = [head] + [
+      f"{r['variant']:<30} {r['tokens_per_s']:>9.0f} {r['median_step_s']:>8.3f}"
+      f" {r['best_step_s']:>8.3f} {r['ratio_to_ring']:>7.2f} {r['mfu']:>6.3f}"
+      f" {r['cores_used']:>6.2f} {r['first_loss']:>8.4f}" for r in rows]
+  print("\n" + "\n".join(lines))
+  print(f"\ntokens/s and step s: median of {args.steps} interleaved steps after {args.warmup}"
+        f" warm-up; x ring: tokens/s ratio; MFU: the batch's model FLOPs per second against"
+        f" {mm:.1f} GFLOP/s; cores: process CPU time / wall time over the timed steps")
+  return dict(model=config_lib.to_dict(cfg0)["model"], seq_len=cfg0.seq_len,
+              batch_size=cfg0.batch_size, steps=args.steps, warmup=args.warmup,
+              batch_source=f"train.data.pipeline (stdlib .py files, bytes tokenizer,"
+                           f" first-fit packed, seed {cfg0.seed}), batch {batch_index}",
+              document_lengths=lengths, padding_tokens=padding, model_flops=flops,
+              matmul_gflops=mm, matmul_gflops_before=mm_before, matmul_gflops_after=mm_after,
+              variants=rows, table=lines)
 
 
 if __name__ == "__main__":

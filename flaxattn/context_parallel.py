@@ -113,6 +113,23 @@ class ContextParallel:
     """The mesh axes the sequence is sharded over, outer first."""
     return (self.axis,) if self.ring_axis is None else (self.ring_axis, self.axis)
 
+  def check_length(self, t: int, mesh=None) -> None:
+    """Raises ValueError unless a sequence of `t` tokens splits evenly over the sequence
+    shards of `mesh` (default: the current mesh): a multiple of the shards over
+    `seq_axes`, and of 2 x the balanced shards with row load balancing (each device holds
+    two chunks)."""
+    n = axis_size(self, mesh=mesh)
+    ring_n = axis_size(self, self.ring_axis, mesh) if self.ring_axis else 1
+    parts = math.lcm(n * ring_n, 2 * self.balanced_shards(mesh) if self.row_balanced else 1)
+    if t % parts:
+      if self.ring_axis is None:
+        why = " (2 x axis size, load balancing)" if self.row_balanced else ""
+      else:
+        why = (f" ({ring_n} x {n} shards over {self.seq_axes}"
+               f"{', each ring shard 2 chunks, load balancing' if self.row_balanced else ''})")
+      raise ValueError(f"context_parallel over {self.axis!r} (size {n}) expects the sequence"
+                       f" length ({t}) divisible by {parts}{why}.")
+
   def balanced_shards(self, mesh=None) -> int:
     """Shards the tokens are load-balanced over (row or document order): the ring's size
     (`axis`, or `ring_axis` under Ulysses x ring), Ulysses's axis size alone, 1 without
@@ -192,15 +209,7 @@ def context_parallel_attention(q, k, v, layout: Layout, *, mask: Mask, scale: fl
           " positions=flaxattn.load_balance(positions, cp, segment_ids=segment_ids) (each"
           " token's position in its document, moved with the tokens).")
     layout = dataclasses.replace(layout, shards=1)  # kernels mask on the array index
-  parts = math.lcm(n * ring_n, 2 * balanced if cp.row_balanced else 1)
-  if t % parts:
-    if cp.ring_axis is None:
-      why = " (2 x axis size, load balancing)" if cp.row_balanced else ""
-    else:
-      why = (f" ({ring_n} x {n} shards over {cp.seq_axes}"
-             f"{', each ring shard 2 chunks, load balancing' if cp.row_balanced else ''})")
-    raise ValueError(f"context_parallel over {cp.axis!r} (size {n}) expects the sequence length"
-                     f" ({t}) divisible by {parts}{why}.")
+  cp.check_length(t, mesh)
 
   # Every mesh axis is manual: the batch and heads stay sharded over the axes that divide
   # them (left to automatic sharding, the compiler would gather the batch inside the ring's

@@ -60,7 +60,7 @@ def test_init_from_takes_the_yaml_attention_options(tmp_path):
 def _saved(tmp_path, *overrides) -> config.TrainConfig:
   """A run_dir whose config.json was saved with `overrides`."""
   cfg = config.load(None, SIZES + [f"run_dir={tmp_path}", *overrides])
-  run_dir.create(cfg)
+  run_dir.create(cfg.run_dir)
   run_dir.save_config(cfg)
   return cfg
 
@@ -83,7 +83,7 @@ def test_resume_with_sinks_changed_exits_2_before_compiling(tmp_path):
   """The trainer's exit status and message, with the config.json a run of `command` saves."""
   runs = tmp_path / "run"
   saved = config.load(str(ROOT / "configs" / "demo.yaml"), command(runs)[4:])
-  run_dir.create(saved)
+  run_dir.create(saved.run_dir)
   run_dir.save_config(saved)
   proc = run(command(runs, "model.attention_sinks=true"))
   assert proc.returncode == 2, proc.stdout + proc.stderr

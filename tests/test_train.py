@@ -9,6 +9,7 @@ so their losses must equal it exactly; the two-process run differs only in reduc
 from __future__ import annotations
 
 import collections
+import datetime
 import json
 import math
 import shutil
@@ -398,13 +399,40 @@ def test_log_lines_and_summary_without_a_terminal(reference):
                                            "tokens/s ", "tokens/s/device", "TFLOP/s/device",
                                            "MFU", "measured", "host")), step_lines[-1]
   assert f"done: step {STEPS}/{STEPS}" in out and "final loss" in out
-  assert "throughput after the first step: tokens/s" in out and "MFU" in out.split("done:")[-1]
+  assert "throughput after the first step, evals and saves left out: tokens/s" in out
+  assert "MFU" in out.split("done:")[-1]
   for path in ("checkpoints", "metrics.jsonl", "tensorboard", "loss.png"):
     assert str(run_dir.absolute() / path) in out, path
   rows = [r for r in metrics(run_dir) if "loss" in r]
   assert all(r["mfu"] > 0 and r["tflops_per_device"] > 0 and 0 <= r["host_time"]
              and r["tokens_per_s_per_device"] * 4 == pytest.approx(r["tokens_per_s"])
              for r in rows), rows[-1]
+
+
+@pytest.mark.slow  # runs the trainer
+def test_step_times_add_up_and_mfu_is_at_most_one(reference):
+  """Each step's time runs from the previous step's completion to its own (evals and saves
+  between steps included), so the steps add up to the wall time between the log lines of
+  the first and the last step (the clock of `logging`), and none reads below its own
+  dispatch; with the FLOPs of each batch's documents (`train.throughput.Flops`) and the
+  peak of devices sharing the cores, MFU stays <= 1."""
+  run_dir, out, _ = reference
+  rows = [r for r in metrics(run_dir) if "loss" in r]
+  assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+  assert all(0 < r["mfu"] <= 1 for r in rows), [r["mfu"] for r in rows]
+  assert all(r["step_time"] >= r["dispatch_time"] for r in rows), [
+      (r["step"], r["step_time"], r["dispatch_time"]) for r in rows]
+  logged = {}  # step -> the time its line was logged
+  for line in out.splitlines():
+    if " | loss " in line and "train.loop: step " in line:
+      step = int(line.split("train.loop: step ")[1].split("/")[0])
+      logged[step] = datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+  assert sorted(logged) == list(range(1, STEPS + 1))
+  between = logged[STEPS] - logged[1]  # evals at steps 4 and 8, saves every 2 steps in it
+  assert sum(r["step_time"] for r in rows[1:]) == pytest.approx(between, rel=0.1, abs=0.01)
+  steps = float(out.split("the steps ")[1].split(" s")[0])
+  wall = float(out.split("wall time ")[1].split(" s")[0])
+  assert sum(r["step_time"] for r in rows) == pytest.approx(steps, abs=0.01) and steps <= wall
 
 
 @pytest.fixture(scope="module")

@@ -34,8 +34,7 @@ def test_balance_choices_and_the_context_parallel_they_set():
   on_8 = ["mesh.data=2", "batch_size=2"]  # the 8 devices tests see: data 2 x context 4
   for balance, expected in (("document", "document"), ("row", True), ("none", False)):
     cfg = config.load("configs/demo.yaml", [*on_8, f"data.balance={balance}"])
-    cp = mesh_lib.context_parallel(cfg, mesh_lib.make(cfg))
-    assert cp.load_balance == expected
+    assert mesh_lib.make(cfg).cp.load_balance == expected
   # Row order needs seq_len divisible by 2 x 4 chunks; document order by the 4 shards.
   cfg = config.load("configs/demo.yaml", [*on_8, "seq_len=4092", "data.balance=row"])
   with pytest.raises(config.ConfigError, match="data.balance=row"):

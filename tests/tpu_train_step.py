@@ -15,7 +15,9 @@ from jax.sharding import PartitionSpec as P
 
 import flaxattn
 from train import config, loop
+from train import mesh as mesh_lib
 from train.data import KEYS
+from train.state import make_state
 
 # configs/tpu_v5p_8b.yaml: the 8B shape's ratios (GQA 4:1, head_dim 128), 2 layers, 2 x
 # 4096-token rows, fsdp 2 x context 4 (8 devices).
@@ -35,9 +37,11 @@ PRESETS = {"small_8b": ("configs/tpu_v5p_8b.yaml", SMALL_8B),
 def lower(path: str, overrides: list[str]) -> dict:
   """Lowers the train step of config `path` for TPU; what the program holds."""
   cfg = config.load(path, overrides)
-  mesh, rules, cp, _ = loop._parallelism(cfg)  # pylint: disable=protected-access
-  with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
-    graphdef, abstract = nnx.get_abstract_model(lambda: loop._make_state(cfg, cp), mesh)  # pylint: disable=protected-access
+  parallel = mesh_lib.make(cfg)
+  mesh = parallel.mesh
+  with jax.set_mesh(mesh), nnx.logical_axis_rules(parallel.rules):
+    graphdef, abstract = nnx.get_abstract_model(
+        lambda: make_state(cfg.model, cfg.optimizer, cfg.steps, cfg.seed, parallel.cp), mesh)
 
     def step(state, batch):
       state = nnx.merge(graphdef, state)

@@ -31,7 +31,7 @@ from etils import epath
 
 from train import distributed
 from train import run_dir as run_dir_lib
-from train.config import CheckpointConfig
+from train.config import TrainConfig
 
 log = logging.getLogger(__name__)
 
@@ -117,26 +117,27 @@ def _damage_in(error: BaseException | None) -> str | None:
 
 
 class Checkpoints:
-  """A run's checkpoints.
+  """The checkpoints of run `cfg`, in `{cfg.run_dir}/checkpoints`, kept and written as
+  `cfg.checkpoint` says; each save also writes `cfg` to the run_dir's config.json (the
+  config of the checkpoints, which `train.run_dir.check` compares a resume with)."""
 
-  Args:
-    run_dir: the run directory; checkpoints live in `{run_dir}/checkpoints`.
-    cfg: how many to keep, and whether saves are asynchronous.
-  """
-
-  def __init__(self, run_dir: str, cfg: CheckpointConfig):
-    self.directory = pathlib.Path(run_dir).absolute() / "checkpoints"
+  def __init__(self, cfg: TrainConfig):
+    self.config = cfg
+    self.directory = pathlib.Path(cfg.run_dir).absolute() / "checkpoints"
     self.unusable = self.directory.parent / "checkpoints_unusable"
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=cfg.max_to_keep, create=True, cleanup_tmp_directories=True,
-        enable_async_checkpointing=cfg.async_save)
+        max_to_keep=cfg.checkpoint.max_to_keep, create=True, cleanup_tmp_directories=True,
+        enable_async_checkpointing=cfg.checkpoint.async_save)
     self.manager = ocp.CheckpointManager(
         self.directory, options=options,
         item_handlers={"state": ocp.StandardCheckpointHandler(), "data": _PositionHandler()})
 
   def save(self, step: int, state, position: dict) -> None:
     """Starts saving `state` (an `nnx.State`) and this process's data position (the
-    iterator's `get_state()`) as step `step`; returns once the arrays are copied."""
+    iterator's `get_state()`) as step `step`, and the config; returns once the arrays are
+    copied."""
+    if jax.process_index() == 0:
+      run_dir_lib.save_config(self.config)
     self.manager.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state), data=PositionSave(position)), force=True)
 

@@ -12,7 +12,6 @@ backend).
 from __future__ import annotations
 
 import dataclasses
-import math
 import types
 import typing
 from collections.abc import Sequence
@@ -21,7 +20,7 @@ from typing import Any
 import yaml
 
 from flaxattn import registry
-from flaxattn.context_parallel import STRATEGIES
+from flaxattn.context_parallel import STRATEGIES, ContextParallel
 from models.llama import LlamaConfig
 
 
@@ -82,35 +81,15 @@ class OptimizerConfig:
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
   """Mesh axis sizes; one may be -1 (fill with the remaining devices). Their product must
-  equal the number of devices. The sequence is sharded over (context_ring, context):
-  context_ring > 1 runs a ring over it inside Ulysses over context (strategy "ulysses")."""
+  equal the number of devices (`train.mesh` checks it). The sequence is sharded over
+  (context_ring, context): context_ring > 1 runs a ring over it inside Ulysses over context
+  (strategy "ulysses")."""
 
   data: int = -1
   fsdp: int = 1
   tensor: int = 1
   context_ring: int = 1
   context: int = 1
-
-  def shape(self, num_devices: int) -> tuple[int, ...]:
-    """Axis sizes in `AXES` order with -1 filled.
-
-    Raises:
-      ConfigError: more than one -1, a size < 1, or a product that is not `num_devices`.
-    """
-    sizes = [getattr(self, a) for a in MESH_AXES]
-    if sum(s == -1 for s in sizes) > 1 or any(s < 1 and s != -1 for s in sizes):
-      raise ConfigError(f"mesh expects positive sizes with at most one -1, got {self}.")
-    known = math.prod(s for s in sizes if s != -1)
-    if -1 in sizes:
-      if num_devices % known:
-        raise ConfigError(f"mesh {self} cannot fill -1: {num_devices} devices are not a"
-                          f" multiple of the other axes' product {known}.")
-      sizes[sizes.index(-1)] = num_devices // known
-    if math.prod(sizes) != num_devices:
-      named = dict(zip(MESH_AXES, sizes, strict=True))
-      raise ConfigError(f"mesh {named} has {math.prod(sizes)} devices, but there are"
-                        f" {num_devices}; set one axis to -1 or fix the sizes.")
-    return tuple(sizes)
 
 
 MESH_AXES = ("data", "fsdp", "tensor", "context_ring", "context")
@@ -205,14 +184,28 @@ class TrainConfig:
                          ("data.bad_records", ("skip", "error")),
                          ("data.balance", tuple(BALANCE))):
       _check_choice(key, _get(self, key), choices)
-    if self.mesh.context_ring != 1 and self.context_parallel.strategy not in ("ulysses", "auto"):
-      raise ConfigError(f"config key 'mesh.context_ring' ({self.mesh.context_ring}) runs a ring"
-                        f" inside Ulysses and expects context_parallel.strategy 'ulysses' (or"
-                        f" 'auto'), got {self.context_parallel.strategy!r}; for one context axis"
-                        f" set mesh.context.")
+    try:
+      context_parallel(self.context_parallel.strategy, self.data.balance,
+                       ring=self.mesh.context_ring != 1)
+    except ValueError as e:
+      raise ConfigError(f"config key 'mesh.context_ring' ({self.mesh.context_ring}) with"
+                        f" context_parallel.strategy {self.context_parallel.strategy!r}: {e}"
+                        " For one context axis set mesh.context instead.") from None
     if not 0 <= self.data.eval_fraction < 1:
       raise ConfigError("data.eval_fraction expects a value in [0, 1), got"
                         f" {self.data.eval_fraction}.")
+
+
+def context_parallel(strategy: str, balance: str, ring: bool) -> ContextParallel:
+  """The `flaxattn.ContextParallel` over the mesh's `context` axis with strategy
+  `strategy` (`context_parallel.strategy`), the token order of `balance` (`data.balance`),
+  and with `ring` a ring over `context_ring` inside Ulysses over `context`.
+
+  Raises:
+    ValueError: options that `ContextParallel` refuses (a ring under a strategy other than
+      "ulysses" or "auto").
+  """
+  return ContextParallel("context", strategy, BALANCE[balance], "context_ring" if ring else None)
 
 
 def _get(cfg, key: str):

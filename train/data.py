@@ -23,6 +23,7 @@ import pathlib
 import re
 import sysconfig
 import zlib
+from collections.abc import Callable
 
 import grain
 import jax
@@ -30,8 +31,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import flaxattn
-from models.llama import make_targets
-from train.config import ConfigError, DataConfig
+from models.llama import layer_masks, make_targets
+from train.config import ConfigError, DataConfig, TrainConfig
 
 log = logging.getLogger(__name__)
 
@@ -259,19 +260,20 @@ class GlobalBatches:
 
   Args:
     mesh: the training mesh (`train.config.MESH_AXES`).
-    cp: the number of shards to load-balance for (`ContextParallel.balanced_shards`), or
-      None for no permutation.
-    balance: `DataConfig.balance`: "document", "row" or "none".
-    masks: with "document", the model's masks, one per layer (`models.llama.layer_masks`),
-      which weigh each token's work.
+    cp: the run's context parallelism, whose token order (`ContextParallel.load_balance`
+      over its `balanced_shards`) the batches are permuted into; None: the original order.
+    masks: with per-document order, the model's masks, one per layer
+      (`models.llama.layer_masks`), which weigh each token's work.
   """
 
-  def __init__(self, mesh, *, batch_size: int, seq_len: int, cp: int | None,
-               balance: str = "row", masks=None):
+  def __init__(self, mesh, *, batch_size: int, seq_len: int,
+               cp: flaxattn.ContextParallel | None = None, masks=None):
     self.sharding = NamedSharding(mesh, BATCH_SPEC)
     self.shape = (batch_size, seq_len)
-    self.cp = None if balance == "none" else cp
-    self.balance, self.masks = balance, masks
+    self.shards = 1 if cp is None else cp.balanced_shards(mesh)
+    # "document", True (row order) or None (the original order)
+    self.order = cp.load_balance if cp is not None and self.shards > 1 else None
+    self.masks = masks
     index = self.sharding.addressable_devices_indices_map(self.shape).values()
     # jax annotates each index `| None`; it builds them from devices_indices_map (no None).
     rows = [i[0].indices(batch_size) for i in index]  # pyright: ignore[reportOptionalSubscript]
@@ -286,14 +288,62 @@ class GlobalBatches:
     """Global arrays of a local batch (dict of `[local_batch, seq_len]` numpy arrays)."""
     out = {}
     plan = None
-    if self.cp is not None and self.balance == "document":  # one plan for every array
-      plan = flaxattn.balance_plan(local["segment_ids"], self.cp, self.masks)
+    if self.order == "document":  # one plan for every array
+      plan = flaxattn.balance_plan(local["segment_ids"], self.shards, self.masks)
     for key in KEYS:
       x = local[key]
       if plan is not None:  # renumbered ids: the same documents, narrower ranges per block
         x = plan.segment_ids(x) if key == "segment_ids" else plan.apply(x)
-      elif self.cp is not None:
-        x = flaxattn.load_balance(x, self.cp)
+      elif self.order is True:
+        x = flaxattn.load_balance(x, self.shards)
       out[key] = jax.make_array_from_process_local_data(self.sharding, x[:, self.cols],
                                                         self.shape)
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Data:
+  """A run's data: the global batch builder, the endless batches of this process's shard
+  of the training documents and of the held-out ones (None without held-out documents or
+  with `eval_every=0`), and the model's masks, one per layer, which weigh its tokens."""
+
+  batches: GlobalBatches
+  train: grain.IterDataset
+  eval: grain.IterDataset | None
+  masks: tuple[flaxattn.Mask, ...]
+
+
+def make(cfg: TrainConfig, tok, mesh, cp: flaxattn.ContextParallel | None,
+         wait: Callable) -> Data:
+  """The data of `cfg` on `mesh`, tokenized by `tok`: the documents of `data.source` split
+  into training and held-out ones, each part checked to yield rows.
+
+  Args:
+    cp: the run's context parallelism (see `GlobalBatches`).
+    wait: runs a function that reads documents and returns its result, or raises
+      `train.stop.Stopped` at a SIGTERM (`StopRequest.call`).
+
+  Raises:
+    ConfigError: no documents, or none long enough, in a shard (on any process).
+  """
+  masks = layer_masks(cfg.model)
+  batches = GlobalBatches(mesh, batch_size=cfg.batch_size, seq_len=cfg.seq_len, cp=cp,
+                          masks=masks)
+  train_docs, eval_docs = split_documents(
+      list_documents(cfg.data.source, cfg.data.bad_records), cfg.data.eval_fraction)
+  log.info("%d train / %d eval documents", len(train_docs), len(eval_docs))
+  parts = [(train_docs, True, f"data.source {cfg.data.source!r} (the training documents)",
+            "use longer documents")]
+  if eval_docs and cfg.eval_every:
+    parts.append((eval_docs, False, f"data.eval_fraction={cfg.data.eval_fraction} (the held-out"
+                  " documents)", "raise data.eval_fraction, or set eval_every=0 to skip eval"))
+  pipes = []
+  for docs, shuffle, what, fix in parts:
+
+    def check(docs=docs, what=what, fix=fix):
+      return check_usable(shard(docs, batches.shard_index, batches.shard_count), tok, what, fix)
+    wait(check)
+    pipes.append(pipeline(docs, tok, cfg.data, seq_len=cfg.seq_len, batch=batches.local_batch,
+                          seed=cfg.seed, shard_index=batches.shard_index,
+                          shard_count=batches.shard_count, shuffle=shuffle))
+  return Data(batches, pipes[0], pipes[1] if len(pipes) > 1 else None, masks)

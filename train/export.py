@@ -32,8 +32,9 @@ def restore_model(run_dir: str, cfg=None, device=None):
   import jax
   from flax import nnx
 
-  from train import checkpoint, config, loop
+  from train import checkpoint, config
   from train import run_dir as run_dir_lib
+  from train.state import make_state
 
   if cfg is None:
     if not (pathlib.Path(run_dir) / "config.json").is_file():
@@ -41,7 +42,8 @@ def restore_model(run_dir: str, cfg=None, device=None):
                                f" trainer), got {run_dir!r}, which has none.")
     cfg = run_dir_lib.saved_config(run_dir)
   # The trainer's state (model and optimizer), so the tree matches the checkpoint's.
-  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: loop._make_state(cfg, None)))
+  graphdef, abstract = nnx.split(nnx.eval_shape(
+      lambda: make_state(cfg.model, cfg.optimizer, cfg.steps)))
   where = jax.sharding.SingleDeviceSharding(device or jax.devices("cpu")[0])
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=where),
                           abstract)

@@ -1,11 +1,14 @@
-"""The training loop: model and optimizer created sharded (or the model read from
-`init_from`), resumed from the latest checkpoint, a jitted step per batch, metrics,
-periodic eval and checkpoints, and a clean save-and-exit on SIGTERM.
+"""The training loop. `run` is three parts: `_setup` (the devices and the data, where
+config errors surface before anything is written or compiled), `train.state.restore_state`
+(the state to start from) and `_loop` (a jitted step per batch, metrics, periodic eval and
+checkpoints, and a clean save-and-exit on SIGTERM).
 
-The host does not wait for each step: it dispatches step n + 1, then fetches step n's
-metrics (evals, saves and the last step wait for their step first). A line per
-`log_every` steps goes to the `logging` module (`train.throughput.format_step`), and a
-summary at the end.
+The host reads and places step n + 1's batch while the device runs step n, then waits for
+step n and dispatches step n + 1. A step's time is the wall time between the completions
+of consecutive steps (the first step's from the loop's start, compiling included; an eval
+or a save in between counts in the next step's), so the steps' times add up to the run's
+and none reads below its own dispatch. A line per `log_every` steps goes to the `logging`
+module (`train.throughput.format_step`), and a summary at the end.
 
 Resume semantics: a run with an existing `run_dir` restores parameters, optimizer state
 (with its step) and the data iterator's position from the newest usable checkpoint at
@@ -17,6 +20,7 @@ resume refuses, and how a run starts over, is in `train.run_dir`; SIGTERM in `tr
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import pathlib
 import sys
@@ -27,30 +31,14 @@ import numpy as np
 import optax
 from flax import nnx
 
-import flaxattn
-from models.llama import LAYERS_AXIS, Llama, flops_per_token, layer_masks, loss_fn, num_params
-from train import data, distributed, init_from, metrics, optimizer, run_dir, throughput
+from models.llama import Llama, loss_fn
+from train import data, metrics, optimizer, throughput, tokenizer
 from train import mesh as mesh_lib
-from train import tokenizer as tokenizer_lib
-from train.checkpoint import Checkpoints
-from train.config import ConfigError, TrainConfig
+from train.config import TrainConfig
+from train.state import Start, TrainState, restore_state
 from train.stop import Stopped, StopRequest
 
 log = logging.getLogger(__name__)
-
-
-class TrainState(nnx.Module):
-  """What a checkpoint holds besides the data position: the model and its optimizer."""
-
-  def __init__(self, model: Llama, opt: nnx.Optimizer):
-    self.model = model
-    self.optimizer = opt
-
-
-def _make_state(cfg: TrainConfig, cp: flaxattn.ContextParallel | None) -> TrainState:
-  model = Llama(cfg.model, context_parallel=cp, rngs=nnx.Rngs(cfg.seed))
-  tx = optimizer.make(cfg.optimizer, cfg.steps)
-  return TrainState(model, nnx.Optimizer(model, tx, wrt=nnx.Param))
 
 
 # The state is donated: its new value reuses the old one's buffers, so a step holds one copy
@@ -70,157 +58,6 @@ def eval_step(model: Llama, batch: dict):
   return loss * aux["tokens"], aux["tokens"]
 
 
-def _evaluate(state: TrainState, eval_ds, batches: data.GlobalBatches, num: int,
-              stop: StopRequest) -> dict:
-  """Mean eval loss over `num` held-out batches.
-
-  Raises:
-    Stopped: SIGTERM while waiting for a batch.
-  """
-  total, tokens = 0.0, 0.0
-  it = iter(eval_ds)  # a fresh iterator: the same held-out batches every time
-  for _ in range(num):
-    loss_sum, n = eval_step(state.model, batches.to_global(stop.call(lambda: next(it))))
-    total, tokens = total + float(loss_sum), tokens + float(n)
-  return {"eval_loss": total / max(tokens, 1.0), "eval_tokens": tokens}
-
-
-def _progress(start: int, total: int):
-  from tqdm import tqdm
-  return tqdm(total=total, initial=start, unit="step", dynamic_ncols=True,
-              disable=jax.process_index() != 0 or not sys.stderr.isatty())
-
-
-def _data(cfg: TrainConfig, tok, batches: data.GlobalBatches, stop: StopRequest):
-  """(train, eval or None) pipelines of this process's shard, each checked to yield rows.
-
-  Raises:
-    ConfigError: no documents, or none long enough, in a shard (on any process).
-    Stopped: SIGTERM while reading documents.
-  """
-  train_docs, eval_docs = data.split_documents(
-      data.list_documents(cfg.data.source, cfg.data.bad_records), cfg.data.eval_fraction)
-  log.info("%d train / %d eval documents", len(train_docs), len(eval_docs))
-  parts = [(train_docs, True, f"data.source {cfg.data.source!r} (the training documents)",
-            "use longer documents")]
-  if eval_docs and cfg.eval_every:
-    parts.append((eval_docs, False, f"data.eval_fraction={cfg.data.eval_fraction} (the held-out"
-                  " documents)", "raise data.eval_fraction, or set eval_every=0 to skip eval"))
-  pipes = []
-  for docs, shuffle, what, fix in parts:
-
-    def check(docs=docs, what=what, fix=fix):
-      return data.check_usable(
-          data.shard(docs, batches.shard_index, batches.shard_count), tok, what, fix)
-    stop.call(check)
-    pipes.append(data.pipeline(docs, tok, cfg.data, seq_len=cfg.seq_len,
-                               batch=batches.local_batch, seed=cfg.seed,
-                               shard_index=batches.shard_index,
-                               shard_count=batches.shard_count, shuffle=shuffle))
-  return pipes[0], pipes[1] if len(pipes) > 1 else None
-
-
-def _start(cfg: TrainConfig, abstract_state):
-  """The run's Checkpoints and `(step, state, data position)` to resume from, or None to
-  start at step 0: after `resume=false`, or when the run_dir holds no checkpoint. A start
-  at step 0 first moves an earlier run's files to `archive/` (process 0)."""
-  if not cfg.resume:
-    _archive(cfg, run_dir.CHECKPOINT_FILES + run_dir.OUTPUT_FILES, "resume=false")
-  ckpts = Checkpoints(cfg.run_dir, cfg.checkpoint)
-  restored = ckpts.restore_latest(abstract_state) if cfg.resume else None
-  if cfg.resume and restored is None:
-    _archive(cfg, run_dir.OUTPUT_FILES, "no checkpoint to resume")
-  return ckpts, restored
-
-
-def _archive(cfg: TrainConfig, names: tuple[str, ...], why: str) -> None:
-  if jax.process_index() == 0:
-    moved = run_dir.archive(cfg.run_dir, names)
-    if moved is not None:
-      log.warning("%s: starting at step 0; moved the earlier run's %s to %s", why,
-                  ", ".join(sorted(p.name for p in moved.iterdir())), moved)
-  distributed.barrier("archive")
-
-
-def _parallelism(cfg: TrainConfig):
-  """The mesh, the logical sharding rules, the context parallelism (None without a context
-  axis) and the global batch builder (load-balanced when the context parallelism is)."""
-  mesh = mesh_lib.make(cfg)
-  m = cfg.model
-  # Stacked layers (scan_layers) are replicated: every device holds its part of each layer.
-  rules = (*flaxattn.sharding.rules(mesh, kv_heads=m.n_kv_heads, heads=m.n_heads, mlp=m.ffn_dim,
-                                    vocab=m.vocab_size, embed=m.dim), (LAYERS_AXIS, None))
-  cp = mesh_lib.context_parallel(cfg, mesh)
-  shards = 1 if cp is None else cp.balanced_shards(mesh)
-  batches = data.GlobalBatches(mesh, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
-                               cp=shards if shards > 1 else None, balance=cfg.data.balance,
-                               masks=layer_masks(cfg.model))
-  return mesh, rules, cp, batches
-
-
-class _Reporter:
-  """Fetches each step's metrics once the step is done, writes them every `log_every`
-  steps (metrics.jsonl, TensorBoard, a log line) and keeps totals for the summary.
-
-  Step time is the time between the completions of consecutive steps (the loop dispatches
-  step n + 1 before fetching step n's metrics), restarted after evals and saves."""
-
-  def __init__(self, cfg: TrainConfig, writer: metrics.MetricsWriter, rates: throughput.Rates,
-               bar, start_step: int):
-    self.cfg, self.writer, self.rates, self.bar = cfg, writer, rates, bar
-    # On the host once: a schedule call per step would queue behind the running step.
-    self.lrs = np.asarray(optimizer.schedule(cfg.optimizer, cfg.steps)(np.arange(cfg.steps)))
-    self.tokens_per_step = cfg.batch_size * cfg.seq_len
-    self.start_step, self.last = start_step, None
-    self.timed_tokens = self.timed_seconds = 0.0  # steps after this process's first (compile)
-    self.restart_clock()
-
-  def restart_clock(self) -> None:
-    self.done_at = time.perf_counter()
-
-  def report(self, step: int, out: dict, host_time: float, dispatch_time: float) -> float:
-    """Fetches step `step`'s metrics `out` (blocking until it is done) and reports them
-    with the host's seconds on the step (data, metrics, logging) and in the step's call
-    (its dispatch); returns the seconds waited."""
-    fetch = time.perf_counter()
-    out = jax.device_get(out)
-    now = time.perf_counter()
-    elapsed, self.done_at = now - self.done_at, now
-    m = {"loss": float(out["loss"]), "grad_norm": float(out["grad_norm"]),
-         "lr": float(self.lrs[step - 1]), "tokens": float(out["tokens"]),
-         **self.rates.of(self.tokens_per_step, elapsed), "step_time": elapsed,
-         "host_time": host_time, "dispatch_time": dispatch_time}
-    if step > self.start_step + 1:
-      self.timed_tokens += self.tokens_per_step
-      self.timed_seconds += elapsed
-    self.last = (step, m)
-    if step % self.cfg.log_every == 0 or step == self.cfg.steps:
-      self.writer.write(step, m)
-      if jax.process_index() == 0:
-        log.info("%s", throughput.format_step(step, self.cfg.steps, m, self.rates.peak))
-    self.bar.update(1)
-    self.bar.set_postfix(loss=f"{m['loss']:.3f}")
-    return now - fetch
-
-  def summary(self, step: int, ckpt_dir) -> str:
-    """The run's closing lines: steps, final loss, throughput, where its files are."""
-    run = pathlib.Path(self.cfg.run_dir).absolute()
-    lines = [f"done: step {step}/{self.cfg.steps} ({step - self.start_step} this run)"]
-    if self.last is not None:
-      lines[0] += f", final loss {self.last[1]['loss']:.4f} (step {self.last[0]})"
-    if self.timed_seconds:
-      r = self.rates.of(self.timed_tokens, self.timed_seconds)
-      peak = self.rates.peak  # None exactly when r["mfu"] is
-      mfu = ("n/a" if r["mfu"] is None or peak is None
-             else f"{100 * r['mfu']:.2f}% ({peak.source} peak)")
-      lines.append(f"throughput after the first step: tokens/s {r['tokens_per_s']:,.0f},"
-                   f" tokens/s/device {r['tokens_per_s_per_device']:,.0f}, TFLOP/s/device"
-                   f" {r['tflops_per_device']:.4g}, MFU {mfu}")
-    lines += [f"checkpoints: {ckpt_dir}", f"metrics: {run / 'metrics.jsonl'}",
-              f"TensorBoard: {run / 'tensorboard'}", f"loss plot: {run / 'loss.png'}"]
-    return "\n  ".join(lines)
-
-
 def run(cfg: TrainConfig) -> tuple[int, bool]:
   """Trains `cfg` to `cfg.steps` (or until SIGTERM), resuming from `cfg.run_dir`.
 
@@ -232,102 +69,196 @@ def run(cfg: TrainConfig) -> tuple[int, bool]:
       run_dir (raised before anything is written or compiled).
     train.checkpoint.CheckpointError: checkpoints exist but the run cannot resume.
   """
-  tok = tokenizer_lib.make(cfg.data.tokenizer)
-  if tok.vocab_size > cfg.model.vocab_size:
-    raise ConfigError(f"model.vocab_size ({cfg.model.vocab_size}) expects at least the"
-                      f" tokenizer's vocabulary ({tok.vocab_size}, data.tokenizer="
-                      f"{cfg.data.tokenizer!r}).")
-  mesh, rules, cp, batches = _parallelism(cfg)
   stop = StopRequest()
   try:
-    train_ds, eval_ds = _data(cfg, tok, batches, stop)
+    parallel, run_data = _setup(cfg, stop)
   except Stopped:
     log.warning("SIGTERM before the first step: nothing to save; exiting.")
     return 0, True
+  with jax.set_mesh(parallel.mesh), nnx.logical_axis_rules(parallel.rules):
+    start = restore_state(cfg, parallel.mesh, parallel.cp)
+    return _loop(cfg, parallel.mesh, run_data, start, stop)
 
-  def init():
-    return _make_state(cfg, cp)
 
-  with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
-    graphdef, abstract = nnx.get_abstract_model(init, mesh)
-    # Read before anything is written: a source that does not load is a config error.
-    weights = (init_from.load(cfg, cp, graphdef, abstract)
-               if cfg.init_from and not init_from.resuming(cfg) else None)
-  run_dir.create(cfg)
-  log.info("model: %.2fM parameters; mesh %s", num_params(cfg.model) / 1e6, dict(mesh.shape))
-  device = jax.devices()[0]
-  rates = throughput.Rates(flops_per_token(cfg.model, cfg.seq_len), mesh.size,
-                           throughput.peak(device.device_kind, device.platform,
-                                           cfg.peak_tflops_per_device))
+def _setup(cfg: TrainConfig, stop: StopRequest) -> tuple[mesh_lib.Parallelism, data.Data]:
+  """The run's parallelism and data.
 
-  with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
-    ckpts, restored = _start(cfg, abstract)
-    data_it = iter(train_ds)
-    if restored is None:
-      step, state = 0, nnx.jit(init)()
-      if weights is not None:
-        nnx.update(state.model, weights)
-        del weights
-        log.info("initialized the model from %s (optimizer fresh, step 0)", cfg.init_from)
-    else:
-      step, restored_state, position = restored
-      state = nnx.merge(graphdef, restored_state)
-      data_it.set_state(position)
-      log.info("resumed from step %d of %s", step, ckpts.directory)
-    if step >= cfg.steps:
-      log.info("run_dir %s is already at step %d >= steps %d", cfg.run_dir, step, cfg.steps)
+  Raises:
+    ConfigError: see `train.tokenizer.make`, `train.mesh.make` and `train.data.make`.
+    Stopped: SIGTERM while reading documents.
+  """
+  tok = tokenizer.make(cfg.data.tokenizer, cfg.model.vocab_size)  # before jax starts
+  parallel = mesh_lib.make(cfg)
+  return parallel, data.make(cfg, tok, parallel.mesh, parallel.cp, stop.call)
 
-    def save(step: int, position: dict) -> None:
-      if jax.process_index() == 0:
-        run_dir.save_config(cfg)  # the config of the checkpoints (`train.run_dir.check`)
-      ckpts.save(step, nnx.state(state), position)
 
-    writer = metrics.MetricsWriter(cfg.run_dir, step)
-    bar = _progress(step, cfg.steps)
-    reporter = _Reporter(cfg, writer, rates, bar, step)
-    saved, stopped = step, False
-    position = data_it.get_state()  # after the last batch trained on: what a save records
-    pending = None  # (step, metrics on device, host seconds) of the step not yet reported
-    try:
-      try:
-        while step < cfg.steps:
-          start = time.perf_counter()
-          batch = batches.to_global(stop.call(lambda: next(data_it)))
-          dispatch = time.perf_counter()
-          out = train_step(state, batch)  # dispatched: the device runs it while the host goes on
-          dispatch = time.perf_counter() - dispatch
-          step += 1
-          position = data_it.get_state()
-          waited = reporter.report(*pending) if pending else 0.0
-          pending = (step, out, time.perf_counter() - start - waited - dispatch, dispatch)
-          save_now = cfg.checkpoint_every and step % cfg.checkpoint_every == 0
-          eval_now = eval_ds is not None and (step % cfg.eval_every == 0 or step == cfg.steps)
-          if save_now or eval_now or step == cfg.steps:
-            reporter.report(*pending)
-            pending = None
-          if save_now:
-            save(step, position)
-            saved = step
-          if eval_now:
-            writer.write(step, _evaluate(state, eval_ds, batches, cfg.data.eval_batches, stop))
-          if save_now or eval_now:
-            reporter.restart_clock()
-      except Stopped:
-        stopped = True
-      if pending:
-        reporter.report(*pending)
-      if saved != step:
-        save(step, position)
+@dataclasses.dataclass
+class _Step:
+  """A dispatched step: its metrics on the device, its model FLOPs, and the host's seconds
+  on it (`host`: reading and placing its batch, metrics and logging; `dispatch`: its call)."""
+
+  step: int
+  out: dict
+  flops: float
+  host: float
+  dispatch: float
+
+
+def _loop(cfg: TrainConfig, mesh, run_data: data.Data, start: Start, stop: StopRequest
+          ) -> tuple[int, bool]:
+  """Trains from `start` to `cfg.steps` (or a SIGTERM) on `mesh`: steps, evals, saves,
+  metrics and the summary; returns (the last step done, whether a SIGTERM stopped it)."""
+  step, state, ckpts = start.step, start.state, start.checkpoints
+  if step >= cfg.steps:
+    log.info("run_dir %s is already at step %d >= steps %d", cfg.run_dir, step, cfg.steps)
+  batches, data_it = run_data.batches, iter(run_data.train)
+  if start.position is not None:
+    data_it.set_state(start.position)
+  position = data_it.get_state()  # after the last batch trained on: what a save records
+  flops = throughput.Flops(state.model, run_data.masks)
+  reporter = _Reporter(cfg, throughput.Rates(mesh.size, throughput.peak(
+      mesh, cfg.peak_tflops_per_device)), step)
+  saved, stopped, pending = step, False, None
+  try:
+    while step < cfg.steps:
+      begin = time.perf_counter()
+      local = stop.call(lambda: next(data_it))
+      # This process's rows stand for those of the processes that read other shards.
+      step_flops = flops.of(local["segment_ids"]) * batches.shard_count
+      batch = batches.to_global(local)
+      waited = reporter.report(pending) if pending else 0.0
+      dispatch = time.perf_counter()
+      out = train_step(state, batch)
+      dispatch = time.perf_counter() - dispatch
+      step += 1
+      position = data_it.get_state()
+      pending = _Step(step, out, step_flops, time.perf_counter() - begin - waited - dispatch,
+                      dispatch)
+      save_now = cfg.checkpoint_every and step % cfg.checkpoint_every == 0
+      eval_now = run_data.eval is not None and (step % cfg.eval_every == 0 or step == cfg.steps)
+      if save_now or eval_now or step == cfg.steps:
+        reporter.report(pending)
+        pending = None
+      paused = time.perf_counter()
+      if save_now:
+        ckpts.save(step, nnx.state(state), position)
         saved = step
-        if stopped:
-          log.warning("SIGTERM: saved step %d; exiting.", step)
-      elif stopped:
-        log.warning("SIGTERM: step %d is saved already; exiting.", step)
-    finally:
-      bar.close()
-      ckpts.close()  # waits for the saves in flight
-      writer.close()
+      if eval_now:
+        reporter.writer.write(step, _evaluate(state, run_data.eval, batches,
+                                              cfg.data.eval_batches, stop))
+      reporter.paused += time.perf_counter() - paused
+  except Stopped:
+    stopped = True
+  try:
+    if pending:
+      reporter.report(pending)
+    if saved != step:
+      ckpts.save(step, nnx.state(state), position)
+      if stopped:
+        log.warning("SIGTERM: saved step %d; exiting.", step)
+    elif stopped:
+      log.warning("SIGTERM: step %d is saved already; exiting.", step)
+  finally:
+    reporter.close()
+    ckpts.close()  # waits for the saves in flight
+  wall = time.perf_counter() - reporter.started
+  reporter.writer.plot()
   if jax.process_index() == 0:
-    metrics.plot_loss(cfg.run_dir)
-    log.info("%s", reporter.summary(step, ckpts.directory))
+    log.info("%s", reporter.summary(step, wall, ckpts.directory))
   return step, stopped
+
+
+def _evaluate(state: TrainState, eval_ds, batches: data.GlobalBatches, num: int,
+              stop: StopRequest) -> dict:
+  """Mean eval loss over `num` held-out batches.
+
+  Raises:
+    Stopped: SIGTERM while waiting for a batch.
+  """
+  total, tokens = 0.0, 0.0
+  it = iter(eval_ds)  # a fresh iterator: the same held-out batches every time
+  for _ in range(num):
+    local = stop.call(lambda: next(it))
+    loss_sum, n = eval_step(state.model, batches.to_global(local))
+    total, tokens = total + float(loss_sum), tokens + float(n)
+  return {"eval_loss": total / max(tokens, 1.0), "eval_tokens": tokens}
+
+
+class _Reporter:
+  """Waits for each step and reports it (metrics.jsonl, TensorBoard, a log line every
+  `log_every` steps, the progress bar), and keeps totals for the summary."""
+
+  def __init__(self, cfg: TrainConfig, rates: throughput.Rates, start_step: int):
+    self.cfg, self.rates, self.start_step = cfg, rates, start_step
+    self.writer = metrics.MetricsWriter(cfg.run_dir, start_step)
+    self.bar = _progress(start_step, cfg.steps)
+    # On the host once: a schedule call per step would queue behind the running step.
+    self.lrs = np.asarray(optimizer.schedule(cfg.optimizer, cfg.steps)(np.arange(cfg.steps)))
+    self.tokens_per_step = cfg.batch_size * cfg.seq_len
+    self.started = self.done_at = time.perf_counter()
+    self.paused = 0.0  # seconds in evals and saves, left out of the summary's rates
+    self.last = None
+    self.first = None  # seconds of this run's first step (compiling)
+    self.timed = [0.0, 0.0, 0.0, 0.0]  # tokens, FLOPs, seconds, paused after the first step
+
+  def report(self, s: _Step) -> float:
+    """Waits for step `s` and reports it; returns the seconds waited."""
+    fetch = time.perf_counter()
+    out = jax.device_get(s.out)
+    now = time.perf_counter()
+    elapsed, self.done_at = now - self.done_at, now
+    m = {"loss": float(out["loss"]), "grad_norm": float(out["grad_norm"]),
+         "lr": float(self.lrs[s.step - 1]), "tokens": float(out["tokens"]),
+         **self.rates.of(self.tokens_per_step, s.flops, elapsed), "step_time": elapsed,
+         "host_time": s.host, "dispatch_time": s.dispatch}
+    if self.first is None:
+      self.first, self.paused = elapsed, 0.0
+    else:
+      for i, v in enumerate((self.tokens_per_step, s.flops, elapsed, self.paused)):
+        self.timed[i] += v
+      self.paused = 0.0
+    self.last = (s.step, m)
+    if s.step % self.cfg.log_every == 0 or s.step == self.cfg.steps:
+      self.writer.write(s.step, m)
+      if jax.process_index() == 0:
+        log.info("%s", throughput.format_step(s.step, self.cfg.steps, m, self.rates.peak))
+    self.bar.update(1)
+    self.bar.set_postfix(loss=f"{m['loss']:.3f}")
+    return now - fetch
+
+  def close(self) -> None:
+    self.bar.close()
+    self.writer.close()
+
+  def summary(self, step: int, wall: float, ckpt_dir) -> str:
+    """The run's closing lines: steps, final loss, `wall` seconds of the loop and the steps'
+    share, throughput, where its files are."""
+    cfg = self.cfg
+    run = pathlib.Path(cfg.run_dir).absolute()
+    lines = [f"done: step {step}/{cfg.steps} ({step - self.start_step} this run)"]
+    if self.last is not None:
+      lines[0] += f", final loss {self.last[1]['loss']:.4f} (step {self.last[0]})"
+    if self.first is not None:
+      seconds, paused = self.timed[2:]
+      lines.append(f"wall time {wall:.2f} s, the steps {self.first + seconds:.2f} s of it: the"
+                   f" first {self.first:.2f} s (compiling), the others {seconds:.2f} s with"
+                   f" {paused:.2f} s of evals and saves between them")
+    if self.timed[2] > self.timed[3]:
+      tokens, flops, seconds, paused = self.timed
+      r = self.rates.of(tokens, flops, seconds - paused)
+      peak = self.rates.peak  # None exactly when r["mfu"] is
+      mfu = ("n/a" if r["mfu"] is None or peak is None
+             else f"{100 * r['mfu']:.2f}% ({peak.source} peak)")
+      lines.append(f"throughput after the first step, evals and saves left out: tokens/s"
+                   f" {r['tokens_per_s']:,.0f}, tokens/s/device"
+                   f" {r['tokens_per_s_per_device']:,.0f}, TFLOP/s/device"
+                   f" {r['tflops_per_device']:.4g}, MFU {mfu}")
+    lines += [f"checkpoints: {ckpt_dir}", f"metrics: {run / 'metrics.jsonl'}",
+              f"TensorBoard: {run / 'tensorboard'}", f"loss plot: {run / 'loss.png'}"]
+    return "\n  ".join(lines)
+
+
+def _progress(start: int, total: int):
+  from tqdm import tqdm
+  return tqdm(total=total, initial=start, unit="step", dynamic_ncols=True,
+              disable=jax.process_index() != 0 or not sys.stderr.isatty())

@@ -1,49 +1,90 @@
-"""The device mesh of a run: axes (data, fsdp, tensor, context_ring, context), all
-`AxisType.Auto`, and the context parallelism over its sequence axes."""
+"""The run's parallelism, built once: the device mesh (axes data, fsdp, tensor,
+context_ring, context, all `AxisType.Auto`), the model's logical sharding rules on it, and
+the context parallelism over its sequence axes."""
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import math
 
 import jax
 from jax.sharding import AxisType
 
 import flaxattn
-from train.config import BALANCE, MESH_AXES, ConfigError, TrainConfig
+from models.llama import LAYERS_AXIS, LlamaConfig
+from train.config import MESH_AXES, ConfigError, MeshConfig, TrainConfig, context_parallel
+
+log = logging.getLogger(__name__)
 
 
-def make(cfg: TrainConfig) -> jax.sharding.Mesh:
-  """The mesh of `cfg.mesh` over all devices, after checking that the batch and sequence
-  split evenly over it.
+@dataclasses.dataclass(frozen=True)
+class Parallelism:
+  """mesh: over all devices; rules: for `nnx.logical_axis_rules`; cp: the context
+  parallelism, None when the sequence is not sharded."""
+
+  mesh: jax.sharding.Mesh
+  rules: tuple
+  cp: flaxattn.ContextParallel | None
+
+
+def make(cfg: TrainConfig) -> Parallelism:
+  """The parallelism of `cfg.mesh` over all devices, after checking that the batch and the
+  sequence split evenly over it. A ring runs over `context_ring` inside Ulysses over
+  `context` when `context_ring` > 1.
 
   Raises:
     ConfigError: sizes that do not multiply to the device count; `batch_size` not a
-      multiple of data x fsdp; `seq_len` not a multiple of context_ring x context (and of
-      2 x the load-balanced shards with row load balancing).
+      multiple of data x fsdp; a `seq_len` that the context parallelism cannot split
+      (`flaxattn.ContextParallel.check_length`).
   """
-  shape = cfg.mesh.shape(jax.device_count())
+  shape = _shape(cfg.mesh, jax.device_count())
   sizes = dict(zip(MESH_AXES, shape, strict=True))
   batch_parts = sizes["data"] * sizes["fsdp"]
   if cfg.batch_size % batch_parts:
     raise ConfigError(f"batch_size ({cfg.batch_size}) expects a multiple of mesh data x fsdp"
                       f" ({batch_parts}).")
   mesh = jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
-  cp = context_parallel(cfg, mesh)
-  shards = sizes["context_ring"] * sizes["context"]
-  balanced = 1 if cp is None or not cp.row_balanced else cp.balanced_shards(mesh)
-  seq_parts = math.lcm(shards, 2 * balanced if balanced > 1 else 1)
-  if cfg.seq_len % seq_parts:
-    why = ", and 2 x the load-balanced shards (data.balance=row)" if balanced > 1 else ""
-    raise ConfigError(f"seq_len ({cfg.seq_len}) expects a multiple of {seq_parts} (mesh"
-                      f" context_ring x context{why}).")
-  return mesh
+  cp = None
+  if sizes["context_ring"] * sizes["context"] > 1:
+    cp = context_parallel(cfg.context_parallel.strategy, cfg.data.balance,
+                          ring=sizes["context_ring"] > 1)
+    try:
+      cp.check_length(cfg.seq_len, mesh)
+    except ValueError as e:
+      raise ConfigError(f"seq_len ({cfg.seq_len}) does not split over mesh context_ring x"
+                        f" context with data.balance={cfg.data.balance}: {e} Set seq_len to"
+                        " such a multiple.") from None
+  log.info("mesh %s", dict(mesh.shape))
+  return Parallelism(mesh, rules(mesh, cfg.model), cp)
 
 
-def context_parallel(cfg: TrainConfig, mesh) -> flaxattn.ContextParallel | None:
-  """The context parallelism of `cfg` over `mesh`: None when the sequence is not sharded;
-  a ring over `context_ring` inside Ulysses over `context` when `context_ring` > 1."""
-  if mesh.shape["context_ring"] * mesh.shape["context"] == 1:
-    return None
-  ring_axis = "context_ring" if mesh.shape["context_ring"] > 1 else None
-  return flaxattn.ContextParallel("context", cfg.context_parallel.strategy,
-                                  BALANCE[cfg.data.balance], ring_axis)
+def _shape(sizes: MeshConfig, num_devices: int) -> tuple[int, ...]:
+  """The axis sizes of `sizes` in `MESH_AXES` order, -1 filled.
+
+  Raises:
+    ConfigError: more than one -1, a size < 1, or a product that is not `num_devices`.
+  """
+  shape = [getattr(sizes, a) for a in MESH_AXES]
+  if sum(s == -1 for s in shape) > 1 or any(s < 1 and s != -1 for s in shape):
+    raise ConfigError(f"mesh expects positive sizes with at most one -1, got {sizes}.")
+  known = math.prod(s for s in shape if s != -1)
+  if -1 in shape:
+    if num_devices % known:
+      raise ConfigError(f"mesh {sizes} cannot fill -1: {num_devices} devices are not a"
+                        f" multiple of the other axes' product {known}.")
+    shape[shape.index(-1)] = num_devices // known
+  if math.prod(shape) != num_devices:
+    named = dict(zip(MESH_AXES, shape, strict=True))
+    raise ConfigError(f"mesh {named} has {math.prod(shape)} devices, but there are"
+                      f" {num_devices}; set one axis to -1 or fix the sizes.")
+  return tuple(shape)
+
+
+def rules(mesh, model: LlamaConfig) -> tuple:
+  """The logical sharding rules of `Llama(model)` on `mesh` (`flaxattn.sharding.rules`
+  fitted to the model's sizes)."""
+  m = model
+  # Stacked layers (scan_layers) are replicated: every device holds its part of each layer.
+  return (*flaxattn.sharding.rules(mesh, kv_heads=m.n_kv_heads, heads=m.n_heads, mlp=m.ffn_dim,
+                                   vocab=m.vocab_size, embed=m.dim), (LAYERS_AXIS, None))

@@ -6,11 +6,13 @@ Lines are `{"step": s, "loss": ..., "grad_norm": ..., "lr": ..., "tokens": ...,
 (null without a known peak, see `train.throughput`), "step_time": ..., "host_time": ...,
 "dispatch_time": ...}` for training steps and `{"step": s, "eval_loss": ...,
 "eval_tokens": ...}` for evals. `step` counts optimizer steps done (1 after the first).
-step_time: seconds between this step's completion and the previous one's; host_time: the
-host's own work for the step (data, metrics, logging), which overlaps the device's;
-dispatch_time: the step's call until it returns (short where dispatch is asynchronous; the
-whole step on several simulated CPU devices, whose XLA client runs a multi-device program
-before returning).
+tflops_per_device and mfu count the batch's model FLOPs (`train.throughput`).
+step_time: seconds between this step's completion and the previous one's (the first
+step's from the loop's start; evals and saves between steps count in the next one's), so
+the steps add up to the run's wall time; host_time: the host's own work for the step
+(data, metrics, logging), which overlaps the device's;
+dispatch_time: the step's call until it returns (the loop calls it once the step before
+is done, and the device waits for it meanwhile).
 Only process 0 writes.
 
 The file is only ever appended to. A run resumed from a checkpoint older than its last
@@ -91,6 +93,11 @@ class MetricsWriter:
     if self.enabled:
       self._file.close()
       self._tb.close()
+
+  def plot(self) -> None:
+    """Draws the run's loss.png (`plot_loss`) on process 0."""
+    if self.enabled:
+      plot_loss(str(self.path.parent))
 
 
 def _summary_writer():

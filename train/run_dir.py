@@ -26,7 +26,10 @@ import os
 import pathlib
 import shutil
 
+import jax
+
 from models.llama import param_changes
+from train import distributed
 from train.config import ConfigError, TrainConfig, from_dict, to_dict
 
 log = logging.getLogger(__name__)
@@ -120,20 +123,21 @@ def check(cfg: TrainConfig) -> None:
              ", ".join(f"{k} {old!r} -> {now!r}" for k, (old, now) in changed.items()))
 
 
-def create(cfg: TrainConfig) -> pathlib.Path:
-  """`cfg.run_dir`, created if needed.
+def create(run_dir: str, start_over: bool = False) -> None:
+  """Creates the run directory `run_dir` if needed; with `start_over`, moves an earlier
+  run's files in it to `archive/` (`archive`).
 
   Raises:
-    ConfigError: it cannot be created (or is not a directory).
+    ConfigError: it cannot be created (or is not a directory); nothing was moved.
   """
-  path = pathlib.Path(cfg.run_dir)
   try:
-    path.mkdir(parents=True, exist_ok=True)
+    pathlib.Path(run_dir).mkdir(parents=True, exist_ok=True)
   except OSError as e:
     raise ConfigError(f"config key 'run_dir' expects a directory that exists or can be created;"
-                      f" got {cfg.run_dir!r} ({e.strerror}: {e.filename}). Choose another"
+                      f" got {run_dir!r} ({e.strerror}: {e.filename}). Choose another"
                       " path.") from None
-  return path
+  if start_over:
+    archive(run_dir, CHECKPOINT_FILES + OUTPUT_FILES, "resume=false")
 
 
 def save_config(cfg: TrainConfig) -> None:
@@ -144,15 +148,18 @@ def save_config(cfg: TrainConfig) -> None:
   os.replace(tmp, path)
 
 
-def archive(run_dir: str, names: tuple[str, ...]) -> pathlib.Path | None:
+def archive(run_dir: str, names: tuple[str, ...], why: str) -> None:
   """Moves the entries `names` of `run_dir` that exist (and are not empty directories)
-  into a new `archive/<time>/`; returns it, or None if there was nothing to move."""
-  paths = [pathlib.Path(run_dir) / n for n in names]
-  present = [p for p in paths if p.is_file() or (p.is_dir() and any(p.iterdir()))]
-  if not present:
-    return None
-  target = pathlib.Path(run_dir) / "archive" / timestamp()
-  target.mkdir(parents=True)
-  for p in present:
-    shutil.move(str(p), str(target / p.name))
-  return target
+  into a new `archive/<time>/` and logs `why` with what moved (on process 0; every process
+  returns once it is done)."""
+  if jax.process_index() == 0:
+    paths = [pathlib.Path(run_dir) / n for n in names]
+    present = [p for p in paths if p.is_file() or (p.is_dir() and any(p.iterdir()))]
+    if present:
+      target = pathlib.Path(run_dir) / "archive" / timestamp()
+      target.mkdir(parents=True)
+      for p in present:
+        shutil.move(str(p), str(target / p.name))
+      log.warning("%s: starting at step 0; moved the earlier run's %s to %s", why,
+                  ", ".join(sorted(p.name for p in present)), target)
+  distributed.barrier("archive")

@@ -52,15 +52,25 @@ class SentencePieceTokenizer:
     return self._sp.decode([int(i) for i in ids])
 
 
-def make(name: str):
+def make(name: str, vocab_size: int | None = None):
   """`ByteTokenizer` for "bytes", else a `SentencePieceTokenizer` of the model at `name`.
 
+  Args:
+    vocab_size: the model's vocabulary (`model.vocab_size`), which must hold the
+      tokenizer's ids; None: not checked.
+
   Raises:
-    ConfigError: `name` is neither "bytes" nor an existing file.
+    ConfigError: `name` is neither "bytes" nor an existing file; a tokenizer with more ids
+      than `vocab_size`.
   """
   if name == "bytes":
-    return ByteTokenizer()
-  if not os.path.isfile(name):
+    tok = ByteTokenizer()
+  elif not os.path.isfile(name):
     raise ConfigError(f"config key 'data.tokenizer' expects 'bytes' or the path of a"
                       f" SentencePiece .model file; got {name!r}, which is not a file.")
-  return SentencePieceTokenizer(name)
+  else:
+    tok = SentencePieceTokenizer(name)
+  if vocab_size is not None and tok.vocab_size > vocab_size:
+    raise ConfigError(f"model.vocab_size ({vocab_size}) expects at least the tokenizer's"
+                      f" vocabulary ({tok.vocab_size}, data.tokenizer={name!r}).")
+  return tok
