@@ -1,6 +1,7 @@
 """Decoding with the KV cache sharded over the context axis, on simulated CPU devices.
 
   python -m bench.decode [--json bench/results/decode_cpu.json] [--lengths 32768 131072]
+      [--compare-only] [--backend auto]
 
 Sets XLA_FLAGS=--xla_force_host_platform_device_count=8 before importing jax (on a GPU host
 the GPUs are the devices: a cp or the prefill needing more than there are is skipped, with
@@ -21,6 +22,12 @@ cp = 1. For each cache length S and cp:
 And, compile only, what a ring prefill of `--prefill` tokens moves (cp = 4): collective
 permutes of its ring, and an all-gather only of the queries (for the merge with an
 already filled cache, skipped at run time while the cache is empty).
+Last, on one device, the dense comparison at each S: the layer's per-token decode step
+(as in 2., cp = 1) against `jax.nn.dot_product_attention(implementation="xla")` alone over
+the same cache (a boolean mask from the cached segment ids and positions), timed in
+alternation: medians, bests (the least disturbed by other work on a shared host) and
+their ratios. `--compare-only` runs only this part; `--backend blockwise` gives the layer
+the kernel its decode steps ran before split_k.
 """
 
 from __future__ import annotations
@@ -48,9 +55,9 @@ MIB = 2**20
 ROOM = 64  # empty slots left for the timed steps
 
 
-def _layer(cp):
+def _layer(cp, backend="auto"):
   return MultiHeadAttention(H, E, num_kv_heads=HKV, mask=Causal(), context_parallel=cp,
-                            rngs=nnx.Rngs(0))
+                            backend=backend, rngs=nnx.Rngs(0))
 
 
 def _fill(m, length: int, n: int, filled: int):
@@ -104,6 +111,42 @@ def decode_case(length: int, n: int, steps: int) -> dict:
               step_bytes=sum(v["bytes"] for v in moved.values()))
 
 
+@jax.jit
+def _dense(q_BTHD, k_BSKD, v_BSKD, ids_BS, pos_BS, q_pos_B):
+  """Plain XLA attention of the new token over the whole cache: what a decode step's
+  attention costs without a kernel of ours."""
+  allowed_BS = (ids_BS == 1) & (pos_BS <= q_pos_B[:, None])
+  return jax.nn.dot_product_attention(q_BTHD, k_BSKD, v_BSKD, mask=allowed_BS[:, None, None],
+                                      implementation="xla")
+
+
+def dense_comparison(length: int, steps: int, backend: str = "auto") -> dict:
+  """Median and best seconds of the layer's decode step (cp = 1, `backend`) and of `_dense`
+  on a copy of the same cache, timed in alternation, and their ratios."""
+  m = _layer(None, backend)
+  m.init_cache((B, length, E))
+  _fill(m, length, 1, length - ROOM)
+  # Copies: the layer's step donates the cache's buffers.
+  k, v, ids, pos = (jnp.copy(c[...]) for c in (m.cache.keys, m.cache.values,
+                                               m.cache.segment_ids, m.cache.positions))
+  q = jax.random.normal(jax.random.key(2), (B, 1, H, D), jnp.float32)
+  q_pos = jnp.full((B,), length - ROOM, jnp.int32)
+  x = jax.random.normal(jax.random.key(1), (B, 1, E), jnp.float32)
+  jax.block_until_ready((_step(m, x), _dense(q, k, v, ids, pos, q_pos)))  # compile, warm up
+  layer, dense = [], []
+  for _ in range(steps):
+    for times, run in ((layer, lambda: _step(m, x)),
+                       (dense, lambda: _dense(q, k, v, ids, pos, q_pos))):
+      start = time.perf_counter()
+      jax.block_until_ready(run())
+      times.append(time.perf_counter() - start)
+  step, plain = float(np.median(layer)), float(np.median(dense))
+  best_step, best_plain = float(np.min(layer)), float(np.min(dense))
+  return dict(length=length, step_seconds=step, dense_seconds=plain, ratio=step / plain,
+              best_step_seconds=best_step, best_dense_seconds=best_plain,
+              best_ratio=best_step / best_plain)
+
+
 def prefill_collectives(t: int, n: int) -> dict:
   """Collectives of a ring prefill of t tokens into an empty cache of 2t slots (compiled)."""
   mesh = jax.make_mesh((n,), ("context",), axis_types=(AxisType.Auto,), devices=jax.devices()[:n])
@@ -117,14 +160,8 @@ def prefill_collectives(t: int, n: int) -> dict:
   return hlo.collectives(text)
 
 
-def main():
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--lengths", type=int, nargs="+", default=[32768, 131072])
-  parser.add_argument("--cps", type=int, nargs="+", default=[1, 4, 8])
-  parser.add_argument("--steps", type=int, default=20)
-  parser.add_argument("--prefill", type=int, default=8192)
-  parser.add_argument("--json", default=None)
-  args = parser.parse_args()
+def sharded(args):
+  """The table of 1.-3. and the prefill's collectives (None with fewer than 4 devices)."""
   cps = [n for n in args.cps if devices.enough(n, f"cp={n}")]
   rows = []
   print("| cache length | cp | cache per device (MiB) | x cp=1 | decode step (ms) | bytes per step"
@@ -145,10 +182,42 @@ def main():
     prefill = prefill_collectives(args.prefill, 4)
     print(f"\nring prefill of {args.prefill} tokens, cp=4, per device: "
           + ", ".join(f"{k} {v['count']}x {v['bytes']} B" for k, v in prefill.items()))
+  return rows, prefill
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--lengths", type=int, nargs="+", default=[32768, 131072])
+  parser.add_argument("--cps", type=int, nargs="+", default=[1, 4, 8])
+  parser.add_argument("--steps", type=int, default=20)
+  parser.add_argument("--prefill", type=int, default=8192)
+  parser.add_argument("--json", default=None)
+  parser.add_argument("--compare-only", action="store_true",
+                      help="only the dense comparison on one device")
+  parser.add_argument("--backend", default="auto",
+                      help="the layer's backend in the dense comparison (blockwise: what decode"
+                      " steps ran before split_k)")
+  args = parser.parse_args()
+  rows, prefill = [], None
+  if not args.compare_only:
+    rows, prefill = sharded(args)
+  print("\n| cache length S | decode step, layer (ms) | jax.nn xla attention (ms) | ratio |"
+        " best step (ms) | best attention (ms) | ratio of bests |")
+  print("|---:|---:|---:|---:|---:|---:|---:|")
+  dense = []
+  for length in args.lengths:
+    row = dense_comparison(length, args.steps, args.backend)
+    dense.append(row)
+    print(f"| {length} | {row['step_seconds'] * 1e3:.2f} | {row['dense_seconds'] * 1e3:.2f} |"
+          f" {row['ratio']:.2f} | {row['best_step_seconds'] * 1e3:.2f} |"
+          f" {row['best_dense_seconds'] * 1e3:.2f} | {row['best_ratio']:.2f} |", flush=True)
   if args.json:
+    result = dict(dense_comparison=dict(backend=args.backend, rows=dense))
+    if rows:
+      result = dict(decode=rows, prefill=prefill and dict(tokens=args.prefill, cp=4,
+                                                          collectives=prefill), **result)
     with open(args.json, "w") as f:
-      json.dump(dict(decode=rows, prefill=prefill and dict(tokens=args.prefill, cp=4,
-                                                           collectives=prefill)), f, indent=1)
+      json.dump(result, f, indent=1)
 
 
 if __name__ == "__main__":

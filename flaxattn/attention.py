@@ -228,10 +228,12 @@ def explain(q, k, v, *, mask: Mask = Causal(), segment_ids=None, positions=None,
   "blockwise (cudnn declines: ...)"). Arrays or
   `jax.ShapeDtypeStruct`s work; with `context_parallel`, call it under the mesh.
 
-  `decode=True` with `context_parallel`: q are a decode step's new tokens and k/v the
-  layer's whole KV cache `[B, max_length, Hkv, D]` (`MultiHeadAttention.init_cache`); it
-  describes the kernel each device runs on its shard of the cache and what a step moves
-  between the shards (`flaxattn.decode`).
+  `decode=True`: q are a decode step's new tokens and k/v the layer's whole KV cache
+  `[B, max_length, Hkv, D]` (`MultiHeadAttention.init_cache`), attended with the cached
+  segment ids and positions, as the layer does: it says which kernel the step takes and
+  why (decode-shaped calls take `split_k`, a prefill the training kernels). With
+  `context_parallel` it describes the kernel each device runs on its shard of the cache
+  and what a step moves between the shards (`flaxattn.decode`).
 
   `balance_plan`: the `flaxattn.BalancePlan` the per-token arrays were ordered by (with
   `ContextParallel(load_balance="document")`): the text then says which order each row
@@ -246,12 +248,18 @@ def explain(q, k, v, *, mask: Mask = Causal(), segment_ids=None, positions=None,
     cp_decode.check_length(context_parallel, k.shape[1])
     def shard(x):
       return jax.ShapeDtypeStruct((x.shape[0], x.shape[1] // n, *x.shape[2:]), x.dtype)
-    text = explain(q, shard(k), shard(v), mask=mask, backend=backend, return_lse=True,
-                   sinks=sinks, logit_soft_cap=logit_soft_cap, print_fn=None)
+    text = explain(q, shard(k), shard(v), mask=mask, segment_ids=segment_ids,
+                   positions=positions, backend=backend, return_lse=True, sinks=sinks,
+                   logit_soft_cap=logit_soft_cap, decode=True, print_fn=None)
     text += "\n" + cp_decode.communication(context_parallel, q.shape, v.shape[-1], k.shape[1])
     if print_fn is not None:
       print_fn(text)
     return text
+  if decode:  # the layer passes the cache's ids and positions, and the new tokens'
+    def ids(x, length):
+      return jax.ShapeDtypeStruct((q.shape[0], length), jnp.int32) if x is None else x
+    segment_ids, positions = ids(segment_ids, q.shape[1]), ids(positions, q.shape[1])
+    kv_segment_ids, kv_positions = ids(kv_segment_ids, k.shape[1]), ids(kv_positions, k.shape[1])
   check_qkv(q, k, v)
   _check_sinks(q, sinks)
   soft_cap = check_soft_cap(logit_soft_cap)
@@ -273,6 +281,10 @@ def explain(q, k, v, *, mask: Mask = Causal(), segment_ids=None, positions=None,
         layout.q_positions is not None, axis_size(cp, cp.ring_axis) if cp.ring_axis else None)
   if balance_plan is not None:
     text += "\n" + balance_plan.describe()
+  if decode:
+    text += (f"\ndecode: q are {q.shape[1]} new token(s) attending to {k.shape[1]} cache slots"
+             " (k/v), masked by the cached segment ids and positions (an empty slot has segment"
+             " id 0).")
   if print_fn is not None:
     print_fn(text)
   return text

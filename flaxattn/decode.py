@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from flaxattn import balance, sharding
 from flaxattn.context_parallel import ContextParallel, axis_size
+from flaxattn.ring import merge_weights
 
 _F32 = 4  # bytes of the float32 statistics and partial outputs
 
@@ -148,14 +149,9 @@ def merge(out, lse, axes):
   weights exp(lse_d - lse); one all-reduce sums the weighted partial outputs. A row with no
   key on any device gives zeros and lse -inf.
   """
-  lse_NBTH = lax.all_gather(lse, axes)
-  top_BTH = jnp.max(lse_NBTH, axis=0)
-  top_BTH = jnp.where(jnp.isfinite(top_BTH), top_BTH, 0.0)
-  total_BTH = jnp.sum(jnp.exp(lse_NBTH - top_BTH), axis=0)
-  seen_BTH = total_BTH > 0
-  w_BTH = jnp.where(seen_BTH, jnp.exp(lse - top_BTH) / jnp.where(seen_BTH, total_BTH, 1.0), 0.0)
-  out = lax.psum(out.astype(jnp.float32) * w_BTH[..., None], axes)
-  return out, jnp.where(seen_BTH, top_BTH + jnp.log(jnp.where(seen_BTH, total_BTH, 1.0)), -jnp.inf)
+  w_NBTH, lse_BTH = merge_weights(lax.all_gather(lse, axes))
+  w_BTH = jnp.take(w_NBTH, lax.axis_index(axes), axis=0)  # this device's (gathered in order)
+  return lax.psum(out.astype(jnp.float32) * w_BTH[..., None], axes), lse_BTH
 
 
 def attend(local, q, cache, q_ids, q_pos, s: Specs, sequence_sharded: bool = False, when=None):

@@ -24,13 +24,16 @@ from flaxattn.ring import Gathered, RingStep
 # the private API one uses breaks that backend only (`import flaxattn` itself uses one:
 # `jax._src.config`, for `lowering_for`'s config state).
 BACKENDS: dict[str, list[str]] = {
-    "tpu": ["splash",      # Pallas TPU kernel with lazy masks; exact by a run-time check
+    "tpu": ["split_k",     # decode steps (at most 16 queries against a longer cache)
+            "splash",      # Pallas TPU kernel with lazy masks; exact by a run-time check
             "blockwise"],  # whatever splash declines
-    "gpu": ["cudnn",       # cuDNN fused THD attention, where it is exact
+    "gpu": ["split_k",     # decode steps, as on TPU
+            "cudnn",       # cuDNN fused THD attention, where it is exact
             "pallas_gpu",  # flash attention in Pallas (Triton): whatever cuDNN declines
                            # (Chunked, float32, windows under CP, soft cap, Dv != D)
             "blockwise"],  # whatever both decline (head dims above 256, float64)
-    "cpu": ["blockwise"],  # flash attention in JAX: serves every call
+    "cpu": ["split_k",     # decode steps, as on TPU
+            "blockwise"],  # flash attention in JAX: serves every call
 }
 # Names that stand for "the first of these kernels that accepts".
 ALIASES = {"fused": ("cudnn", "pallas_gpu", "blockwise")}
@@ -41,6 +44,7 @@ _BUILTIN = {
     "pallas_gpu": "flaxattn.pallas_gpu:PallasGpu",
     "reference": "flaxattn.reference:Reference",
     "splash": "flaxattn.splash:Splash",
+    "split_k": "flaxattn.split_k:SplitK",
 }
 _KERNELS: dict[str, Kernel] = {}
 PLATFORMS = ("cpu", "gpu", "tpu")

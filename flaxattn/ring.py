@@ -5,7 +5,8 @@ Owns `RingStep`, the one protocol of a kernel's per-device computation under con
 parallelism, and the three custom VJPs that run one over the ring's steps: the full ring
 (backward a second ring carrying dK/dV), the window-aware ring (only the neighbouring keys
 a bounded mask reaches, `ring_fetches`), and the gathered keys served as ring steps (the
-all-gather strategy of a kernel that computes per step). All merge through `merge_partials`.
+all-gather strategy of a kernel that computes per step). All merge through `merge_partials`
+(`merge_weights`, the one lse merge, for two parts).
 Derivations: docs/design.md, "Context parallelism".
 """
 
@@ -74,15 +75,28 @@ class Gathered(RingStep):
                        **capped)
 
 
+def merge_weights(lse_N, axis: int = 0):
+  """The exact merge of N partial softmax results over disjoint key sets, from their lse
+  stacked on `axis`: (weights `lse_N`'s shape, merged lse with `axis` removed). The merged
+  output is the sum over `axis` of weights * partial outputs; weight n is exp(lse_n - lse),
+  lse = log sum_n exp(lse_n). A row with no key in any part gets weights 0 and lse -inf.
+  The one merge of the ring, context-parallel decode and split_k's chunks."""
+  # The shift cancels: no gradient flows through it (and none through max's ties).
+  top = jax.lax.stop_gradient(jnp.max(lse_N, axis=axis, keepdims=True))
+  top = jnp.where(jnp.isfinite(top), top, 0.0)
+  total = jnp.sum(jnp.exp(lse_N - top), axis=axis, keepdims=True)
+  seen = total > 0
+  lse = jnp.where(seen, top + jnp.log(jnp.where(seen, total, 1.0)), -jnp.inf)
+  return jnp.exp(lse_N - jnp.where(seen, lse, 0.0)), jnp.squeeze(lse, axis)
+
+
 def merge_partials(out, lse, out_s, lse_s):
   """Combines two partial softmax results over disjoint key sets: out `[B, T, H, Dv]`
   float32 with lse `[B, T, H]`, and another such pair (out_s in any float dtype); rows
   with no key on either side stay zeros / -inf. The ring's merge, and the layer's prefill
   into a filled sharded cache."""
-  new = jnp.logaddexp(lse, lse_s)
-  safe = jnp.where(jnp.isfinite(new), new, 0.0)  # rows with no key anywhere stay 0 / -inf
-  w, w_s = jnp.exp(lse - safe), jnp.exp(lse_s - safe)
-  return out * w[..., None] + out_s.astype(jnp.float32) * w_s[..., None], new
+  w_2BTH, new = merge_weights(jnp.stack([lse, lse_s]))
+  return out * w_2BTH[0, ..., None] + out_s.astype(jnp.float32) * w_2BTH[1, ..., None], new
 
 
 def ring_fetches(mask: Mask, t: int, n: int, load_balance: bool | str):

@@ -2,9 +2,10 @@
 
 Every kernel that accepts a call is compared with the reference (forward, log-sum-exp and
 gradients) on small shapes: every mask, packed and default layouts, GQA, float32 and
-bfloat16; every context-parallel strategy when there are several devices (Ulysses where they
-divide the 4 query heads). Then causal and packed forward+backward are timed beside a
-matmul of the same dtype in the same run. Exits 1 on any mismatch.
+bfloat16, and decode steps (3 queries against the packed keys); every context-parallel
+strategy when there are several devices (Ulysses where they divide the 4 query heads).
+Then causal and packed forward+backward are timed beside a matmul of the same dtype in the
+same run. Exits 1 on any mismatch.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ MASKS = (Full(), Causal(), Local(48), Chunked(64), Causal() & Local(100))
 HEADS = 4  # query heads of every case (2 K/V heads)
 TOLERANCE = {"float32": 2e-5, "bfloat16": 2e-2}
 ACCELERATOR_TOLERANCE = {"float32": 5e-3, "bfloat16": 2e-2}
+DECODE_QUERIES = 3  # a decode step's new tokens (split_k serves at most 16)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,11 +44,13 @@ class Case:
   dtype: str
   packed: bool
   strategy: str | None = None
+  decode: bool = False  # `DECODE_QUERIES` queries against the packed keys, as a cache
 
   def __str__(self):
     cp = f", {self.strategy} over {jax.device_count()} devices" if self.strategy else ""
     packing = "packed" if self.packed else "one document"
-    return f"{self.kernel}: {self.mask}, {self.dtype}, {packing}{cp}"
+    step = f", decode step of {DECODE_QUERIES} queries" if self.decode else ""
+    return f"{self.kernel}: {self.mask}, {self.dtype}, {packing}{cp}{step}"
 
 
 def _layout(b: int, t: int, packed: bool, seed: int):
@@ -80,9 +84,10 @@ def relative_error(got, want) -> float:
   return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
 
 
-def _fwd_bwd(backend, mask, seg, pos, cp=None):
+def _fwd_bwd(backend, mask, seg, pos, cp=None, kv_ids=(None, None)):
   def loss(q, k, v):
-    out, lse = attention(q, k, v, mask=mask, segment_ids=seg, positions=pos, backend=backend,
+    out, lse = attention(q, k, v, mask=mask, segment_ids=seg, positions=pos,
+                         kv_segment_ids=kv_ids[0], kv_positions=kv_ids[1], backend=backend,
                          context_parallel=cp, return_lse=True)
     finite = jnp.where(jnp.isfinite(lse), lse, 0.0)
     return jnp.sum(out.astype(jnp.float32) * jnp.cos(out.astype(jnp.float32))) + jnp.sum(
@@ -96,15 +101,21 @@ def _check(case: Case, t: int, mesh) -> float:
   n = 1 if case.strategy is None else mesh.shape["context"]
   q, k, v = _inputs(b, t, h, hkv, d, case.dtype, seed=zlib.crc32(str(case).encode()))
   seg, pos = _layout(b, t, case.packed, seed=1)
+  kv_ids = (None, None)
+  if case.decode:  # queries at slots of the keys, the last one padding (nothing to see)
+    assert seg is not None and pos is not None  # decode cases are packed
+    slots = np.linspace(t // 4, t - 1, DECODE_QUERIES).astype(int)
+    kv_ids = (seg, pos)
+    q, seg, pos = q[:, slots], seg[:, slots], pos[:, slots]
   ref_pos = pos
   if case.strategy is not None:  # what a load-balancing pipeline feeds in
     index = np.broadcast_to(np.arange(t, dtype=np.int32), (b, t))
     q, k, v, seg, pos, ref_pos = (
         None if x is None else load_balance(x, n)
         for x in (q, k, v, seg, pos, index if pos is None else pos))
-  want = _fwd_bwd("reference", case.mask, seg, ref_pos)(q, k, v)
+  want = _fwd_bwd("reference", case.mask, seg, ref_pos, kv_ids=kv_ids)(q, k, v)
   if case.strategy is None:
-    got = _fwd_bwd(case.kernel, case.mask, seg, pos)(q, k, v)
+    got = _fwd_bwd(case.kernel, case.mask, seg, pos, kv_ids=kv_ids)(q, k, v)
   else:
     with jax.set_mesh(mesh):
       cp = ContextParallel(strategy=case.strategy)
@@ -129,6 +140,10 @@ def _cases(platform: str, quick: bool, t: int):
                                packed, True)
           if registry.get(kernel).unsupported_reason(call) is None:
             yield Case(kernel, mask, dtype, packed)
+        step = registry.Call(platform, (2, DECODE_QUERIES, HEADS, 64), (2, t, 2, 64), dtype,
+                             mask, True, True, True)
+        if registry.get(kernel).unsupported_reason(step) is None:
+          yield Case(kernel, mask, dtype, True, decode=True)
 
 
 def _cp_cases(quick: bool, devices: int):

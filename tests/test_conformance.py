@@ -34,6 +34,9 @@ class Case:
   sinks: bool = False
   dtype: object = jnp.float32
   empty_row: bool = False  # row 1 all padding: zeros, lse -inf, zero gradients
+  # Decode-shaped: queries at these slots of the packed keys (their ids and positions), as
+  # new tokens against a cache; slot 249 is padding (an empty row). None: self attention.
+  query_slots: tuple[int, ...] | None = None
 
 
 CASES = [
@@ -43,6 +46,9 @@ CASES = [
     Case("full-one-document", flaxattn.Full(), hkv=4, packed=False),
     Case("soft-cap-sinks-dv", soft_cap=2.0, sinks=True, dv=32),
     Case("bfloat16-empty-row", dtype=jnp.bfloat16, empty_row=True),
+    Case("decode-three-queries-gqa", query_slots=(100, 180, 249)),
+    Case("decode-one-query-window-soft-cap-dv-bfloat16", flaxattn.Local(48), hkv=1, dv=32,
+         soft_cap=2.0, sinks=True, dtype=jnp.bfloat16, query_slots=(200,)),
 ]
 
 
@@ -59,6 +65,11 @@ def _data(case: Case):
   if case.empty_row:
     seg = np.ones((2, T), np.int32) if seg is None else seg.copy()
     seg[1] = 0
+  if case.query_slots is not None:
+    assert seg is not None and pos is not None  # decode cases are packed
+    slots = list(case.query_slots)
+    q = normal((2, len(slots), 4, 16), 7, case.dtype)
+    return q, k, v, normal((4,), 6), as_layout(seg[:, slots], pos[:, slots], seg, pos)
   return q, k, v, normal((4,), 6), as_layout(seg, pos)
 
 

@@ -33,7 +33,7 @@ K = jnp.zeros((2, 16, 2, 8))
     (dict(kv_segment_ids=jnp.ones((2, 16), jnp.int32)), r"segment_ids is required"),
     (dict(backend="nope"),
      r"backend expects one of \['auto', 'fused', 'blockwise', 'cudnn', 'pallas_gpu', 'reference',"
-     r" 'splash'\]"),
+     r" 'splash', 'split_k'\]"),
 ])
 def test_bad_input_names_the_argument(kwargs, match):
   args = dict(q=Q, k=K, v=K)
@@ -142,22 +142,24 @@ def test_explicit_backend_that_declines_names_reason_and_alternatives(picky):
     flaxattn.attention(Q, K, K, backend="picky")
   text = flaxattn.explain(Q, K, K, print_fn=None)
   assert "picky: declines: needs bfloat16." in text
-  assert "backend='auto' -> blockwise (picky declines: needs bfloat16.)" in text
+  assert ("backend='auto' -> blockwise (split_k declines: split_k serves a few queries against"
+          " more keys; this call has 16 keys for 16 queries.; picky declines: needs bfloat16.)"
+          in text)
   text = flaxattn.explain(Q.astype(jnp.bfloat16), K.astype(jnp.bfloat16), K.astype(jnp.bfloat16),
                           print_fn=None)
   assert "backend='auto' -> picky" in text
 
 
 def test_registry_order_is_pinned_and_extended_by_name(picky):
-  assert registry.order("cpu") == ["picky", "blockwise"]
-  assert registry.order("tpu") == ["splash", "blockwise"]
-  assert registry.order("gpu") == ["cudnn", "pallas_gpu", "blockwise"]
+  assert registry.order("cpu") == ["split_k", "picky", "blockwise"]
+  assert registry.order("tpu") == ["split_k", "splash", "blockwise"]
+  assert registry.order("gpu") == ["split_k", "cudnn", "pallas_gpu", "blockwise"]
   assert registry.ALIASES == {"fused": ("cudnn", "pallas_gpu", "blockwise")}
   registry.register(_Picky(), platforms=("cpu", "gpu"), after="blockwise")
-  assert registry.order("cpu") == ["blockwise", "picky"]
-  assert registry.order("gpu") == ["cudnn", "pallas_gpu", "blockwise", "picky"]
+  assert registry.order("cpu") == ["split_k", "blockwise", "picky"]
+  assert registry.order("gpu") == ["split_k", "cudnn", "pallas_gpu", "blockwise", "picky"]
   registry.register(_Picky(), platforms=("tpu",), before="splash")
-  assert registry.order("tpu") == ["picky", "splash", "blockwise"]
+  assert registry.order("tpu") == ["split_k", "picky", "splash", "blockwise"]
   with pytest.raises(ValueError, match=r"after='nope'\) expects a kernel of the cpu row"):
     registry.register(_Picky(), platforms=("cpu",), after="nope")
   with pytest.raises(ValueError, match="not both"):
@@ -205,22 +207,25 @@ def test_explain_shows_each_platform():
   text = flaxattn.explain(q, kv, kv, segment_ids=shape(1, 4096, dtype=jnp.int32), print_fn=None)
   # Packed rows: cuDNN's THD temporaries, 4.3 x 32 slots x 4096 x 8 x 128 x 2 bytes, pass
   # its budget, twice the unpacked call's (2 x 6.0 x 4096 x 8 x 128 x 2 bytes).
-  assert ("  cpu: blockwise\n  gpu: pallas_gpu (cudnn declines: cuDNN's packed (THD) layout"
-          " with 32 slots would hold about 1.07 GiB of temporaries") in text
+  # split_k, first everywhere, serves decode steps only.
+  decline = "split_k declines: split_k serves decode steps of at most 16 queries; this call has"
+  assert (f"  cpu: blockwise ({decline} 4096.)\n  gpu: pallas_gpu ({decline} 4096.; cudnn declines:"
+          " cuDNN's packed (THD) layout with 32 slots would hold about 1.07 GiB of"
+          " temporaries") in text
   assert "over its budget of 0.09 GiB" in text
-  assert "\n  tpu: splash\n" in text + "\n"
+  assert f"\n  tpu: splash ({decline} 4096.)\n" in text + "\n"
   # Chunked: no cuDNN mask, so GPU takes the next kernel and says why; splash chunks lazily
   # on TPU.
   text = flaxattn.explain(q, kv, kv, mask=flaxattn.Chunked(1024), print_fn=None)
-  assert "gpu: pallas_gpu (cudnn declines: cuDNN has no chunked mask" in text
+  assert f"gpu: pallas_gpu ({decline} 4096.; cudnn declines: cuDNN has no chunked mask" in text
   assert "tpu: splash" in text
   text = flaxattn.explain(q, kv, kv, mask=flaxattn.Chunked(1024), backend="fused", print_fn=None)
-  assert "gpu: pallas_gpu (cudnn declines: cuDNN has no chunked mask" in text
+  assert "gpu: pallas_gpu (cudnn declines: cuDNN has no chunked mask" in text  # split_k: not fused
   # 4000 tokens: not a multiple of splash's 128-token blocks, so TPU takes the blockwise kernel.
   q, kv = shape(1, 4000, 8, 128, dtype=jnp.float32), shape(1, 4000, 2, 128, dtype=jnp.float32)
   text = flaxattn.explain(q, kv, kv, print_fn=None)
-  assert "tpu: blockwise (splash declines: splash needs a sequence length" in text
-  assert "gpu: pallas_gpu (cudnn declines:" in text
+  assert f"tpu: blockwise ({decline} 4000.; splash declines: splash needs a sequence length" in text
+  assert f"gpu: pallas_gpu ({decline} 4000.; cudnn declines:" in text
   text = flaxattn.explain(q, kv, kv, backend="splash", print_fn=None)
   assert ("  tpu: error: backend='splash' cannot serve this call: splash needs a sequence length"
           in text)

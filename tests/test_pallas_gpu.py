@@ -311,14 +311,17 @@ def test_context_parallel_lowers_triton_kernels_for_cuda(strategy, kernels):
 
 
 def test_auto_and_fused_take_it_where_cudnn_declines():
-  """On GPU the order is cudnn, pallas_gpu, blockwise: a chunked mask (which cuDNN has not)
-  lowers to Triton kernels through backend="auto"; off GPU it is never chosen."""
+  """On GPU the order is split_k (decode steps only), cudnn, pallas_gpu, blockwise: a
+  chunked mask (which cuDNN has not) lowers to Triton kernels through backend="auto"; off
+  GPU it is never chosen."""
   q = jax.ShapeDtypeStruct((1, 512, 4, 64), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((1, 512, 2, 64), jnp.bfloat16)
   mask = flaxattn.Chunked(128)
   text = flaxattn.explain(q, kv, kv, mask=mask, print_fn=None)
-  assert "gpu: pallas_gpu (cudnn declines: cuDNN has no chunked mask" in text
-  assert "  cpu: blockwise\n" in text
+  decline = ("split_k declines: split_k serves decode steps of at most 16 queries; this call"
+             " has 512.")
+  assert f"gpu: pallas_gpu ({decline}; cudnn declines: cuDNN has no chunked mask" in text
+  assert f"  cpu: blockwise ({decline})\n" in text
   def loss(q, k, v):
     return flaxattn.attention(q, k, v, mask=mask).astype(jnp.float32).sum()
   assert cuda_program(jax.grad(loss, (0, 1, 2)), q, kv, kv).count(TRITON) == 3
