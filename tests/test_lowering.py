@@ -128,6 +128,16 @@ def _train_step(devices: int, preset: str) -> dict:
   return json.loads(out.stdout.splitlines()[-1])
 
 
+def test_the_tpu_demo_lowers_for_tpu_as_it_is():
+  """configs/tpu_demo.yaml, unchanged, on one host of 8 chips (fsdp 8): the train step holds
+  compiled splash kernels in the scanned layers' one body: the forward, its recomputation
+  under remat, and the fused backward."""
+  held = _train_step(8, "tpu_demo")
+  assert held["mesh"] == {"data": 1, "fsdp": 8, "tensor": 1, "context_ring": 1, "context": 1}
+  assert (held["seq_len"], held["batch_size"]) == (32768, 8), held
+  assert held["tpu_custom_calls"] == 3, held
+
+
 def test_llama_train_step_of_the_tpu_config_lowers_for_tpu():
   """configs/tpu_v5p_8b.yaml's model and mesh axes scaled down (tests/tpu_train_step.py):
   the whole train step (scanned layers, remat, ring over context) lowers for TPU with

@@ -29,7 +29,8 @@ SMALL_8B = ["model.dim=512", "model.n_heads=4", "model.n_kv_heads=1", "model.ffn
 SMALL_128K = ["model.dim=256", "model.n_heads=4", "model.n_kv_heads=1", "model.ffn_dim=512",
               "model.n_layers=2", "model.vocab_size=1024", "platform=cpu"]
 FULL_128K = ["platform=cpu"]  # the 8B model itself (abstract: no parameter memory)
-PRESETS = {"small_8b": ("configs/tpu_v5p_8b.yaml", SMALL_8B),
+PRESETS = {"tpu_demo": ("configs/tpu_demo.yaml", ["platform=cpu"]),  # as it is, on 8 devices
+           "small_8b": ("configs/tpu_v5p_8b.yaml", SMALL_8B),
            "small_128k": ("configs/tpu_v5p_8b_extend_128k.yaml", SMALL_128K),
            "full_128k": ("configs/tpu_v5p_8b_extend_128k.yaml", FULL_128K)}
 
