@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from typing import NamedTuple
 
 import jax
@@ -202,6 +203,13 @@ def _sdpa_forward(q, k, v, desc: SeqlensOffsets | None, cfg: _Config):
   return out, stats
 
 
+_BWD_P = fsa._dot_product_attention_bwd_p_wrapper  # pylint: disable=protected-access
+# jax 0.12 gave this primitive a `score_mod` parameter (flex attention's score function; None:
+# plain attention) that jax 0.10 and 0.11 do not take: bind it only where the primitive has it.
+_BWD_SCORE_MOD = (
+    {"score_mod": None} if "score_mod" in inspect.signature(_BWD_P.impl).parameters else {})
+
+
 def _sdpa_backward(q, k, v, desc: SeqlensOffsets | None, stats, out, dout, cfg: _Config):
   """One cuDNN backward (dq, dk, dv) from the stats and output of the rows.
 
@@ -210,11 +218,12 @@ def _sdpa_backward(q, k, v, desc: SeqlensOffsets | None, stats, out, dout, cfg: 
   unused = jnp.zeros(0, q.dtype)
   packed = (unused,) * 4 if desc is None else (
       desc.q_seqlens, desc.kv_seqlens, desc.q_offsets, desc.kv_offsets)
-  dq, dk, dv = fsa._dot_product_attention_bwd_p_wrapper.bind(  # pylint: disable=protected-access
+  dq, dk, dv = _BWD_P.bind(
       q, k, v, unused, *packed, unused, unused, stats, out.astype(q.dtype),
       dout.astype(q.dtype), scale=cfg.scale, seed=0, dropout_rate=0.0,
       variadic_args=(False, False), mask_type=cfg.mask_type(desc is not None),
-      layout=fsa.AttentionLayout.BTNH.value, sliding_window_length=cfg.window)
+      layout=fsa.AttentionLayout.BTNH.value, sliding_window_length=cfg.window,
+      **_BWD_SCORE_MOD)
   return dq, dk, dv
 
 

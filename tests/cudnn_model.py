@@ -124,10 +124,19 @@ def _on_host(fn, results, *args, **static):
   return list(jax.pure_callback(run, shapes, *args))
 
 
-def _fake_fwd(query, key, value, bias, q_seqlen, kv_seqlen, q_offsets, kv_offsets,
-              page_table_k, page_table_v, *, scale, seed, dropout_rate, variadic_args,
-              mask_type, layout, sliding_window_length, is_training):
+def _plain(variadic_args, layout, score_mod_args, score_mod_name):
+  """The model serves BTNH without bias, dropout mask or score function. jax 0.12's
+  primitives take score function operands and a name (+ jaxpr) that jax 0.10 and 0.11's
+  do not: both are accepted, as absent."""
   assert layout == fsa.AttentionLayout.BTNH.value and variadic_args == (False, False)
+  assert not score_mod_args and score_mod_name is None, "no score function in the model"
+
+
+def _fake_fwd(query, key, value, bias, q_seqlen, kv_seqlen, q_offsets, kv_offsets,
+              page_table_k, page_table_v, *score_mod_args, scale, seed, dropout_rate,
+              variadic_args, mask_type, layout, sliding_window_length, is_training,
+              score_mod_name=None, score_mod_jaxpr=None):
+  _plain(variadic_args, layout, score_mod_args, score_mod_name)
   b, t, h, _ = query.shape
   sequences = b * (q_offsets.shape[1] - 1) if q_offsets.ndim == 2 else b
   results = [query] + [jax.ShapeDtypeStruct((sequences, h, t), np.float32)] * is_training
@@ -137,8 +146,10 @@ def _fake_fwd(query, key, value, bias, q_seqlen, kv_seqlen, q_offsets, kv_offset
 
 
 def _fake_bwd(query, key, value, bias, q_seqlen, kv_seqlen, q_offsets, kv_offsets,
-              page_table_k, page_table_v, stats, out, dout, *, scale, seed, dropout_rate,
-              variadic_args, mask_type, layout, sliding_window_length):
+              page_table_k, page_table_v, stats, out, dout, *score_mod_args, scale, seed,
+              dropout_rate, variadic_args, mask_type, layout, sliding_window_length,
+              score_mod_name=None, score_mod_jaxpr=None):
+  _plain(variadic_args, layout, score_mod_args, score_mod_name)
   return _on_host(_backward, [query, key, value], query, key, value, q_seqlen, kv_seqlen,
                   q_offsets, kv_offsets, stats, out, dout, scale=scale, mask_type=mask_type,
                   window=sliding_window_length)

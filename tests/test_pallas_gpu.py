@@ -250,10 +250,15 @@ def test_under_a_mesh_runs_per_batch_and_head_shard():
 
 
 # Programs lowered for CUDA from this host: the Triton kernels, compiled, not interpreted.
+# jax 0.11 and later lower Triton for the GPU the abstract mesh names (jax 0.10 took sm90
+# without a GPU): an H100 here, on the mesh in force.
+H100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132,
+                                   platform="gpu")
 
 
 def cuda_program(fn, *args) -> str:
-  with flaxattn.lowering_for("gpu"):
+  on_h100 = jax.sharding.get_abstract_mesh().update(abstract_device=H100)
+  with flaxattn.lowering_for("gpu"), jax.sharding.use_abstract_mesh(on_h100):
     return jax.export.export(
         jax.jit(fn), platforms=("cuda",),
         disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)])(*args).mlir_module()

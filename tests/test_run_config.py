@@ -1,6 +1,7 @@
 """The configs around a run's checkpoints: what `init_from` takes from its source and from
-the YAML, which changes a resume refuses (derived from the model's parameters), and a
-run_dir config.json that is JSON but not a config. All before any jax computation."""
+the YAML, which changes a resume refuses (derived from the model's parameters), a run_dir
+config.json that is JSON but not a config, and the platform name JAX is given. All before
+any jax computation."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import sys
 
 import pytest
 
-from train import config, init_from, run_dir
+from train import config, distributed, init_from, run_dir
 from train.config import ConfigError
 from trainer import ROOT, command, run
 
@@ -168,3 +169,15 @@ def test_saved_config_with_load_balance_key_still_reads(tmp_path):
   values["data"]["balance"] = "document"
   with pytest.raises(ConfigError, match="disagree"):
     config.from_dict(values)
+
+
+def test_platform_gives_jax_one_backend_each():
+  """`platform: gpu` (configs/gpu_8x_8b.yaml) reaches JAX as "cuda": JAX expands "gpu" to
+  CUDA and ROCm, and fails on an NVIDIA host when ROCm does not start. Every choice names
+  exactly one JAX backend."""
+  from jax._src import xla_bridge
+  gpu_run = config.load(str(ROOT / "configs" / "gpu_8x_8b.yaml"), [])
+  assert distributed.jax_platforms(gpu_run.platform) == "cuda"
+  for platform in config.PLATFORMS:
+    name = distributed.jax_platforms(platform)
+    assert xla_bridge.expand_platform_alias(name) == [name], (platform, name)

@@ -132,7 +132,8 @@ class TrainConfig:
   seq_len: tokens per row; batch_size: rows per step, global (over all processes).
   checkpoint_every / eval_every: in steps; 0 = never (a checkpoint is still written at
     the end and on SIGTERM).
-  platform: "" (JAX's default) or a JAX platform name (`PLATFORMS`).
+  platform: "" (JAX's default) or a JAX platform name (`PLATFORMS`); "gpu" asks JAX for
+    CUDA (`train.distributed.jax_platforms`).
   num_devices: with platform "cpu", the number of simulated CPU devices; elsewhere 0 or
     the number of devices (checked). 0 = whatever is there.
   distributed: "auto", "on" or "off": whether to call `jax.distributed.initialize()`

@@ -31,6 +31,14 @@ def _multi_process_env() -> bool:
   return any(int(env.get(name, "1") or 1) > 1 for name in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"))
 
 
+def jax_platforms(platform: str) -> str:
+  """JAX's `jax_platforms` value for the config's `platform` (`config.PLATFORMS`): the same
+  name, but "gpu" is "cuda". JAX expands "gpu" to every GPU platform it knows (CUDA and
+  ROCm) and fails when one does not start (jax 0.11: "Unable to initialize backend 'rocm'"
+  on an NVIDIA host); flaxattn's GPU kernels are NVIDIA's. A ROCm host names "rocm"."""
+  return "cuda" if platform == "gpu" else platform
+
+
 def setup(cfg: TrainConfig) -> None:
   """Applies `cfg.platform`, `cfg.num_devices` and `cfg.distributed`; call before any
   other jax use (XLA reads `XLA_FLAGS` when its backend starts).
@@ -43,7 +51,7 @@ def setup(cfg: TrainConfig) -> None:
   from jax._src import xla_bridge
 
   if cfg.platform:
-    jax.config.update("jax_platforms", cfg.platform)
+    jax.config.update("jax_platforms", jax_platforms(cfg.platform))
   if cfg.platform == "cpu" and cfg.num_devices:
     if xla_bridge.backends_are_initialized():
       raise RuntimeError("num_devices needs XLA_FLAGS set before jax starts its backend, but"

@@ -177,6 +177,7 @@ def load(run_dir: str):
   from train import config
   from train import run_dir as run_dir_lib
   from train import tokenizer as tokenizer_lib
+  from train.distributed import jax_platforms
   from train.export import restore_model
 
   path = pathlib.Path(run_dir)
@@ -198,7 +199,7 @@ def load(run_dir: str):
     raise ValueError(f"RUN_DIR expects a run_dir with a checkpoint, got {run_dir!r} with none in"
                      f" {ckpt_dir}; train longer (checkpoint_every) or pass another run_dir.")
   if cfg.platform:
-    jax.config.update("jax_platforms", cfg.platform)
+    jax.config.update("jax_platforms", jax_platforms(cfg.platform))
   tok = tokenizer_lib.make(cfg.data.tokenizer)
   step, model = restore_model(run_dir, cfg, jax.devices()[0])
   return unroll_layers(model), tok, step
