@@ -32,7 +32,7 @@ import optax
 from flax import nnx
 
 from models.llama import Llama, loss_fn
-from train import data, metrics, optimizer, throughput, tokenizer
+from train import data, distributed, metrics, optimizer, throughput, tokenizer
 from train import mesh as mesh_lib
 from train.config import TrainConfig
 from train.state import Start, TrainState, restore_state
@@ -84,10 +84,12 @@ def _setup(cfg: TrainConfig, stop: StopRequest) -> tuple[mesh_lib.Parallelism, d
   """The run's parallelism and data.
 
   Raises:
-    ConfigError: see `train.tokenizer.make`, `train.mesh.make` and `train.data.make`.
+    ConfigError: see `train.tokenizer.make`, `train.distributed.start_backend`,
+      `train.mesh.make` and `train.data.make`.
     Stopped: SIGTERM while reading documents.
   """
   tok = tokenizer.make(cfg.data.tokenizer, cfg.model.vocab_size)  # before jax starts
+  distributed.start_backend(cfg.platform)
   parallel = mesh_lib.make(cfg)
   return parallel, data.make(cfg, tok, parallel.mesh, parallel.cp, stop.call)
 

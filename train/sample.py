@@ -170,11 +170,11 @@ def load(run_dir: str):
 
   Raises:
     ValueError: `run_dir` is not a directory, has no checkpoint, or no config.json that
-      is a valid trainer config; the run's tokenizer file is missing
-      (`train.config.ConfigError`).
+      is a valid trainer config; the run's tokenizer cannot be made or its platform does
+      not start here (`train.config.ConfigError`).
     train.checkpoint.CheckpointError: the newest checkpoint does not restore.
   """
-  from train import config
+  from train import config, distributed
   from train import run_dir as run_dir_lib
   from train import tokenizer as tokenizer_lib
   from train.export import restore_model
@@ -200,6 +200,8 @@ def load(run_dir: str):
   if cfg.platform:
     jax.config.update("jax_platforms", cfg.platform)
   tok = tokenizer_lib.make(cfg.data.tokenizer)
+  distributed.start_backend(cfg.platform, f"the run's platform ({path / 'config.json'})",
+                            "sample on a machine with that platform")
   step, model = restore_model(run_dir, cfg, jax.devices()[0])
   return unroll_layers(model), tok, step
 
