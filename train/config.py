@@ -162,7 +162,7 @@ class TrainConfig:
   steps: total optimizer steps (also the cosine schedule's length).
   seq_len: tokens per row; batch_size: rows per step, global (over all processes).
   checkpoint_every / eval_every: in steps; 0 = never (a checkpoint is still written at
-    the end and on SIGTERM).
+    the end and on SIGTERM or SIGINT).
   platform: "" (JAX's default) or a JAX platform name (`PLATFORMS`).
   num_devices: with platform "cpu", the number of simulated CPU devices; elsewhere 0 or
     the number of devices (checked). 0 = whatever is there.

@@ -335,7 +335,7 @@ def make(cfg: TrainConfig, tok, mesh, cp: flaxattn.ContextParallel | None,
   Args:
     cp: the run's context parallelism (see `GlobalBatches`).
     wait: runs a function that reads documents and returns its result, or raises
-      `train.stop.Stopped` at a SIGTERM (`StopRequest.call`).
+      `train.stop.Stopped` at a SIGTERM or SIGINT (`StopRequest.call`).
 
   Raises:
     ConfigError: no documents, or none long enough, in a shard (on any process); evals
