@@ -114,6 +114,19 @@ def run(cmd: list[str], timeout=120) -> subprocess.CompletedProcess:
                         timeout=timeout)
 
 
+def refused(cmd: list[str], prefix: str, *names, run_dir=None) -> subprocess.CompletedProcess:
+  """Runs `cmd`, a command expected to refuse its arguments: asserts exit 2, no traceback,
+  the last line of stderr starting with `prefix` and naming each of `names`, and, with
+  `run_dir`, that it was not created."""
+  proc = run(cmd)
+  lines = proc.stderr.strip().splitlines()
+  assert proc.returncode == 2 and lines, proc.stdout + proc.stderr
+  assert "Traceback" not in proc.stderr and lines[-1].startswith(prefix), proc.stderr
+  assert all(str(n) in lines[-1] for n in names), (names, lines[-1])
+  assert run_dir is None or not pathlib.Path(run_dir).exists(), f"{run_dir} was written"
+  return proc
+
+
 def metrics(run_dir) -> list[dict]:
   """Every complete line of metrics.jsonl, in file order (a line being written may be cut
   short; a resumed run appends lines for steps it redoes)."""
