@@ -22,6 +22,7 @@ import portpicker
 import pytest
 
 from trainer import (
+  MAIN_REPORTING_BACKEND,
   STEPS,
   checkpoints,
   clean_env,
@@ -258,20 +259,18 @@ def test_sigterm_during_an_eval_is_redone_on_resume(reference, tmp_path):
     ("data.tokenizer=byte", "data.tokenizer", ["'byte'", "'bytes'", ".model"]),
     ("platform=cpux", "platform", ["'cpux'", "'cpu'", "'gpu'", "'tpu'"]),
     ("mesh.context_ring=2", "mesh.context_ring", ["'ulysses'", "got 'ring'"]),
+    ("checkpoint.max_to_keep=0", "checkpoint.max_to_keep", ["got 0"]),
+    ("optimizer.lr=-1", "optimizer.lr", ["finite", "got -1.0"]),
+    ("optimizer.lr=nan", "optimizer.lr", ["finite", "got nan"]),
+    ("optimizer.clip_norm=-1", "optimizer.clip_norm", ["got -1.0"]),
+    ("optimizer.warmup_steps=-5", "optimizer.warmup_steps", ["got -5"]),
 ])
 def test_bad_config_fails_before_jax_starts(tmp_path, override, key, expected):
   """Exit 2 with `config error` naming the key, the value and what is valid (listing the
-  valid keys for an unknown one), no run_dir, and no jax backend started: the trainer's
-  `main` runs in a wrapper that reports whether XLA started a backend (nothing compiles
-  without one)."""
+  valid keys for an unknown one), no run_dir, and no jax backend started (the trainer's
+  `main` in `MAIN_REPORTING_BACKEND`: nothing compiles without a backend)."""
   run_dir = tmp_path / "run"
-  wrapper = ("import sys\n"
-             "from train.__main__ import main\n"
-             "rc = main(sys.argv[1:])\n"
-             "from jax._src import xla_bridge\n"
-             "print('BACKEND_STARTED', xla_bridge.backends_are_initialized())\n"
-             "sys.exit(rc)\n")
-  proc = run([sys.executable, "-c", wrapper, *command(run_dir, override)[3:]])
+  proc = run([sys.executable, "-c", MAIN_REPORTING_BACKEND, *command(run_dir, override)[3:]])
   assert proc.returncode == 2, proc.stdout + proc.stderr
   assert "config error" in proc.stderr and repr(key) in proc.stderr, proc.stderr
   assert all(e in proc.stderr for e in expected), proc.stderr

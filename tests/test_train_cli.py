@@ -1,15 +1,71 @@
 """The command lines refuse mistakes before anything is written: exit 2, one line naming
-the key or file, no traceback (`trainer.refused`). Export's cases run in process
-(`export.main`), one in a subprocess."""
+the key or file, no traceback (`trainer.refused`). The trainer's cases run one subprocess
+each and refuse before compiling (seconds); export's run in process (`export.main`)."""
 
 from __future__ import annotations
 
 import pathlib
 import sys
 
+import jax
+import pytest
+
 from train import config, export
 from train import run_dir as run_dir_lib
-from trainer import TINY, refused
+from trainer import MAIN_REPORTING_BACKEND, TINY, refused
+
+
+@pytest.mark.parametrize("name, text, expected", [
+    ("nowhere.yaml", None, "cannot be read (No such file or directory)"),
+    ("", None, "cannot be read (Is a directory)"),
+    ("bad.yaml", "steps: [1, 2\nseq_len: 3\n", "is not valid YAML"),
+])
+def test_config_file_that_does_not_load_exits_2_naming_it(tmp_path, name, text, expected):
+  """A missing config file, a directory, a YAML syntax error: before jax starts."""
+  path, run_dir = tmp_path / name, tmp_path / "run"
+  if text is not None:
+    path.write_text(text)
+  proc = refused([sys.executable, "-c", MAIN_REPORTING_BACKEND, str(path), f"run_dir={run_dir}",
+                  *TINY], "config error: config file", repr(str(path)), expected, run_dir=run_dir)
+  assert "BACKEND_STARTED False" in proc.stdout
+
+
+def _missing_platform() -> str:
+  """A platform jax cannot start on this machine."""
+  return "tpu" if jax.default_backend() == "gpu" else "gpu"
+
+
+@pytest.mark.parametrize("overrides, names", [
+    (["data.eval_batches=0"], ["'data.eval_batches'", "at least 1 when evals run", "got 0"]),
+    (["data.eval_batches=-1"], ["'data.eval_batches'", "got -1"]),
+    (["data.eval_fraction=0"], ["'eval_every' (4)", "data.eval_fraction=0.0 holds none out"]),
+    (["platform=<missing>", "num_devices=0"], ["'platform' ('<missing>')",
+                                                "jax cannot start it here"]),
+    (["distributed=on"], ["'distributed' ('on')", "jax.distributed.initialize() failed"]),
+    (["context_parallel.strategy=ulysses"], [
+        "model.n_heads (2) and model.n_kv_heads (1) do not split over mesh",
+        "context_parallel.strategy='ulysses'",
+        "'ulysses' over 'context' (size 4)", "divisible by 4"]),
+    (["data.tokenizer=<model file>", "--hide-sentencepiece"], [
+        "'data.tokenizer'", "needs the sentencepiece package", "data.tokenizer=bytes"]),
+])
+def test_setup_errors_exit_2_before_anything_is_written(tmp_path, overrides, names):
+  """Mistakes found once jax has started (held-out documents, eval batches, a platform
+  without devices here, distributed=on without a coordinator, heads Ulysses cannot split,
+  a SentencePiece tokenizer without the package): a config error, no run_dir."""
+  run_dir, model_file = tmp_path / "run", tmp_path / "tokenizer.model"
+  model_file.write_bytes(b"\0")
+  swap = {"<missing>": _missing_platform(), "<model file>": str(model_file)}
+
+  def fill(text):
+    for k, v in swap.items():
+      text = text.replace(k, v)
+    return text
+  flags = [o for o in overrides if o.startswith("--")]
+  cmd = [sys.executable, "-c", MAIN_REPORTING_BACKEND, *flags, "configs/demo.yaml",
+         f"run_dir={run_dir}", *TINY, *(fill(o) for o in overrides if o not in flags)]
+  refused(cmd, "config error: ", *map(fill, names), run_dir=run_dir)
+
 
 # -- python -m train.export ------------------------------------------------------------------
 

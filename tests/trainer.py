@@ -114,6 +114,20 @@ def run(cmd: list[str], timeout=120) -> subprocess.CompletedProcess:
                         timeout=timeout)
 
 
+# The trainer's `main`, then a line saying whether XLA started a backend (nothing compiles
+# without one); with `--hide-sentencepiece` first, as on a machine without the package.
+MAIN_REPORTING_BACKEND = (
+    "import sys\n"
+    "if sys.argv[1:2] == ['--hide-sentencepiece']:\n"
+    "  sys.argv.pop(1)\n"
+    "  sys.modules['sentencepiece'] = None  # `import sentencepiece` raises ImportError\n"
+    "from train.__main__ import main\n"
+    "rc = main(sys.argv[1:])\n"
+    "from jax._src import xla_bridge\n"
+    "print('BACKEND_STARTED', xla_bridge.backends_are_initialized())\n"
+    "sys.exit(rc)\n")
+
+
 def refused(cmd: list[str], prefix: str, *names, run_dir=None) -> subprocess.CompletedProcess:
   """Runs `cmd`, a command expected to refuse its arguments: asserts exit 2, no traceback,
   the last line of stderr starting with `prefix` and naming each of `names`, and, with
