@@ -130,6 +130,28 @@ class ContextParallel:
       raise ValueError(f"context_parallel over {self.axis!r} (size {n}) expects the sequence"
                        f" length ({t}) divisible by {parts}{why}.")
 
+  def check_shapes(self, q_shape, kv_shape, mesh=None) -> int:
+    """Raises ValueError unless attention of q `[B, T, H, D]` over k/v `[B, T, Hkv, D]`
+    (global shapes) runs with this context parallelism on `mesh` (default: the current
+    mesh): keys as long as queries, T split over the sequence shards (`check_length`) and,
+    under Ulysses (strategy "ulysses", or "auto" with a `ring_axis`, which has only it), the
+    heads of each head shard split over `axis`. The shape rules `context_parallel_attention`
+    applies, asked without tracing (e.g. by a trainer, before it writes or compiles).
+
+    Returns:
+      how many times Ulysses repeats each K/V head (`ulysses.kv_repeat`); 1 for the others.
+    """
+    mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+    if kv_shape[1] != q_shape[1]:
+      raise ValueError(f"context_parallel expects keys as long as queries (self attention), got"
+                       f" q {tuple(q_shape)} and k {tuple(kv_shape)}.")
+    self.check_length(q_shape[1], mesh)
+    if self.strategy != "ulysses" and not (self.strategy == "auto" and self.ring_axis):
+      return 1
+    shards = math.prod(mesh.shape[a] for a in _head_axes(self, mesh, q_shape[2], kv_shape[2]))
+    return ulysses.kv_repeat(self.axis, axis_size(self, mesh=mesh), q_shape[2] // shards,
+                             kv_shape[2] // shards)
+
   def balanced_shards(self, mesh=None) -> int:
     """Shards the tokens are load-balanced over (row or document order): the ring's size
     (`axis`, or `ring_axis` under Ulysses x ring), Ulysses's axis size alone, 1 without
@@ -175,6 +197,13 @@ def axis_size(cp: ContextParallel, axis: str | None = None, mesh=None) -> int:
   return mesh.shape[axis]
 
 
+def _head_axes(cp: ContextParallel, mesh, heads: int, kv_heads: int) -> tuple[str, ...]:
+  """The axes of `cp.head_axes` (not sequence axes) that the heads stay sharded over inside
+  the attention: those in `mesh` whose sizes divide `heads` and `kv_heads`."""
+  return sharding.dividing_axes(mesh, [a for a in cp.head_axes if a not in cp.seq_axes], heads,
+                                kv_heads)
+
+
 def context_parallel_attention(q, k, v, layout: Layout, *, mask: Mask, scale: float,
                                cp: ContextParallel, kernel, return_lse: bool,
                                soft_cap: float | None = None):
@@ -198,9 +227,7 @@ def context_parallel_attention(q, k, v, layout: Layout, *, mask: Mask, scale: fl
   ring_n = axis_size(cp, cp.ring_axis, mesh) if cp.ring_axis else 1
   balanced = cp.balanced_shards(mesh)
   b, t = q.shape[:2]
-  if k.shape[1] != t:
-    raise ValueError(f"context_parallel expects keys as long as queries (self attention), got"
-                     f" q {q.shape} and k {k.shape}.")
+  repeat = cp.check_shapes(q.shape, k.shape, mesh)  # Ulysses repeats each K/V head
   if cp.load_balance == "document":
     if layout.q_positions is None or layout.kv_positions is None:
       raise ValueError(
@@ -209,27 +236,20 @@ def context_parallel_attention(q, k, v, layout: Layout, *, mask: Mask, scale: fl
           " positions=flaxattn.load_balance(positions, cp, segment_ids=segment_ids) (each"
           " token's position in its document, moved with the tokens).")
     layout = dataclasses.replace(layout, shards=1)  # kernels mask on the array index
-  cp.check_length(t, mesh)
 
   # Every mesh axis is manual: the batch and heads stay sharded over the axes that divide
   # them (left to automatic sharding, the compiler would gather the batch inside the ring's
   # loops), the rest are replicated, and a kernel called inside sees no automatic axes.
   batch = sharding.dividing_axes(mesh, [a for a in cp.batch_axes if a not in cp.seq_axes],
                                  b) or None
-  heads = sharding.dividing_axes(mesh, [a for a in cp.head_axes if a not in cp.seq_axes],
-                                 q.shape[2], k.shape[2]) or None
+  heads = _head_axes(cp, mesh, q.shape[2], k.shape[2]) or None
   seq_axes = cp.seq_axes if cp.ring_axis else cp.axis
   # Ulysses's ids enter whole over its axis (int32, gathered there by the compiler, or
   # computed in place for the default positions): the all-to-all gives every device all
   # the tokens of its ring shard.
   seq = P(batch, cp.ring_axis) if cp.strategy == "ulysses" else P(batch, seq_axes)
   qkv = P(batch, seq_axes, heads)
-  kv_shape = k.shape
-  repeat = 1  # Ulysses repeats each K/V head so that the heads split evenly
-  if cp.strategy == "ulysses":
-    head_shards = math.prod(mesh.shape[a] for a in heads or ())
-    repeat = ulysses.kv_repeat(cp.axis, n, q.shape[2] // head_shards, k.shape[2] // head_shards)
-    kv_shape = (*k.shape[:2], k.shape[2] * repeat, k.shape[3])
+  kv_shape = (*k.shape[:2], k.shape[2] * repeat, k.shape[3])
   options = dict(mask=mask, scale=scale) | ({} if soft_cap is None else dict(soft_cap=soft_cap))
   step = near = fetches = None
   if cp.strategy != "ulysses" or cp.ring_axis:  # a ring or the gathered keys: a RingStep

@@ -181,3 +181,99 @@ def test_platform_gives_jax_one_backend_each():
   for platform in config.PLATFORMS:
     name = distributed.jax_platforms(platform)
     assert xla_bridge.expand_platform_alias(name) == [name], (platform, name)
+
+
+@pytest.mark.parametrize("override, key, expected", [
+    ("optimizer.lr=-1", "optimizer.lr", "got -1.0"),
+    ("optimizer.lr=nan", "optimizer.lr", "got nan"),
+    ("optimizer.lr=inf", "optimizer.lr", "got inf"),
+    ("optimizer.clip_norm=-1", "optimizer.clip_norm", "got -1.0"),
+    ("optimizer.warmup_steps=-5", "optimizer.warmup_steps", "got -5"),
+    ("optimizer.min_lr_ratio=2", "optimizer.min_lr_ratio", "in [0, 1]"),
+    ("optimizer.b2=1", "optimizer.b2", "in [0, 1)"),
+    ("optimizer.eps=0", "optimizer.eps", "> 0"),
+    ("checkpoint.max_to_keep=0", "checkpoint.max_to_keep", "an int >= 1, got 0"),
+    ("data.read_threads=-1", "data.read_threads", "an int >= 0, got -1"),
+    ("peak_tflops_per_device=nan", "peak_tflops_per_device", "got nan"),
+])
+def test_values_a_run_depends_on_are_checked_with_the_config(tmp_path, override, key, expected):
+  """An override and the same value in a YAML file: one ConfigError line naming the key."""
+  for load in (lambda: config.load(None, [override]),
+               lambda: config.load(str(_yaml(tmp_path, override)))):
+    with pytest.raises(ConfigError) as e:
+      load()
+    assert repr(key) in str(e.value) or f"{key} " in str(e.value), str(e.value)
+    assert expected in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def _yaml(tmp_path, override: str):
+  """A YAML file setting the dotted key of `override` (`a.b=v`) to its value (YAML syntax)."""
+  key, value = override.split("=")
+  *sections, name = key.split(".")
+  text = "".join(f"{'  ' * i}{s}:\n" for i, s in enumerate(sections))
+  value = {"nan": ".nan", "inf": ".inf"}.get(value, value)
+  path = tmp_path / "config.yaml"
+  path.write_text(text + f"{'  ' * len(sections)}{name}: {value}\n")
+  return path
+
+
+def test_lr_zero_and_clip_norm_zero_are_accepted():
+  """lr 0 (steps that change nothing: a run that only copies weights) and clip_norm 0 (no
+  clipping): the second update after a large gradient is AdamW's unclipped one."""
+  import jax.numpy as jnp
+  import numpy as np
+
+  from train import optimizer
+
+  cfg = config.load(None, ["optimizer.lr=0", "optimizer.clip_norm=0"])
+  assert (cfg.optimizer.lr, cfg.optimizer.clip_norm) == (0.0, 0.0)
+  params = {"w": jnp.zeros(3)}
+
+  def second_update(clip_norm):
+    opt = optimizer.make(config.OptimizerConfig(lr=1.0, warmup_steps=0, clip_norm=clip_norm),
+                         steps=4)
+    state = opt.init(params)
+    for g in ([300.0, -400.0, 0.0], [0.3, 0.1, 0.2]):  # Adam's first step is sign(g) alone
+      update, state = opt.update({"w": jnp.array(g)}, state, params)
+    return np.asarray(update["w"])
+
+  np.testing.assert_array_equal(second_update(0.0), second_update(1e30))
+  assert not np.allclose(second_update(0.0), second_update(1.0))
+
+
+@pytest.mark.parametrize("make, expected", [
+    (lambda d: d / "nowhere.yaml", "cannot be read (No such file or directory)"),
+    (lambda d: d, "cannot be read (Is a directory)"),
+    (lambda d: _write(d / "bad.yaml", "steps: [1, 2\nseq_len: 3\n"),
+     "is not valid YAML: expected ',' or ']', but got ':' at line 2, column 8"),
+    (lambda d: _write(d / "latin1.yaml", b"steps: 3 # \xe9\n"), "is not UTF-8 text"),
+])
+def test_unreadable_or_malformed_config_file_is_a_config_error(tmp_path, make, expected):
+  path = str(make(tmp_path))
+  with pytest.raises(ConfigError) as e:
+    config.load(path)
+  assert str(e.value).startswith(f"config file {path!r} ") and expected in str(e.value)
+  assert "\n" not in str(e.value)
+
+
+def _write(path, content):
+  if isinstance(content, bytes):
+    path.write_bytes(content)
+  else:
+    path.write_text(content)
+  return path
+
+
+def test_ulysses_heads_are_refused_with_the_config_by_flaxattn():
+  """2 heads on a Ulysses axis of 4: train.mesh.make asks flaxattn
+  (`ContextParallel.check_shapes`), naming the model's keys, before any compilation; 4
+  heads split."""
+  from train import mesh
+
+  ulysses = ["context_parallel.strategy=ulysses", "mesh.context=4", "mesh.data=-1",
+             "batch_size=8", "model.n_kv_heads=1"]
+  with pytest.raises(ConfigError) as e:
+    mesh.make(config.load(None, SIZES + ulysses + ["model.n_heads=2"]))
+  assert "model.n_heads (2) and model.n_kv_heads (1) do not split" in str(e.value), str(e.value)
+  assert "'ulysses' over 'context' (size 4)" in str(e.value) and "divisible by 4" in str(e.value)
+  assert mesh.make(config.load(None, SIZES + ulysses + ["model.n_heads=4"])).cp is not None

@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import flaxattn
+import helpers
 import trainer
 from helpers import normal
 from models.llama import Llama, LlamaConfig
@@ -66,7 +68,9 @@ def test_next_token_draws_only_from_the_nucleus():
 @pytest.mark.parametrize("kwargs, match", [
     (dict(max_new_tokens=0), r"--max_new_tokens expects a positive int, got 0"),
     (dict(max_new_tokens=19), r"--max_new_tokens expects at most 18 .* got 19"),
-    (dict(temperature=-1.0), r"--temperature expects a number >= 0.*got -1.0"),
+    (dict(temperature=-1.0), r"--temperature expects a finite number >= 0.*got -1.0"),
+    (dict(temperature=float("inf")), r"--temperature expects a finite number >= 0.*got inf"),
+    (dict(temperature=float("nan")), r"--temperature expects a finite number >= 0.*got nan"),
     (dict(top_p=0.0), r"--top_p expects a number in \(0, 1\], got 0.0"),
     (dict(prompt=np.zeros(25, np.int32)), r"--prompt expects at most .*max_seq_len=24.*got 25"),
     (dict(prompt=np.zeros(0, np.int32)), r"--prompt expects text of at least one token"),
@@ -75,6 +79,25 @@ def test_generate_errors_name_the_argument(windowed, kwargs, match):
   kwargs = {"prompt": PROMPT, "max_new_tokens": 4, **kwargs}
   with pytest.raises(ValueError, match=match):
     sample.generate(windowed, kwargs.pop("prompt"), kwargs.pop("max_new_tokens"), **kwargs)
+
+
+def test_generate_checks_the_padded_cache_it_will_allocate():
+  """A 500-token prompt on 3 devices is prefilled as 504 tokens (a multiple of 2 chunks per
+  device), and the cache rounds up to a multiple of 3: 12 new tokens need 516 slots, more
+  than max_seq_len 512, though 500 + 12 fit. Refused before the cache is allocated; 6 fit."""
+  model = Llama(dataclasses.replace(SMALL, max_seq_len=512), rngs=nnx.Rngs(0))
+  mesh = jax.make_mesh((3,), ("context",), axis_types=(jax.sharding.AxisType.Auto,),
+                       devices=helpers.devices(3))
+  cp = flaxattn.ContextParallel("context", strategy="ring", load_balance=True)
+  prompt = np.arange(500, dtype=np.int32) % SMALL.vocab_size
+  with jax.set_mesh(mesh):
+    with pytest.raises(ValueError, match=r"--max_new_tokens expects at most 6 after a prompt of"
+                                         r" 500 tokens, padded to 504 to split over 3 devices"):
+      sample.generate(model, prompt, 12, context_parallel=cp)
+    with pytest.raises(ValueError, match=r"--prompt of 510 tokens, padded to 510 .* leaves no"
+                                         r" room"):
+      sample.generate(model, np.resize(prompt, 510), 1, context_parallel=cp)
+  assert all(b.attn.cache is None for b in model.layers)  # nothing allocated
 
 
 # -- python -m train.sample on a tiny trained run --------------------------------------------
@@ -119,9 +142,14 @@ def test_sample_command_errors(run_dir, tmp_path, capsys):
        "--top_p expects a number in (0, 1], got 1.5"),
       ((run_dir, "--prompt", "x" * 65, "--max_new_tokens", 4),
        "--prompt expects at most the model's max_seq_len=64 tokens, got 65"),
+      ((run_dir, "--prompt", "x", "--max_new_tokens", 4, "--temperature", "inf"),
+       "--temperature expects a finite number >= 0 (0 = greedy), got inf"),
+      # 59 + 4 tokens fit in 64, but the prompt is prefilled as 60 and the cache rounds up
+      # to 66 slots, a multiple of the 3 devices.
+      ((run_dir, "--prompt", "x" * 59, "--max_new_tokens", 4, "--context_parallel", 3),
+       "--max_new_tokens expects at most 3 after a prompt of 59 tokens, padded to 60"),
   ]
-  for args, message in cases:  # in this process: argparse exits with status 2
-    with pytest.raises(SystemExit) as exit_:
-      sample.main([str(a) for a in args])
-    err = capsys.readouterr().err
-    assert exit_.value.code == 2 and message in err, (args, err)
+  for args, message in cases:  # in this process: one line, exit status 2
+    assert sample.main([str(a) for a in args]) == 2, args
+    line, = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("sample error: ") and message in line, (args, line)

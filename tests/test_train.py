@@ -12,6 +12,7 @@ import collections
 import datetime
 import json
 import math
+import os
 import shutil
 import signal
 import sys
@@ -21,6 +22,7 @@ import portpicker
 import pytest
 
 from trainer import (
+  MAIN_REPORTING_BACKEND,
   STEPS,
   checkpoints,
   clean_env,
@@ -173,6 +175,82 @@ def test_sigterm_saves_and_exits_zero(tmp_path, reads):
     assert f"SIGTERM: saved step {last}" in out
 
 
+@pytest.mark.slow  # runs the trainer
+def test_sigint_saves_like_sigterm(tmp_path):
+  """Ctrl-C (SIGINT to the trainer's process group) while asynchronous saves are in flight
+  (one after every step): exit 0 with one line naming SIGINT, every step done saved, no
+  traceback and no temporary checkpoint directory left behind."""
+  run_dir, log = tmp_path / "run", tmp_path / "log.txt"
+  proc = start(run_dir, "steps=100000", "checkpoint_every=1", "eval_every=0", log=log)
+  try:
+    poll(proc, log, lambda: any(r["step"] >= 3 for r in metrics(run_dir)), "step 3")
+    os.killpg(proc.pid, signal.SIGINT)
+    out = wait(proc, log, timeout=60)
+  finally:
+    if proc.poll() is None:
+      kill_group(proc)
+  assert proc.returncode == 0, out[-4000:]
+  assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-4000:]
+  last = max(losses(run_dir))
+  assert checkpoints(run_dir)[-1] == last
+  line, = [line for line in out.splitlines() if "SIGINT" in line]
+  assert f"SIGINT: step {last} is saved already; exiting." in line, line
+  assert not list(run_dir.rglob("*.orbax-checkpoint-tmp*"))
+
+
+# The trainer whose second eval blocks on its held-out reads, as on a stalled file system:
+# after the first eval returns, reads of held-out documents create `blocked` beside the
+# file named by the first argument and wait forever.
+BLOCKING_SECOND_EVAL = ("import pathlib, sys, threading\n"
+                        "from train import data, loop\n"
+                        "gate = pathlib.Path(sys.argv.pop(1))\n"
+                        "split, read, evaluate, held = (data.split_documents,"
+                        " data.Document.read, loop._evaluate, set())\n"
+                        "def remember(docs, fraction):\n"
+                        "  train, held_out = split(docs, fraction)\n"
+                        "  held.update(d.name for d in held_out)\n"
+                        "  return train, held_out\n"
+                        "def blocking_read(doc):\n"
+                        "  if doc.name in held and gate.exists():\n"
+                        "    gate.with_name('blocked').touch()\n"
+                        "    threading.Event().wait()\n"
+                        "  return read(doc)\n"
+                        "def evaluate_then_close(*args):\n"
+                        "  out = evaluate(*args)\n"
+                        "  gate.touch()\n"
+                        "  return out\n"
+                        "data.split_documents, data.Document.read = remember, blocking_read\n"
+                        "loop._evaluate = evaluate_then_close\n"
+                        "from train.__main__ import main\n"
+                        "sys.exit(main(sys.argv[1:]))\n")
+
+
+@pytest.mark.slow  # runs the trainer
+def test_sigterm_during_an_eval_is_redone_on_resume(reference, tmp_path):
+  """SIGTERM while the step-8 eval waits for its batches: step 8 is saved (before its
+  eval), exit 0, no step-8 eval in the metrics. The resumed run evaluates step 8 first, so
+  it has the uninterrupted run's evals at 4, 8 and 12, and its losses, exactly."""
+  ref_dir, _, cached_env = reference
+  run_dir, log, gate = tmp_path / "run", tmp_path / "log.txt", tmp_path / "gate"
+  cmd = [sys.executable, "-c", BLOCKING_SECOND_EVAL, str(gate), *command(run_dir)[3:]]
+  proc = start(run_dir, log=log, cmd=cmd, env=cached_env)
+  try:
+    poll(proc, log, gate.with_name("blocked").exists, "the step-8 eval to block")
+    proc.send_signal(signal.SIGTERM)
+    out = wait(proc, log, timeout=30)
+  finally:
+    if proc.poll() is None:
+      kill_group(proc)
+  assert proc.returncode == 0, out[-4000:]
+  assert "SIGTERM: step 8 is saved already; exiting." in out, out[-4000:]
+  assert checkpoints(run_dir)[-1] == 8 and sorted(losses(run_dir, "eval_loss")) == [4]
+
+  out = train(run_dir, log=tmp_path / "resumed.txt", env=cached_env)
+  assert "resumed from step 8 " in out and "step 8 has no eval in metrics.jsonl" in out, out
+  assert losses(run_dir, "eval_loss") == losses(ref_dir, "eval_loss")  # steps 4, 8, 12
+  assert losses(run_dir) == losses(ref_dir)
+
+
 @pytest.mark.parametrize("override, key, expected", [
     ("model.dimm=64", "model.dimm", ["Valid keys", "model.dim", "steps", "mesh.context"]),
     ("steps=many", "steps", ["'many'"]),
@@ -181,20 +259,18 @@ def test_sigterm_saves_and_exits_zero(tmp_path, reads):
     ("data.tokenizer=byte", "data.tokenizer", ["'byte'", "'bytes'", ".model"]),
     ("platform=cpux", "platform", ["'cpux'", "'cpu'", "'gpu'", "'tpu'"]),
     ("mesh.context_ring=2", "mesh.context_ring", ["'ulysses'", "got 'ring'"]),
+    ("checkpoint.max_to_keep=0", "checkpoint.max_to_keep", ["got 0"]),
+    ("optimizer.lr=-1", "optimizer.lr", ["finite", "got -1.0"]),
+    ("optimizer.lr=nan", "optimizer.lr", ["finite", "got nan"]),
+    ("optimizer.clip_norm=-1", "optimizer.clip_norm", ["got -1.0"]),
+    ("optimizer.warmup_steps=-5", "optimizer.warmup_steps", ["got -5"]),
 ])
 def test_bad_config_fails_before_jax_starts(tmp_path, override, key, expected):
   """Exit 2 with `config error` naming the key, the value and what is valid (listing the
-  valid keys for an unknown one), no run_dir, and no jax backend started: the trainer's
-  `main` runs in a wrapper that reports whether XLA started a backend (nothing compiles
-  without one)."""
+  valid keys for an unknown one), no run_dir, and no jax backend started (the trainer's
+  `main` in `MAIN_REPORTING_BACKEND`: nothing compiles without a backend)."""
   run_dir = tmp_path / "run"
-  wrapper = ("import sys\n"
-             "from train.__main__ import main\n"
-             "rc = main(sys.argv[1:])\n"
-             "from jax._src import xla_bridge\n"
-             "print('BACKEND_STARTED', xla_bridge.backends_are_initialized())\n"
-             "sys.exit(rc)\n")
-  proc = run([sys.executable, "-c", wrapper, *command(run_dir, override)[3:]])
+  proc = run([sys.executable, "-c", MAIN_REPORTING_BACKEND, *command(run_dir, override)[3:]])
   assert proc.returncode == 2, proc.stdout + proc.stderr
   assert "config error" in proc.stderr and repr(key) in proc.stderr, proc.stderr
   assert all(e in proc.stderr for e in expected), proc.stderr

@@ -114,6 +114,33 @@ def run(cmd: list[str], timeout=120) -> subprocess.CompletedProcess:
                         timeout=timeout)
 
 
+# The trainer's `main`, then a line saying whether XLA started a backend (nothing compiles
+# without one); with `--hide-sentencepiece` first, as on a machine without the package.
+MAIN_REPORTING_BACKEND = (
+    "import sys\n"
+    "if sys.argv[1:2] == ['--hide-sentencepiece']:\n"
+    "  sys.argv.pop(1)\n"
+    "  sys.modules['sentencepiece'] = None  # `import sentencepiece` raises ImportError\n"
+    "from train.__main__ import main\n"
+    "rc = main(sys.argv[1:])\n"
+    "from jax._src import xla_bridge\n"
+    "print('BACKEND_STARTED', xla_bridge.backends_are_initialized())\n"
+    "sys.exit(rc)\n")
+
+
+def refused(cmd: list[str], prefix: str, *names, run_dir=None) -> subprocess.CompletedProcess:
+  """Runs `cmd`, a command expected to refuse its arguments: asserts exit 2, no traceback,
+  the last line of stderr starting with `prefix` and naming each of `names`, and, with
+  `run_dir`, that it was not created."""
+  proc = run(cmd)
+  lines = proc.stderr.strip().splitlines()
+  assert proc.returncode == 2 and lines, proc.stdout + proc.stderr
+  assert "Traceback" not in proc.stderr and lines[-1].startswith(prefix), proc.stderr
+  assert all(str(n) in lines[-1] for n in names), (names, lines[-1])
+  assert run_dir is None or not pathlib.Path(run_dir).exists(), f"{run_dir} was written"
+  return proc
+
+
 def metrics(run_dir) -> list[dict]:
   """Every complete line of metrics.jsonl, in file order (a line being written may be cut
   short; a resumed run appends lines for steps it redoes)."""

@@ -4,10 +4,11 @@
   python -m train configs/demo.yaml steps=20 model.dim=128 run_dir=runs/small
 
 Overrides use dotted keys of `train.config.TrainConfig`; `python -m train --help` lists
-them. Exit status 0 after the last step or after a SIGTERM (saved if a step was done since
-the last checkpoint); 2 for a config error (reported before anything is written to the
-run_dir or compiled); 1 when checkpoints exist but the run cannot resume from them
-(`train.checkpoint.CheckpointError`, nothing deleted).
+them. Exit status 0 after the last step or after a SIGTERM or SIGINT (Ctrl-C; saved if a
+step was done since the last checkpoint); 2 for a config error, one line naming the key or
+file (reported before anything is written to the run_dir or compiled); 1 when checkpoints
+exist but the run cannot resume from them (`train.checkpoint.CheckpointError`, nothing
+deleted).
 """
 
 from __future__ import annotations
@@ -18,6 +19,14 @@ import sys
 
 
 def main(argv: list[str]) -> int:
+  try:
+    return _main(argv)
+  except KeyboardInterrupt:  # before `train.loop.run` handles SIGINT: nothing trained
+    print("SIGINT before the first step: nothing to save; exiting.", file=sys.stderr)
+    return 0
+
+
+def _main(argv: list[str]) -> int:
   from train import config
 
   if not argv or argv[0] in ("-h", "--help"):

@@ -12,6 +12,7 @@ backend).
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from collections.abc import Sequence
@@ -40,10 +41,11 @@ class DataConfig:
     line that is not UTF-8 JSON with a string "text", a `.txt` file that is binary or
     mostly not UTF-8): "skip" leaves it out and counts it in a warning; "error" stops
     with a config error that lists them.
-  eval_fraction: the share of documents held out for eval, chosen by a hash of their name.
-  eval_batches: batches of held-out rows in each eval.
+  eval_fraction: the share of documents held out for eval, chosen by a hash of their name
+    (at least one when > 0); evals (`eval_every` > 0) need it > 0 (`train.data.make`).
+  eval_batches: batches of held-out rows in each eval; at least 1 when evals run.
   packing_bins: rows the packer fills at once (more bins, less padding).
-  read_threads: threads reading and tokenizing documents.
+  read_threads: threads reading and tokenizing documents (0: read in the loop's thread).
   balance: the token order of packed rows under context parallelism (ignored without it),
     set on the host before the step: "document" (each document split over the devices,
     `flaxattn.balance_plan` weighed by the model's layer masks: the same attention work
@@ -60,12 +62,17 @@ class DataConfig:
   read_threads: int = 2
   balance: str = "document"
 
+  def __post_init__(self):
+    _check_at_least("data.read_threads", self.read_threads, 0)
+
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
   """AdamW with linear warmup then cosine decay to `lr * min_lr_ratio`, global-norm clipping.
 
-  Weight decay applies to matrices only (not norm scales).
+  Weight decay applies to matrices only (not norm scales). Every value is finite: `lr`,
+  `warmup_steps`, `weight_decay` >= 0 (lr 0: steps that change nothing); `min_lr_ratio` in
+  [0, 1]; `b1`, `b2` in [0, 1); `eps` > 0; `clip_norm` >= 0 (0: no clipping).
   """
 
   lr: float = 3e-4
@@ -76,6 +83,26 @@ class OptimizerConfig:
   b2: float = 0.95
   eps: float = 1e-8
   clip_norm: float = 1.0
+
+  def __post_init__(self):
+    for name, (fits, expected) in _OPTIMIZER_RANGES.items():
+      value = getattr(self, name)
+      if not (math.isfinite(value) and fits(value)):
+        raise ConfigError(f"config key 'optimizer.{name}' expects a finite number {expected},"
+                          f" got {value!r}.")
+
+
+# OptimizerConfig's fields: whether a finite value fits, and what is expected.
+_OPTIMIZER_RANGES = {
+    "lr": (lambda x: x >= 0, ">= 0 (0: steps that change nothing)"),
+    "warmup_steps": (lambda x: x >= 0, ">= 0"),
+    "min_lr_ratio": (lambda x: 0 <= x <= 1, "in [0, 1]"),
+    "weight_decay": (lambda x: x >= 0, ">= 0"),
+    "b1": (lambda x: 0 <= x < 1, "in [0, 1)"),
+    "b2": (lambda x: 0 <= x < 1, "in [0, 1)"),
+    "eps": (lambda x: x > 0, "> 0"),
+    "clip_norm": (lambda x: x >= 0, ">= 0 (0: no clipping)"),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,10 +139,14 @@ class ContextParallelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
-  """Orbax checkpoints in `{run_dir}/checkpoints`; `max_to_keep` newest are kept."""
+  """Orbax checkpoints in `{run_dir}/checkpoints`; the `max_to_keep` newest are kept (at
+  least 1: a resume needs one)."""
 
   max_to_keep: int = 3
   async_save: bool = True
+
+  def __post_init__(self):
+    _check_at_least("checkpoint.max_to_keep", self.max_to_keep, 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,7 +162,7 @@ class TrainConfig:
   steps: total optimizer steps (also the cosine schedule's length).
   seq_len: tokens per row; batch_size: rows per step, global (over all processes).
   checkpoint_every / eval_every: in steps; 0 = never (a checkpoint is still written at
-    the end and on SIGTERM).
+    the end and on SIGTERM or SIGINT).
   platform: "" (JAX's default) or a JAX platform name (`PLATFORMS`); "gpu" asks JAX for
     CUDA (`train.distributed.jax_platforms`).
   num_devices: with platform "cpu", the number of simulated CPU devices; elsewhere 0 or
@@ -173,7 +204,7 @@ class TrainConfig:
       if getattr(self, name) < 1:
         raise ConfigError(f"{name} expects a positive int, got {getattr(self, name)}.")
     for name in ("checkpoint_every", "eval_every", "num_devices", "peak_tflops_per_device"):
-      if getattr(self, name) < 0:
+      if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
         raise ConfigError(f"{name} expects a number >= 0, got {getattr(self, name)}.")
     if self.seq_len > self.model.max_seq_len:
       raise ConfigError(f"seq_len ({self.seq_len}) expects at most model.max_seq_len"
@@ -207,6 +238,11 @@ def context_parallel(strategy: str, balance: str, ring: bool) -> ContextParallel
       "ulysses" or "auto").
   """
   return ContextParallel("context", strategy, BALANCE[balance], "context_ring" if ring else None)
+
+
+def _check_at_least(key: str, value: int, least: int) -> None:
+  if value < least:
+    raise ConfigError(f"config key {key!r} expects an int >= {least}, got {value}.")
 
 
 def _get(cfg, key: str):
@@ -330,8 +366,8 @@ def load(path: str | None, overrides: Sequence[str] = ()) -> TrainConfig:
   """The `TrainConfig` of YAML file `path` (None: defaults) with `key=value` overrides.
 
   Raises:
-    ConfigError: unknown keys, wrong types, malformed overrides or invalid values.
-    FileNotFoundError: `path` does not exist.
+    ConfigError: a file that cannot be read or is not YAML, unknown keys, wrong types,
+      malformed overrides or invalid values.
   """
   return from_dict(_values(path, overrides))
 
@@ -351,14 +387,36 @@ def set_keys(path: str | None, overrides: Sequence[str] = ()) -> frozenset[str]:
 def _values(path: str | None, overrides: Sequence[str]) -> dict:
   values = {}
   if path is not None:
-    with open(path) as f:
-      values = yaml.safe_load(f) or {}
+    values = _read_yaml(path)
     if not isinstance(values, dict):
       raise ConfigError(f"{path} expects a YAML mapping of config keys, got"
                         f" {type(values).__name__}.")
   for override in overrides:
     _set(values, override)
   return values
+
+
+def _read_yaml(path: str):
+  """The YAML of config file `path` (None when empty).
+
+  Raises:
+    ConfigError naming the file: it cannot be read (missing, a directory, no permission,
+      not UTF-8) or is not YAML (with the line and column of the error).
+  """
+  try:
+    with open(path, encoding="utf-8") as f:
+      return yaml.safe_load(f)
+  except OSError as e:
+    raise ConfigError(f"config file {path!r} cannot be read ({e.strerror}); pass the path of a"
+                      " YAML file such as configs/demo.yaml.") from None
+  except UnicodeDecodeError as e:
+    raise ConfigError(f"config file {path!r} is not UTF-8 text ({e.reason} at byte {e.start})."
+                      ) from None
+  except yaml.YAMLError as e:
+    mark = getattr(e, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+    what = getattr(e, "problem", None) or str(e).splitlines()[0]
+    raise ConfigError(f"config file {path!r} is not valid YAML: {what}{where}.") from None
 
 
 def from_dict(values: dict) -> TrainConfig:

@@ -208,6 +208,20 @@ def check_usable(docs: list[Document], tokenizer, what: str, fix: str) -> None:
                     f" a training piece needs (all are empty or shorter); {fix}.")
 
 
+def check_evals(cfg: TrainConfig, held_out: int) -> None:
+  """Raises ConfigError unless evals (`eval_every` > 0) have something to evaluate:
+  `held_out` > 0 documents and `data.eval_batches` >= 1. (A saved config with neither
+  still loads: its model can be exported and sampled.)"""
+  if not held_out:
+    raise ConfigError(f"config key 'eval_every' ({cfg.eval_every}) evaluates on held-out"
+                      f" documents, but data.eval_fraction={cfg.data.eval_fraction} holds none"
+                      " out; set data.eval_fraction > 0, or eval_every=0 for no evals.")
+  if cfg.data.eval_batches < 1:
+    raise ConfigError(f"config key 'data.eval_batches' expects at least 1 when evals run"
+                      f" (eval_every={cfg.eval_every}), got {cfg.data.eval_batches}; set"
+                      " eval_every=0 for no evals.")
+
+
 class _SplitPieces(grain.experimental.FlatMapTransform):
   """A tokenized document -> pieces of at most `seq_len` tokens (the packer refuses longer
   ones); pieces with fewer than `MIN_TOKENS` tokens have no next-token target and are
@@ -304,8 +318,8 @@ class GlobalBatches:
 @dataclasses.dataclass(frozen=True)
 class Data:
   """A run's data: the global batch builder, the endless batches of this process's shard
-  of the training documents and of the held-out ones (None without held-out documents or
-  with `eval_every=0`), and the model's masks, one per layer, which weigh its tokens."""
+  of the training documents and of the held-out ones (None with `eval_every=0`), and the
+  model's masks, one per layer, which weigh its tokens."""
 
   batches: GlobalBatches
   train: grain.IterDataset
@@ -321,10 +335,11 @@ def make(cfg: TrainConfig, tok, mesh, cp: flaxattn.ContextParallel | None,
   Args:
     cp: the run's context parallelism (see `GlobalBatches`).
     wait: runs a function that reads documents and returns its result, or raises
-      `train.stop.Stopped` at a SIGTERM (`StopRequest.call`).
+      `train.stop.Stopped` at a SIGTERM or SIGINT (`StopRequest.call`).
 
   Raises:
-    ConfigError: no documents, or none long enough, in a shard (on any process).
+    ConfigError: no documents, or none long enough, in a shard (on any process); evals
+      with nothing to evaluate (`check_evals`).
   """
   masks = layer_masks(cfg.model)
   batches = GlobalBatches(mesh, batch_size=cfg.batch_size, seq_len=cfg.seq_len, cp=cp,
@@ -334,7 +349,8 @@ def make(cfg: TrainConfig, tok, mesh, cp: flaxattn.ContextParallel | None,
   log.info("%d train / %d eval documents", len(train_docs), len(eval_docs))
   parts = [(train_docs, True, f"data.source {cfg.data.source!r} (the training documents)",
             "use longer documents")]
-  if eval_docs and cfg.eval_every:
+  if cfg.eval_every:
+    check_evals(cfg, len(eval_docs))
     parts.append((eval_docs, False, f"data.eval_fraction={cfg.data.eval_fraction} (the held-out"
                   " documents)", "raise data.eval_fraction, or set eval_every=0 to skip eval"))
   pipes = []

@@ -45,7 +45,9 @@ def setup(cfg: TrainConfig) -> None:
 
   Raises:
     RuntimeError: simulated devices requested after a jax backend already started.
-    ConfigError: the device count differs from `num_devices` (non-CPU platforms).
+    ConfigError: `distributed` settings that do not start a job; with `num_devices` on
+      another platform than "cpu", a platform that does not start or another device count
+      (which starts the backend: `start_backend`, which `train.loop` calls otherwise).
   """
   import jax  # imported (not initialized) by the config's model import already
   from jax._src import xla_bridge
@@ -65,16 +67,68 @@ def setup(cfg: TrainConfig) -> None:
       flags.append("--xla_cpu_multi_thread_eigen=false")
     os.environ["XLA_FLAGS"] = " ".join(flags)
   if cfg.distributed == "on" or (cfg.distributed == "auto" and _multi_process_env()):
-    env = os.environ
-    if env.get("JAX_COORDINATOR_ADDRESS"):
-      jax.distributed.initialize(coordinator_address=env["JAX_COORDINATOR_ADDRESS"],
-                                 num_processes=int(env["JAX_NUM_PROCESSES"]),
-                                 process_id=int(env["JAX_PROCESS_ID"]))
-    else:
-      jax.distributed.initialize()
-  if cfg.num_devices and cfg.platform != "cpu" and jax.device_count() != cfg.num_devices:
-    raise ConfigError(f"num_devices={cfg.num_devices} but jax sees {jax.device_count()}"
-                      " devices; set num_devices=0 (use all) or platform=cpu to simulate.")
+    _initialize(cfg.distributed)
+  if cfg.num_devices and cfg.platform != "cpu":
+    count = start_backend(cfg.platform)
+    if count != cfg.num_devices:
+      raise ConfigError(f"num_devices={cfg.num_devices} but jax sees {count} devices; set"
+                        " num_devices=0 (use all) or platform=cpu to simulate.")
+
+
+def _initialize(mode: str) -> None:
+  """`jax.distributed.initialize()`, from `JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`
+  and `JAX_PROCESS_ID` where the first is set, else from what jax detects.
+
+  Raises:
+    ConfigError: those variables incomplete, or jax finding no job to join.
+  """
+  import jax
+
+  env = os.environ
+  kwargs = {}
+  if env.get("JAX_COORDINATOR_ADDRESS"):
+    kwargs["coordinator_address"] = env["JAX_COORDINATOR_ADDRESS"]
+    for name, arg in (("JAX_NUM_PROCESSES", "num_processes"), ("JAX_PROCESS_ID", "process_id")):
+      try:
+        kwargs[arg] = int(env[name])
+      except (KeyError, ValueError):
+        raise ConfigError(f"JAX_COORDINATOR_ADDRESS is set, and {name} expects an int beside"
+                          f" it, got {env.get(name)!r}; set JAX_NUM_PROCESSES and"
+                          " JAX_PROCESS_ID for each process.") from None
+  try:
+    jax.distributed.initialize(**kwargs)
+  except (ValueError, RuntimeError) as e:
+    raise ConfigError(f"config key 'distributed' ({mode!r}): jax.distributed.initialize() failed:"
+                      f" {_first_line(e)} Set JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and"
+                      " JAX_PROCESS_ID, launch under a cluster jax detects (SLURM, Open MPI, a"
+                      " multi-host TPU slice), or set distributed=off for one process.") from None
+
+
+def start_backend(platform: str, setting: str = "config key 'platform'",
+                  fix: str = "set a platform this machine has ('' for jax's default)") -> int:
+  """Starts jax's backend for `platform` (set before as `jax_platforms`; "" for jax's
+  default) and returns its device count; a no-op once started.
+
+  Args:
+    setting: where `platform` comes from, for the error; fix: what to do about it.
+
+  Raises:
+    ConfigError: the backend does not start (no such device here, a jax without its
+      plugin), naming `setting`, `platform` and `fix`.
+  """
+  import jax
+
+  try:
+    return jax.device_count()
+  except RuntimeError as e:
+    raise ConfigError(f"{setting} ({platform!r}): jax cannot start it here: {_first_line(e)}"
+                      f" {fix[0].upper()}{fix[1:]}, or install jax's support for that platform."
+                      ) from None
+
+
+def _first_line(error: BaseException) -> str:
+  text = (str(error).strip().splitlines() or [type(error).__name__])[0]
+  return text if text.endswith(".") else text + "."
 
 
 def process_max(value: int) -> int:

@@ -1,11 +1,16 @@
-"""`python -m train.export RUN_DIR OUT_DIR [--dtype bfloat16]`: the model of a run's newest
-checkpoint as a Hugging Face directory (`models.hf.save`: Llama, Mistral, Qwen2 or Qwen3,
-whichever holds the model's options), which `models.hf.load` and `transformers` read.
+"""`python -m train.export RUN_DIR OUT_DIR [--dtype bfloat16] [--force]`: the model of a
+run's newest checkpoint as a Hugging Face directory (`models.hf.save`: Llama, Mistral,
+Qwen2 or Qwen3, whichever holds the model's options), which `models.hf.load` and
+`transformers` read.
 
 The checkpoint is restored onto the host's CPU (whatever devices trained it), the model
-config is the run's config.json. Exit status 0, or 2 with a message when RUN_DIR is not a
-run with a checkpoint or its model has an option no Hugging Face architecture here holds
-(`models.hf.ExportError`, naming it; nothing is written).
+config is the run's config.json. Export never overwrites: OUT_DIR must be new or an empty
+directory, outside RUN_DIR (neither the run_dir nor inside it); `--force` replaces a
+previous export (a directory holding only the files an export writes), never anything
+else. The files are written beside OUT_DIR and moved into place when complete, so a failed
+export leaves OUT_DIR as it was. Exit status 0, or 2 with a one-line message when OUT_DIR
+is refused, RUN_DIR is not a run with a checkpoint, or its model has an option no Hugging
+Face architecture here holds (`models.hf.ExportError`, naming it); nothing is written.
 """
 
 from __future__ import annotations
@@ -13,7 +18,15 @@ from __future__ import annotations
 import argparse
 import logging
 import pathlib
+import re
+import shutil
 import sys
+import uuid
+
+# What `models.hf.save` writes: config.json and one safetensors file, or shards and their
+# index. A directory of these only is a previous export, which --force may replace.
+EXPORT_FILES = re.compile(r"config\.json|model\.safetensors(\.index\.json)?"
+                          r"|model-\d{5}-of-\d{5}\.safetensors")
 
 
 def restore_model(run_dir: str, cfg=None, device=None):
@@ -51,22 +64,77 @@ def restore_model(run_dir: str, cfg=None, device=None):
   return step, nnx.merge(graphdef, state).model
 
 
-def export(run_dir: str, out_dir: str, dtype: str = "bfloat16") -> int:
-  """Writes the model of `run_dir`'s newest checkpoint to `out_dir` in Hugging Face format,
-  tensors as `dtype`; returns the checkpoint's step.
+def check_out_dir(run_dir: str, out_dir: str, force: bool = False) -> None:
+  """Refuses an `out_dir` that an export of `run_dir` would overwrite: the run_dir itself
+  or a path inside it, a file, or a directory that is not empty (with `force`: one holding
+  anything but a previous export's files, `EXPORT_FILES`).
 
   Raises:
-    ConfigError, CheckpointError: as `restore_model`.
+    ConfigError naming OUT_DIR and why.
+  """
+  from train.config import ConfigError
+
+  run, out = pathlib.Path(run_dir).resolve(), pathlib.Path(out_dir).resolve()
+  if out == run or run in out.parents:
+    raise ConfigError(f"OUT_DIR expects a directory outside RUN_DIR, got {out_dir!r}, which is"
+                      f" {'the run_dir' if out == run else 'inside the run_dir'} {run_dir!r}"
+                      " (an export there would overwrite or mix with the run's files); pass"
+                      " another path.")
+  if out.exists() and not out.is_dir():
+    raise ConfigError(f"OUT_DIR expects a new or empty directory, got {out_dir!r}, which is a"
+                      " file; pass another path.")
+  entries = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+  if not entries:
+    return
+  others = [n for n in entries if not (EXPORT_FILES.fullmatch(n) and (out / n).is_file())]
+  if not force:
+    raise ConfigError(f"OUT_DIR expects a new or empty directory, got {out_dir!r}, which holds"
+                      f" {', '.join(entries[:5])}{' ...' if len(entries) > 5 else ''}; pass"
+                      " another path, or --force to replace a previous export.")
+  if others:
+    raise ConfigError(f"--force replaces a previous export only, but OUT_DIR {out_dir!r} holds"
+                      f" {', '.join(others[:5])}{' ...' if len(others) > 5 else ''}, which an"
+                      " export does not write; pass another path.")
+
+
+def export(run_dir: str, out_dir: str, dtype: str = "bfloat16", force: bool = False) -> int:
+  """Writes the model of `run_dir`'s newest checkpoint to `out_dir` in Hugging Face format,
+  tensors as `dtype`; returns the checkpoint's step. The files are written to a new
+  directory beside `out_dir`, then moved into place: on any failure `out_dir` is as it was.
+
+  Args:
+    force: replace a previous export in `out_dir` (see `check_out_dir`).
+
+  Raises:
+    ConfigError: `out_dir` refused (`check_out_dir`); see also `restore_model`.
+    CheckpointError: as `restore_model`.
     models.hf.ExportError: an option no architecture holds (before the checkpoint is read).
     ValueError: unknown dtype.
   """
   from models import hf
   from train import run_dir as run_dir_lib
 
+  check_out_dir(run_dir, out_dir, force)
   if (pathlib.Path(run_dir) / "config.json").is_file():
     hf.architecture(run_dir_lib.saved_config(run_dir).model)  # refuse before restoring
   step, model = restore_model(run_dir)
-  hf.save(model, out_dir, dtype=dtype)
+  out = pathlib.Path(out_dir).absolute()
+  out.parent.mkdir(parents=True, exist_ok=True)
+  new = out.parent / f".{out.name}.export-{uuid.uuid4().hex[:12]}"
+  new.mkdir()  # the umask's permissions (tempfile.mkdtemp's would be the owner's only)
+  old = None
+  try:
+    hf.save(model, str(new), dtype=dtype)
+    if out.exists():  # empty, or a previous export with force: set aside until replaced
+      old = out.rename(out.parent / f"{new.name}.old")
+    new.rename(out)
+  except BaseException:
+    if old is not None and not out.exists():
+      old.rename(out)
+    shutil.rmtree(new, ignore_errors=True)
+    raise
+  if old is not None:
+    shutil.rmtree(old)
   return step
 
 
@@ -79,13 +147,18 @@ def main(argv: list[str]) -> int:
   parser.add_argument("run_dir")
   parser.add_argument("out_dir")
   parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+  parser.add_argument("--force", action="store_true",
+                      help="replace a previous export in OUT_DIR (never other files)")
   args = parser.parse_args(argv)
   logging.getLogger("absl").setLevel(logging.ERROR)  # orbax notes that it reads read-only
   try:
-    step = export(args.run_dir, args.out_dir, args.dtype)
+    step = export(args.run_dir, args.out_dir, args.dtype, args.force)
   except (config.ConfigError, checkpoint.CheckpointError, ExportError) as e:
     print(f"export error: {e}", file=sys.stderr)
     return 2
+  except KeyboardInterrupt:
+    print(f"export interrupted: {args.out_dir} is as it was.", file=sys.stderr)
+    return 130
   print(f"wrote step {step} of {args.run_dir} to {args.out_dir} ({args.dtype})")
   return 0
 

@@ -1,7 +1,7 @@
 """The training loop. `run` is three parts: `_setup` (the devices and the data, where
 config errors surface before anything is written or compiled), `train.state.restore_state`
 (the state to start from) and `_loop` (a jitted step per batch, metrics, periodic eval and
-checkpoints, and a clean save-and-exit on SIGTERM).
+checkpoints, and a clean save-and-exit on SIGTERM or SIGINT).
 
 The host reads and places step n + 1's batch while the device runs step n, then waits for
 step n and dispatches step n + 1. A step's time is the wall time between the completions
@@ -15,7 +15,10 @@ Resume semantics: a run with an existing `run_dir` restores parameters, optimize
 step s and continues with step s + 1: the batches, the learning rates and (on CPU,
 bit for bit) the losses are those of a run that was never stopped. Metrics lines after s
 stay in metrics.jsonl; the redone steps' lines are appended (see `train.metrics`). What a
-resume refuses, and how a run starts over, is in `train.run_dir`; SIGTERM in `train.stop`.
+resume refuses, and how a run starts over, is in `train.run_dir`; SIGTERM and SIGINT in
+`train.stop`. A run stopped during an eval has saved the eval's step without its eval: the
+resumed run, finding no eval line for the step it starts from where one is due, evaluates
+first (its time counts in the first step's).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import optax
 from flax import nnx
 
 from models.llama import Llama, loss_fn
-from train import data, metrics, optimizer, throughput, tokenizer
+from train import data, distributed, metrics, optimizer, throughput, tokenizer
 from train import mesh as mesh_lib
 from train.config import TrainConfig
 from train.state import Start, TrainState, restore_state
@@ -59,10 +62,10 @@ def eval_step(model: Llama, batch: dict):
 
 
 def run(cfg: TrainConfig) -> tuple[int, bool]:
-  """Trains `cfg` to `cfg.steps` (or until SIGTERM), resuming from `cfg.run_dir`.
+  """Trains `cfg` to `cfg.steps` (or until SIGTERM or SIGINT), resuming from `cfg.run_dir`.
 
   Returns:
-    (the last step done, whether a SIGTERM stopped the run).
+    (the last step done, whether a signal stopped the run).
 
   Raises:
     ConfigError: the config does not fit the devices, the tokenizer, the data or the
@@ -71,23 +74,28 @@ def run(cfg: TrainConfig) -> tuple[int, bool]:
   """
   stop = StopRequest()
   try:
-    parallel, run_data = _setup(cfg, stop)
-  except Stopped:
-    log.warning("SIGTERM before the first step: nothing to save; exiting.")
-    return 0, True
-  with jax.set_mesh(parallel.mesh), nnx.logical_axis_rules(parallel.rules):
-    start = restore_state(cfg, parallel.mesh, parallel.cp)
-    return _loop(cfg, parallel.mesh, run_data, start, stop)
+    try:
+      parallel, run_data = _setup(cfg, stop)
+    except Stopped:
+      log.warning("%s before the first step: nothing to save; exiting.", stop.name)
+      return 0, True
+    with jax.set_mesh(parallel.mesh), nnx.logical_axis_rules(parallel.rules):
+      start = restore_state(cfg, parallel.mesh, parallel.cp)
+      return _loop(cfg, parallel.mesh, run_data, start, stop)
+  finally:
+    stop.close()
 
 
 def _setup(cfg: TrainConfig, stop: StopRequest) -> tuple[mesh_lib.Parallelism, data.Data]:
   """The run's parallelism and data.
 
   Raises:
-    ConfigError: see `train.tokenizer.make`, `train.mesh.make` and `train.data.make`.
-    Stopped: SIGTERM while reading documents.
+    ConfigError: see `train.tokenizer.make`, `train.distributed.start_backend`,
+      `train.mesh.make` and `train.data.make`.
+    Stopped: SIGTERM or SIGINT while reading documents.
   """
   tok = tokenizer.make(cfg.data.tokenizer, cfg.model.vocab_size)  # before jax starts
+  distributed.start_backend(cfg.platform)
   parallel = mesh_lib.make(cfg)
   return parallel, data.make(cfg, tok, parallel.mesh, parallel.cp, stop.call)
 
@@ -106,8 +114,8 @@ class _Step:
 
 def _loop(cfg: TrainConfig, mesh, run_data: data.Data, start: Start, stop: StopRequest
           ) -> tuple[int, bool]:
-  """Trains from `start` to `cfg.steps` (or a SIGTERM) on `mesh`: steps, evals, saves,
-  metrics and the summary; returns (the last step done, whether a SIGTERM stopped it)."""
+  """Trains from `start` to `cfg.steps` (or a signal) on `mesh`: steps, evals, saves,
+  metrics and the summary; returns (the last step done, whether a signal stopped it)."""
   step, state, ckpts = start.step, start.state, start.checkpoints
   if step >= cfg.steps:
     log.info("run_dir %s is already at step %d >= steps %d", cfg.run_dir, step, cfg.steps)
@@ -120,6 +128,11 @@ def _loop(cfg: TrainConfig, mesh, run_data: data.Data, start: Start, stop: StopR
       mesh, cfg.peak_tflops_per_device)), step)
   saved, stopped, pending = step, False, None
   try:
+    if _eval_missing(cfg, run_data, step, reporter.writer):
+      log.warning("step %d has no eval in metrics.jsonl (the run stopped during it):"
+                  " evaluating it now", step)
+      reporter.writer.write(step, _evaluate(state, run_data.eval, batches,
+                                            cfg.data.eval_batches, stop))
     while step < cfg.steps:
       begin = time.perf_counter()
       local = stop.call(lambda: next(data_it))
@@ -135,7 +148,7 @@ def _loop(cfg: TrainConfig, mesh, run_data: data.Data, start: Start, stop: StopR
       pending = _Step(step, out, step_flops, time.perf_counter() - begin - waited - dispatch,
                       dispatch)
       save_now = cfg.checkpoint_every and step % cfg.checkpoint_every == 0
-      eval_now = run_data.eval is not None and (step % cfg.eval_every == 0 or step == cfg.steps)
+      eval_now = _eval_due(cfg, run_data, step)
       if save_now or eval_now or step == cfg.steps:
         reporter.report(pending)
         pending = None
@@ -155,9 +168,9 @@ def _loop(cfg: TrainConfig, mesh, run_data: data.Data, start: Start, stop: StopR
     if saved != step:
       ckpts.save(step, nnx.state(state), position)
       if stopped:
-        log.warning("SIGTERM: saved step %d; exiting.", step)
+        log.warning("%s: saved step %d; exiting.", stop.name, step)
     elif stopped:
-      log.warning("SIGTERM: step %d is saved already; exiting.", step)
+      log.warning("%s: step %d is saved already; exiting.", stop.name, step)
   finally:
     reporter.close()
     ckpts.close()  # waits for the saves in flight
@@ -168,12 +181,28 @@ def _loop(cfg: TrainConfig, mesh, run_data: data.Data, start: Start, stop: StopR
   return step, stopped
 
 
+def _eval_due(cfg: TrainConfig, run_data: data.Data, step: int) -> bool:
+  """Whether the run evaluates after step `step`: every `eval_every` steps and after the
+  last, where there are held-out documents."""
+  return run_data.eval is not None and (step % cfg.eval_every == 0 or step == cfg.steps)
+
+
+def _eval_missing(cfg: TrainConfig, run_data: data.Data, step: int,
+                  writer: metrics.MetricsWriter) -> bool:
+  """Whether step `step`, where a run resumes, is due an eval that its metrics lack (the
+  earlier run stopped during it); every process gets process 0's answer, which has the
+  file."""
+  missing = (step > 0 and _eval_due(cfg, run_data, step) and jax.process_index() == 0
+             and step not in writer.evaluated)
+  return distributed.process_max(int(missing)) == 1
+
+
 def _evaluate(state: TrainState, eval_ds, batches: data.GlobalBatches, num: int,
               stop: StopRequest) -> dict:
   """Mean eval loss over `num` held-out batches.
 
   Raises:
-    Stopped: SIGTERM while waiting for a batch.
+    Stopped: SIGTERM or SIGINT while waiting for a batch.
   """
   total, tokens = 0.0, 0.0
   it = iter(eval_ds)  # a fresh iterator: the same held-out batches every time

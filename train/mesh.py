@@ -35,8 +35,9 @@ def make(cfg: TrainConfig) -> Parallelism:
 
   Raises:
     ConfigError: sizes that do not multiply to the device count; `batch_size` not a
-      multiple of data x fsdp; a `seq_len` that the context parallelism cannot split
-      (`flaxattn.ContextParallel.check_length`).
+      multiple of data x fsdp; a `seq_len` or heads that the context parallelism cannot
+      split (`flaxattn.ContextParallel.check_shapes`: the sequence over the context axes,
+      under Ulysses the heads over its axis).
   """
   shape = _shape(cfg.mesh, jax.device_count())
   sizes = dict(zip(MESH_AXES, shape, strict=True))
@@ -49,12 +50,16 @@ def make(cfg: TrainConfig) -> Parallelism:
   if sizes["context_ring"] * sizes["context"] > 1:
     cp = context_parallel(cfg.context_parallel.strategy, cfg.data.balance,
                           ring=sizes["context_ring"] > 1)
+    m = cfg.model
     try:
-      cp.check_length(cfg.seq_len, mesh)
+      cp.check_shapes((cfg.batch_size, cfg.seq_len, m.n_heads, m.attn_head_dim),
+                      (cfg.batch_size, cfg.seq_len, m.n_kv_heads, m.attn_head_dim), mesh)
     except ValueError as e:
-      raise ConfigError(f"seq_len ({cfg.seq_len}) does not split over mesh context_ring x"
-                        f" context with data.balance={cfg.data.balance}: {e} Set seq_len to"
-                        " such a multiple.") from None
+      raise ConfigError(f"seq_len ({cfg.seq_len}), model.n_heads ({m.n_heads}) and"
+                        f" model.n_kv_heads ({m.n_kv_heads}) do not split over mesh"
+                        f" {dict(mesh.shape)} with context_parallel.strategy="
+                        f"{cfg.context_parallel.strategy!r} and data.balance={cfg.data.balance}:"
+                        f" {e}") from None
   log.info("mesh %s", dict(mesh.shape))
   return Parallelism(mesh, rules(mesh, cfg.model), cp)
 

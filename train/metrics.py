@@ -55,7 +55,8 @@ def read(run_dir: str) -> list[dict]:
 
 
 class MetricsWriter:
-  """Appends metrics of a run that has done `start_step` steps.
+  """Appends metrics of a run that has done `start_step` steps. `evaluated`: the steps
+  with an eval line in the file (process 0; empty on the others).
 
   Args:
     run_dir: the run directory.
@@ -65,9 +66,11 @@ class MetricsWriter:
   def __init__(self, run_dir: str, start_step: int):
     self.path = pathlib.Path(run_dir) / "metrics.jsonl"
     self.enabled = jax.process_index() == 0
+    self.evaluated: set[int] = set()
     if not self.enabled:
       return
     text = self.path.read_text() if self.path.exists() else ""
+    self.evaluated = {r["step"] for r in _rows(text) if "eval_loss" in r}
     redone = sorted({r["step"] for r in _rows(text) if r["step"] > start_step})
     if redone:
       log.warning("%s has lines for steps %d..%d, past the checkpoint at step %d: they stay,"

@@ -17,11 +17,14 @@ def schedule(cfg: OptimizerConfig, steps: int) -> optax.Schedule:
 
 
 def make(cfg: OptimizerConfig, steps: int) -> optax.GradientTransformation:
-  """Clip by global norm, then AdamW; weight decay on matrices only (not norm scales)."""
+  """Clip by global norm (`clip_norm` 0: no clipping), then AdamW; weight decay on matrices
+  only (not norm scales)."""
   def decay_mask(params):
     return jax.tree.map(lambda p: p.ndim > 1, params)
 
+  # Both hold an empty state: a run resumes across a change of clip_norm to or from 0.
+  clip = optax.clip_by_global_norm(cfg.clip_norm) if cfg.clip_norm else optax.identity()
   return optax.chain(
-      optax.clip_by_global_norm(cfg.clip_norm),
+      clip,
       optax.adamw(schedule(cfg, steps), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
                   weight_decay=cfg.weight_decay, mask=decay_mask))

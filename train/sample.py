@@ -16,8 +16,10 @@ JAX PRNG key from the seed. Runs on one device of the run's platform; with
 (N simulated devices on a CPU host need XLA_FLAGS=--xla_force_host_platform_device_count=N).
 Greedy tokens are the same either way. Prints the prompt followed by the new text.
 
-Exit status 0; 2 for a bad argument or run_dir (the message names it); 1 when the newest
-checkpoint does not restore (`train.checkpoint.CheckpointError`).
+Exit status 0; 2 for a bad argument or run_dir (one line naming it, before anything is
+allocated or compiled: the KV cache's length is checked as it will be allocated, the prompt
+padded to split over the devices); 1 when the newest checkpoint does not restore
+(`train.checkpoint.CheckpointError`); 130 on Ctrl-C.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import math
 import pathlib
 import sys
 
@@ -71,12 +74,10 @@ def _decode(model: Llama, tokens_BT, key, temperature, top_p, greedy: bool, ids=
   return next_token(logits_BTV[:, last], key, 0 if greedy else temperature, top_p)
 
 
-def _sharded_prompt(cp, prompt):
-  """A prompt laid out for a context-parallel prefill: padded (segment id 0) to a length
-  that splits over the sequence shards, in load-balanced order when `cp` balances; returns
-  (tokens, (segment ids, positions)) `[1, T]` and the array index of the last prompt token."""
-  parts = cp_decode.prefill_multiple(cp)
-  t = -(-prompt.size // parts) * parts
+def _sharded_prompt(cp, prompt, t: int):
+  """A prompt laid out for a context-parallel prefill: padded (segment id 0) to `t` tokens
+  (`_cache_length`), in load-balanced order when `cp` balances; returns (tokens, (segment
+  ids, positions)) `[1, t]` and the array index of the last prompt token."""
   tokens, seg, pos = (np.zeros((1, t), np.int32) for _ in range(3))
   real = slice(0, prompt.size)
   tokens[0, real], seg[0, real], pos[0, real] = prompt, 1, np.arange(prompt.size)
@@ -91,14 +92,27 @@ def check_sampling(max_new_tokens: int, temperature: float, top_p: float) -> Non
   """Checks the arguments of `generate` that need no model.
 
   Raises:
-    ValueError: `max_new_tokens` < 1, `temperature` < 0 or `top_p` outside (0, 1].
+    ValueError: `max_new_tokens` < 1, `temperature` not finite or < 0, or `top_p` outside
+      (0, 1].
   """
   if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
     raise ValueError(f"--max_new_tokens expects a positive int, got {max_new_tokens!r}.")
-  if not temperature >= 0:
-    raise ValueError(f"--temperature expects a number >= 0 (0 = greedy), got {temperature!r}.")
+  if not (math.isfinite(temperature) and temperature >= 0):
+    raise ValueError(f"--temperature expects a finite number >= 0 (0 = greedy), got"
+                     f" {temperature!r}.")
   if not 0 < top_p <= 1:
     raise ValueError(f"--top_p expects a number in (0, 1], got {top_p!r}.")
+
+
+def _cache_length(cp, prompt_tokens: int, max_new_tokens: int) -> tuple[int, int]:
+  """(the prompt's length as prefilled, the KV cache's length) for `max_new_tokens` after
+  a prompt of `prompt_tokens`: under context parallelism `cp` the prompt is padded to a
+  multiple of what a prefill splits into, and the cache to a multiple of the shards."""
+  if cp is None:
+    return prompt_tokens, prompt_tokens + max_new_tokens
+  parts, shards = cp_decode.prefill_multiple(cp), cp_decode.shards(cp)
+  prefill = -(-prompt_tokens // parts) * parts
+  return prefill, -(-(prefill + max_new_tokens) // shards) * shards
 
 
 def generate(model: Llama, prompt, max_new_tokens: int, *, temperature: float = 0.0,
@@ -123,9 +137,10 @@ def generate(model: Llama, prompt, max_new_tokens: int, *, temperature: float = 
     the new token ids `[max_new_tokens]` int32 (numpy).
 
   Raises:
-    ValueError: a prompt not `[P]` or empty, `max_new_tokens` < 1, `temperature` < 0,
-      `top_p` outside (0, 1], or a prompt and new tokens longer than the model's
-      max_seq_len.
+    ValueError: a prompt not `[P]` or empty, `max_new_tokens` < 1, `temperature` not
+      finite or < 0, `top_p` outside (0, 1], or a KV cache (prompt and new tokens, padded
+      under context parallelism) longer than the model's max_seq_len; before anything is
+      allocated or compiled.
   """
   prompt = np.asarray(prompt, np.int32)
   limit = model.config.max_seq_len
@@ -138,20 +153,27 @@ def generate(model: Llama, prompt, max_new_tokens: int, *, temperature: float = 
     raise ValueError(f"--prompt expects at most the model's max_seq_len={limit} tokens, got"
                      f" {prompt.size}; shorten the prompt.")
   check_sampling(max_new_tokens, temperature, top_p)
-  if prompt.size + max_new_tokens > limit:
-    raise ValueError(f"--max_new_tokens expects at most {limit - prompt.size} after a prompt of"
-                     f" {prompt.size} tokens (max_seq_len={limit}), got {max_new_tokens};"
-                     " generate fewer tokens or shorten the prompt.")
+  cp = context_parallel or model.context_parallel
+  prefill, slots = _cache_length(cp, prompt.size, max_new_tokens)
+  if slots > limit:
+    shards = 1 if cp is None else cp_decode.shards(cp)
+    padded = "" if cp is None else (f", padded to {prefill} to split over {shards} devices,"
+                                    f" the cache to a multiple of {shards}")
+    most = limit // shards * shards - prefill
+    if most < 1:
+      raise ValueError(f"--prompt of {prompt.size} tokens{padded} leaves no room for a new token"
+                       f" in max_seq_len={limit}; shorten the prompt.")
+    raise ValueError(f"--max_new_tokens expects at most {most} after a prompt of {prompt.size}"
+                     f" tokens{padded} (max_seq_len={limit}), got {max_new_tokens}; generate"
+                     " fewer tokens or shorten the prompt.")
   keys = jax.random.split(jax.random.key(seed), max_new_tokens)
   args = (jnp.float32(temperature), jnp.float32(top_p), temperature == 0)
-  cp = context_parallel or model.context_parallel
   if cp is None:
-    model.init_cache(1, prompt.size + max_new_tokens)
+    model.init_cache(1, slots)
     token_B = _decode(model, jnp.asarray(prompt)[None], keys[0], *args)
   else:  # explicit ids: the padding of the prompt is never attended
-    tokens, ids, last = _sharded_prompt(cp, prompt)
-    slots = tokens.shape[1] + max_new_tokens
-    model.init_cache(1, slots + (-slots) % cp_decode.shards(cp), context_parallel=cp)
+    tokens, ids, last = _sharded_prompt(cp, prompt, prefill)
+    model.init_cache(1, slots, context_parallel=cp)
     token_B = _decode(model, jnp.asarray(tokens), keys[0], *args, ids=ids, last=last)
   out = [token_B]
   for i, key in enumerate(keys[1:]):
@@ -170,11 +192,11 @@ def load(run_dir: str):
 
   Raises:
     ValueError: `run_dir` is not a directory, has no checkpoint, or no config.json that
-      is a valid trainer config; the run's tokenizer file is missing
-      (`train.config.ConfigError`).
+      is a valid trainer config; the run's tokenizer cannot be made or its platform does
+      not start here (`train.config.ConfigError`).
     train.checkpoint.CheckpointError: the newest checkpoint does not restore.
   """
-  from train import config
+  from train import config, distributed
   from train import run_dir as run_dir_lib
   from train import tokenizer as tokenizer_lib
   from train.distributed import jax_platforms
@@ -201,6 +223,8 @@ def load(run_dir: str):
   if cfg.platform:
     jax.config.update("jax_platforms", jax_platforms(cfg.platform))
   tok = tokenizer_lib.make(cfg.data.tokenizer)
+  distributed.start_backend(cfg.platform, f"the run's platform ({path / 'config.json'})",
+                            "sample on a machine with that platform")
   step, model = restore_model(run_dir, cfg, jax.devices()[0])
   return unroll_layers(model), tok, step
 
@@ -267,8 +291,12 @@ def main(argv: list[str]) -> int:
   except checkpoint.CheckpointError as e:
     print(f"checkpoint error: {e}", file=sys.stderr)
     return 1
-  except ValueError as e:
-    parser.error(str(e))
+  except ValueError as e:  # one line, as the trainer's errors (argparse's own add the usage)
+    print(f"sample error: {e}", file=sys.stderr)
+    return 2
+  except KeyboardInterrupt:
+    print("sample interrupted.", file=sys.stderr)
+    return 130
   print(args.prompt + tok.decode(new))
   return 0
 

@@ -1,9 +1,11 @@
-"""SIGTERM: the loop stops at the next step boundary, saves if a step was done since the
-last checkpoint, and exits 0.
+"""SIGTERM, and SIGINT (Ctrl-C) alike: the loop stops at the next step boundary, saves if a
+step was done since the last checkpoint, and exits 0.
 
-The handler only sets a flag. Everything that waits on the data pipeline goes through
-`StopRequest.call`, which runs the wait in a helper thread and watches the flag while it
-waits, so a read that never returns (a stalled file system) cannot keep SIGTERM waiting.
+The handler only sets a flag (no KeyboardInterrupt: a save in flight finishes, and the
+asynchronous checkpointer closes cleanly). Everything that waits on the data pipeline goes
+through `StopRequest.call`, which runs the wait in a helper thread and watches the flag
+while it waits, so a read that never returns (a stalled file system) cannot keep a stop
+waiting.
 The processes of a job agree at each such call: a stop on any of them stops all at the
 same step. A step or compilation in progress finishes first.
 """
@@ -20,22 +22,33 @@ from train.config import ConfigError
 
 T = TypeVar("T")
 _POLL_S = 0.1  # how often a wait looks at the flag
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 class Stopped(Exception):
-  """SIGTERM arrived (on this process or another) before the awaited value."""
+  """SIGTERM or SIGINT arrived (on this process or another) before the awaited value."""
 
 
 class StopRequest:
-  """Installs the SIGTERM handler; `requested` is set once a SIGTERM arrives."""
+  """Installs the handler of `SIGNALS` until `close`; `requested` is set once one arrives,
+  and `name` says which ("SIGTERM", "SIGINT"; a stop on another process of a job leaves
+  it at "a stop on another process")."""
 
   def __init__(self):
     self.requested = False
-    signal.signal(signal.SIGTERM, self._handle)
+    self.name = "a stop on another process"
+    self._previous = {s: signal.signal(s, self._handle) for s in SIGNALS}
 
   def _handle(self, signum, frame):
-    del signum, frame
+    del frame
+    if not self.requested:
+      self.name = signal.Signals(signum).name
     self.requested = True
+
+  def close(self) -> None:
+    """Puts back the handlers there were before."""
+    for s, handler in self._previous.items():
+      signal.signal(s, handler)
 
   def _wait(self, fn: Callable[[], T]) -> T:
     if self.requested:
@@ -60,11 +73,11 @@ class StopRequest:
     return result["value"]
 
   def call(self, fn: Callable[[], T]) -> T:
-    """`fn()`, unless SIGTERM arrives first. Every process calls it at the same point and
-    gets the same outcome.
+    """`fn()`, unless a stop signal arrives first. Every process calls it at the same point
+    and gets the same outcome.
 
     Raises:
-      Stopped: a SIGTERM arrived on any process (before or while waiting).
+      Stopped: SIGTERM or SIGINT arrived on any process (before or while waiting).
       ConfigError: `fn` raised one on any process (its own, or one naming no details on
         the others).
     """

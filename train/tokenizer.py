@@ -31,18 +31,24 @@ class SentencePieceTokenizer:
   """A SentencePiece model file (`.model`); ids as the model numbers them.
 
   Raises:
-    ImportError: the `sentencepiece` package is not installed.
-    OSError: the model file cannot be read.
+    ConfigError: the `sentencepiece` package is not installed, or the file is not a
+      SentencePiece model it reads.
   """
 
   def __init__(self, path: str):
     try:
       # Only this option needs it: an optional extra, not installed where pyright runs in CI.
       import sentencepiece  # pyright: ignore[reportMissingImports]
-    except ImportError as e:
-      raise ImportError(f"data.tokenizer={path!r} needs the sentencepiece package: pip install"
-                        " sentencepiece (or use data.tokenizer=bytes).") from e
-    self._sp = sentencepiece.SentencePieceProcessor(model_file=path)
+    except ImportError:
+      raise ConfigError(f"config key 'data.tokenizer' ({path!r}) needs the sentencepiece"
+                        " package: pip install 'flaxattn[sentencepiece]' (or sentencepiece), or"
+                        " set data.tokenizer=bytes.") from None
+    try:
+      self._sp = sentencepiece.SentencePieceProcessor(model_file=path)
+    except (OSError, RuntimeError) as e:  # what it raises for a file it cannot parse
+      raise ConfigError(f"config key 'data.tokenizer' expects a SentencePiece .model file, got"
+                        f" {path!r}, which sentencepiece cannot read"
+                        f" ({str(e).splitlines()[0] if str(e) else type(e).__name__}).") from None
     self.vocab_size = self._sp.get_piece_size()
 
   def encode(self, text: str) -> np.ndarray:
@@ -60,8 +66,8 @@ def make(name: str, vocab_size: int | None = None):
       tokenizer's ids; None: not checked.
 
   Raises:
-    ConfigError: `name` is neither "bytes" nor an existing file; a tokenizer with more ids
-      than `vocab_size`.
+    ConfigError: `name` is neither "bytes" nor an existing file, sentencepiece is missing
+      or cannot read it; a tokenizer with more ids than `vocab_size`.
   """
   if name == "bytes":
     tok = ByteTokenizer()
