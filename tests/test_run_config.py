@@ -183,6 +183,22 @@ def test_platform_gives_jax_one_backend_each():
     assert xla_bridge.expand_platform_alias(name) == [name], (platform, name)
 
 
+def test_readme_install_extras_pull_jax_in_the_supported_range():
+  """Each `pip install -e ".[train,X]"` line of the README names an extra of pyproject.toml,
+  and every accelerator extra asks for JAX with that extra in the range of `dependencies`."""
+  import re
+  import tomllib
+
+  project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+  jax_pin = next(d for d in project["dependencies"] if d.startswith("jax"))
+  extras = project["optional-dependencies"]
+  named = re.findall(r'pip install -e "\.\[([a-z0-9_,]+)\]"', (ROOT / "README.md").read_text())
+  accelerators = {x for line in named for x in line.split(",")} - {"train", "test"}
+  assert accelerators == {"cuda12", "cuda13", "tpu"}, named
+  for name in accelerators:
+    assert extras[name] == [f"jax[{name}]{jax_pin[len('jax'):]}"], (name, extras[name], jax_pin)
+
+
 @pytest.mark.parametrize("override, key, expected", [
     ("optimizer.lr=-1", "optimizer.lr", "got -1.0"),
     ("optimizer.lr=nan", "optimizer.lr", "got nan"),

@@ -118,12 +118,17 @@ def start_backend(platform: str, setting: str = "config key 'platform'",
   """
   import jax
 
+  install = (f" {fix[0].upper()}{fix[1:]}, or install jax's support for that platform (pip"
+             " install -e '.[cuda12]', '.[cuda13]' or '.[tpu]'; see the README).")
   try:
     return jax.device_count()
   except RuntimeError as e:
     raise ConfigError(f"{setting} ({platform!r}): jax cannot start it here: {_first_line(e)}"
-                      f" {fix[0].upper()}{fix[1:]}, or install jax's support for that platform."
-                      ) from None
+                      + install) from None
+  except AssertionError:  # jax 0.10-0.12 assert when no backend of jax_platforms is installed
+    raise ConfigError(f"{setting} ({platform!r}): jax cannot start it here: this jax has no"
+                      f" backend for jax_platforms={jax.config.jax_platforms!r} (CPU-only"
+                      " jax, or its plugin missing)." + install) from None
 
 
 def _first_line(error: BaseException) -> str:
