@@ -127,7 +127,7 @@ def start_backend(platform: str, setting: str = "config key 'platform'",
                       + install) from None
   except AssertionError:  # jax 0.10-0.12 assert when no backend of jax_platforms is installed
     raise ConfigError(f"{setting} ({platform!r}): jax cannot start it here: this jax has no"
-                      f" backend for jax_platforms={jax.config.jax_platforms!r} (CPU-only"
+                      f" backend for jax_platforms={jax_platforms(platform)!r} (CPU-only"
                       " jax, or its plugin missing)." + install) from None
 
 
