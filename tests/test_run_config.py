@@ -246,8 +246,8 @@ def test_lr_zero_and_clip_norm_zero_are_accepted():
   params = {"w": jnp.zeros(3)}
 
   def second_update(clip_norm):
-    opt = optimizer.make(config.OptimizerConfig(lr=1.0, warmup_steps=0, clip_norm=clip_norm),
-                         steps=4)
+    cfg = config.OptimizerConfig(lr=1.0, warmup_steps=0, clip_norm=clip_norm)
+    opt = optimizer.make(cfg, optimizer.schedule(cfg, 4))
     state = opt.init(params)
     for g in ([300.0, -400.0, 0.0], [0.3, 0.1, 0.2]):  # Adam's first step is sign(g) alone
       update, state = opt.update({"w": jnp.array(g)}, state, params)

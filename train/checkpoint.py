@@ -118,11 +118,11 @@ def _damage_in(error: BaseException | None) -> str | None:
 
 class Checkpoints:
   """The checkpoints of run `cfg`, in `{cfg.run_dir}/checkpoints`, kept and written as
-  `cfg.checkpoint` says; each save also writes `cfg` to the run_dir's config.json (the
+  `cfg.checkpoint` says; the first save also writes `cfg` to the run_dir's config.json (the
   config of the checkpoints, which `train.run_dir.check` compares a resume with)."""
 
   def __init__(self, cfg: TrainConfig):
-    self.config = cfg
+    self.config, self.config_saved = cfg, False
     self.directory = pathlib.Path(cfg.run_dir).absolute() / "checkpoints"
     self.unusable = self.directory.parent / "checkpoints_unusable"
     options = ocp.CheckpointManagerOptions(
@@ -136,8 +136,9 @@ class Checkpoints:
     """Starts saving `state` (an `nnx.State`) and this process's data position (the
     iterator's `get_state()`) as step `step`, and the config; returns once the arrays are
     copied."""
-    if jax.process_index() == 0:
+    if jax.process_index() == 0 and not self.config_saved:  # the config does not change
       run_dir_lib.save_config(self.config)
+      self.config_saved = True
     self.manager.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state), data=PositionSave(position)), force=True)
 

@@ -35,7 +35,7 @@ import optax
 from flax import nnx
 
 from models.llama import Llama, loss_fn
-from train import data, distributed, metrics, optimizer, throughput, tokenizer
+from train import data, distributed, metrics, throughput, tokenizer
 from train import mesh as mesh_lib
 from train.config import TrainConfig
 from train.state import Start, TrainState, restore_state
@@ -125,7 +125,7 @@ def _loop(cfg: TrainConfig, mesh, run_data: data.Data, start: Start, stop: StopR
   position = data_it.get_state()  # after the last batch trained on: what a save records
   flops = throughput.Flops(state.model, run_data.masks)
   reporter = _Reporter(cfg, throughput.Rates(mesh.size, throughput.peak(
-      mesh, cfg.peak_tflops_per_device)), step)
+      mesh, cfg.peak_tflops_per_device)), start)
   saved, stopped, pending = step, False, None
   try:
     if _eval_missing(cfg, run_data, step, reporter.writer):
@@ -217,12 +217,12 @@ class _Reporter:
   """Waits for each step and reports it (metrics.jsonl, TensorBoard, a log line every
   `log_every` steps, the progress bar), and keeps totals for the summary."""
 
-  def __init__(self, cfg: TrainConfig, rates: throughput.Rates, start_step: int):
-    self.cfg, self.rates, self.start_step = cfg, rates, start_step
-    self.writer = metrics.MetricsWriter(cfg.run_dir, start_step)
-    self.bar = _progress(start_step, cfg.steps)
+  def __init__(self, cfg: TrainConfig, rates: throughput.Rates, start: Start):
+    self.cfg, self.rates, self.start_step = cfg, rates, start.step
+    self.writer = metrics.MetricsWriter(cfg.run_dir, start.step)
+    self.bar = _progress(start.step, cfg.steps)
     # On the host once: a schedule call per step would queue behind the running step.
-    self.lrs = np.asarray(optimizer.schedule(cfg.optimizer, cfg.steps)(np.arange(cfg.steps)))
+    self.lrs = np.asarray(start.state.schedule(np.arange(cfg.steps)))
     self.tokens_per_step = cfg.batch_size * cfg.seq_len
     self.started = self.done_at = time.perf_counter()
     self.paused = 0.0  # seconds in evals and saves, left out of the summary's rates

@@ -16,9 +16,9 @@ def schedule(cfg: OptimizerConfig, steps: int) -> optax.Schedule:
                                             end_value=cfg.lr * cfg.min_lr_ratio)
 
 
-def make(cfg: OptimizerConfig, steps: int) -> optax.GradientTransformation:
-  """Clip by global norm (`clip_norm` 0: no clipping), then AdamW; weight decay on matrices
-  only (not norm scales)."""
+def make(cfg: OptimizerConfig, lr: optax.Schedule) -> optax.GradientTransformation:
+  """Clip by global norm (`clip_norm` 0: no clipping), then AdamW at learning rate `lr`
+  (`schedule(cfg, steps)`); weight decay on matrices only (not norm scales)."""
   def decay_mask(params):
     return jax.tree.map(lambda p: p.ndim > 1, params)
 
@@ -26,5 +26,5 @@ def make(cfg: OptimizerConfig, steps: int) -> optax.GradientTransformation:
   clip = optax.clip_by_global_norm(cfg.clip_norm) if cfg.clip_norm else optax.identity()
   return optax.chain(
       clip,
-      optax.adamw(schedule(cfg, steps), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+      optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
                   weight_decay=cfg.weight_decay, mask=decay_mask))

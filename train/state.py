@@ -13,6 +13,7 @@ import dataclasses
 import logging
 
 import jax
+import optax
 from flax import nnx
 
 from models.llama import Llama, LlamaConfig
@@ -24,11 +25,13 @@ log = logging.getLogger(__name__)
 
 
 class TrainState(nnx.Module):
-  """What a checkpoint holds besides the data position: the model and its optimizer."""
+  """What a checkpoint holds besides the data position: the model and its optimizer; and
+  the optimizer's learning rate by step (`schedule`, static: not in a checkpoint)."""
 
-  def __init__(self, model: Llama, opt: nnx.Optimizer):
+  def __init__(self, model: Llama, opt: nnx.Optimizer, schedule: optax.Schedule):
     self.model = model
     self.optimizer = opt
+    self.schedule = schedule
 
 
 def make_state(model: LlamaConfig, opt: OptimizerConfig, steps: int, seed: int = 0,
@@ -41,7 +44,8 @@ def make_state(model: LlamaConfig, opt: OptimizerConfig, steps: int, seed: int =
     context_parallel: the model's `flaxattn.ContextParallel`, or None.
   """
   llama = Llama(model, context_parallel=context_parallel, rngs=nnx.Rngs(seed))
-  return TrainState(llama, nnx.Optimizer(llama, optimizer.make(opt, steps), wrt=nnx.Param))
+  lr = optimizer.schedule(opt, steps)
+  return TrainState(llama, nnx.Optimizer(llama, optimizer.make(opt, lr), wrt=nnx.Param), lr)
 
 
 @dataclasses.dataclass
