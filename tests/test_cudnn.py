@@ -134,7 +134,7 @@ def test_ring_cases_on_cudnn_cover_both_strategies(n):
   balancing)."""
   cases = cudnn_ring_check.cases(n)
   only_cudnn = sum(name.startswith("only-cudnn") for name, _, _ in cases)
-  assert (len(cases), only_cudnn) == ((9, 6) if n < 8 else (3, 2)), cases
+  assert (len(cases), only_cudnn) == {2: (9, 6), 4: (7, 6), 8: (2, 2)}[n], cases
   assert {name.split("-")[-5] for name, _, _ in cases} == {"ring", "all_gather"}, cases
 
 
