@@ -148,6 +148,8 @@ def test_sample_command_errors(run_dir, tmp_path, capsys):
       # to 66 slots, a multiple of the 3 devices.
       ((run_dir, "--prompt", "x" * 59, "--max_new_tokens", 4, "--context_parallel", 3),
        "--max_new_tokens expects at most 3 after a prompt of 59 tokens, padded to 60"),
+      ((run_dir, "--prompt", "x", "--max_new_tokens", 4, "--context_parallel", 0),
+       f"--context_parallel expects a number of devices in [1, {jax.device_count()}], got 0."),
   ]
   for args, message in cases:  # in this process: one line, exit status 2
     assert sample.main([str(a) for a in args]) == 2, args

@@ -106,8 +106,9 @@ def _export_refused(capsys, argv, *expected) -> None:
 
 def test_export_never_overwrites(tmp_path, capsys):
   """An existing file, a directory that is not empty (--force replaces a previous export
-  only), and an export that fails (here: the checkpoint does not restore) with --force over
-  a previous export: each exits 2 with one line, and OUT is as it was, with nothing beside."""
+  only), a path below a file, and an export that fails (here: the checkpoint does not
+  restore) with --force over a previous export: each exits 2 with one line, and OUT is as
+  it was, with nothing beside."""
   run_dir = _run(tmp_path)
   file, notes, previous = tmp_path / "file", tmp_path / "notes", tmp_path / "previous"
   file.write_text("keep")
@@ -121,14 +122,16 @@ def test_export_never_overwrites(tmp_path, capsys):
       (file, False, ["which is a file"]), (notes, False, ["which holds notes.txt", "--force"]),
       (notes, True, ["previous export only", "notes.txt"]),
       (previous, False, ["which holds config.json, model.safetensors"]),
-      (previous, True, ["checkpoint step 4", "does not restore"])):
+      (previous, True, ["checkpoint step 4", "does not restore"]),
+      (file / "out", False, [repr(str(file)), "is not a directory"])):
     _export_refused(capsys, [str(run_dir), str(out)] + ["--force"] * force, *expected)
   assert _files(tmp_path) == before
 
 
-def test_export_that_fails_while_writing_leaves_out_as_it_was(tmp_path, monkeypatch):
+def test_export_that_fails_while_writing_leaves_out_as_it_was(tmp_path, monkeypatch, capsys):
   """The files are written beside OUT and moved into place when complete: a failure in the
-  middle of writing (a full disk, Ctrl-C) leaves a previous export whole and nothing else."""
+  middle of writing (Ctrl-C: exit 130; a full disk: exit 1, one line) leaves a previous
+  export whole and nothing else."""
   from models import hf
 
   run_dir = _run(tmp_path)
@@ -144,9 +147,19 @@ def test_export_that_fails_while_writing_leaves_out_as_it_was(tmp_path, monkeypa
     (pathlib.Path(path) / "model.safetensors").write_bytes(b"half")
     raise KeyboardInterrupt
 
+  def disk_full(model, path, dtype):
+    (pathlib.Path(path) / "model.safetensors").write_bytes(b"half")
+    raise OSError(28, "No space left on device")
+
   monkeypatch.setattr(export, "restore_model", restore_model)
   monkeypatch.setattr(hf, "save", save)
   assert export.main([str(run_dir), str(previous), "--force"]) == 130
+  assert _files(tmp_path) == before
+  capsys.readouterr()
+  monkeypatch.setattr(hf, "save", disk_full)
+  assert export.main([str(run_dir), str(previous), "--force"]) == 1
+  line, = capsys.readouterr().err.strip().splitlines()
+  assert "No space left on device" in line and "it is as it was" in line, line
   assert _files(tmp_path) == before
   monkeypatch.setattr(hf, "save", lambda model, path, dtype: (pathlib.Path(path) / "config.json")
                       .write_text("new"))

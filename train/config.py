@@ -12,6 +12,7 @@ backend).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import types
 import typing
@@ -64,6 +65,7 @@ class DataConfig:
 
   def __post_init__(self):
     _check_at_least("data.read_threads", self.read_threads, 0)
+    _check_at_least("data.packing_bins", self.packing_bins, 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,7 +276,17 @@ def _field_types(cls) -> dict[str, Any]:
 
 
 def _unknown(key: str) -> ConfigError:
-  return ConfigError(f"unknown config key {key!r}. Valid keys:\n  " + "\n  ".join(valid_keys()))
+  """One line: the closest valid keys, else the keys of the section `key` names."""
+  keys = valid_keys()
+  close = difflib.get_close_matches(key, keys, n=3, cutoff=0.6)
+  section = key.rpartition(".")[0]
+  prefix = f"{section}." if section and any(k.startswith(f"{section}.") for k in keys) else ""
+  names = dict.fromkeys(k[len(prefix):].split(".")[0] + (".*" if "." in k[len(prefix):] else "")
+                        for k in keys if k.startswith(prefix))
+  hint = (f"did you mean {', '.join(map(repr, close))}?" if close else
+          f"valid keys{f' of {section!r}' if prefix else ''}: {', '.join(names)}"
+          " (python -m train --help lists every key).")
+  return ConfigError(f"unknown config key {key!r}; {hint}")
 
 
 def _check_value(key: str, kind, value):

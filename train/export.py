@@ -11,12 +11,15 @@ else. The files are written beside OUT_DIR and moved into place when complete, s
 export leaves OUT_DIR as it was. Exit status 0, or 2 with a one-line message when OUT_DIR
 is refused, RUN_DIR is not a run with a checkpoint, or its model has an option no Hugging
 Face architecture here holds (`models.hf.ExportError`, naming it); nothing is written.
+Exit status 1 with a one-line message when writing fails midway (a full disk): OUT_DIR is
+as it was.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import pathlib
 import re
 import shutil
@@ -83,6 +86,12 @@ def check_out_dir(run_dir: str, out_dir: str, force: bool = False) -> None:
   if out.exists() and not out.is_dir():
     raise ConfigError(f"OUT_DIR expects a new or empty directory, got {out_dir!r}, which is a"
                       " file; pass another path.")
+  parent = next(p for p in out.parents if p.exists())  # where the new directories go
+  if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+    raise ConfigError(f"OUT_DIR expects a path whose directories can be created, got"
+                      f" {out_dir!r}, but {str(parent)!r} is"
+                      f" {'not a directory' if not parent.is_dir() else 'not writable'};"
+                      " pass another path.")
   entries = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
   if not entries:
     return
@@ -159,6 +168,10 @@ def main(argv: list[str]) -> int:
   except KeyboardInterrupt:
     print(f"export interrupted: {args.out_dir} is as it was.", file=sys.stderr)
     return 130
+  except OSError as e:  # a disk full or a directory that went away while writing
+    print(f"export error: writing {args.out_dir!r} failed: {e}; it is as it was.",
+          file=sys.stderr)
+    return 1
   print(f"wrote step {step} of {args.run_dir} to {args.out_dir} ({args.dtype})")
   return 0
 

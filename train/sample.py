@@ -246,9 +246,11 @@ def on_mesh(model: Llama, run_dir: str, n: int, devices=None):
 
   devices = jax.devices() if devices is None else devices
   if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= len(devices):
+    more = (isinstance(n, int) and not isinstance(n, bool) and n > len(devices))
     raise ValueError(f"--context_parallel expects a number of devices in [1,"
-                     f" {len(devices)}], got {n!r}; on a CPU host set XLA_FLAGS="
-                     f"--xla_force_host_platform_device_count={n} to simulate them.")
+                     f" {len(devices)}], got {n!r}" + (
+                         f"; on a CPU host set XLA_FLAGS=--xla_force_host_platform_device_count"
+                         f"={n} to simulate them." if more else "."))
   if n == 1:
     yield None
     return
