@@ -284,12 +284,14 @@ def test_ulysses_heads_are_refused_with_the_config_by_flaxattn():
   """2 heads on a Ulysses axis of 4: train.mesh.make asks flaxattn
   (`ContextParallel.check_shapes`), naming the model's keys, before any compilation; 4
   heads split."""
+  import helpers
   from train import mesh
 
   ulysses = ["context_parallel.strategy=ulysses", "mesh.context=4", "mesh.data=-1",
              "batch_size=8", "model.n_kv_heads=1"]
+  devices = helpers.devices(4)
   with pytest.raises(ConfigError) as e:
-    mesh.make(config.load(None, SIZES + ulysses + ["model.n_heads=2"]))
+    mesh.make(config.load(None, SIZES + ulysses + ["model.n_heads=2"]), devices)
   assert "model.n_heads (2) and model.n_kv_heads (1) do not split" in str(e.value), str(e.value)
   assert "'ulysses' over 'context' (size 4)" in str(e.value) and "divisible by 4" in str(e.value)
-  assert mesh.make(config.load(None, SIZES + ulysses + ["model.n_heads=4"])).cp is not None
+  assert mesh.make(config.load(None, SIZES + ulysses + ["model.n_heads=4"]), devices).cp

@@ -12,7 +12,6 @@ import collections
 import datetime
 import json
 import math
-import os
 import shutil
 import signal
 import sys
@@ -27,6 +26,7 @@ from trainer import (
   checkpoints,
   clean_env,
   command,
+  interrupt,
   kill_group,
   losses,
   metrics,
@@ -182,13 +182,8 @@ def test_sigint_saves_like_sigterm(tmp_path):
   traceback and no temporary checkpoint directory left behind."""
   run_dir, log = tmp_path / "run", tmp_path / "log.txt"
   proc = start(run_dir, "steps=100000", "checkpoint_every=1", "eval_every=0", log=log)
-  try:
-    poll(proc, log, lambda: any(r["step"] >= 3 for r in metrics(run_dir)), "step 3")
-    os.killpg(proc.pid, signal.SIGINT)
-    out = wait(proc, log, timeout=60)
-  finally:
-    if proc.poll() is None:
-      kill_group(proc)
+  out = interrupt(proc, log, lambda: any(r["step"] >= 3 for r in metrics(run_dir)), "step 3",
+                  signal.SIGINT, group=True, timeout=60)
   assert proc.returncode == 0, out[-4000:]
   assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-4000:]
   last = max(losses(run_dir))
@@ -234,13 +229,7 @@ def test_sigterm_during_an_eval_is_redone_on_resume(reference, tmp_path):
   run_dir, log, gate = tmp_path / "run", tmp_path / "log.txt", tmp_path / "gate"
   cmd = [sys.executable, "-c", BLOCKING_SECOND_EVAL, str(gate), *command(run_dir)[3:]]
   proc = start(run_dir, log=log, cmd=cmd, env=cached_env)
-  try:
-    poll(proc, log, gate.with_name("blocked").exists, "the step-8 eval to block")
-    proc.send_signal(signal.SIGTERM)
-    out = wait(proc, log, timeout=30)
-  finally:
-    if proc.poll() is None:
-      kill_group(proc)
+  out = interrupt(proc, log, gate.with_name("blocked").exists, "the step-8 eval to block")
   assert proc.returncode == 0, out[-4000:]
   assert "SIGTERM: step 8 is saved already; exiting." in out, out[-4000:]
   assert checkpoints(run_dir)[-1] == 8 and sorted(losses(run_dir, "eval_loss")) == [4]

@@ -26,7 +26,7 @@ def test_document_balance_matches_row_balance(tmp_path):
 
 
 def test_balance_choices_and_the_context_parallel_they_set():
-  helpers.needs_default_devices(8)  # the trainer's mesh takes the process's devices
+  devices = helpers.devices(8)
   from train import config  # pylint: disable=import-outside-toplevel
   with pytest.raises(config.ConfigError, match="'data.balance' expects one of 'document'"):
     config.load("configs/demo.yaml", ["data.balance=rows"])
@@ -34,9 +34,9 @@ def test_balance_choices_and_the_context_parallel_they_set():
   on_8 = ["mesh.data=2", "batch_size=2"]  # the 8 devices tests see: data 2 x context 4
   for balance, expected in (("document", "document"), ("row", True), ("none", False)):
     cfg = config.load("configs/demo.yaml", [*on_8, f"data.balance={balance}"])
-    assert mesh_lib.make(cfg).cp.load_balance == expected
+    assert mesh_lib.make(cfg, devices).cp.load_balance == expected
   # Row order needs seq_len divisible by 2 x 4 chunks; document order by the 4 shards.
   cfg = config.load("configs/demo.yaml", [*on_8, "seq_len=4092", "data.balance=row"])
   with pytest.raises(config.ConfigError, match="data.balance=row"):
-    mesh_lib.make(cfg)
-  mesh_lib.make(config.load("configs/demo.yaml", [*on_8, "seq_len=4092"]))
+    mesh_lib.make(cfg, devices)
+  mesh_lib.make(config.load("configs/demo.yaml", [*on_8, "seq_len=4092"]), devices)

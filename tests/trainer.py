@@ -167,6 +167,23 @@ def checkpoints(run_dir) -> list[int]:
   return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.is_dir() else []
 
 
+def interrupt(proc, log, condition, what: str, sig=signal.SIGTERM, group=False,
+              timeout=30) -> str:
+  """Waits for `condition()` (`poll`), sends `sig` to the trainer (to its process group
+  with `group`, as Ctrl-C in a terminal does), and returns its output once it exits; the
+  process group is killed if anything on the way fails."""
+  try:
+    poll(proc, log, condition, what)
+    if group:
+      os.killpg(proc.pid, sig)
+    else:
+      proc.send_signal(sig)
+    return wait(proc, log, timeout=timeout)
+  finally:
+    if proc.poll() is None:
+      kill_group(proc)
+
+
 def poll(proc, log, condition, what: str, timeout=TIMEOUT) -> None:
   """Waits until `condition()` holds while `proc` runs; fails if it exits or times out."""
   deadline = time.monotonic() + timeout

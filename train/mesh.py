@@ -28,10 +28,10 @@ class Parallelism:
   cp: flaxattn.ContextParallel | None
 
 
-def make(cfg: TrainConfig) -> Parallelism:
-  """The parallelism of `cfg.mesh` over all devices, after checking that the batch and the
-  sequence split evenly over it. A ring runs over `context_ring` inside Ulysses over
-  `context` when `context_ring` > 1.
+def make(cfg: TrainConfig, devices=None) -> Parallelism:
+  """The parallelism of `cfg.mesh` over `devices` (default: all of them), after checking
+  that the batch and the sequence split evenly over it. A ring runs over `context_ring`
+  inside Ulysses over `context` when `context_ring` > 1.
 
   Raises:
     ConfigError: sizes that do not multiply to the device count; `batch_size` not a
@@ -39,13 +39,15 @@ def make(cfg: TrainConfig) -> Parallelism:
       split (`flaxattn.ContextParallel.check_shapes`: the sequence over the context axes,
       under Ulysses the heads over its axis).
   """
-  shape = _shape(cfg.mesh, jax.device_count())
+  devices = jax.devices() if devices is None else devices
+  shape = _shape(cfg.mesh, len(devices))
   sizes = dict(zip(MESH_AXES, shape, strict=True))
   batch_parts = sizes["data"] * sizes["fsdp"]
   if cfg.batch_size % batch_parts:
     raise ConfigError(f"batch_size ({cfg.batch_size}) expects a multiple of mesh data x fsdp"
                       f" ({batch_parts}).")
-  mesh = jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+  mesh = jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES),
+                       devices=devices)
   cp = None
   if sizes["context_ring"] * sizes["context"] > 1:
     cp = context_parallel(cfg.context_parallel.strategy, cfg.data.balance,
