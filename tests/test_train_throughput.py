@@ -10,6 +10,7 @@ from flax import nnx
 from jax.sharding import AxisType
 
 import flaxattn
+import helpers
 from flaxattn.masks import band
 from models.llama import Llama, LlamaConfig, flops_per_token, layer_masks
 from train import throughput
@@ -86,8 +87,11 @@ def test_batch_flops_of_a_packed_batch_with_mixed_masks(options):
 def test_measured_peak_is_per_device_with_the_devices_sharing_the_cores():
   """Eight simulated devices share this host's cores: each gets a fraction of what one
   device alone gets, and the peak says so."""
+  cpus = helpers.devices(8)
+  assert all(d.platform == "cpu" for d in cpus)  # a GPU host's tests: its simulated CPUs
+
   def mesh(n):
-    return jax.make_mesh((n,), ("d",), axis_types=(AxisType.Auto,), devices=jax.devices()[:n])
+    return jax.make_mesh((n,), ("d",), axis_types=(AxisType.Auto,), devices=cpus[:n])
   one = throughput.peak(mesh(1), 0.0)
   eight = throughput.peak(mesh(8), 0.0)
   assert one is not None and eight is not None and eight.source == "measured"
