@@ -21,6 +21,8 @@ import jax.core  # jax.core.Tracer: jax imports the module but does not export t
 import jax.numpy as jnp
 import numpy as np
 
+from flaxattn import registry
+
 log = logging.getLogger("flaxattn")
 
 
@@ -57,12 +59,15 @@ def refuse_if(failed, error: Callable[..., Exception], *values):
   and logs the error to the `flaxattn` logger when the program runs. A program that raises
   fails as a whole, asynchronously: every array it returns fails too, a layer's parameters
   included (nnx.jit returns them all), and on a mesh the next collective then waits for a
-  device that never arrives.
+  device that never arrives. A program traced inside `flaxattn.lowering_for` (exported for
+  another platform, where no host callback can go) refuses the same way without the log.
   """
   if not _traced(failed, *values):
     if bool(failed):
       raise error(*(np.asarray(x) for x in values))
     return None
+  if registry.exporting():
+    return failed
 
   def report(*host_values):
     log.error("%s The call ran inside a compiled program, where raising would discard every"

@@ -80,6 +80,11 @@ def lowering_for(*platforms: str):
     yield
 
 
+def exporting() -> bool:
+  """Whether a program traced now is for `lowering_for`'s platforms (an export)."""
+  return bool(_LOWERING_FOR.value)
+
+
 def lowering_platforms() -> tuple[str, ...]:
   """The platforms a program traced now holds kernels for (the first is its `Call`'s): those
   of `lowering_for`, else the platform of the devices it runs on (the mesh's devices under

@@ -42,6 +42,29 @@ def test_auto_takes_split_k_for_a_decode_step_and_blockwise_for_a_prefill():
   assert "while[" in _program(m, 64)
 
 
+def test_a_decode_step_lowered_for_cuda_is_split_k_without_a_loop():
+  """What a GPU runs for one bf16 token over a 32K cache, exported from this host: split_k's
+  one XLA computation (no while loop over key blocks, no cuDNN or Triton call)."""
+  m = MultiHeadAttention(8, 64, num_kv_heads=2, mask=Causal(), dtype=jnp.bfloat16,
+                         rngs=nnx.Rngs(0))
+  m.init_cache((1, 32768, 64), dtype=jnp.bfloat16)
+  graphdef, state = nnx.split(m)
+
+  def step(state, x):
+    return nnx.merge(graphdef, state)(x, decode=True)
+
+  with flaxattn.lowering_for("gpu"):
+    text = flaxattn.explain(jax.ShapeDtypeStruct((1, 1, 8, 8), jnp.bfloat16),
+                            *[jax.ShapeDtypeStruct((1, 32768, 2, 8), jnp.bfloat16)] * 2,
+                            decode=True, print_fn=None)
+    exported = jax.export.export(jax.jit(step), platforms=("cuda",))(
+        jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state),
+        jax.ShapeDtypeStruct((1, 1, 64), jnp.bfloat16))
+  assert "backend='auto' -> split_k (a decode step: the 32768 keys in 16 chunks" in text, text
+  module = exported.mlir_module()
+  assert "stablehlo.while" not in module and "custom_call" not in module
+
+
 def test_each_shard_of_a_sharded_cache_takes_split_k_and_a_prefill_does_not():
   with jax.set_mesh(mesh({"context": 4})):
     q = jax.ShapeDtypeStruct((1, 1, 4, 4), jnp.float32)
