@@ -21,8 +21,6 @@ import jax.core  # jax.core.Tracer: jax imports the module but does not export t
 import jax.numpy as jnp
 import numpy as np
 
-from flaxattn import registry
-
 log = logging.getLogger("flaxattn")
 
 
@@ -50,7 +48,7 @@ def raise_if(failed, error: Callable[..., Exception], *values) -> None:
   jax.lax.cond(failed, lambda: jax.debug.callback(fail, *values), lambda: None)
 
 
-def refuse_if(failed, error: Callable[..., Exception], *values):
+def refuse_if(failed, error: Callable[..., Exception], *values, log_error: bool = True):
   """Refuses a call that would change state (a KV cache): `error(*values)` when the scalar
   bool `failed` holds.
 
@@ -59,14 +57,14 @@ def refuse_if(failed, error: Callable[..., Exception], *values):
   and logs the error to the `flaxattn` logger when the program runs. A program that raises
   fails as a whole, asynchronously: every array it returns fails too, a layer's parameters
   included (nnx.jit returns them all), and on a mesh the next collective then waits for a
-  device that never arrives. A program traced inside `flaxattn.lowering_for` (exported for
-  another platform, where no host callback can go) refuses the same way without the log.
+  device that never arrives. `log_error=False` leaves the log out (no host callback: a
+  program exported for another platform cannot hold one), refusing the same way.
   """
   if not _traced(failed, *values):
     if bool(failed):
       raise error(*(np.asarray(x) for x in values))
     return None
-  if registry.exporting():
+  if not log_error:
     return failed
 
   def report(*host_values):

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
-from flaxattn import balance, checks
+from flaxattn import balance, checks, registry
 from flaxattn import decode as cp_decode
 from flaxattn.context_parallel import ContextParallel
 from flaxattn.ring import merge_partials
@@ -157,7 +157,7 @@ class KVCache(nnx.Module):
               f"segment_ids expects the new tokens' segment ids in decode when the cache ends in"
               f" padding (segment id 0 at cache index {i - 1}): there is no document to"
               " continue. Pass segment_ids (and positions)."),
-          i)
+          i, log_error=not registry.exporting())
       segment_ids = jnp.broadcast_to(jnp.where(empty, 1, last_seg_B1), (b, t))
     if positions is None:
       iota_T = jnp.arange(t, dtype=jnp.int32)
@@ -180,7 +180,7 @@ class KVCache(nnx.Module):
             f"decode expects the new tokens to fit the KV cache: writing {t} token(s) at cache"
             f" index {i} needs {i + t} slots, the cache has max_length {max_length}. Nothing was"
             " written; call init_cache with a larger max_length."),
-        i)
+        i, log_error=not registry.exporting())
 
   def _advance(self, t: int, segment_ids, positions, refused, prefill: bool) -> None:
     """Records the last of T new tokens (in the original order) and the new index, or
