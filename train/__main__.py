@@ -21,8 +21,9 @@ import sys
 def main(argv: list[str]) -> int:
   try:
     return _main(argv)
-  except KeyboardInterrupt:  # before `train.loop.run` handles SIGINT: nothing trained
-    print("SIGINT before the first step: nothing to save; exiting.", file=sys.stderr)
+  except KeyboardInterrupt:  # outside `train.loop.run`, which handles SIGINT: before it
+    # nothing is trained, after it every step is saved
+    print("SIGINT outside the training loop: no unsaved step; exiting.", file=sys.stderr)
     return 0
 
 
