@@ -7,8 +7,8 @@ Two classifications, one enum:
     of contiguous indices in O(blocks); what kernels that mask on the token index (splash)
     build at trace time;
   - run-time, from segment ids and positions (`block_schedule`, `visit_bounds`,
-    `schedule`): each block's ranges of ids and positions, in the program; what kernels
-    that mask on the data (blockwise, pallas_gpu) loop over.
+    `visit_order`, `schedule`): each block's ranges of ids and positions, in the program;
+    what kernels that mask on the data (blockwise, pallas_gpu) loop over.
 Derivations: docs/design.md (Splash; Blockwise).
 """
 
@@ -282,6 +282,22 @@ def visit_bounds(xp, kinds, axis: int):
   zero = xp.zeros_like(first)
   return (xp.where(any_live, first, zero).astype(np.int32),
           xp.where(any_live, last, zero).astype(np.int32))
+
+
+def visit_order(xp, kinds, axis: int):
+  """The blocks along `axis` that each block of the other axis visits, for a kernel that
+  runs two loops with no branch inside (a compiler software-pipelines such a loop's reads
+  ahead of its matmuls, as Triton does; a branch per block stops it): `order` `[B, n, m]`,
+  the FULL blocks first, then the PARTIAL ones, each ascending, the EMPTY ones last and
+  never visited (int16 where m fits), and how many FULL and how many PARTIAL (`[B, n]`
+  int32 each). Axis 2 of `[B, nq, nk]`: per query block its key blocks; axis 1: per key
+  block its query blocks."""
+  if axis == 1:
+    kinds = kinds.transpose(0, 2, 1)
+  rank = xp.where(kinds == FULL, 0, xp.where(kinds == PARTIAL, 1, 2)).astype(np.int8)
+  index = np.int16 if kinds.shape[-1] <= np.iinfo(np.int16).max else np.int32
+  order = xp.argsort(rank, axis=-1, stable=True).astype(index)
+  return (order, (rank == 0).sum(-1).astype(np.int32), (rank == 1).sum(-1).astype(np.int32))
 
 
 def schedule(mask, layout: Layout, b, t_pad, s_pad, t, s, bq, bk):

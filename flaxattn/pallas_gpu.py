@@ -1,13 +1,14 @@
 """Flash attention as Pallas kernels lowered by Triton for NVIDIA GPUs: the `pallas_gpu` kernel.
 
 Three `pallas_call`s, forward, dQ and dK/dV, on the run-time block schedule of
-`flaxattn.blocks` (the blockwise kernel's): each query block loops over its key-block
-range (each key block over its query-block range in dK/dV), skips the empty blocks inside
-it and masks only the partial ones, from segment ids and positions with the mask's own
-`allows`. GQA folds the G query heads of a KV head into the rows of a query block, ordered
-(token, group), so K/V are never repeated; each row carries its token's segment id and
-position. Lowered for "gpu" it is compiled Triton (`__gpu$xla.gpu.triton`); elsewhere it
-runs in Pallas interpret mode.
+`flaxattn.blocks` (the blockwise kernel's): each query block loops over its key blocks
+(each key block over its query blocks in dK/dV) in two loops, the full blocks unmasked,
+then the partial ones masked from segment ids and positions with the mask's own `allows`;
+empty blocks are never visited. Neither loop branches, so Triton pipelines each loop's
+reads ahead of its matmuls (`blocks.visit_order`). GQA folds the G query heads of a KV head
+into the rows of a query block, ordered (token, group), so K/V are never repeated; each row
+carries its token's segment id and position. Lowered for "gpu" it is compiled Triton
+(`__gpu$xla.gpu.triton`); elsewhere it runs in Pallas interpret mode.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
 from flaxattn import registry, sharding
-from flaxattn.blocks import block_schedule, by_kind, round_up, visit_bounds
+from flaxattn.blocks import block_schedule, round_up, visit_order
 from flaxattn.layout import Layout
 from flaxattn.masks import Mask
 from flaxattn.ring import RingStep
@@ -38,10 +39,13 @@ def _pow2(x: int) -> int:
   return max(MIN_BLOCK, 1 << max(x - 1, 0).bit_length())
 
 
-def default_block(head_dim: int) -> int:
-  """Rows (and keys) of a block: 64 up to D = 128, 32 above, so a block's q, k, v and
-  accumulator tiles stay within the same shared memory."""
-  return 64 if _pow2(head_dim) <= 128 else 32
+def default_block(head_dim: int, itemsize: int = 2) -> int:
+  """Rows (and keys) of a block: a q, k or v tile of at most 64 x 128 bf16 (16 KiB), so
+  64 up to D = 128 in bf16/f16 (32 at D = 256) and up to D = 64 in float32 (32 at 128, 16
+  at 256). Triton's pipelined loops then keep the forward, dQ and dK/dV kernels within the
+  99 KiB of shared memory of the smallest NVIDIA GPUs since Ampere (sm_86, sm_89): 99,328
+  bytes at most, compiled for sm_80, sm_89 and sm_90 (docs/kernels.md)."""
+  return max(MIN_BLOCK, min(64, 64 * 256 // (itemsize * _pow2(head_dim))))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,16 +87,19 @@ def _allowed(mask: Mask, q_seg, kv_seg, q_pos, kv_pos):
   return same & mask.allows(q_pos[:, None], kv_pos[None, :])
 
 
-def _visit(kinds_ref, lo_ref, hi_ref, update, carry):
-  """`update(masked, n, carry)` over the blocks n in [lo, hi) by their kind: empty blocks
-  skipped, full ones unmasked, partial ones masked."""
-  def body(n, carry):
-    return jax.lax.switch(kinds_ref[n].astype(jnp.int32), by_kind(update), n, carry)
-  return jax.lax.fori_loop(lo_ref[0], hi_ref[0], body, carry)
+def _visit(order_ref, full_ref, partial_ref, update, carry):
+  """`update(masked, n, carry)` over the blocks n the schedule lists (`visit_order`): the
+  full ones unmasked, then the partial ones masked, each in a loop of its own."""
+  def loop(masked, start, stop, carry):
+    def body(i, carry):
+      return update(masked, order_ref[i].astype(jnp.int32), carry)
+    return jax.lax.fori_loop(start, stop, body, carry)
+  full = full_ref[0]
+  return loop(True, full, full + partial_ref[0], loop(False, 0, full, carry))
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, q_pos_ref, kv_seg_ref, kv_pos_ref, kinds_ref,
-                    lo_ref, hi_ref, out_ref, lse_ref, *, mask, scale, soft_cap, keys):
+def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, q_pos_ref, kv_seg_ref, kv_pos_ref, order_ref,
+                    full_ref, partial_ref, out_ref, lse_ref, *, mask, scale, soft_cap, keys):
   q, q_seg, q_pos = q_ref[...], q_seg_ref[...], q_pos_ref[...]
   rows, dv = q.shape[0], v_ref.shape[-1]
 
@@ -113,7 +120,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, q_pos_ref, kv_seg_ref, kv_po
 
   init = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32),
           jnp.zeros((rows, dv), jnp.float32))
-  m, denom, acc = _visit(kinds_ref, lo_ref, hi_ref, update, init)
+  m, denom, acc = _visit(order_ref, full_ref, partial_ref, update, init)
   empty = denom == 0.0
   safe = jnp.where(empty, 1.0, denom)
   out_ref[...] = jnp.where(empty[:, None], 0.0, acc / safe[:, None]).astype(out_ref.dtype)
@@ -134,7 +141,8 @@ def _probs_and_grads(q, k, v, do, lse, delta, allowed, scale, soft_cap):
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, q_pos_ref, kv_seg_ref,
-               kv_pos_ref, kinds_ref, lo_ref, hi_ref, dq_ref, *, mask, scale, soft_cap, keys):
+               kv_pos_ref, order_ref, full_ref, partial_ref, dq_ref, *, mask, scale, soft_cap,
+               keys):
   q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
   q_seg, q_pos = q_seg_ref[...], q_pos_ref[...]
 
@@ -147,13 +155,13 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, q_pos
                              scale, soft_cap)
     return dq + _dot(ds.astype(k.dtype), k, (1, 0))
 
-  dq = _visit(kinds_ref, lo_ref, hi_ref, update, jnp.zeros(q.shape, jnp.float32))
+  dq = _visit(order_ref, full_ref, partial_ref, update, jnp.zeros(q.shape, jnp.float32))
   dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, q_pos_ref, kv_seg_ref,
-                kv_pos_ref, kinds_ref, lo_ref, hi_ref, dk_ref, dv_ref, *, mask, scale, soft_cap,
-                rows):
+                kv_pos_ref, order_ref, full_ref, partial_ref, dk_ref, dv_ref, *, mask, scale,
+                soft_cap, rows):
   k, v, kv_seg, kv_pos = k_ref[...], v_ref[...], kv_seg_ref[...], kv_pos_ref[...]
 
   def update(masked, i, carry):
@@ -167,7 +175,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, q_po
     return dk + _dot(ds.astype(q.dtype), q, (0, 0)), dv + _dot(p.astype(do.dtype), do, (0, 0))
 
   init = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
-  dk, dv = _visit(kinds_ref, lo_ref, hi_ref, update, init)
+  dk, dv = _visit(order_ref, full_ref, partial_ref, update, init)
   dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
   dv_ref[...] = dv.astype(dv_ref.dtype)
 
@@ -254,13 +262,11 @@ def _spec(x, block: int | None) -> pl.BlockSpec:
 
 def _schedule_operands(kinds, axis: int):
   """The schedule for a grid over blocks of axis 3 - `axis` looping along `axis` (2: key
-  blocks, 1: query blocks), as `[B, n * m]` rows of m kinds, and each block's visit bounds
-  `[B, n]`."""
+  blocks, 1: query blocks): each block's visiting order as `[B, n * m]` rows of m block
+  indices, and its counts of full and of partial blocks `[B, n]` (`visit_order`)."""
   xp = np if isinstance(kinds, np.ndarray) else jnp
-  lo, hi = visit_bounds(xp, kinds, axis)
-  if axis == 1:
-    kinds = kinds.transpose(0, 2, 1)
-  return jnp.asarray(kinds.reshape(kinds.shape[0], -1)), jnp.asarray(lo), jnp.asarray(hi)
+  order, full, partial = visit_order(xp, kinds, axis)
+  return jnp.asarray(order.reshape(order.shape[0], -1)), jnp.asarray(full), jnp.asarray(partial)
 
 
 def _pass(kernel, ops: _Operands, name: str, blocks: int, inputs, outputs):
@@ -283,14 +289,15 @@ def _forward_rows(ops: _Operands, *, mask: Mask, scale: float, soft_cap: float |
   b, hkv, rows_pad, _ = ops.q_BKRD.shape
   rows, keys, nk = ops.tiling.rows, ops.tiling.keys, ops.kinds.shape[2]
   q_seg, q_pos, kv_seg, kv_pos = ops.ids
-  kinds, lo, hi = _schedule_operands(ops.kinds, axis=2)
+  order, full, partial = _schedule_operands(ops.kinds, axis=2)
   out = jax.ShapeDtypeStruct((b, hkv, rows_pad, ops.v_BKSD.shape[-1]), ops.q_BKRD.dtype)
   lse = jax.ShapeDtypeStruct((b, hkv, rows_pad), jnp.float32)
   kernel = functools.partial(_forward_kernel, mask=mask, scale=scale, soft_cap=soft_cap,
                              keys=keys)
   return _pass(kernel, ops, "flash_forward", rows_pad // rows,
                [(ops.q_BKRD, rows), (ops.k_BKSD, None), (ops.v_BKSD, None), (q_seg, rows),
-                (q_pos, rows), (kv_seg, None), (kv_pos, None), (kinds, nk), (lo, 1), (hi, 1)],
+                (q_pos, rows), (kv_seg, None), (kv_pos, None), (order, nk), (full, 1),
+                (partial, 1)],
                [(out, rows), (lse, rows)])
 
 
@@ -306,11 +313,11 @@ def _backward_rows(ops: _Operands, out, lse, dout, dlse, *, mask: Mask, scale: f
   lse = jnp.where(jnp.isfinite(lse), lse, 0.0)  # rows with no key: every p is exp(-inf) = 0
   options = dict(mask=mask, scale=scale, soft_cap=soft_cap)
 
-  def inputs(q_block, kv_block, kinds):  # the operands of both passes, with their blocks
+  def inputs(q_block, kv_block, visits):  # the operands of both passes, with their blocks
     return [(ops.q_BKRD, q_block), (ops.k_BKSD, kv_block), (ops.v_BKSD, kv_block),
             (dout, q_block), (lse, q_block), (delta, q_block), (q_seg, q_block),
             (q_pos, q_block), (kv_seg, kv_block), (kv_pos, kv_block),
-            (kinds[0], nk if q_block else nq), (kinds[1], 1), (kinds[2], 1)]
+            (visits[0], nk if q_block else nq), (visits[1], 1), (visits[2], 1)]
 
   # dQ: a grid over query blocks, each looping over its key-block range.
   dq = _pass(functools.partial(_dq_kernel, keys=keys, **options), ops, "flash_dq", nq,
@@ -375,16 +382,17 @@ def _attention_bwd(mask, scale, tiling, soft_cap, residuals, cotangents):
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def choose_tiling(q_shape, kv_shape, dv: int, *, block_q: int | None = None,
+def choose_tiling(q_shape, kv_shape, dv: int, *, itemsize: int = 2, block_q: int | None = None,
            block_kv: int | None = None, num_warps: int | None = None, num_stages: int = 2,
            interpret: bool = False, chunk: int | None = None) -> Tiling:
-  """The tiling of a call on q `[B, T, H, D]` and k `[B, S, Hkv, D]` (v's head dim `dv`):
-  the requested block sizes (default `default_block`) fitted to the rows (T x G) and keys.
+  """The tiling of a call on q `[B, T, H, D]` and k `[B, S, Hkv, D]` (v's head dim `dv`,
+  `itemsize` bytes an element): the requested block sizes (default `default_block`) fitted
+  to the rows (T x G) and keys.
   `chunk`: tokens in a load-balanced chunk of a shard; blocks then divide it where they can,
   as a block straddling two chunks covers distant positions and is rarely skipped."""
   t, h, d = q_shape[1:]
   s, hkv = kv_shape[1:3]
-  default = default_block(max(d, dv))
+  default = default_block(max(d, dv), itemsize)
 
   def fit(requested, length, unit):
     block = min(_pow2(requested or default), _pow2(length))
@@ -434,7 +442,7 @@ class PallasGpuStep(RingStep):
   soft_cap: float | None = None
 
   def _tiling(self, q, k, v) -> Tiling:
-    return self.kernel.tiling(q.shape, k.shape, v.shape[-1], self.chunk)
+    return self.kernel.tiling(q, k, v, self.chunk)
 
   def forward(self, step, q, k, v, layout):
     return forward(q, k, v, layout, mask=self.mask, scale=self.scale,
@@ -457,14 +465,13 @@ class Passes:
 
   def forward(self, operands, q, k, v, layout: Layout):
     return forward(q, k, v, layout, mask=self.mask, scale=self.scale,
-                   tiling=self.kernel.tiling(q.shape, k.shape, v.shape[-1]),
+                   tiling=self.kernel.tiling(q, k, v),
                    soft_cap=self.soft_cap)
 
   def backward(self, operands, q, k, v, layout: Layout, out, lse, dout, dlse):
     dlse = jnp.zeros(lse.shape, jnp.float32) if dlse is None else dlse
     dq, dk, dv = backward(q, k, v, layout, out, lse, dout, dlse, mask=self.mask,
-                          scale=self.scale, tiling=self.kernel.tiling(q.shape, k.shape,
-                                                                       v.shape[-1]),
+                          scale=self.scale, tiling=self.kernel.tiling(q, k, v),
                           soft_cap=self.soft_cap)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
@@ -476,7 +483,7 @@ class PallasGpu(registry.Kernel):
 
   `block_q`: query rows per block (a row is one query head of one token: a KV head's G
   query heads fold into rows) and `block_kv`: keys per block, powers of two >= 16 (None:
-  `default_block` of the head dim), fitted to the sequence. `num_warps` (None: 4 up to
+  `default_block` of the head dim and dtype), fitted to the sequence. `num_warps` (None: 4 up to
   head dim 64, else 8) and `num_stages` go to Triton. `interpret`: Pallas interpret mode;
   None decides by the platform the program is lowered for (compiled on GPU, interpret mode
   elsewhere)."""
@@ -516,17 +523,18 @@ class PallasGpu(registry.Kernel):
       return "Pallas interpret mode off GPU: for tests, not speed"
     return None
 
-  def tiling(self, q_shape, kv_shape, dv: int, chunk: int | None = None) -> Tiling:
-    """This kernel's `Tiling` for these shapes (`choose_tiling`)."""
+  def tiling(self, q, k, v, chunk: int | None = None) -> Tiling:
+    """This kernel's `Tiling` for these operands (`choose_tiling`)."""
     interpret = jax.default_backend() != "gpu" if self.interpret is None else self.interpret
-    return choose_tiling(q_shape, kv_shape, dv, block_q=self.block_q, block_kv=self.block_kv,
+    return choose_tiling(q.shape, k.shape, v.shape[-1], itemsize=jnp.dtype(q.dtype).itemsize,
+                         block_q=self.block_q, block_kv=self.block_kv,
                          num_warps=self.num_warps, num_stages=self.num_stages,
                          interpret=interpret, chunk=chunk)
 
   def __call__(self, q, k, v, layout: Layout, *, mask: Mask, scale: float, return_lse: bool,
                soft_cap: float | None = None):
     return pallas_gpu_attention(q, k, v, layout, mask=mask, scale=scale, return_lse=return_lse,
-                                tiling=self.tiling(q.shape, k.shape, v.shape[-1]),
+                                tiling=self.tiling(q, k, v),
                                 soft_cap=soft_cap)
 
   def passes(self, mask: Mask, scale: float, soft_cap: float | None = None) -> Passes:

@@ -12,6 +12,7 @@ import pytest
 from jax.sharding import AxisType
 
 import flaxattn
+from bench import triton_compile
 from flaxattn import balance, blocks, pallas_gpu, registry
 from flaxattn.layout import Layout
 from helpers import (
@@ -119,8 +120,8 @@ def test_default_layout_and_rows_with_nothing_to_see():
 
 def _counting(monkeypatch):
   """Counts, at run time (a callback in the interpreted kernels), the blocks whose scores
-  the kernels compute and the empty blocks their loops step over."""
-  visits = {"live": 0, "skipped": 0}
+  the kernels compute ("live") and those of them they mask ("masked")."""
+  visits = {"live": 0, "masked": 0}
 
   def counted(name, fn):
     def count():
@@ -131,28 +132,29 @@ def _counting(monkeypatch):
       return fn(*args)
     return wrapper
   monkeypatch.setattr(pallas_gpu, "_scores", counted("live", pallas_gpu._scores))
-  monkeypatch.setattr(blocks, "skip_block", counted("skipped", blocks.skip_block))
+  monkeypatch.setattr(pallas_gpu, "_allowed", counted("masked", pallas_gpu._allowed))
   return visits
 
 
 def test_schedule_visits_only_live_blocks(monkeypatch):
   """A causal mask over 4 query and 4 key blocks visits 10 pairs in each of the forward, dQ
-  and dK/dV passes, not 16, and its loops never step over an empty block."""
+  and dK/dV passes, not 16, and masks only the 4 on the diagonal."""
   visits = _counting(monkeypatch)
   q, k, v = qkv(5, 1, 64, 64, 1, 1, 16)
   def loss(q, k, v):
     return flaxattn.attention(q, k, v, backend=KERNEL).sum()
   jax.block_until_ready(flaxattn.attention(q, k, v, backend=KERNEL))
-  assert visits == {"live": 10, "skipped": 0}
-  visits.update(live=0)
+  assert visits == {"live": 10, "masked": 4}
+  visits.update(live=0, masked=0)
   jax.block_until_ready(jax.grad(loss, (0, 1, 2))(q, k, v))
-  assert visits == {"live": 30, "skipped": 0}
+  assert visits == {"live": 30, "masked": 12}
 
 
 def test_skipped_blocks_inside_the_range_are_never_loaded(monkeypatch):
   """The middle one of three key blocks belongs to a document no query is in, and its keys
   and values are NaN: a visit (masked or not: 0 x NaN is NaN) would poison the output and
-  the gradients. The forward and dQ loops step over it; dK/dV has no query block for it."""
+  the gradients. The forward and dQ loops never visit it, and the two they visit hold one
+  document and are not masked; dK/dV has no query block for it."""
   visits = _counting(monkeypatch)
   b, t, s = 1, 16, 48
   q, k, v = qkv(6, b, t, s, 1, 1, 16)  # one query block of 16 rows
@@ -162,7 +164,7 @@ def test_skipped_blocks_inside_the_range_are_never_loaded(monkeypatch):
   poisoned = [jnp.where((kv_seg == 9)[..., None, None], jnp.nan, x) for x in (k, v)]
   sinks = normal((1,), 7)
   got_g, (got_o, got_l) = grads_of(_attend(layout, flaxattn.Full()), 4)(q, *poisoned, sinks)
-  assert visits == {"live": 6, "skipped": 2}, visits
+  assert visits == {"live": 6, "masked": 0}, visits
   def oracle(q, k, v, s):
     return dense_oracle(q, k, v, layout, flaxattn.Full(), SCALE)
   want_g, (want_o, want_l) = grads_of(oracle, 4)(q, k, v, sinks)
@@ -351,3 +353,63 @@ def test_declines_with_reasons_and_checks_its_options():
   assert kernel.on("gpu").interpret is False and kernel.on("cpu").interpret is True
   with pytest.raises(ValueError, match=r"PallasGpu\(block_q=...\) expects a power of two >= 16"):
     pallas_gpu.PallasGpu(block_q=24)
+
+
+def test_visit_order_lists_full_then_partial_blocks():
+  """Per query block (axis 2) and per key block (axis 1): the FULL blocks ascending, then
+  the PARTIAL ones ascending, with their counts; the same from numpy (trace time) and jax
+  (in the program)."""
+  kinds = np.random.default_rng(0).integers(0, 3, (2, 5, 7)).astype(np.int8)
+  for axis in (2, 1):
+    along = kinds if axis == 2 else kinds.transpose(0, 2, 1)
+    got = blocks.visit_order(np, kinds, axis)
+    got_jax = blocks.visit_order(jnp, jnp.asarray(kinds), axis)
+    for g, j in zip(got, got_jax, strict=True):
+      np.testing.assert_array_equal(g, j)
+    order, full, partial = got
+    assert order.dtype == np.int16 and full.dtype == partial.dtype == np.int32
+    for b, n in np.ndindex(along.shape[:2]):
+      row = along[b, n]
+      want = [*np.flatnonzero(row == blocks.FULL), *np.flatnonzero(row == blocks.PARTIAL)]
+      assert (full[b, n], partial[b, n]) == ((row == blocks.FULL).sum(),
+                                             (row == blocks.PARTIAL).sum())
+      assert list(order[b, n, :len(want)]) == want
+
+
+def test_default_blocks_keep_a_tile_within_16_kib():
+  """A q, k or v tile holds at most 64 x 128 bfloat16 (16 KiB): blocks halve for float32
+  and for D = 256 (the compiled kernels' shared memory then fits 99 KiB: docs/kernels.md)."""
+  got = {(d, size): pallas_gpu.default_block(d, size) for d in (64, 96, 128, 256)
+         for size in (2, 4)}
+  assert got == {(64, 2): 64, (96, 2): 64, (128, 2): 64, (256, 2): 32,
+                 (64, 4): 64, (96, 4): 32, (128, 4): 32, (256, 4): 16}
+  q = jax.ShapeDtypeStruct((1, 4096, 8, 128), jnp.float32)
+  kv = jax.ShapeDtypeStruct((1, 4096, 2, 128), jnp.float32)
+  tiling = pallas_gpu.PallasGpu().tiling(q, kv, kv)
+  assert (tiling.rows, tiling.keys) == (32, 32)
+
+
+@pytest.mark.parametrize("case", [triton_compile.CASES[1], triton_compile.CASES[3]],
+                         ids=lambda case: case.name)
+def test_kernel_loops_hold_no_branch(case):
+  """Each of the forward, dQ and dK/dV kernels, as lowered for CUDA, is two loops (full
+  blocks, then partial ones) whose reads and dots sit in no branch: what Triton needs to
+  pipeline a loop's reads ahead of its matmuls (a branch per block, as a switch on the
+  block's kind, compiles to synchronous loads)."""
+  _, kernels = triton_compile.case_kernels(case, t=2048)
+  assert [name for name, _ in kernels] == ["flash_forward", "flash_dq", "flash_dkv"]
+  for name, ir in kernels:
+    ops = triton_compile.loop_structure(ir)
+    assert ops["scf.for"] == 2 and ops["scf.if"] == ops["scf.while"] == 0, (name, ops)
+    assert ops["tt.dot"] >= 4, (name, ops)
+
+
+def test_kernels_compile_pipelined_within_shared_memory():
+  """With the triton package: the bf16 D=128 and float32 D=128 kernels compiled for sm_89
+  (99 KiB of shared memory a block) and sm_90 fit, and their loops read asynchronously."""
+  pytest.importorskip("triton", reason="needs the triton package (pip install triton)")
+  rows = triton_compile.compile_cases([triton_compile.CASES[1], triton_compile.CASES[5]],
+                                      (89, 90), t=2048)
+  assert len(rows) == 12
+  for row in rows:
+    assert row["smem"] <= row["smem_limit"] and row["pipelined"], row
