@@ -302,19 +302,19 @@ def visit_order(xp, kinds, axis: int):
 
 def schedule(mask, layout: Layout, b, t_pad, s_pad, t, s, bq, bk):
   """Padded int32 layout arrays (q_seg, kv_seg, q_pos, kv_pos) `[B, t_pad]` / `[B, s_pad]`
-  and the block schedule of `mask`: numpy (static, built at trace time) when the layout is
-  all defaults, else computed in the program."""
-  def default_arrays(xp, length, padded):
-    seg = xp.broadcast_to((xp.arange(padded) < length).astype(np.int32), (b, padded))
-    pos = xp.broadcast_to(xp.arange(padded, dtype=np.int32), (b, padded))
+  and the block schedule of `mask`, computed in the program, for the default layout too:
+  one built at trace time would be a constant of O(T^2 / (bq x bk)) entries inside the
+  program (32 MiB of program text for a causal T = 512K forward and backward)."""
+  def default_arrays(length, padded):
+    seg = jnp.broadcast_to((jnp.arange(padded) < length).astype(np.int32), (b, padded))
+    pos = jnp.broadcast_to(jnp.arange(padded, dtype=np.int32), (b, padded))
     return seg, pos
 
   if layout.is_default:
-    q_seg, q_pos = default_arrays(np, t, t_pad)
-    kv_seg, kv_pos = default_arrays(np, s, s_pad)
-    kinds = block_schedule(np, mask, q_seg, kv_seg, q_pos, kv_pos, bq, bk)
-    arrays = tuple(jnp.asarray(x) for x in (q_seg, kv_seg, q_pos, kv_pos))
-    return arrays, jnp.asarray(kinds)
+    q_seg, q_pos = default_arrays(t, t_pad)
+    kv_seg, kv_pos = default_arrays(s, s_pad)
+    kinds = block_schedule(jnp, mask, q_seg, kv_seg, q_pos, kv_pos, bq, bk)
+    return (q_seg, kv_seg, q_pos, kv_pos), kinds
   full = layout.materialize(b, t, s)
   q_seg = pad_axis1(full.q_segment_ids, t_pad)
   kv_seg = pad_axis1(full.kv_segment_ids, s_pad)
