@@ -43,8 +43,8 @@ def default_block(head_dim: int, itemsize: int = 2) -> int:
   """Rows (and keys) of a block: a q, k or v tile of at most 64 x 128 bf16 (16 KiB), so
   64 up to D = 128 in bf16/f16 (32 at D = 256) and up to D = 64 in float32 (32 at 128, 16
   at 256). Triton's pipelined loops then keep the forward, dQ and dK/dV kernels within the
-  99 KiB of shared memory of the smallest NVIDIA GPUs since Ampere (sm_86, sm_89): 99,328
-  bytes at most, compiled for sm_80, sm_89 and sm_90 (docs/kernels.md)."""
+  99 KiB of shared memory of the smallest NVIDIA GPUs since Ampere (sm_86, sm_89): 99,072
+  bytes at most, compiled for sm_80, sm_89 and sm_90 (`python -m bench.triton_compile`)."""
   return max(MIN_BLOCK, min(64, 64 * 256 // (itemsize * _pow2(head_dim))))
 
 
