@@ -3,7 +3,7 @@ trainer step, on one NVIDIA GPU; every number from one run (meant to take under 
 one H100).
 
   python -m bench.gpu [--json PATH] [--quick] [--lengths T ...] [--repeats N]
-                      [--trainer-steps N]
+                      [--trainer-steps N] [--tilings]
 
 Without a GPU (jax.default_backend() is not "gpu") it prints one line saying why, measures
 nothing and exits 0; with --json the file holds {"skipped": why}.
@@ -54,10 +54,15 @@ parallelism): tokens/s and step time, the median of --trainer-steps steps after 
 steps, and model TFLOP/s from the batch's documents (`train.throughput.Flops`) beside the
 upper bound of rows counted as one causal document each (`models.llama.flops_per_token`).
 
+--tilings: pallas_gpu under each tiling of `TILINGS` (block_q x block_kv, warps, pipeline
+stages; the first is its default for D=128 bf16) on the causal and packed cases at 32K,
+forward and forward+backward TFLOP/s as above, in a table of its own and the JSON's
+"tilings" (cells with a "tiling" field).
+
 JSON: {"device", "jax", "command", "shapes", "matmul_tflops", "lengths", "cells": [{"kernel",
 "case", "length", "status", "reason", "runs", "same_as", "pairs", "fwd_tflops", "fb_tflops",
-"fwd_of_matmul", "fb_of_matmul", "fwd_ms", "fb_ms", "temp_bytes", ...}], "trainer": {...},
-"wall_s"}; status is one of ok, fallback, declined, absent, OOM, error.
+"fwd_of_matmul", "fb_of_matmul", "fwd_ms", "fb_ms", "temp_bytes", ...}], "tilings": [...],
+"trainer": {...}, "wall_s"}; status is one of ok, fallback, declined, absent, OOM, error.
 """
 
 from __future__ import annotations
@@ -110,6 +115,12 @@ ROWS = {  # name: label in the tables
     "tokamax_triton": "tokamax Triton",
     "torch_sdpa": "torch SDPA",
 }
+# pallas_gpu tilings for --tilings: (block_q, block_kv, num_warps, num_stages). Compiled for
+# sm_90 by `bench.triton_compile`'s method (bf16, D=128, causal), each kernel of each fits
+# the H100's shared memory (at most 182,272 of 232,448 bytes) and spills at most 8 bytes;
+# 128x64 with 3 stages (dK/dV 249,856 bytes) and 128x32 with 4 warps (spills) were left out.
+TILINGS = ((64, 64, 8, 2), (64, 64, 8, 3), (128, 64, 8, 2), (64, 32, 4, 3))
+TILING_CASES, TILING_LENGTH = ("causal", "packed"), 32768
 PEER_LIBRARIES = {"tokamax_mosaic": "tokamax", "tokamax_triton": "tokamax", "torch_sdpa": "torch"}
 DEMO_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                            "configs", "demo.yaml")
@@ -269,12 +280,12 @@ def plan(name: str, case: Case, missing: dict[str, str | None]) -> Plan:
   return Plan("ok")
 
 
-def _attention_fn(name: str, case: Case):
+def _attention_fn(name: str, case: Case, kernel: registry.Kernel | None = None):
   """The function a JAX row runs on (q, k, v, *case.ids()) for flaxattn's rows, (q, k, v)
-  for the others."""
+  for the others; `kernel`: the one flaxattn's row `name` runs instead of its own."""
   window = band(case.mask).window
   if name == "auto" or name in flaxattn_kernels():
-    backend: Any = "auto" if name == "auto" else flaxattn_kernels()[name]  # a name or a kernel
+    backend: Any = kernel or ("auto" if name == "auto" else flaxattn_kernels()[name])
 
     def attn(q, k, v, *ids):
       seg, pos = ids or (None, None)
@@ -313,10 +324,11 @@ def figures(case: Case, fwd_s: float, fb_s: float, matmul: float) -> dict:
   return out
 
 
-def _run_jax(name: str, case: Case, qkv, matmul: float, repeats: int) -> dict:
+def _run_jax(name: str, case: Case, qkv, matmul: float, repeats: int,
+             kernel: registry.Kernel | None = None) -> dict:
   args = (*qkv, *case.ids()) if name == "auto" or name in flaxattn_kernels() else qkv
   try:
-    compiled = measure.compile_pair(_attention_fn(name, case), args)
+    compiled = measure.compile_pair(_attention_fn(name, case, kernel), args)
     result = dict(temp_bytes=compiled.temp_bytes)
     free = _free_bytes()
     need = (compiled.temp_bytes or 0) + (compiled.output_bytes or 0)
@@ -373,6 +385,43 @@ def run_cells(lengths, repeats: int, matmul: float, missing: dict[str, str | Non
     del qkv
     gc.collect()
   return list(cells.values())
+
+
+def run_tilings(repeats: int, matmul: float) -> list[dict]:
+  """pallas_gpu under each of `TILINGS` on `TILING_CASES` at `TILING_LENGTH`, printed as it
+  goes."""
+  qkv = measure.inputs(TILING_LENGTH)
+  cells = []
+  for case in (make_case(name, TILING_LENGTH) for name in TILING_CASES):
+    for block_q, block_kv, warps, stages in TILINGS:
+      kernel = PallasGpu(block_q=block_q, block_kv=block_kv, num_warps=warps,
+                         num_stages=stages)
+      tiling = f"{block_q}x{block_kv} w{warps} s{stages}"
+      start = time.perf_counter()
+      cell = dict(kernel="pallas_gpu", tiling=tiling, case=case.name, length=TILING_LENGTH,
+                  status="ok", **_run_jax("pallas_gpu", case, qkv, matmul, repeats, kernel))
+      cells.append(cell)
+      print(f"  {_length(TILING_LENGTH):>5} {case.name:9} pallas_gpu {tiling:15} "
+            f"{cell['status']:6} {_number(cell.get('fwd_tflops')):>6}"
+            f" {_number(cell.get('fb_tflops')):>6} TFLOP/s  {time.perf_counter() - start:6.1f} s",
+            flush=True)
+  del qkv
+  gc.collect()
+  return cells
+
+
+def tiling_table(cells: list[dict]) -> list[str]:
+  """One markdown row per tiling: forward and forward+backward TFLOP/s in each case."""
+  by = {(c["tiling"], c["case"]): c for c in cells}
+  heads = [f"{case} {part}" for case in TILING_CASES for part in ("fwd", "f+b")]
+  lines = ["", f"### pallas_gpu tilings at {_length(TILING_LENGTH)}: TFLOP/s of useful work", "",
+           "| block_q x block_kv, warps, stages | " + " | ".join(heads) + " |",
+           "|---|" + "---:|" * len(heads)]
+  for tiling in dict.fromkeys(c["tiling"] for c in cells):
+    values = [_cell_text(by.get((tiling, case)), key) for case in TILING_CASES
+              for key in ("fwd_tflops", "fb_tflops")]
+    lines.append(f"| {tiling} | " + " | ".join(values) + " |")
+  return lines
 
 
 def _length(t: int) -> str:
@@ -487,6 +536,8 @@ def main(argv=None) -> int:
   parser.add_argument("--lengths", type=int, nargs="+",
                       help="sequence lengths, multiples of 4096 from 8192 (default 8K 32K 128K)")
   parser.add_argument("--repeats", type=int, default=10, help="most timed runs per figure")
+  parser.add_argument("--tilings", action="store_true",
+                      help="also pallas_gpu under each of TILINGS at 32K")
   parser.add_argument("--trainer-steps", type=int, default=10,
                       help="timed trainer steps (0: no trainer step)")
   args = parser.parse_args(argv)
@@ -524,6 +575,12 @@ def main(argv=None) -> int:
   cells = run_cells(lengths, args.repeats, matmul, missing)
   lines = tables(cells, lengths, matmul)
   print("\n".join(lines))
+  tilings = []
+  if args.tilings:
+    print(f"\npallas_gpu tilings at {_length(TILING_LENGTH)}", flush=True)
+    tilings = run_tilings(args.repeats, matmul)
+    lines += tiling_table(tilings)
+    print("\n".join(tiling_table(tilings)))
   trainer = None
   if args.trainer_steps:
     print(f"\ntrainer: {DEMO_CONFIG} with {' '.join(TRAINER_OVERRIDES)}, one GPU", flush=True)
@@ -549,7 +606,8 @@ def main(argv=None) -> int:
                                  dtype="bfloat16", docs=measure.DOCS, window=WINDOW,
                                  chunk=CHUNK, ring=RING, balance_block=BALANCE_BLOCK),
                      matmul_tflops=matmul, lengths=list(lengths), missing=missing,
-                     cells=cells, table=lines, trainer=trainer, wall_s=elapsed), f, indent=2)
+                     cells=cells, tilings=tilings, table=lines, trainer=trainer,
+                     wall_s=elapsed), f, indent=2)
   return 0
 
 

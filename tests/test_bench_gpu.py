@@ -114,3 +114,28 @@ def test_every_cell_on_a_gpu(monkeypatch):
   assert len(measured) == len(set(measured))  # copies are not measured again
   lines = gpu.tables(cells, [8192], 100.0)
   assert sum(line.startswith("| flaxattn auto |") for line in lines) == len(gpu.CASES)
+
+
+def test_tilings_run_pallas_gpu_under_each_tiling(monkeypatch):
+  """--tilings: each of TILINGS on each tiling case is measured once, with a PallasGpu of
+  that tiling, and tabled one row per tiling (measurements stubbed)."""
+  measured = []
+
+  def fake(name, case, qkv, matmul, repeats, kernel=None):
+    measured.append((name, case.name, kernel))
+    return dict(fwd_tflops=float(len(measured)), fb_tflops=2.0, temp_bytes=2**20)
+  monkeypatch.setattr(gpu, "_run_jax", fake)
+  monkeypatch.setattr(measure, "inputs", lambda t: None)
+  cells = gpu.run_tilings(repeats=1, matmul=100.0)
+  assert len(cells) == len(measured) == len(gpu.TILINGS) * len(gpu.TILING_CASES)
+  for (name, case, kernel), cell in zip(measured, cells, strict=True):
+    assert name == "pallas_gpu" and cell["case"] == case
+    assert cell["tiling"] == (f"{kernel.block_q}x{kernel.block_kv} w{kernel.num_warps}"
+                              f" s{kernel.num_stages}")
+  assert {(k.block_q, k.block_kv, k.num_warps, k.num_stages) for _, _, k in measured} == set(
+      gpu.TILINGS)
+  lines = gpu.tiling_table(cells)
+  rows = [line for line in lines if line.startswith("| ") and "x" in line.split("|")[1]
+          and "block_q" not in line]
+  assert len(rows) == len(gpu.TILINGS)
+  assert rows[0] == "| 64x64 w8 s2 | 1.0 | 2.0 | 5.0 | 2.0 |"
