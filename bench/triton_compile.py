@@ -61,14 +61,29 @@ CASES = (
 )
 
 
-def triton_modules(fn, *args) -> list[tuple[str, str]]:
-  """(kernel name, Triton IR text) of every Pallas Triton kernel in `fn(*args)` lowered for
-  CUDA from this host. Reads Pallas's private lowering (jax 0.10 to 0.12): the IR is the
-  module it builds before serializing it into the custom call."""
+TRITON_CALL = "__gpu$xla.gpu.triton"
+
+
+def cuda_export(fn, *args):
+  """`jax.export` of `jax.jit(fn)(*args)` for CUDA from this host: flaxattn's GPU kernels
+  (`flaxattn.lowering_for("gpu")`), Triton's custom calls allowed, for an H100 named on the
+  abstract mesh (jax 0.11 and later lower Triton for the GPU it names; 0.10 took sm90)."""
   import jax
-  from jax._src.pallas.triton import pallas_call_registration as registration
 
   import flaxattn
+  h100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132,
+                                     platform="gpu")
+  on_gpu = jax.sharding.get_abstract_mesh().update(abstract_device=h100)
+  with flaxattn.lowering_for("gpu"), jax.sharding.use_abstract_mesh(on_gpu):
+    return jax.export.export(jax.jit(fn), platforms=("cuda",), disabled_checks=[
+        jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL)])(*args)
+
+
+def triton_modules(fn, *args) -> list[tuple[str, str]]:
+  """(kernel name, Triton IR text) of every Pallas Triton kernel in `fn(*args)` lowered for
+  CUDA from this host (`cuda_export`). Reads Pallas's private lowering (jax 0.10 to 0.12):
+  the IR is the module it builds before serializing it into the custom call."""
+  from jax._src.pallas.triton import pallas_call_registration as registration
   found = []
   lower = registration.lowering.lower_jaxpr_to_triton_module
 
@@ -77,14 +92,9 @@ def triton_modules(fn, *args) -> list[tuple[str, str]]:
     op = result.module.operation
     found.append((op.attributes["sym_name"].value, op.get_asm()))
     return result
-  h100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132,
-                                     platform="gpu")
-  on_gpu = jax.sharding.get_abstract_mesh().update(abstract_device=h100)
   registration.lowering.lower_jaxpr_to_triton_module = capture
   try:
-    with flaxattn.lowering_for("gpu"), jax.sharding.use_abstract_mesh(on_gpu):
-      jax.export.export(jax.jit(fn), platforms=("cuda",), disabled_checks=[
-          jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
+    cuda_export(fn, *args)
   finally:
     registration.lowering.lower_jaxpr_to_triton_module = lower
   return found

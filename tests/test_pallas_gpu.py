@@ -31,7 +31,7 @@ SCALE = 0.3
 # Blocks of 16 rows and 16 keys: with 2 query heads per KV head a query block holds 8
 # tokens, so documents of random_packing cross block boundaries.
 KERNEL = pallas_gpu.PallasGpu(block_q=16, block_kv=16)
-TRITON = "__gpu$xla.gpu.triton"
+TRITON = triton_compile.TRITON_CALL
 
 
 def _attend(layout, mask, kernel=KERNEL, soft_cap=None, use_sinks=False):
@@ -251,19 +251,10 @@ def test_under_a_mesh_runs_per_batch_and_head_shard():
   assert got[1][0].sharding.spec == spec.spec
 
 
-# Programs lowered for CUDA from this host: the Triton kernels, compiled, not interpreted.
-# jax 0.11 and later lower Triton for the GPU the abstract mesh names (jax 0.10 took sm90
-# without a GPU): an H100 here, on the mesh in force.
-H100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132,
-                                   platform="gpu")
-
-
+# Programs lowered for CUDA from this host: the Triton kernels, compiled, not interpreted
+# (`triton_compile.cuda_export`: for an H100 named on the mesh in force).
 def cuda_program(fn, *args) -> str:
-  on_h100 = jax.sharding.get_abstract_mesh().update(abstract_device=H100)
-  with flaxattn.lowering_for("gpu"), jax.sharding.use_abstract_mesh(on_h100):
-    return jax.export.export(
-        jax.jit(fn), platforms=("cuda",),
-        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)])(*args).mlir_module()
+  return triton_compile.cuda_export(fn, *args).mlir_module()
 
 
 def _loss(**kwargs):
