@@ -499,6 +499,26 @@ def make_targets(tokens, segment_ids):
   return targets, weights
 
 
+def token_losses(model: Llama, batch: dict) -> jax.Array:
+  """Next-token cross entropy of every token of a batch, `[B, T]` float32 (unweighted).
+
+  Args:
+    model: a `Llama`.
+    batch: `[B, T]` int32 `tokens`, `targets`, `segment_ids` and `positions`.
+
+  Returns:
+    `ce_BT`: logsumexp(logits) - logits[target] per token; padding and last tokens of a
+    document included (weight them with `make_targets`'s weights).
+  """
+  logits_BTV = model(batch["tokens"], segment_ids=batch["segment_ids"],
+                     positions=batch["positions"])
+  log_z_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
+  # A one-hot product rather than a gather keeps a vocab-sharded logits array sharded.
+  one_hot_BTV = jax.nn.one_hot(batch["targets"], logits_BTV.shape[-1], dtype=logits_BTV.dtype)
+  target_BT = jnp.sum(logits_BTV * one_hot_BTV, axis=-1)
+  return log_z_BT - target_BT
+
+
 def loss_fn(model: Llama, batch: dict) -> tuple[jax.Array, dict]:
   """Weighted mean next-token cross entropy (float32) of a batch.
 
@@ -511,15 +531,10 @@ def loss_fn(model: Llama, batch: dict) -> tuple[jax.Array, dict]:
     `(loss, {"tokens": sum of weights})`; loss is sum(weights * ce) / max(sum(weights), 1),
     so a batch without targets gives 0, not NaN.
   """
-  logits_BTV = model(batch["tokens"], segment_ids=batch["segment_ids"],
-                     positions=batch["positions"])
-  log_z_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
-  # A one-hot product rather than a gather keeps a vocab-sharded logits array sharded.
-  one_hot_BTV = jax.nn.one_hot(batch["targets"], logits_BTV.shape[-1], dtype=logits_BTV.dtype)
-  target_BT = jnp.sum(logits_BTV * one_hot_BTV, axis=-1)
+  ce_BT = token_losses(model, batch)
   weights_BT = batch["weights"].astype(jnp.float32)
   tokens = jnp.sum(weights_BT)
-  loss = jnp.sum((log_z_BT - target_BT) * weights_BT) / jnp.maximum(tokens, 1.0)
+  loss = jnp.sum(ce_BT * weights_BT) / jnp.maximum(tokens, 1.0)
   return loss, {"tokens": tokens}
 
 
