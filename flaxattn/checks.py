@@ -113,6 +113,20 @@ def number(arg: str, value, expected: str, valid: Callable[[float], bool], hint:
   return x
 
 
+def positive_int(arg: str, value, optional: bool = False) -> None:
+  """Raises ValueError unless `value` is a positive int (None too where `optional`): a size.
+
+  Args:
+    arg: how the message names the argument, e.g. "KVCache(max_length=...)".
+    value: the value received; a bool is refused (True would be a size of 1).
+  """
+  if optional and value is None:
+    return
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+    raise ValueError(f"{arg} expects a positive int{' or None' if optional else ''}, got"
+                     f" {value!r} ({type_name(value)}).")
+
+
 def type_name(value) -> str:
   """The name of `value`'s type for an error message, with its module outside the builtins
   (`numpy.bool` for np.True_, which `bool` alone would hide)."""

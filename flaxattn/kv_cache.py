@@ -13,10 +13,15 @@ order a prefill arrives in under it:
 A call that cannot be served is refused before anything is written (`checks.refuse_if`):
 a ValueError where the cache index is concrete (an eager call); inside a compiled program,
 where raising would fail every array the program returns, the call writes nothing, keeps
-the index, returns NaN and logs the error to the `flaxattn` logger.
+the index, returns NaN and logs the error to the `flaxattn` logger. The cache after a call
+is computed as values (`append`, `attend_sharded` return an `Update`) and written by
+`commit` once the layer has its output, so a call that raises on the host for any other
+reason (a kernel that declines it, an `attention_fn` that raises) leaves the cache as it was.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax.numpy as jnp
 from flax import nnx
@@ -28,6 +33,9 @@ from flaxattn.context_parallel import ContextParallel
 from flaxattn.ring import merge_partials
 
 ORDERS = ("none", "row", "document")
+# A cache's variables after a call, computed before any is written: keys, values, segment
+# ids, positions, last, index (`KVCache.commit` writes them).
+Update = tuple
 
 
 def token_order(cp: ContextParallel | None) -> str:
@@ -38,6 +46,57 @@ def token_order(cp: ContextParallel | None) -> str:
   if cp.load_balance == "document":
     return "document"
   return "row" if cp.balanced_shards() > 1 else "none"
+
+
+# What a cache may hold: the floating dtypes the kernels compute in. Keys and values are cast
+# to the cache's dtype on write, so an integer, bool, complex or 8-bit float cache would cut
+# them and decode would be wrong without an error.
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+_MAX_LENGTH = 2**31 - 1  # the index and positions are int32
+
+
+def check_dtype(dtype):
+  """`dtype` as a numpy dtype, one of `DTYPES`.
+
+  Raises:
+    ValueError: anything else (an integer, bool, complex or float8 dtype, or not a dtype).
+  """
+  try:
+    found = jnp.dtype(dtype)
+  except TypeError:
+    found = None
+  if found is None or found.name not in DTYPES:
+    got = repr(dtype) if found is None else found.name
+    raise ValueError(f"dtype expects a floating dtype the kernels compute in, one of {DTYPES}"
+                     f" (float64 under jax.enable_x64), got {got}: the cache casts keys and"
+                     " values to it on write, which would cut them. Pass the dtype of the"
+                     " layer's computation, e.g. jnp.bfloat16 or the default jnp.float32.")
+  return found
+
+
+def _check_config(batch, max_length, kv_heads, head_dim, v_head_dim, heads,
+                  context_parallel) -> tuple[int, ...]:
+  """`batch` as a tuple of axes, everything checked (see `KVCache`)."""
+  if isinstance(batch, (tuple, list)):
+    for i, n in enumerate(batch):
+      checks.positive_int(f"KVCache(batch={tuple(batch)!r}) axis {i}", n)
+    batch_axes = tuple(int(n) for n in batch)
+  else:
+    checks.positive_int("KVCache(batch=...)", batch)
+    batch_axes = (int(batch),)
+  for arg, value in (("max_length", max_length), ("kv_heads", kv_heads),
+                     ("head_dim", head_dim), ("v_head_dim", v_head_dim), ("heads", heads)):
+    checks.positive_int(f"KVCache({arg}=...)", value)
+  if max_length > _MAX_LENGTH:
+    raise ValueError(f"KVCache(max_length=...) expects at most {_MAX_LENGTH} slots (the cache"
+                     f" index is int32), got {max_length}.")
+  if heads % kv_heads:
+    raise ValueError(f"KVCache(heads=...) expects a multiple of kv_heads ({kv_heads}), got"
+                     f" {heads}: each KV head serves heads // kv_heads query heads.")
+  if context_parallel is not None and not isinstance(context_parallel, ContextParallel):
+    raise TypeError(f"KVCache(context_parallel=...) expects a flaxattn.ContextParallel or None,"
+                    f" got {context_parallel!r} ({checks.type_name(context_parallel)}).")
+  return batch_axes
 
 
 def _either(a, b):
@@ -59,17 +118,36 @@ class KVCache(nnx.Module):
   With `context_parallel` the slots are sharded over its sequence axes (`max_length / n`
   per device) and tokens are placed as `flaxattn.decode` says; create it under the mesh.
 
+  Args:
+    batch: rows B, an int, or the leading (batch) axes of the layer's inputs, a tuple of
+      ints (none, one or several, as nnx), folded into one: B is their product. They are
+      kept as `batch_axes`, the leading axes of the layer's `cached_key` and `cached_value`.
+    max_length: slots per row, at most 2**31 - 1 (the index is int32).
+    kv_heads, head_dim, v_head_dim: Hkv, D, Dv.
+    dtype: of the cached keys and values: float32, bfloat16 or float16 (float64 under
+      `jax.enable_x64`); new keys and values are cast to it on write.
+    heads: query heads H, a multiple of `kv_heads`.
+    context_parallel: a `flaxattn.ContextParallel`, or None for one device.
+
   Raises:
-    ValueError: with `context_parallel`, no mesh or `max_length` not divisible by the
-      sequence shards.
+    ValueError: a size that is not a positive int (`batch`'s axes, `max_length`,
+      `kv_heads`, `head_dim`, `v_head_dim`, `heads`), `heads` not a multiple of `kv_heads`,
+      a `dtype` that is not one of the floating dtypes above, and with `context_parallel`,
+      no mesh or `max_length` not divisible by the sequence shards.
+    TypeError: `context_parallel` not a `flaxattn.ContextParallel` or None.
   """
 
-  def __init__(self, batch: int, max_length: int, kv_heads: int, head_dim: int,
-               v_head_dim: int, dtype, *, heads: int,
+  def __init__(self, batch: int | tuple[int, ...], max_length: int, kv_heads: int,
+               head_dim: int, v_head_dim: int, dtype, *, heads: int,
                context_parallel: ContextParallel | None = None):
+    batch_axes = _check_config(batch, max_length, kv_heads, head_dim, v_head_dim, heads,
+                               context_parallel)
+    dtype = check_dtype(dtype)
+    self.batch_axes = batch_axes
     self.context_parallel = context_parallel
     self.order = token_order(context_parallel)
     self.heads = heads
+    batch = math.prod(batch_axes)
     shape = (batch, max_length, kv_heads)
 
     def zeros(shape, dtype, spec):
@@ -95,9 +173,17 @@ class KVCache(nnx.Module):
     """Raises ValueError unless new keys `k` `[B, T, Hkv, D]` fit this cache's shape and the
     layer decodes with the context parallelism the cache was allocated for."""
     b, max_length, hkv, d = self.keys.shape
-    if (k.shape[0], k.shape[2], k.shape[3]) != (b, hkv, d) or k.shape[1] > max_length:
-      raise ValueError(f"decode expects keys of shape ({b}, <= {max_length}, {hkv}, {d}) to fit"
-                       f" the cache, got {k.shape}; call init_cache with this batch size.")
+    if k.shape[0] != b:
+      raise ValueError(f"decode expects the batch the KV cache was made for, {b} row(s) (leading"
+                       f" axes {self.batch_axes}), got new keys of shape {k.shape}, {k.shape[0]}"
+                       " row(s); call init_cache with the leading axes of the decode calls.")
+    if k.shape[2:] != (hkv, d):
+      raise ValueError(f"decode expects keys [B, T, {hkv}, {d}] (the KV heads and head_dim the"
+                       f" cache was made for), got {k.shape}; call init_cache on this layer.")
+    if k.shape[1] > max_length:
+      raise ValueError(f"decode expects at most max_length = {max_length} new tokens (the"
+                       f" cache's slots), got {k.shape[1]}; call init_cache with a max_length"
+                       f" of at least {k.shape[1]} plus the tokens cached before them.")
     if context_parallel != self.context_parallel:
       raise ValueError(f"decode expects the context_parallel the KV cache was allocated with,"
                        f" {self.context_parallel!r}, got {context_parallel!r}: the cache's"
@@ -182,39 +268,51 @@ class KVCache(nnx.Module):
             " written; call init_cache with a larger max_length."),
         i, log_error=not registry.exporting())
 
-  def _advance(self, t: int, segment_ids, positions, refused, prefill: bool) -> None:
-    """Records the last of T new tokens (in the original order) and the new index, or
-    nothing where the call was refused."""
+  def _advance(self, t: int, segment_ids, positions, refused, prefill: bool):
+    """(last `[B, 2]`, index) after T new tokens: the last of them in the original order and
+    the new count, or what they were where the call was refused."""
     i, last_B2 = self.index[...], self.last[...]
     if self.order != "document":  # document order never reads `last` (`new_tokens`)
       j = cp_decode.last_token(self.context_parallel if self.order == "row" else None, t,
                                prefill)
       new_B2 = jnp.stack([segment_ids[:, j], positions[:, j]], axis=1)
       last_B2 = new_B2 if refused is None else jnp.where(refused, last_B2, new_B2)
-    self.last[...] = last_B2
-    self.index[...] = i + (t if refused is None else jnp.where(refused, 0, t))
+    return last_B2, i + (t if refused is None else jnp.where(refused, 0, t))
+
+  def _variables(self) -> tuple[nnx.Cache, ...]:
+    """The variables of an `Update`, in its order."""
+    return (self.keys, self.values, self.segment_ids, self.positions, self.last, self.index)
+
+  def commit(self, update: Update) -> None:
+    """Writes an `Update`: what `append` or `attend_sharded` computed the cache to be after
+    the call. The layer calls it last, so nothing is written by a call that raises."""
+    for variable, value in zip(self._variables(), update, strict=True):
+      variable[...] = value
 
   def append(self, k, v, segment_ids, positions, refused):
-    """One device: writes the T new tokens at `index` (nothing where `refused`) and returns
-    the whole cache (keys and values in k's and v's dtypes, segment ids, positions)."""
+    """One device: the whole cache with the T new tokens at `index` (keys and values in k's
+    and v's dtypes, segment ids, positions), and the `Update` that writes them (the cache as
+    it was where `refused`) for `commit`. Nothing is written here."""
     i = self.index[...]
     t = k.shape[1]
     zero = jnp.zeros((), jnp.int32)
+    written = []
     for cache, new in ((self.keys, k), (self.values, v), (self.segment_ids, segment_ids),
                        (self.positions, positions)):
       new = new.astype(cache.dtype)
       start = (zero, i) + (zero,) * (new.ndim - 2)
       if refused is not None:  # write back what is there (the start clamps the same way)
         new = jnp.where(refused, lax.dynamic_slice(cache[...], start, new.shape), new)
-      cache[...] = lax.dynamic_update_slice(cache[...], new, start)
-    self._advance(t, segment_ids, positions, refused, prefill=False)
-    return (self.keys[...].astype(k.dtype), self.values[...].astype(v.dtype),
-            self.segment_ids[...], self.positions[...])
+      written.append(lax.dynamic_update_slice(cache[...], new, start))
+    update = (*written, *self._advance(t, segment_ids, positions, refused, prefill=False))
+    keys, values, ids, pos = written
+    return keys.astype(k.dtype), values.astype(v.dtype), ids, pos, update
 
   def attend_sharded(self, q, k, v, segment_ids, positions, refused, attention_fn, options,
                      prefill: bool):
     """Context parallelism: (out `[B, T, H, Dv]` float32, lse `[B, T, H]`) of the new tokens
-    against the sharded cache, the new tokens written (nothing where `refused`).
+    against the sharded cache with them, and the `Update` that writes them (the cache as it
+    was where `refused`) for `commit`. Nothing is written here.
 
     A prefill runs the strategy over the new tokens (`attention_fn` with
     `context_parallel`), merged by lse with what the cache held before; a decode step
@@ -258,9 +356,4 @@ class KVCache(nnx.Module):
       cache, out, lse = run(cache)
     else:
       cache, out, lse = lax.cond(refused, skip, run, cache)
-    for variable, value in zip((self.keys, self.values, self.segment_ids, self.positions), cache,
-                               strict=True):
-      variable[...] = value
-    self._advance(t, segment_ids, positions, refused, prefill)
-    return out, lse
-
+    return out, lse, (*cache, *self._advance(t, segment_ids, positions, refused, prefill))

@@ -31,6 +31,7 @@ from flax import nnx
 from flax.nnx.nn import dtypes, initializers
 from flax.nnx.nn.linear import default_kernel_init
 
+from flaxattn import checks
 from flaxattn.attention import apply_sinks, attention, check_soft_cap
 from flaxattn.kv_cache import KVCache
 from flaxattn.layout import Layout, resolve, shape_error
@@ -47,11 +48,7 @@ _EMPTY = MappingProxyType({})
 
 
 def _check_size(arg: str, value, optional: bool = False) -> None:
-  if optional and value is None:
-    return
-  if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-    raise ValueError(f"MultiHeadAttention({arg}=...) expects a positive int"
-                     f"{' or None' if optional else ''}, got {value!r}.")
+  checks.positive_int(f"MultiHeadAttention({arg}=...)", value, optional)
 
 
 def _check_input(arg: str, x, features: int, features_arg: str) -> None:
@@ -324,6 +321,12 @@ class MultiHeadAttention(nnx.Module):
       raise ValueError("sow_weights expects False: flaxattn never materializes the [T, S]"
                        " attention weights; use nnx.MultiHeadAttention to inspect them.")
     decode = bool(self.decode if decode is None else decode)
+    if decode and s != t:
+      raise ValueError(f"inputs_k and inputs_v expect inputs_q's length in decode, {t} new"
+                       f" token(s), got {s} (inputs_k shape {inputs_k.shape}): the cache writes"
+                       " one key and value per new query, with its segment id and position."
+                       " Pass the new tokens' inputs_k/inputs_v, or decode=False for cross"
+                       " attention.")
     if decode and (kv_segment_ids is not None or kv_positions is not None):
       raise ValueError("kv_segment_ids and kv_positions expect None in decode: the cache holds"
                        " the keys' segments and positions; pass segment_ids/positions of the"
@@ -337,6 +340,7 @@ class MultiHeadAttention(nnx.Module):
     b = q_BTHD.shape[0]  # the batch axes folded into one
     cache = self._cache(k_BSKD) if decode else None
     refused = None  # a decode call the cache refuses from inside a program: see kv_cache
+    update = None  # the cache after the call, written last: a call that raises writes nothing
     prefill = False
     if cache is not None:
       prefill = cache.is_prefill(t)
@@ -357,7 +361,7 @@ class MultiHeadAttention(nnx.Module):
       options = {"mask": mask, "backend": self.backend, "return_lse": True}
       if "logit_soft_cap" in extras:
         options["logit_soft_cap"] = extras["logit_soft_cap"]
-      out, lse = cache.attend_sharded(
+      out, lse, update = cache.attend_sharded(
           q_BTHD, k_BSKD, v_BSKD, layout.q_segment_ids, layout.q_positions, refused,
           self.attention_fn, options, prefill)
       if "sinks" in extras:
@@ -365,7 +369,7 @@ class MultiHeadAttention(nnx.Module):
       x_BTHD = out.astype(q_BTHD.dtype)
     else:
       if cache is not None:  # attend to the whole cache, the new tokens included
-        k_BSKD, v_BSKD, kv_ids_BS, kv_pos_BS = cache.append(
+        k_BSKD, v_BSKD, kv_ids_BS, kv_pos_BS, update = cache.append(
             k_BSKD, v_BSKD, layout.q_segment_ids, layout.q_positions, refused)
         layout = dataclasses.replace(layout, kv_segment_ids=kv_ids_BS, kv_positions=kv_pos_BS)
       q_BTHD, k_BSKD, v_BSKD = dtypes.promote_dtype((q_BTHD, k_BSKD, v_BSKD), dtype=self.dtype)
@@ -376,6 +380,8 @@ class MultiHeadAttention(nnx.Module):
       x_BTHD = jnp.where(refused, jnp.nan, x_BTHD)
     x_BTHD = constrain(x_BTHD, Q_NAMES)
     out_BTE = constrain(self.out(x_BTHD, out_sharding=out_sharding), X_NAMES)
+    if cache is not None and update is not None:
+      cache.commit(update)
     return out_BTE.reshape(batch + out_BTE.shape[1:])
 
   def _ids(self, layout: Layout) -> dict:
@@ -437,7 +443,8 @@ class MultiHeadAttention(nnx.Module):
       input_shape: `(..., max_length, features)`, the shape of the longest input, with the
         leading batch axes of the decode calls (none, one or several, as nnx) and
         `features` = in_features.
-      dtype: dtype of the cached keys and values.
+      dtype: dtype of the cached keys and values: float32, bfloat16 or float16 (float64
+        under `jax.enable_x64`); new keys and values are cast to it on write.
 
     The cache holds the unrepeated GQA keys/values `[B, max_length, num_kv_heads, head_dim]`
     and each slot's segment id (0 = empty, never attended) and position; B is the product
@@ -451,7 +458,8 @@ class MultiHeadAttention(nnx.Module):
 
     Raises:
       ValueError: `input_shape` is not `(..., max_length, in_features)` of positive ints;
-        with `context_parallel`, no mesh, or `max_length` not divisible by the sequence shards.
+        `dtype` not one of the floating dtypes above; with `context_parallel`, no mesh, or
+        `max_length` not divisible by the sequence shards.
     """
     if (not isinstance(input_shape, (tuple, list)) or len(input_shape) < 2
         or any(isinstance(n, bool) or not isinstance(n, int) or n <= 0 for n in input_shape)
@@ -460,9 +468,9 @@ class MultiHeadAttention(nnx.Module):
                        f" positive ints, rank 2 or more, with features = in_features"
                        f" ({self.in_features}), got {input_shape!r}; pass the shape of the"
                        " longest input, features last.")
-    b, max_length = _fold_batch(tuple(input_shape))[:2]
-    self.cache = KVCache(b, max_length, self.num_kv_heads, self.head_dim, self.v_head_dim, dtype,
-                         heads=self.num_heads, context_parallel=self.context_parallel)
+    self.cache = KVCache(tuple(input_shape[:-2]), input_shape[-2], self.num_kv_heads,
+                         self.head_dim, self.v_head_dim, dtype, heads=self.num_heads,
+                         context_parallel=self.context_parallel)
 
   def _cache(self, k) -> KVCache:
     """The cache, checked against new keys `k` `[B, T, Hkv, D]` (see `KVCache.check`)."""
