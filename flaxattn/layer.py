@@ -456,6 +456,9 @@ class MultiHeadAttention(nnx.Module):
     `flaxattn.attention`'s context parallelism; where tokens go is `flaxattn.decode`'s
     placement. Decode then expects the same `context_parallel`.
 
+    After it, `cached_key`, `cached_value` and `cache_index` read the cache under nnx's
+    names and shapes (read-only).
+
     Raises:
       ValueError: `input_shape` is not `(..., max_length, in_features)` of positive ints;
         `dtype` not one of the floating dtypes above; with `context_parallel`, no mesh, or
@@ -471,6 +474,41 @@ class MultiHeadAttention(nnx.Module):
     self.cache = KVCache(tuple(input_shape[:-2]), input_shape[-2], self.num_kv_heads,
                          self.head_dim, self.v_head_dim, dtype, heads=self.num_heads,
                          context_parallel=self.context_parallel)
+
+  # nnx.MultiHeadAttention's names for its cache, read from `self.cache`.
+
+  @property
+  def cached_key(self) -> jax.Array | None:
+    """The cached keys `[..., max_length, num_kv_heads, head_dim]` with the leading axes
+    `init_cache` was given (nnx's `cached_key`), in the cache's dtype; None before
+    `init_cache`. Read-only: assigning to it, or into it, raises (writing means
+    `self.cache.keys`, whose batch axes are folded into one, and its segment ids).
+
+    On one device slot j holds the j-th token written. Under `context_parallel` the slots
+    are the sharded cache's: device d of the n sequence shards holds slots
+    `[d max_length/n, (d+1) max_length/n)`, filled in `flaxattn.decode`'s placement
+    (decode steps round-robin over the devices, a prefill's tokens in the strategy's
+    order), so slot order is not token order; `self.cache.segment_ids` and
+    `self.cache.positions` say which token each slot holds (segment id 0: empty)."""
+    return None if self.cache is None else self._unfold(self.cache.keys[...])
+
+  @property
+  def cached_value(self) -> jax.Array | None:
+    """The cached values `[..., max_length, num_kv_heads, v_head_dim]` (nnx's
+    `cached_value`), as `cached_key`: read-only, in the same slot order."""
+    return None if self.cache is None else self._unfold(self.cache.values[...])
+
+  @property
+  def cache_index(self) -> jax.Array | None:
+    """int32 scalar: the tokens written so far (nnx's `cache_index`); None before
+    `init_cache`. On one device it is the next token's slot; under `context_parallel` the
+    next token's slot is `flaxattn.decode`'s placement of that index. Read-only."""
+    return None if self.cache is None else self.cache.index[...]
+
+  def _unfold(self, x_BS):
+    """A cache array `[B, S, ...]` as `[*batch_axes, S, ...]`."""
+    assert self.cache is not None
+    return x_BS.reshape(self.cache.batch_axes + x_BS.shape[1:])
 
   def _cache(self, k) -> KVCache:
     """The cache, checked against new keys `k` `[B, T, Hkv, D]` (see `KVCache.check`)."""

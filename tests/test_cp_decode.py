@@ -194,6 +194,37 @@ def test_a_refused_decode_on_a_mesh_leaves_the_layer_usable(caplog):
     assert int(m.cache.index[...]) == 8
 
 
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "nnx.jit"])
+def test_a_decode_that_raises_on_a_mesh_writes_nothing_and_nnx_names_read_the_slots(jit):
+  """A decode step whose kernel declines (cuDNN on CPU) raises and leaves every variable as
+  it was. `cached_key` and `cache_index` read the sharded cache under nnx's names, in slot
+  order: 4 tokens, then 1, over 4 devices of 2 slots each go round-robin to slots 0, 2, 4,
+  6, then 1."""
+  if jax.default_backend() == "gpu":
+    pytest.skip("needs a platform where cuDNN declines; this host has a GPU")
+  with jax.set_mesh(_mesh(4)):
+    m = MultiHeadAttention(2, E, mask=Causal(), context_parallel=ContextParallel(),
+                           rngs=nnx.Rngs(0))
+    m.init_cache((1, 8, E))
+    _decode(m, normal((1, 4, E)), None, None)
+    before = _values(m)
+    m.backend = "cudnn"
+    def call(m, x):
+      return m(x, decode=True)
+    with pytest.raises(ValueError, match=r"backend='cudnn' cannot serve this call"):
+      (nnx.jit(call) if jit else call)(m, normal((1, 1, E), 1))
+    for a, b in zip(_values(m), before, strict=True):
+      np.testing.assert_array_equal(a, b)
+    m.backend = "auto"
+    _decode(m, normal((1, 1, E), 1), None, None)
+    assert int(m.cache_index) == 5
+    keys = np.asarray(m.cached_key)
+  np.testing.assert_array_equal(m.cache.segment_ids[...], [[1, 1, 1, 0, 1, 0, 1, 0]])
+  np.testing.assert_array_equal(m.cache.positions[...], [[0, 4, 1, 0, 2, 0, 3, 0]])
+  assert keys.shape == (1, 8, 2, 8)
+  np.testing.assert_array_equal(np.abs(keys).sum((2, 3)) != 0, m.cache.segment_ids[...] != 0)
+
+
 def test_document_order_decodes_with_explicit_ids_and_refuses_defaults():
   """Documents of 11 and 5 tokens in document order over 2 devices: decode with explicit
   ids equals one device; defaults, which would continue the wrong token (the plan moves

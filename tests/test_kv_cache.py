@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import flaxattn
 from flaxattn.kv_cache import KVCache
 from flaxattn.layer import MultiHeadAttention
 from flaxattn.masks import Causal
@@ -87,7 +88,7 @@ def test_init_cache_refuses_dtypes_that_would_cut_keys(dtype):
 def test_init_cache_takes_the_floating_dtypes(dtype):
   m = _layer()
   m.init_cache((1, 8, E), dtype)
-  assert m.cache is not None and m.cache.keys.dtype == dtype and m.cache.values.dtype == dtype
+  assert m.cache is not None and m.cache.keys.dtype == dtype and m.cached_value.dtype == dtype
 
 
 @pytest.mark.parametrize("rope", [None, RoPE()], ids=["no-rope", "rope"])
@@ -144,3 +145,15 @@ def test_kv_cache_folds_the_batch_axes():
   assert cache.batch_axes == (3, 2) and cache.keys.shape == (6, 8, 2, 4)
   assert cache.values.shape == (6, 8, 2, 6) and cache.segment_ids.shape == (6, 8)
   assert KVCache((), 8, 2, 4, 4, jnp.float32, heads=2).keys.shape == (1, 8, 2, 4)
+
+
+def test_nnx_cache_names_are_read_only_views():
+  m = _layer()
+  assert m.cached_key is None and m.cached_value is None and m.cache_index is None
+  m.init_cache((3, 2, 5, E))
+  with pytest.raises(AttributeError, match=r"cached_key"):
+    m.cached_key = jnp.zeros((3, 2, 5, 2, 8))
+  m(normal((3, 2, 1, E)), decode=True)
+  assert int(m.cache_index) == 1
+  np.testing.assert_array_equal(m.cached_key[:, :, 0], m.cache.keys[...][:, 0].reshape(3, 2, 2, 8))
+  assert flaxattn.KVCache is KVCache

@@ -105,3 +105,46 @@ def test_leading_axes_carry_packed_ids_and_positions():
   np.testing.assert_array_equal(got, want.reshape(3, 2, t, F))
   one = call(ours, x[:1], seg[:1], pos[:1])  # the same batch size: the same program, bit for bit
   np.testing.assert_array_equal(call(ours, x[0], seg[0], pos[0]), one[0])
+
+
+@pytest.mark.parametrize("batch", [(), (2,), (3, 2)], ids=["no-batch", "one-batch", "two-batch"])
+def test_flax_decode_scenario_through_nnx_cache_names(batch):
+  """Flax's decode scenario on stock nnx and on ours with its parameters: `init_cache`, then
+  one token at a time equals the causal call on the whole input, and after every step the
+  cache read through nnx's names (`cached_key`, `cached_value`, `cache_index`) has nnx's
+  shapes and, on one device, nnx's values."""
+  kw = dict(num_heads=HEADS, in_features=F, qkv_features=QKV)
+  theirs = nnx.MultiHeadAttention(**kw, decode=True, rngs=nnx.Rngs(0))
+  ours = flaxattn.MultiHeadAttention(**kw, decode=True, mask=flaxattn.Causal(),
+                                     backend="reference", rngs=nnx.Rngs(1))
+  nnx.update(ours, nnx.state(theirs, nnx.Param))
+  x = normal(batch + (T, F))
+  full = ours(x, decode=False)
+  theirs.init_cache(x.shape)
+  ours.init_cache(x.shape)
+  assert ours.cached_key.shape == theirs.cached_key.shape == batch + (T, HEADS, QKV // HEADS)
+  assert ours.cached_value.shape == theirs.cached_value.shape
+  steps = []
+  for i in range(T):
+    steps.append(ours(x[..., i:i + 1, :]))
+    np.testing.assert_allclose(steps[-1], theirs(x[..., i:i + 1, :]), rtol=1e-5, atol=1e-5)
+    assert int(ours.cache_index) == int(theirs.cache_index[...]) == i + 1
+    for name in ("cached_key", "cached_value"):
+      np.testing.assert_allclose(getattr(ours, name), getattr(theirs, name)[...], atol=1e-6)
+  assert rel_error(jnp.concatenate(steps, axis=-2), full) < TOL[jnp.float32]
+
+
+def test_flax_x64_decode_scenario():
+  """Flax's `test_autoregressive_decode_with_x64`, on ours: a float64 cache under x64."""
+  with jax.enable_x64(True):
+    x = jnp.ones((1, 4, 4))
+    module = flaxattn.MultiHeadAttention(in_features=4, num_heads=2, qkv_features=4,
+                                         decode=True, rngs=nnx.Rngs(0))
+    module.init_cache(x.shape, dtype=x.dtype)
+    assert module.cached_key.shape == (1, 4, 2, 2)
+    assert module.cached_value.shape == (1, 4, 2, 2)
+    assert module.cached_key.dtype == jnp.float64
+    y1 = module(x[:, :1, :])
+    y2 = module(x[:, 1:2, :])
+    assert y1.shape == (1, 1, 4) and y2.shape == (1, 1, 4)
+    assert int(module.cache_index) == 2
