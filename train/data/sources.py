@@ -80,7 +80,7 @@ class Source(Protocol):
 class Document:
   """Record `index` of `source`. Slots: a corpus of millions of rows holds one per row."""
 
-  source: Source = dataclasses.field(compare=False)
+  source: Source
   index: int
 
   @property
