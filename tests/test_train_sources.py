@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import json
+import shutil
 import sys
 
 import numpy as np
@@ -158,10 +159,13 @@ def test_parquet_corpus_larger_than_memory_trains_in_bounded_memory(tmp_path):
   """A 3.5 GiB parquet corpus, listed (every row group decoded, one at a time) and trained
   on for 8 steps: the trainer's peak resident memory stays below a third of the corpus."""
   corpus = tmp_path / "corpus"
-  size = _write_large_corpus(corpus, CORPUS_GIB)
-  run_dir = tmp_path / "run"
-  proc = run([sys.executable, "-c", MAIN_REPORTING_PEAK_RSS, *command(run_dir)[3:],
-              f"data.source={corpus}", "steps=8"], timeout=TIMEOUT)
+  try:
+    size = _write_large_corpus(corpus, CORPUS_GIB)
+    run_dir = tmp_path / "run"
+    proc = run([sys.executable, "-c", MAIN_REPORTING_PEAK_RSS, *command(run_dir)[3:],
+                f"data.source={corpus}", "steps=8"], timeout=TIMEOUT)
+  finally:
+    shutil.rmtree(corpus, ignore_errors=True)  # pytest keeps the last runs' tmp_path
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
   peak = int(proc.stdout.split("PEAK_RSS_KIB ")[1].split()[0]) * 1024
   print(f"corpus {size / 2**20:.0f} MiB, trainer peak RSS {peak / 2**20:.0f} MiB")

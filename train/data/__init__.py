@@ -19,8 +19,15 @@ from train.data.pipeline import (
   pipeline,
   shard,
 )
-from train.data.sources import BadRecord, Document, Source, list_documents, split_documents
+from train.data.sources import (
+  BadRecord,
+  Document,
+  Documents,
+  Source,
+  list_documents,
+  split_documents,
+)
 
-__all__ = ["BATCH_SPEC", "KEYS", "MIN_TOKENS", "BadRecord", "Data", "Document", "GlobalBatches",
-           "Source", "check_evals", "check_usable", "list_documents", "make", "order", "pipeline",
-           "shard", "split_documents"]
+__all__ = ["BATCH_SPEC", "KEYS", "MIN_TOKENS", "BadRecord", "Data", "Document", "Documents",
+           "GlobalBatches", "Source", "check_evals", "check_usable", "list_documents", "make",
+           "order", "pipeline", "shard", "split_documents"]

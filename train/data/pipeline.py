@@ -28,7 +28,7 @@ from models.llama import layer_masks, make_targets
 from train.config import ConfigError, DataConfig, TrainConfig
 from train.data import sources
 from train.data.batches import GlobalBatches
-from train.data.sources import Document
+from train.data.sources import Document, Documents
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ MIN_TOKENS = 2  # a piece needs a token and its next-token target
 WINDOW_BLOCKS = 2
 
 
-def shard(docs: list[Document], index: int, count: int) -> list[Document]:
+def shard(docs: Documents, index: int, count: int) -> Documents:
   """Shard `index` of `count` of `docs` (every count-th document).
 
   Raises:
@@ -50,7 +50,7 @@ def shard(docs: list[Document], index: int, count: int) -> list[Document]:
   return part
 
 
-def check_usable(docs: list[Document], tokenizer, what: str, fix: str) -> None:
+def check_usable(docs: Documents, tokenizer, what: str, fix: str) -> None:
   """Raises ConfigError naming `what` and `fix` unless a document of `docs` has
   `MIN_TOKENS` tokens. The pipeline repeats its documents forever, so one such document
   keeps it from running dry, and with none it would search forever. Reads documents in
@@ -103,11 +103,11 @@ class _BlockShuffle:
   the documents within each window of `self.window` in a random order; random access by index
   (a grain data source). Holds one epoch's order, an index per document."""
 
-  def __init__(self, docs: list[Document], seed: int, window_blocks: int = WINDOW_BLOCKS):
+  def __init__(self, docs: Documents, seed: int, window_blocks: int = WINDOW_BLOCKS):
     self.docs, self.seed = docs, seed
-    keys = [(id(d.source), d.source.block(d.index)) for d in docs]
-    self.starts = np.asarray([0] + [i for i in range(1, len(docs)) if keys[i] != keys[i - 1]]
-                             + [len(docs)], np.int64)
+    blocks = docs.blocks()
+    new = (docs.source_ids[1:] != docs.source_ids[:-1]) | (blocks[1:] != blocks[:-1])
+    self.starts = np.concatenate([[0], 1 + np.flatnonzero(new), [len(docs)]]).astype(np.int64)
     self.window = window_blocks * math.ceil(len(docs) / self.blocks)
     self.epoch = (-1, np.zeros(0, np.int64))  # the last epoch read and its order
     self.lock = threading.Lock()
@@ -136,7 +136,7 @@ class _BlockShuffle:
     return self.docs[int(self._order(epoch)[i])]
 
 
-def order(docs: list[Document], *, seed: int, shuffle: bool) -> grain.MapDataset:
+def order(docs: Documents, *, seed: int, shuffle: bool) -> grain.MapDataset:
   """`docs` repeated forever, by index (so that the iterator's state is a count).
 
   Without `shuffle`, in their order. With it, shuffled anew each epoch: globally where
@@ -153,7 +153,7 @@ def order(docs: list[Document], *, seed: int, shuffle: bool) -> grain.MapDataset
   return grain.MapDataset.source(blocks)
 
 
-def pipeline(docs: list[Document], tokenizer, cfg: DataConfig, *, seq_len: int, batch: int,
+def pipeline(docs: Documents, tokenizer, cfg: DataConfig, *, seq_len: int, batch: int,
              seed: int, shard_index: int, shard_count: int, shuffle: bool) -> grain.IterDataset:
   """Endless packed batches (dicts of `[batch, seq_len]` numpy arrays, keys `KEYS`) of
   shard `shard_index` of `shard_count` of `docs`; `check_usable` tells whether any come.

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import collections.abc
 import dataclasses
 import json
 import logging
@@ -28,6 +29,7 @@ import pathlib
 import re
 import sysconfig
 import threading
+import typing
 import zlib
 from typing import Protocol
 
@@ -52,10 +54,11 @@ class BadRecord(ValueError):
 
 class Source(Protocol):
   """The records of one corpus file. `good`: the indices of the records that can be trained
-  on, in order; `problems`: a line per record that cannot (both found when it was opened)."""
+  on, in order (int64); `problems`: a line per record that cannot (both found when it was
+  opened)."""
 
   name: str
-  good: list[int]
+  good: np.ndarray
   problems: list[str]
 
   def __len__(self) -> int:
@@ -71,14 +74,15 @@ class Source(Protocol):
     """A name of record `index` that is the same on every machine."""
     ...
 
-  def block(self, index: int) -> int:
-    """The block record `index` is read in: records of a block are cheap to read together."""
+  def blocks(self, indices: np.ndarray) -> np.ndarray:
+    """The block each record of `indices` is read in (int64): records of a block are cheap to
+    read together."""
     ...
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True)
 class Document:
-  """Record `index` of `source`. Slots: a corpus of millions of rows holds one per row."""
+  """Record `index` of `source`."""
 
   source: Source
   index: int
@@ -94,6 +98,39 @@ class Document:
       BadRecord: the record is no longer valid (its file changed since listing).
     """
     return self.source[self.index]
+
+
+class Documents(collections.abc.Sequence):
+  """Documents as two arrays: for each, its source (an index into `sources`) and its record
+  in it; a `Document` is made when one is read. 16 bytes a document: a corpus of many
+  millions of rows is listed in memory. Slicing and boolean or index arrays give
+  `Documents` of the same sources."""
+
+  def __init__(self, sources: list[Source], source_ids: np.ndarray, records: np.ndarray):
+    self.sources, self.source_ids, self.records = sources, source_ids, records
+
+  def __len__(self) -> int:
+    return len(self.records)
+
+  @typing.overload
+  def __getitem__(self, i: int) -> Document: ...
+  @typing.overload
+  def __getitem__(self, i: slice | np.ndarray) -> Documents: ...
+
+  def __getitem__(self, i):
+    if isinstance(i, slice | np.ndarray):
+      return Documents(self.sources, self.source_ids[i], self.records[i])
+    return Document(self.sources[self.source_ids[i]], int(self.records[i]))
+
+  def blocks(self) -> np.ndarray:
+    """The block of each document in its source (`Source.blocks`), int64."""
+    out = np.zeros(len(self), np.int64)
+    by_source = np.argsort(self.source_ids, kind="stable")
+    ids = self.source_ids[by_source]
+    cuts = np.flatnonzero(ids[1:] != ids[:-1]) + 1
+    for run in np.split(by_source, cuts):  # the documents of one source
+      out[run] = self.sources[self.source_ids[run[0]]].blocks(self.records[run])
+    return out
 
 
 def _check_text(raw: bytes) -> None:
@@ -115,9 +152,9 @@ class TextFile:
     self.path, self.name = path, name
     try:
       _check_text(path.read_bytes())
-      self.good, self.problems = [0], []
+      self.good, self.problems = np.zeros(1, np.int64), []
     except BadRecord as e:
-      self.good, self.problems = [], [f"{name}: {e}"]
+      self.good, self.problems = np.zeros(0, np.int64), [f"{name}: {e}"]
 
   def __len__(self) -> int:
     return 1
@@ -128,8 +165,8 @@ class TextFile:
   def record_name(self, index: int) -> str:
     return self.name
 
-  def block(self, index: int) -> int:
-    return 0
+  def blocks(self, indices: np.ndarray) -> np.ndarray:
+    return np.zeros(len(indices), np.int64)
 
 
 def _record_text(line: bytes, field: str) -> str:
@@ -151,20 +188,21 @@ class JsonlFile:
 
   def __init__(self, path: pathlib.Path, name: str, text_field: str):
     self.path, self.name, self.field = path, name, text_field
-    lines, offsets, self.good, self.problems = [], [], [], []
+    lines, offsets, good, self.problems = [], [], [], []
     offset = 0
     with open(path, "rb") as f:
       for i, line in enumerate(f):
         if line.strip():
           try:
             _record_text(line, text_field)
-            self.good.append(len(lines))
+            good.append(len(lines))
           except BadRecord as e:
             self.problems.append(f"{name} line {i + 1}: {e}")
           lines.append(i)
           offsets.append(offset)
         offset += len(line)
     self.lines, self.offsets = np.asarray(lines, np.int64), np.asarray(offsets, np.int64)
+    self.good = np.asarray(good, np.int64)
 
   def __len__(self) -> int:
     return len(self.lines)
@@ -182,8 +220,8 @@ class JsonlFile:
   def record_name(self, index: int) -> str:
     return f"{self.name}:{self.lines[index]}"
 
-  def block(self, index: int) -> int:
-    return index
+  def blocks(self, indices: np.ndarray) -> np.ndarray:
+    return np.asarray(indices, np.int64)
 
 
 def _pyarrow_parquet(path: pathlib.Path):
@@ -254,19 +292,18 @@ class ParquetFile:
     self.starts = [0]
     for g in range(meta.num_row_groups):
       self.starts.append(self.starts[-1] + meta.row_group(g).num_rows)
-    self.good, self.problems = [], []
+    good, self.problems = [], []
     column = next(i for i in range(meta.num_columns) if meta.schema.column(i).path == text_field)
     for g in range(meta.num_row_groups):
       stats = meta.row_group(g).column(column).statistics
       if stats is not None and stats.has_null_count and stats.null_count == 0:
-        self.good += range(self.starts[g], self.starts[g + 1])  # no need to decode it
+        good.append(np.arange(self.starts[g], self.starts[g + 1]))  # no need to decode it
         continue
       valid = np.asarray(self.read_group(g).is_valid())  # one group decoded at a time
-      for row in range(self.starts[g], self.starts[g + 1]):
-        if valid[row - self.starts[g]]:
-          self.good.append(row)
-        else:
-          self.problems.append(f"{name} row {row}: null {text_field!r}")
+      good.append(self.starts[g] + np.flatnonzero(valid))
+      self.problems += [f"{name} row {self.starts[g] + i}: null {text_field!r}"
+                        for i in np.flatnonzero(~valid)]
+    self.good = np.concatenate(good or [np.zeros(0)]).astype(np.int64)
 
   def read_group(self, group: int):
     """Row group `group`'s text column, decoded (an arrow array of strings)."""
@@ -277,7 +314,7 @@ class ParquetFile:
     return self.starts[-1]
 
   def __getitem__(self, index: int) -> str:
-    group = self.block(index)
+    group = bisect.bisect_right(self.starts, index) - 1
     text = ROW_GROUPS.get(self, group)[index - self.starts[group]].as_py()
     if text is None:
       raise BadRecord(f"{self.record_name(index)}: null {self.field!r}; the file changed after"
@@ -287,8 +324,8 @@ class ParquetFile:
   def record_name(self, index: int) -> str:
     return f"{self.name}:{index}"
 
-  def block(self, index: int) -> int:
-    return bisect.bisect_right(self.starts, index) - 1
+  def blocks(self, indices: np.ndarray) -> np.ndarray:
+    return np.searchsorted(self.starts, indices, side="right") - 1
 
 
 READERS = {".txt": TextFile, ".jsonl": JsonlFile, ".parquet": ParquetFile}
@@ -307,7 +344,7 @@ def _stdlib_files() -> tuple[pathlib.Path, list[pathlib.Path]]:
 
 
 def list_documents(source: str, bad_records: str = "skip",
-                   text_field: str = "text") -> list[Document]:
+                   text_field: str = "text") -> Documents:
   """All documents of `source` ("stdlib" or a directory of `.txt`, `.jsonl` and `.parquet`
   files, read recursively in sorted order), in a deterministic order.
 
@@ -331,11 +368,13 @@ def list_documents(source: str, bad_records: str = "skip",
       raise ConfigError(f"data.source expects 'stdlib' or a directory, got {source!r}"
                         " (not a directory).")
     files = [p for p in root.rglob("*") if p.suffix in READERS and p.is_file()]
-  docs, problems = [], []
+  opened, problems = [], []
   for path in sorted(files):
-    src = _open(path, path.relative_to(root).as_posix(), text_field)
-    docs += [Document(src, i) for i in src.good]
-    problems += src.problems
+    opened.append(_open(path, path.relative_to(root).as_posix(), text_field))
+    problems += opened[-1].problems
+  docs = Documents(opened, np.repeat(np.arange(len(opened), dtype=np.int32),
+                                     [len(src.good) for src in opened]),
+                   np.concatenate([src.good for src in opened] or [np.zeros(0, np.int64)]))
   if problems:
     more = f"; and {len(problems) - 5} more" if len(problems) > 5 else ""
     shown = "; ".join(problems[:5]) + more
@@ -351,17 +390,17 @@ def list_documents(source: str, bad_records: str = "skip",
   return docs
 
 
-def split_documents(docs: list[Document], eval_fraction: float) -> tuple[list, list]:
+def split_documents(docs: Documents, eval_fraction: float) -> tuple[Documents, Documents]:
   """(train, eval): a document is held out when the hash of its name falls in
   `eval_fraction`; at least one is held out when `eval_fraction` > 0.
 
   Raises:
     ConfigError: nothing left to train on.
   """
-  held = [zlib.crc32(d.name.encode()) % 100_000 < eval_fraction * 100_000 for d in docs]
-  if eval_fraction > 0 and not any(held):
+  held = np.asarray([zlib.crc32(d.name.encode()) % 100_000 < eval_fraction * 100_000
+                     for d in docs], bool)
+  if eval_fraction > 0 and not held.any():
     held[0] = True
-  train = [d for d, h in zip(docs, held, strict=True) if not h]
-  if not train:
+  if held.all():
     raise ConfigError(f"data.eval_fraction={eval_fraction} leaves no training documents.")
-  return train, [d for d, h in zip(docs, held, strict=True) if h]
+  return docs[~held], docs[held]
