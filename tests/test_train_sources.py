@@ -16,7 +16,7 @@ import pytest
 
 from train import tokenizer
 from train.config import ConfigError, DataConfig
-from train.data import list_documents, order, pipeline, sources, split_documents
+from train.data import list_documents, order, pipeline, shard, sources, split_documents
 from trainer import TIMEOUT, command, run
 
 GROUP = 4  # rows per row group of the small corpora
@@ -102,6 +102,30 @@ def test_block_shuffle_reads_each_row_group_once_per_epoch(tmp_path, monkeypatch
   for i in range(n):
     ds[n + i].read()
   assert sorted(decoded.values()) == [1] * (4 * 40 // GROUP), decoded
+
+
+def test_shards_take_whole_row_groups(tmp_path):
+  """Three processes' shards of parquet documents (split first: row groups with held-out
+  rows): disjoint, together all documents, each row group in one shard; `.txt` documents
+  are dealt one by one, as every count-th."""
+  root = _write_shards(tmp_path / "corpus", shards=2, rows=30)
+  for i in range(5):
+    (root / f"doc{i}.txt").write_text(f"text {i}")
+  docs = split_documents(list_documents(str(root)), 0.1)[0]
+  parts = [shard(docs, i, 3) for i in range(3)]
+  names = [[d.name for d in p] for p in parts]
+  assert sorted(sum(names, [])) == sorted(d.name for d in docs)
+  owner = {}
+  for i, part in enumerate(names):
+    for name in part:
+      file, _, row = name.partition(":")
+      block = (file, int(row) // GROUP if row else 0)  # a row group, or a text file
+      assert owner.setdefault(block, i) == i, (block, owner[block], i)
+  # The text files sort first, so they are the first blocks: dealt one to each shard in turn.
+  texts = [d.name for d in docs if d.name.endswith(".txt")]
+  assert [d.name for d in docs[:len(texts)]] == texts
+  assert [[n for n in part if n.endswith(".txt")] for part in names] == [
+      texts[i::3] for i in range(3)]
 
 
 def test_parquet_pipeline_resumes_from_its_state(tmp_path):

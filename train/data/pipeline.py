@@ -38,15 +38,18 @@ WINDOW_BLOCKS = 2
 
 
 def shard(docs: Documents, index: int, count: int) -> Documents:
-  """Shard `index` of `count` of `docs` (every count-th document).
+  """Shard `index` of `count` of `docs`: every count-th block of documents
+  (`Documents.block_starts`: a parquet row group, so that no two shards decode one; else a
+  document).
 
   Raises:
     ConfigError: the shard holds no documents.
   """
-  part = docs[index::count]
+  sizes = np.diff(docs.block_starts())
+  part = docs[np.repeat(np.arange(len(sizes)) % count == index, sizes)]
   if not part:
     raise ConfigError(f"data shard {index} of {count} holds no documents; use more"
-                      " documents or fewer data-parallel processes.")
+                      " documents (or parquet row groups) or fewer data-parallel processes.")
   return part
 
 
@@ -105,9 +108,7 @@ class _BlockShuffle:
 
   def __init__(self, docs: Documents, seed: int, window_blocks: int = WINDOW_BLOCKS):
     self.docs, self.seed = docs, seed
-    blocks = docs.blocks()
-    new = (docs.source_ids[1:] != docs.source_ids[:-1]) | (blocks[1:] != blocks[:-1])
-    self.starts = np.concatenate([[0], 1 + np.flatnonzero(new), [len(docs)]]).astype(np.int64)
+    self.starts = docs.block_starts()
     self.window = window_blocks * math.ceil(len(docs) / self.blocks)
     self.epoch = (-1, np.zeros(0, np.int64))  # the last epoch read and its order
     self.lock = threading.Lock()

@@ -122,15 +122,16 @@ class Documents(collections.abc.Sequence):
       return Documents(self.sources, self.source_ids[i], self.records[i])
     return Document(self.sources[self.source_ids[i]], int(self.records[i]))
 
-  def blocks(self) -> np.ndarray:
-    """The block of each document in its source (`Source.blocks`), int64."""
-    out = np.zeros(len(self), np.int64)
+  def block_starts(self) -> np.ndarray:
+    """Where each run of consecutive documents of one block begins (`Source.blocks`: a
+    parquet row group; else each document is one), then `len(self)`; int64."""
+    blocks = np.zeros(len(self), np.int64)
     by_source = np.argsort(self.source_ids, kind="stable")
     ids = self.source_ids[by_source]
-    cuts = np.flatnonzero(ids[1:] != ids[:-1]) + 1
-    for run in np.split(by_source, cuts):  # the documents of one source
-      out[run] = self.sources[self.source_ids[run[0]]].blocks(self.records[run])
-    return out
+    for run in np.split(by_source, np.flatnonzero(ids[1:] != ids[:-1]) + 1):  # a source's
+      blocks[run] = self.sources[self.source_ids[run[0]]].blocks(self.records[run])
+    new = (self.source_ids[1:] != self.source_ids[:-1]) | (blocks[1:] != blocks[:-1])
+    return np.concatenate([[0], 1 + np.flatnonzero(new), [len(self)]]).astype(np.int64)
 
 
 def _check_text(raw: bytes) -> None:
