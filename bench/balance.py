@@ -120,7 +120,7 @@ def demo_rows(t: int, seed: int = 0):
   from train.data import list_documents  # pylint: disable=import-outside-toplevel
   logging.getLogger("train.data").setLevel(logging.ERROR)  # the 3 undecodable files it skips
   docs = list_documents("stdlib")
-  sizes = np.array([os.path.getsize(d.path) for d in docs])
+  sizes = np.array([os.path.getsize(d.source.path) for d in docs])  # stdlib: TextFile
   sizes = sizes[np.random.default_rng(seed).permutation(len(sizes))]
   return first_fit((int(n) for n in sizes if n >= 2), t, rows=ROWS, open_rows=16)
 

@@ -55,8 +55,8 @@ def one_batch(cfg, index: int | None, min_docs: int) -> tuple[int, dict]:
   batch `index`, or with index None the first batch whose every row holds at least
   `min_docs` documents."""
   tok = tokenizer_lib.make(cfg.data.tokenizer)
-  train_docs, _ = data.split_documents(data.list_documents(cfg.data.source),
-                                       cfg.data.eval_fraction)
+  docs = data.list_documents(cfg.data.source, cfg.data.bad_records, cfg.data.text_field)
+  train_docs, _ = data.split_documents(docs, cfg.data.eval_fraction)
   ds = data.pipeline(train_docs, tok, cfg.data, seq_len=cfg.seq_len, batch=cfg.batch_size,
                      seed=cfg.seed, shard_index=0, shard_count=1, shuffle=True)
   it = iter(ds)

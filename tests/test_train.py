@@ -198,8 +198,9 @@ def test_sigint_saves_like_sigterm(tmp_path):
 # file named by the first argument and wait forever.
 BLOCKING_SECOND_EVAL = ("import pathlib, sys, threading\n"
                         "from train import data, loop\n"
+                        "from train.data import sources\n"
                         "gate = pathlib.Path(sys.argv.pop(1))\n"
-                        "split, read, evaluate, held = (data.split_documents,"
+                        "split, read, evaluate, held = (sources.split_documents,"
                         " data.Document.read, loop._evaluate, set())\n"
                         "def remember(docs, fraction):\n"
                         "  train, held_out = split(docs, fraction)\n"
@@ -214,7 +215,7 @@ BLOCKING_SECOND_EVAL = ("import pathlib, sys, threading\n"
                         "  out = evaluate(*args)\n"
                         "  gate.touch()\n"
                         "  return out\n"
-                        "data.split_documents, data.Document.read = remember, blocking_read\n"
+                        "sources.split_documents, data.Document.read = remember, blocking_read\n"
                         "loop._evaluate = evaluate_then_close\n"
                         "from train.__main__ import main\n"
                         "sys.exit(main(sys.argv[1:]))\n")
@@ -544,6 +545,38 @@ def test_init_from_hf_extends_context_and_exports(hf_dir, tmp_path):
   assert sorted(got) == sorted(want)
   for name in want:
     assert (got[name] == want[name]).all(), name
+
+
+@pytest.mark.slow  # runs the trainer
+def test_eval_loss_by_position_from_step_0_with_init_from(hf_dir, tmp_path):
+  """extend_demo at 512 tokens from the HF directory: an eval at step 0 (the model of
+  init_from, before training) and at step 2, each with the loss by position in the segment
+  (buckets 64, 128, 256, 512), whose mean weighted by the buckets' tokens is eval_loss; in
+  TensorBoard and in eval_loss_by_position.png. The resumed run (to step 4) keeps the
+  step-0 eval and does not redo it."""
+  run_dir = tmp_path / "run"
+  steps = ["seq_len=512", "eval_every=2", "checkpoint_every=2"]
+  proc = start(run_dir, log=tmp_path / "log.txt",
+               cmd=_extend(run_dir, f"init_from={hf_dir}", "steps=2", *steps))
+  out = wait(proc, tmp_path / "log.txt")
+  assert proc.returncode == 0 and "evaluating the model of init_from" in out, out[-4000:]
+  proc = start(run_dir, log=tmp_path / "resumed.txt",
+               cmd=_extend(run_dir, f"init_from={hf_dir}", "steps=4", *steps))
+  out = wait(proc, tmp_path / "resumed.txt")
+  assert proc.returncode == 0 and "resumed from step 2 " in out, out[-4000:]
+  assert "evaluating the model of init_from" not in out
+  evals = [r for r in metrics(run_dir) if "eval_loss" in r]
+  assert [r["step"] for r in evals] == [0, 2, 4], evals
+  for r in evals:
+    by_loss, by_tokens = r["eval_loss_by_position"], r["eval_tokens_by_position"]
+    assert list(by_loss) == list(by_tokens) == ["64", "128", "256", "512"], r
+    assert sum(by_tokens.values()) == r["eval_tokens"] > 0
+    mean = sum(by_loss[b] * by_tokens[b] for b in by_loss) / r["eval_tokens"]
+    assert mean == pytest.approx(r["eval_loss"], rel=1e-12), r
+  assert evals[0]["eval_loss"] != evals[1]["eval_loss"]  # trained between them
+  assert (run_dir / "eval_loss_by_position.png").stat().st_size > 0
+  events = b"".join(p.read_bytes() for p in (run_dir / "tensorboard").iterdir())
+  assert b"eval_loss_by_position/512" in events
 
 
 @pytest.mark.slow  # runs the trainer

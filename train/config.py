@@ -35,15 +35,18 @@ class DataConfig:
   """Where documents come from and how they become packed rows.
 
   source: "stdlib" (the Python standard library's own `.py` files, on every machine) or a
-    directory of `.txt` files (one document each) and `.jsonl` files (one document per
-    line, its "text" field), read recursively in sorted order.
+    directory of `.txt` files (one document each), `.jsonl` files (one document per line,
+    its `text_field`) and `.parquet` shards (one document per row, its column
+    `text_field`; needs pyarrow), read recursively in sorted order (`train.data.sources`).
+  text_field: the `.jsonl` field and `.parquet` column that holds a document's text.
   tokenizer: "bytes" (UTF-8 bytes, ids 0..255) or the path of a SentencePiece `.model`.
   bad_records: what listing the corpus does with a record it cannot train on (a `.jsonl`
-    line that is not UTF-8 JSON with a string "text", a `.txt` file that is binary or
-    mostly not UTF-8): "skip" leaves it out and counts it in a warning; "error" stops
-    with a config error that lists them.
+    line that is not UTF-8 JSON with a string `text_field`, a null `.parquet` value, a
+    `.txt` file that is binary or mostly not UTF-8): "skip" leaves it out and counts it in
+    a warning; "error" stops with a config error that lists them.
   eval_fraction: the share of documents held out for eval, chosen by a hash of their name
-    (at least one when > 0); evals (`eval_every` > 0) need it > 0 (`train.data.make`).
+    (the file's, and its line or row number: `Source.record_name`; at least one when > 0);
+    evals (`eval_every` > 0) need it > 0 (`train.data.make`).
   eval_batches: batches of held-out rows in each eval; at least 1 when evals run.
   packing_bins: rows the packer fills at once (more bins, less padding).
   read_threads: threads reading and tokenizing documents (0: read in the loop's thread).
@@ -55,6 +58,7 @@ class DataConfig:
   """
 
   source: str = "stdlib"
+  text_field: str = "text"
   tokenizer: str = "bytes"
   bad_records: str = "skip"
   eval_fraction: float = 0.02

@@ -18,7 +18,9 @@ stay in metrics.jsonl; the redone steps' lines are appended (see `train.metrics`
 resume refuses, and how a run starts over, is in `train.run_dir`; SIGTERM and SIGINT in
 `train.stop`. A run stopped during an eval has saved the eval's step without its eval: the
 resumed run, finding no eval line for the step it starts from where one is due, evaluates
-first (its time counts in the first step's).
+first (its time counts in the first step's). A run with `init_from` evaluates the model it
+starts from at step 0, before its first step (`train.evaluation`); a resume finds that eval
+line and does not redo it.
 """
 
 from __future__ import annotations
@@ -34,8 +36,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-from models.llama import Llama, loss_fn
-from train import data, distributed, metrics, throughput, tokenizer
+from models.llama import loss_fn
+from train import data, distributed, evaluation, metrics, throughput, tokenizer
 from train import mesh as mesh_lib
 from train.config import TrainConfig
 from train.state import Start, TrainState, restore_state
@@ -53,12 +55,6 @@ def train_step(state: TrainState, batch: dict) -> dict:
   (loss, aux), grads = nnx.value_and_grad(loss_fn, has_aux=True)(state.model, batch)
   state.optimizer.update(state.model, grads)
   return {"loss": loss, "grad_norm": optax.global_norm(grads), "tokens": aux["tokens"]}
-
-
-@nnx.jit
-def eval_step(model: Llama, batch: dict):
-  loss, aux = loss_fn(model, batch)
-  return loss * aux["tokens"], aux["tokens"]
 
 
 def run(cfg: TrainConfig) -> tuple[int, bool]:
@@ -129,8 +125,11 @@ def _loop(cfg: TrainConfig, mesh, run_data: data.Data, start: Start, stop: StopR
   saved, stopped, pending = step, False, None
   try:
     if _eval_missing(cfg, run_data, step, reporter.writer):
-      log.warning("step %d has no eval in metrics.jsonl (the run stopped during it):"
-                  " evaluating it now", step)
+      if step:
+        log.warning("step %d has no eval in metrics.jsonl (the run stopped during it):"
+                    " evaluating it now", step)
+      else:
+        log.info("evaluating the model of init_from before training (step 0)")
       reporter.writer.write(step, _evaluate(state, run_data.eval, batches,
                                             cfg.data.eval_batches, stop))
     while step < cfg.steps:
@@ -182,35 +181,40 @@ def _loop(cfg: TrainConfig, mesh, run_data: data.Data, start: Start, stop: StopR
 
 
 def _eval_due(cfg: TrainConfig, run_data: data.Data, step: int) -> bool:
-  """Whether the run evaluates after step `step`: every `eval_every` steps and after the
-  last, where there are held-out documents."""
-  return run_data.eval is not None and (step % cfg.eval_every == 0 or step == cfg.steps)
+  """Whether the run evaluates after step `step`, where there are held-out documents:
+  every `eval_every` steps and after the last; at step 0 (before training) with
+  `init_from`, so that the model it starts from has its curve too."""
+  if run_data.eval is None:
+    return False
+  if step == 0:
+    return bool(cfg.init_from)
+  return step % cfg.eval_every == 0 or step == cfg.steps
 
 
 def _eval_missing(cfg: TrainConfig, run_data: data.Data, step: int,
                   writer: metrics.MetricsWriter) -> bool:
-  """Whether step `step`, where a run resumes, is due an eval that its metrics lack (the
-  earlier run stopped during it); every process gets process 0's answer, which has the
-  file."""
-  missing = (step > 0 and _eval_due(cfg, run_data, step) and jax.process_index() == 0
+  """Whether step `step`, where a run starts or resumes, is due an eval that its metrics
+  lack (step 0 of a new run with `init_from`, or the earlier run stopped during it); every
+  process gets process 0's answer, which has the file."""
+  missing = (_eval_due(cfg, run_data, step) and jax.process_index() == 0
              and step not in writer.evaluated)
   return distributed.process_max(int(missing)) == 1
 
 
 def _evaluate(state: TrainState, eval_ds, batches: data.GlobalBatches, num: int,
               stop: StopRequest) -> dict:
-  """Mean eval loss over `num` held-out batches.
+  """The eval's metrics over `num` held-out batches (`train.evaluation.summary`).
 
   Raises:
     Stopped: SIGTERM or SIGINT while waiting for a batch.
   """
-  total, tokens = 0.0, 0.0
+  totals = {}
   it = iter(eval_ds)  # a fresh iterator: the same held-out batches every time
   for _ in range(num):
     local = stop.call(lambda: next(it))
-    loss_sum, n = eval_step(state.model, batches.to_global(local))
-    total, tokens = total + float(loss_sum), tokens + float(n)
-  return {"eval_loss": total / max(tokens, 1.0), "eval_tokens": tokens}
+    sums = jax.device_get(evaluation.eval_step(state.model, batches.to_global(local)))
+    totals = {k: totals.get(k, 0.0) + np.asarray(v, np.float64) for k, v in sums.items()}
+  return evaluation.summary(totals, batches.shape[1])
 
 
 class _Reporter:
@@ -284,6 +288,8 @@ class _Reporter:
                    f" {r['tflops_per_device']:.4g}, MFU {mfu}")
     lines += [f"checkpoints: {ckpt_dir}", f"metrics: {run / 'metrics.jsonl'}",
               f"TensorBoard: {run / 'tensorboard'}", f"loss plot: {run / 'loss.png'}"]
+    if (run / "eval_loss_by_position.png").exists():
+      lines.append(f"eval loss by position: {run / 'eval_loss_by_position.png'}")
     return "\n  ".join(lines)
 
 

@@ -1,11 +1,16 @@
 """Run metrics: `{run_dir}/metrics.jsonl` (one JSON object per line, flushed each step),
-TensorBoard events in `{run_dir}/tensorboard/`, and the loss curve `{run_dir}/loss.png`.
+TensorBoard events in `{run_dir}/tensorboard/`, the loss curve `{run_dir}/loss.png` and the
+eval loss by position `{run_dir}/eval_loss_by_position.png`.
 
 Lines are `{"step": s, "loss": ..., "grad_norm": ..., "lr": ..., "tokens": ...,
 "tokens_per_s": ..., "tokens_per_s_per_device": ..., "tflops_per_device": ..., "mfu": ...
 (null without a known peak, see `train.throughput`), "step_time": ..., "host_time": ...,
 "dispatch_time": ...}` for training steps and `{"step": s, "eval_loss": ...,
-"eval_tokens": ...}` for evals. `step` counts optimizer steps done (1 after the first).
+"eval_tokens": ..., "eval_loss_by_position": {"256": ..., "512": ..., ...},
+"eval_tokens_by_position": {...}}` for evals (by position: each bucket's upper bound in
+tokens to its mean loss and its tokens, `train.evaluation`; in TensorBoard as scalars
+`eval_loss_by_position/256`, ...). `step` counts optimizer steps done (1 after the first;
+0: the eval of an `init_from` model before training).
 tflops_per_device and mfu count the batch's model FLOPs (`train.throughput`).
 step_time: seconds between this step's completion and the previous one's (the first
 step's from the loop's start; evals and saves between steps count in the next one's), so
@@ -83,13 +88,15 @@ class MetricsWriter:
                                  purge_step=start_step + 1)
 
   def write(self, step: int, values: dict) -> None:
-    """One line `{"step": step, **values}`, flushed; scalars to TensorBoard too."""
+    """One line `{"step": step, **values}`, flushed; scalars to TensorBoard too (a dict of
+    scalars as `name/key`)."""
     if not self.enabled:
       return
     self._file.write(json.dumps({"step": step, **values}) + "\n")
     self._file.flush()
     for name, value in values.items():
-      self._tb.add_scalar(name, value, step)
+      for tag, scalar in (value.items() if isinstance(value, dict) else [("", value)]):
+        self._tb.add_scalar(f"{name}/{tag}" if tag else name, scalar, step)
     self._tb.flush()
 
   def close(self) -> None:
@@ -98,9 +105,11 @@ class MetricsWriter:
       self._tb.close()
 
   def plot(self) -> None:
-    """Draws the run's loss.png (`plot_loss`) on process 0."""
+    """Draws the run's loss.png (`plot_loss`) and eval_loss_by_position.png
+    (`plot_loss_by_position`, where evals have it) on process 0."""
     if self.enabled:
       plot_loss(str(self.path.parent))
+      plot_loss_by_position(str(self.path.parent))
 
 
 def _summary_writer():
@@ -118,12 +127,16 @@ def _summary_writer():
   return SummaryWriter
 
 
-def plot_loss(run_dir: str) -> pathlib.Path:
-  """Draws train and eval loss by step from `{run_dir}/metrics.jsonl` to `loss.png`."""
+def _pyplot():
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+  return plt
 
+
+def plot_loss(run_dir: str) -> pathlib.Path:
+  """Draws train and eval loss by step from `{run_dir}/metrics.jsonl` to `loss.png`."""
+  plt = _pyplot()
   run = pathlib.Path(run_dir)
   rows = read(run_dir)
   fig, ax = plt.subplots(figsize=(7, 4))
@@ -138,6 +151,38 @@ def plot_loss(run_dir: str) -> pathlib.Path:
   ax.legend()
   fig.tight_layout()
   out = run / "loss.png"
+  fig.savefig(out, dpi=100)
+  plt.close(fig)
+  return out
+
+
+def plot_loss_by_position(run_dir: str) -> pathlib.Path | None:
+  """Draws each eval's loss by position in the segment (`eval_loss_by_position`: a line per
+  eval step, x the bucket's upper bound on a log scale) from `{run_dir}/metrics.jsonl` to
+  `eval_loss_by_position.png`; None where no eval has it."""
+  rows = [r for r in read(run_dir) if isinstance(r.get("eval_loss_by_position"), dict)
+          and r["eval_loss_by_position"]]
+  if not rows:
+    return None
+  plt = _pyplot()
+  run = pathlib.Path(run_dir)
+  fig, ax = plt.subplots(figsize=(7, 4))
+  colors = plt.get_cmap("viridis")
+  for i, r in enumerate(rows):
+    points = sorted((int(k), v) for k, v in r["eval_loss_by_position"].items())
+    ax.plot(*zip(*points, strict=True), "o-", markersize=3, label=f"step {r['step']}",
+            color=colors(i / max(len(rows) - 1, 1)))
+  ax.set_xscale("log", base=2)
+  bounds = sorted({int(k) for r in rows for k in r["eval_loss_by_position"]})
+  ax.set_xticks(bounds, [str(b) for b in bounds])
+  ax.minorticks_off()
+  ax.set_xlabel("position in the segment (bucket's upper bound, tokens)")
+  ax.set_ylabel("eval loss (nats / token)")
+  ax.set_title(f"{run.name}: eval loss by position")
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize="small", ncol=2)
+  fig.tight_layout()
+  out = run / "eval_loss_by_position.png"
   fig.savefig(out, dpi=100)
   plt.close(fig)
   return out

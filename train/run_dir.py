@@ -3,7 +3,7 @@
   checkpoints/<step>/      orbax checkpoints (`train.checkpoint`)
   checkpoints_unusable/    damaged steps, set aside when restoring
   config.json              the config the checkpoints were saved with
-  metrics.jsonl, tensorboard/, loss.png   (`train.metrics`)
+  metrics.jsonl, tensorboard/, loss.png, eval_loss_by_position.png   (`train.metrics`)
   archive/<time>/          an earlier run's files, moved there when a run starts over
 
 `check` runs before anything else: it compares the config with the saved one. A change
@@ -35,13 +35,15 @@ from train.config import ConfigError, TrainConfig, from_dict, to_dict
 log = logging.getLogger(__name__)
 
 # The data stream whose iterator position each checkpoint holds.
-DATA_KEYS = ("seq_len", "batch_size", "seed", "data.source", "data.tokenizer",
-             "data.eval_fraction", "data.packing_bins")
-# Keys every config.json the trainer writes holds: a resume compares them.
-SAVED_KEYS = DATA_KEYS + tuple(f"model.{k}" for k in ("vocab_size", "dim", "n_layers", "n_heads",
-                                                      "n_kv_heads", "ffn_dim"))
+DATA_KEYS = ("seq_len", "batch_size", "seed", "data.source", "data.text_field",
+             "data.tokenizer", "data.eval_fraction", "data.packing_bins")
+# Keys every config.json the trainer writes holds: a resume compares them. (A config.json
+# saved before data.text_field existed lacks it, and loads with its default.)
+SAVED_KEYS = tuple(k for k in DATA_KEYS if k != "data.text_field") + tuple(
+    f"model.{k}" for k in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim"))
 CHECKPOINT_FILES = ("checkpoints", "checkpoints_unusable")
-OUTPUT_FILES = ("config.json", "metrics.jsonl", "tensorboard", "loss.png")
+OUTPUT_FILES = ("config.json", "metrics.jsonl", "tensorboard", "loss.png",
+                "eval_loss_by_position.png")
 
 
 def timestamp() -> str:

@@ -1,0 +1,196 @@
+"""Corpus readers (`train.data.sources`) and the document order (`train.data.pipeline.order`)
+on generated parquet shards and `.jsonl` files; and a trainer run on a parquet corpus
+several times larger than its own peak memory."""
+
+from __future__ import annotations
+
+import collections
+import json
+import shutil
+import sys
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from train import tokenizer
+from train.config import ConfigError, DataConfig
+from train.data import list_documents, order, pipeline, shard, sources, split_documents
+from trainer import TIMEOUT, command, run
+
+GROUP = 4  # rows per row group of the small corpora
+
+
+def _write_shards(root, shards: int = 3, rows: int = 20, group: int = GROUP, **columns):
+  """`shards` parquet files of `rows` rows ("shard s row r ..." texts) in row groups of
+  `group`, plus `columns` (name -> a function of (shard, row)); returns root."""
+  root.mkdir(exist_ok=True)
+  for s in range(shards):
+    table = {"text": [f"shard {s} row {r} " + "word " * (r % 7 + 3) for r in range(rows)]}
+    table.update({k: [f(s, r) for r in range(rows)] for k, f in columns.items()})
+    pq.write_table(pa.table(table), root / f"part-{s}.parquet", row_group_size=group)
+  return root
+
+
+def test_parquet_rows_are_documents_named_by_shard_and_row(tmp_path):
+  root = _write_shards(tmp_path / "corpus")
+  docs = list_documents(str(root))
+  assert [d.name for d in docs] == [f"part-{s}.parquet:{r}" for s in range(3) for r in range(20)]
+  assert docs[27].read() == "shard 1 row 7 " + "word " * 3
+  # The held-out split hashes names, so it does not depend on how rows are grouped.
+  regrouped = list_documents(str(_write_shards(tmp_path / "regrouped", group=7)))
+  held = [d.name for d in split_documents(docs, 0.2)[1]]
+  assert held == [d.name for d in split_documents(regrouped, 0.2)[1]] and 0 < len(held) < 60
+
+
+def test_null_rows_follow_bad_records(tmp_path, caplog):
+  root = tmp_path / "corpus"
+  root.mkdir()
+  texts = [None if r in (2, 9) else f"row {r} text" for r in range(12)]
+  pq.write_table(pa.table({"text": texts}), root / "a.parquet", row_group_size=GROUP)
+  (root / "b.jsonl").write_text(json.dumps({"text": "fine"}) + "\nnot json\n")
+  docs = list_documents(str(root))
+  assert [d.name for d in docs] == [f"a.parquet:{r}" for r in range(12) if r not in (2, 9)] + [
+      "b.jsonl:0"]
+  assert "skipped 3 bad records of 14" in caplog.text
+  with pytest.raises(ConfigError, match="has 3 records") as e:
+    list_documents(str(root), bad_records="error")
+  assert "a.parquet row 2: null 'text'; a.parquet row 9" in str(e.value)
+  assert "b.jsonl line 2: not JSON" in str(e.value)
+
+
+def test_text_field_names_the_column_or_field(tmp_path):
+  root = _write_shards(tmp_path / "corpus", shards=1, body=lambda s, r: f"body {r}",
+                       number=lambda s, r: r)
+  (root / "c.jsonl").write_text(json.dumps({"body": "from jsonl"}) + "\n")
+  docs = list_documents(str(root), text_field="body")
+  assert [d.read() for d in docs[:2]] == ["from jsonl", "body 0"]
+  with pytest.raises(ConfigError) as e:
+    list_documents(str(root), text_field="content")
+  assert all(s in str(e.value) for s in ("'data.text_field'", "'content'", "part-0.parquet",
+                                         "['text', 'body', 'number']")), e.value
+  with pytest.raises(ConfigError, match="expects a column of strings.*int64"):
+    list_documents(str(root), text_field="number")
+  (root / "broken.parquet").write_bytes(b"not parquet at all")
+  with pytest.raises(ConfigError, match="broken.parquet is not a parquet file"):
+    list_documents(str(root))
+
+
+def test_block_shuffle_reads_each_row_group_once_per_epoch(tmp_path, monkeypatch):
+  """Shuffled parquet documents: every epoch is a permutation of the documents, new each
+  epoch and the same for the same seed; read in order, an epoch decodes each row group
+  once, and the cache never holds more than `ROW_GROUP_CACHE` groups."""
+  docs = list_documents(str(_write_shards(tmp_path / "corpus", shards=4, rows=40)))
+  decoded = collections.Counter()
+  read_group = sources.ParquetFile.read_group
+
+  def counted(self, group):
+    decoded[self.name, group] += 1
+    assert len(sources.ROW_GROUPS.groups) <= sources.ROW_GROUP_CACHE
+    return read_group(self, group)
+
+  monkeypatch.setattr(sources.ParquetFile, "read_group", counted)
+  monkeypatch.setattr(sources, "ROW_GROUPS", sources._RowGroups(sources.ROW_GROUP_CACHE))
+  ds, n = order(docs, seed=3, shuffle=True), len(docs)
+  epochs = [[ds[e * n + i].name for i in range(n)] for e in range(3)]
+  assert all(sorted(e) == sorted(d.name for d in docs) for e in epochs)
+  assert len({tuple(e) for e in epochs}) == 3
+  assert epochs[0] == [order(docs, seed=3, shuffle=True)[i].name for i in range(n)]
+  assert epochs[0] != [order(docs, seed=4, shuffle=True)[i].name for i in range(n)]
+  assert epochs[0][:GROUP] != [d.name for d in docs[:GROUP]]
+  for i in range(n):
+    ds[n + i].read()
+  assert sorted(decoded.values()) == [1] * (4 * 40 // GROUP), decoded
+
+
+def test_shards_take_whole_row_groups(tmp_path):
+  """Three processes' shards of parquet documents (split first: row groups with held-out
+  rows): disjoint, together all documents, each row group in one shard; `.txt` documents
+  are dealt one by one, as every count-th."""
+  root = _write_shards(tmp_path / "corpus", shards=2, rows=30)
+  for i in range(5):
+    (root / f"doc{i}.txt").write_text(f"text {i}")
+  docs = split_documents(list_documents(str(root)), 0.1)[0]
+  parts = [shard(docs, i, 3) for i in range(3)]
+  names = [[d.name for d in p] for p in parts]
+  assert sorted(sum(names, [])) == sorted(d.name for d in docs)
+  owner = {}
+  for i, part in enumerate(names):
+    for name in part:
+      file, _, row = name.partition(":")
+      block = (file, int(row) // GROUP if row else 0)  # a row group, or a text file
+      assert owner.setdefault(block, i) == i, (block, owner[block], i)
+  # The text files sort first, so they are the first blocks: dealt one to each shard in turn.
+  texts = [d.name for d in docs if d.name.endswith(".txt")]
+  assert [d.name for d in docs[:len(texts)]] == texts
+  assert [[n for n in part if n.endswith(".txt")] for part in names] == [
+      texts[i::3] for i in range(3)]
+
+
+def test_parquet_pipeline_resumes_from_its_state(tmp_path):
+  docs = list_documents(str(_write_shards(tmp_path / "corpus", rows=60)))
+  tok = tokenizer.ByteTokenizer()
+
+  def batches():
+    return iter(pipeline(docs, tok, DataConfig(read_threads=2), seq_len=64, batch=2, seed=0,
+                         shard_index=0, shard_count=1, shuffle=True))
+
+  it = batches()
+  for _ in range(5):
+    next(it)
+  state = it.get_state()
+  want = [next(it)["tokens"] for _ in range(4)]
+  resumed = batches()
+  resumed.set_state(state)
+  for w in want:
+    np.testing.assert_array_equal(next(resumed)["tokens"], w)
+
+
+# The trainer's `main`, then the process's peak resident memory.
+MAIN_REPORTING_PEAK_RSS = (
+    "import resource, sys\n"
+    "from train.__main__ import main\n"
+    "rc = main(sys.argv[1:])\n"
+    "print('PEAK_RSS_KIB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
+    "sys.exit(rc)\n")
+DOC_BYTES = 1 << 16
+CORPUS_GIB = 3.5
+
+
+def _write_large_corpus(root, gib: float) -> int:
+  """Parquet shards of `gib` GiB of text (64 KiB documents of random letters, 16 per row
+  group, 512 per shard), uncompressed and without statistics: the bytes on disk are the
+  text's, and listing must decode every row group to find nulls. Returns the bytes written."""
+  root.mkdir()
+  rng = np.random.default_rng(0)
+  letters = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz      ", np.uint8)
+  pool = letters[rng.integers(0, len(letters), 64 << 20)]  # rotated: a new text per shard
+  per_shard, docs = 512, int(gib * (1 << 30)) // DOC_BYTES
+  for s in range(0, docs, per_shard):
+    k = min(per_shard, docs - s)
+    data = np.roll(pool, s * 4099)[:k * DOC_BYTES]
+    offsets = np.arange(k + 1, dtype=np.int32) * DOC_BYTES
+    text = pa.StringArray.from_buffers(k, pa.py_buffer(offsets), pa.py_buffer(data))
+    pq.write_table(pa.table({"text": text}), root / f"shard-{s // per_shard:04d}.parquet",
+                   row_group_size=16, compression="none", use_dictionary=False,
+                   write_statistics=False)
+  return sum(p.stat().st_size for p in root.iterdir())
+
+
+@pytest.mark.slow  # writes 3.5 GiB and runs the trainer
+def test_parquet_corpus_larger_than_memory_trains_in_bounded_memory(tmp_path):
+  """A 3.5 GiB parquet corpus, listed (every row group decoded, one at a time) and trained
+  on for 8 steps: the trainer's peak resident memory stays below a third of the corpus."""
+  corpus = tmp_path / "corpus"
+  try:
+    size = _write_large_corpus(corpus, CORPUS_GIB)
+    run_dir = tmp_path / "run"
+    proc = run([sys.executable, "-c", MAIN_REPORTING_PEAK_RSS, *command(run_dir)[3:],
+                f"data.source={corpus}", "steps=8"], timeout=TIMEOUT)
+  finally:
+    shutil.rmtree(corpus, ignore_errors=True)  # pytest keeps the last runs' tmp_path
+  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+  peak = int(proc.stdout.split("PEAK_RSS_KIB ")[1].split()[0]) * 1024
+  print(f"corpus {size / 2**20:.0f} MiB, trainer peak RSS {peak / 2**20:.0f} MiB")
+  assert size >= 3 * peak, (size, peak)

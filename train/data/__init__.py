@@ -1,0 +1,33 @@
+"""A run's data: corpus files -> documents -> packed rows -> global batches.
+
+  sources.py    one reader per corpus format (.txt, .jsonl, .parquet) behind `Source`;
+                listing, bad records, the held-out split
+  pipeline.py   the grain pipeline: order, read + tokenize, split, pack, targets; `make`
+  batches.py    `GlobalBatches`: local rows -> global arrays in the run's token order
+
+The tokenizers (text -> ids) are `train.tokenizer`; the pipeline needs only their `encode`.
+"""
+
+from train.data.batches import BATCH_SPEC, KEYS, GlobalBatches
+from train.data.pipeline import (
+  MIN_TOKENS,
+  Data,
+  check_evals,
+  check_usable,
+  make,
+  order,
+  pipeline,
+  shard,
+)
+from train.data.sources import (
+  BadRecord,
+  Document,
+  Documents,
+  Source,
+  list_documents,
+  split_documents,
+)
+
+__all__ = ["BATCH_SPEC", "KEYS", "MIN_TOKENS", "BadRecord", "Data", "Document", "Documents",
+           "GlobalBatches", "Source", "check_evals", "check_usable", "list_documents", "make",
+           "order", "pipeline", "shard", "split_documents"]
