@@ -37,7 +37,12 @@ class DataConfig:
   source: "stdlib" (the Python standard library's own `.py` files, on every machine) or a
     directory of `.txt` files (one document each) and `.jsonl` files (one document per
     line, its "text" field), read recursively in sorted order.
-  tokenizer: "bytes" (UTF-8 bytes, ids 0..255) or the path of a SentencePiece `.model`.
+  tokenizer: "bytes" (UTF-8 bytes, ids 0..255); a Hugging Face `tokenizer.json` or a
+    directory holding one (a model directory such as `init_from`'s; the `tokenizers`
+    package), whose post-processor's special tokens (BOS, EOS) begin and end each
+    document, as transformers adds them; or a SentencePiece `.model` (or a directory
+    holding tokenizer.model). A run copies its files into the run_dir
+    (`train.run_dir.save_tokenizer`), which resume, export and sample read.
   bad_records: what listing the corpus does with a record it cannot train on (a `.jsonl`
     line that is not UTF-8 JSON with a string "text", a `.txt` file that is binary or
     mostly not UTF-8): "skip" leaves it out and counts it in a warning; "error" stops

@@ -2,8 +2,10 @@
 
 Per process:
   documents (sorted; bad records left out; the held-out ones by a hash of their name)
-  -> this process's shard -> shuffled each epoch, repeated -> read + tokenize -> split into
-  pieces of <= seq_len -> first-fit packed into rows of seq_len (`segment_ids` 1, 2, ...
+  -> this process's shard -> shuffled each epoch, repeated -> read + tokenize (each document
+  alone, with the special tokens the tokenizer begins and ends one with:
+  `tokenizer.document`) -> split into pieces of <= seq_len (BOS only in a document's
+  first, EOS only in its last) -> first-fit packed into rows of seq_len (`segment_ids` 1, 2, ...
   and `positions` restarting at 0; 0 = padding) -> batched -> next-token targets and
   weights (`models.llama.make_targets`, in the original token order).
 Then `GlobalBatches` permutes every per-token array into the load-balanced order (under
@@ -202,7 +204,7 @@ def check_usable(docs: list[Document], tokenizer, what: str, fix: str) -> None:
   keeps it from running dry, and with none it would search forever. Reads documents in
   order until one qualifies (usually the first)."""
   for doc in docs:
-    if len(tokenizer.encode(doc.read())) >= MIN_TOKENS:
+    if len(tokenizer.document(doc.read())) >= MIN_TOKENS:
       return
   raise ConfigError(f"{what}: none of its {len(docs)} documents has the {MIN_TOKENS} tokens"
                     f" a training piece needs (all are empty or shorter); {fix}.")
@@ -254,7 +256,7 @@ def pipeline(docs: list[Document], tokenizer, cfg: DataConfig, *, seq_len: int, 
   source = grain.MapDataset.source(shard(docs, shard_index, shard_count))
   if shuffle:
     source = source.shuffle(seed)
-  ds = source.repeat(None).map(lambda d: tokenizer.encode(d.read()))
+  ds = source.repeat(None).map(lambda d: tokenizer.document(d.read()))
   ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=cfg.read_threads,
                                             prefetch_buffer_size=4 * cfg.packing_bins))
   ds = grain.experimental.FlatMapIterDataset(ds, _SplitPieces(seq_len))

@@ -13,6 +13,10 @@ else from the source: a
 Hugging Face Llama fine-tuned with a sliding window, or a Llama 3.1 extended with its own
 `rope_scaling`.
 
+The tokenizer (`data.tokenizer`) must be the checkpoint's: `check_tokenizer` refuses one
+whose vocabulary is larger than the checkpoint's `vocab_size`, or whose BOS or EOS ids
+differ from its config.json's `bos_token_id` / `eos_token_id`.
+
 A run whose run_dir has checkpoints resumes from them and ignores `init_from` (logged);
 its model config is the one its config.json was saved with, with the YAML's options.
 """
@@ -162,3 +166,43 @@ def load(cfg: TrainConfig, context_parallel, graphdef, abstract_state):
       raise ConfigError(f"{what}: {e}") from None
     model = nnx.merge(graphdef, state).model
   return nnx.state(model, nnx.Param)
+
+
+def _ids(value) -> list[int]:
+  """config.json's `bos_token_id` / `eos_token_id`: an int, a list of them (Llama 3.1's
+  EOS ids), or null."""
+  values = value if isinstance(value, list) else [value]
+  return [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
+
+
+def check_tokenizer(cfg: TrainConfig, tok) -> None:
+  """Refuses a tokenizer that does not fit the Hugging Face checkpoint `cfg.init_from`
+  starts from (nothing to check without one, when resuming, or from a run_dir): more ids
+  than its config.json's `vocab_size`, or BOS / EOS ids other than its `bos_token_id` /
+  `eos_token_id` (one of them, where it lists several). Reads files only.
+
+  Raises:
+    ConfigError naming data.tokenizer and init_from, with both values.
+  """
+  if not cfg.init_from or resuming(cfg) or not is_hf(cfg.init_from):
+    return
+  try:
+    source = hf.read_config(cfg.init_from)
+  except hf.CheckpointError as e:
+    raise ConfigError(f"config key 'init_from' ({cfg.init_from!r}): {e}") from None
+  where = f"the checkpoint of init_from {cfg.init_from!r} has"
+  fix = ("use the checkpoint's own tokenizer: data.tokenizer=<the init_from directory>, or its"
+         " tokenizer.json")
+  vocab = source.get("vocab_size")
+  if isinstance(vocab, int) and tok.vocab_size > vocab:
+    raise ConfigError(f"config key 'data.tokenizer' ({cfg.data.tokenizer!r}) has"
+                      f" {tok.vocab_size} ids, but {where} vocab_size {vocab} (its config.json);"
+                      f" {fix}.")
+  for name, ours in (("bos", tok.bos_id), ("eos", tok.eos_id)):
+    theirs = _ids(source.get(f"{name}_token_id"))
+    if theirs and ours not in theirs:
+      has = "no " + name.upper() + " token" if ours is None else f"{name.upper()} id {ours}"
+      want = theirs[0] if len(theirs) == 1 else f"one of {theirs}"
+      raise ConfigError(f"config key 'data.tokenizer' ({cfg.data.tokenizer!r}) has {has}, but"
+                        f" {where} {name}_token_id {want} (its config.json), so it was trained"
+                        f" with other special tokens; {fix}.")

@@ -4,7 +4,8 @@
   python -m train.sample runs/demo --prompt "import " --max_new_tokens 64 \\
       --temperature 0.8 --top_p 0.95 --seed 1
 
-The run's config.json gives the model and the tokenizer; its newest checkpoint gives the
+The run's config.json gives the model, its copy of its tokenizer's files (or
+data.tokenizer) the tokenizer; its newest checkpoint gives the
 parameters, read without changing the run_dir (`train.export.restore_model`; a run may
 still be training there); a `scan_layers` model is decoded through
 `models.llama.unroll_layers`. The prompt is one document from
@@ -198,7 +199,6 @@ def load(run_dir: str):
   """
   from train import config, distributed
   from train import run_dir as run_dir_lib
-  from train import tokenizer as tokenizer_lib
   from train.distributed import jax_platforms
   from train.export import restore_model
 
@@ -222,7 +222,7 @@ def load(run_dir: str):
                      f" {ckpt_dir}; train longer (checkpoint_every) or pass another run_dir.")
   if cfg.platform:
     jax.config.update("jax_platforms", jax_platforms(cfg.platform))
-  tok = tokenizer_lib.make(cfg.data.tokenizer)
+  tok = run_dir_lib.load_tokenizer(run_dir, cfg)
   distributed.start_backend(cfg.platform, f"the run's platform ({path / 'config.json'})",
                             "sample on a machine with that platform")
   step, model = restore_model(run_dir, cfg, jax.devices()[0])
@@ -287,7 +287,7 @@ def main(argv: list[str]) -> int:
     check_sampling(args.max_new_tokens, args.temperature, args.top_p)
     model, tok, _ = load(args.run_dir)
     with on_mesh(model, args.run_dir, args.context_parallel) as cp:
-      new = generate(model, tok.encode(args.prompt), args.max_new_tokens,
+      new = generate(model, tok.document(args.prompt, end=False), args.max_new_tokens,
                      temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                      context_parallel=cp)
   except checkpoint.CheckpointError as e:
