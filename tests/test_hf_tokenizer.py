@@ -17,7 +17,7 @@ pytest.importorskip("tokenizers", reason="needs the tokenizers extra (pip instal
 
 from tokenizers import processors  # noqa: E402
 
-from train import config, data, demo_tokenizer, export, tokenizer  # noqa: E402
+from train import config, data, demo_tokenizer, export, init_from, tokenizer  # noqa: E402
 from trainer import MAIN_REPORTING_BACKEND, TINY, refused, run, train  # noqa: E402
 
 TEXTS = ["def main():\n    return 1  # é\n", "import os\n\nprint(os.sep)", "x", "",
@@ -165,7 +165,7 @@ def bad_tokenizers(tmp_path_factory, bpe):
   root = tmp_path_factory.mktemp("bad")
   good = _save(bpe, root / "good", "bos eos")
   paths = {"missing": root / "nowhere" / "tokenizer.json", "empty dir": root / "empty",
-           "good": good}
+           "good": good, "bytes": "bytes"}
   paths["empty dir"].mkdir()
   for name, files in {
       "corrupt": {"tokenizer.json": "{not json"},
@@ -188,6 +188,8 @@ def bad_tokenizers(tmp_path_factory, bpe):
     ("config not json", None, ["'data.tokenizer'", "tokenizer_config.json", "is not JSON"]),
     ("bos not in vocabulary", None, ["'data.tokenizer'", "bos_token '<bos>'", "vocabulary"]),
     ("good", "llama bos 5", ["'data.tokenizer'", "BOS id 1", "bos_token_id 5", "init_from"]),
+    ("bytes", "llama bos 5", ["'data.tokenizer' ('bytes')", "no BOS or EOS token",
+                              "bos_token_id 5, eos_token_id 2", "init_from"]),
     ("good", "llama of 300 ids", ["'data.tokenizer'", f"has {VOCAB} ids", "vocab_size 300",
                                   "init_from"]),
 ])
@@ -203,6 +205,26 @@ def test_a_tokenizer_that_does_not_read_or_fit_is_a_config_error(tmp_path, bpe, 
                   f"run_dir={run_dir}", *TINY, f"data.tokenizer={bad_tokenizers[tok]}", *more,
                   f"model.vocab_size={vocab}"], "config error: ", *names, run_dir=run_dir)
   assert "BACKEND_STARTED False" in proc.stdout
+
+
+def test_a_tokenizer_without_bos_fits_a_checkpoint_that_names_one(tmp_path, bpe):
+  """Qwen's config.json has a bos_token_id, its tokenizer no BOS token: accepted. An EOS
+  that is not the checkpoint's is refused."""
+  pytest.importorskip("transformers", reason="needs the hf extra (the checkpoint)")
+  source = _model_dir(tmp_path / "qwen", bpe)
+  _save(bpe, source, "qwen")
+  cfg = config.load("configs/demo.yaml", [f"init_from={source}", f"run_dir={tmp_path / 'run'}",
+                                          f"data.tokenizer={source}"])
+  for eos, error in (("</s>", None), ("<unk>", "EOS id 0, but the checkpoint")):
+    (source / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "eos_token": eos}))
+    tok = tokenizer.make(str(source))
+    assert tok.bos_id is None and tok.begin == tok.end == ()
+    if error is None:
+      init_from.check_tokenizer(cfg, tok)
+    else:
+      with pytest.raises(config.ConfigError, match=error):
+        init_from.check_tokenizer(cfg, tok)
 
 
 def test_a_sentencepiece_export_reads_back_in_transformers(tmp_path):

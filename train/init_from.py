@@ -14,8 +14,9 @@ Hugging Face Llama fine-tuned with a sliding window, or a Llama 3.1 extended wit
 `rope_scaling`.
 
 The tokenizer (`data.tokenizer`) must be the checkpoint's: `check_tokenizer` refuses one
-whose vocabulary is larger than the checkpoint's `vocab_size`, or whose BOS or EOS ids
-differ from its config.json's `bos_token_id` / `eos_token_id`.
+whose vocabulary is larger than the checkpoint's `vocab_size`, whose BOS or EOS ids differ
+from its config.json's `bos_token_id` / `eos_token_id`, or that has neither where the
+checkpoint names them.
 
 A run whose run_dir has checkpoints resumes from them and ignores `init_from` (logged);
 its model config is the one its config.json was saved with, with the YAML's options.
@@ -178,8 +179,9 @@ def _ids(value) -> list[int]:
 def check_tokenizer(cfg: TrainConfig, tok) -> None:
   """Refuses a tokenizer that does not fit the Hugging Face checkpoint `cfg.init_from`
   starts from (nothing to check without one, when resuming, or from a run_dir): more ids
-  than its config.json's `vocab_size`, or BOS / EOS ids other than its `bos_token_id` /
-  `eos_token_id` (one of them, where it lists several). Reads files only.
+  than its config.json's `vocab_size`; BOS / EOS ids other than its `bos_token_id` /
+  `eos_token_id` (one of them, where it lists several); or no BOS or EOS token at all where
+  it names some (a tokenizer that names no BOS is fine: Qwen's). Reads files only.
 
   Raises:
     ConfigError naming data.tokenizer and init_from, with both values.
@@ -198,11 +200,17 @@ def check_tokenizer(cfg: TrainConfig, tok) -> None:
     raise ConfigError(f"config key 'data.tokenizer' ({cfg.data.tokenizer!r}) has"
                       f" {tok.vocab_size} ids, but {where} vocab_size {vocab} (its config.json);"
                       f" {fix}.")
-  for name, ours in (("bos", tok.bos_id), ("eos", tok.eos_id)):
-    theirs = _ids(source.get(f"{name}_token_id"))
-    if theirs and ours not in theirs:
-      has = "no " + name.upper() + " token" if ours is None else f"{name.upper()} id {ours}"
-      want = theirs[0] if len(theirs) == 1 else f"one of {theirs}"
-      raise ConfigError(f"config key 'data.tokenizer' ({cfg.data.tokenizer!r}) has {has}, but"
-                        f" {where} {name}_token_id {want} (its config.json), so it was trained"
-                        f" with other special tokens; {fix}.")
+  theirs = {name: _ids(source.get(f"{name}_token_id")) for name in ("bos", "eos")}
+  ours = {"bos": tok.bos_id, "eos": tok.eos_id}
+  # A tokenizer that names no BOS while the config does is fine (Qwen's config.json has a
+  # bos_token_id, its tokenizer none); one that names neither is not the checkpoint's.
+  named = [n for n in ours if ours[n] is not None]
+  differ = [n for n in named if theirs[n] and ours[n] not in theirs[n]]
+  if differ or (not named and (theirs["bos"] or theirs["eos"])):
+    has = (", ".join(f"{n.upper()} id {ours[n]}" for n in differ) if differ
+           else "no BOS or EOS token")
+    want = ", ".join(f"{n}_token_id {v[0] if len(v) == 1 else f'one of {v}'}"
+                     for n in (differ or ["bos", "eos"]) if (v := theirs[n]))
+    raise ConfigError(f"config key 'data.tokenizer' ({cfg.data.tokenizer!r}) has {has}, but"
+                      f" {where} {want} (its config.json), so it was trained with other"
+                      f" special tokens; {fix}.")
