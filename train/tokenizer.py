@@ -22,7 +22,7 @@ import numpy as np
 from train.config import ConfigError
 
 HF_FILE = "tokenizer.json"
-# Read beside tokenizer.json: the special tokens and whether transformers adds them.
+# Read beside tokenizer.json: the names of its BOS and EOS tokens.
 HF_CONFIG_FILES = ("tokenizer_config.json", "special_tokens_map.json")
 SP_FILE = "tokenizer.model"  # the name transformers reads a SentencePiece model by
 KEY = "config key 'data.tokenizer'"
