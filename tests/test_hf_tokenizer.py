@@ -18,6 +18,7 @@ pytest.importorskip("tokenizers", reason="needs the tokenizers extra (pip instal
 from tokenizers import processors  # noqa: E402
 
 from train import config, data, demo_tokenizer, export, init_from, tokenizer  # noqa: E402
+from train import run_dir as run_dir_lib  # noqa: E402
 from trainer import MAIN_REPORTING_BACKEND, TINY, refused, run, train  # noqa: E402
 
 TEXTS = ["def main():\n    return 1  # é\n", "import os\n\nprint(os.sep)", "x", "",
@@ -225,6 +226,23 @@ def test_a_tokenizer_without_bos_fits_a_checkpoint_that_names_one(tmp_path, bpe)
     else:
       with pytest.raises(config.ConfigError, match=error):
         init_from.check_tokenizer(cfg, tok)
+
+
+def test_init_from_a_run_dir_takes_that_runs_tokenizer(tmp_path, bpe):
+  """From a run_dir: its tokenizer (its copy, else its data.tokenizer) is accepted, another
+  one is refused naming what differs. Reads the run's config.json and tokenizer only."""
+  source = _save(bpe, tmp_path / "tok", "bos eos")
+  run_dir = tmp_path / "run"
+  earlier = config.load("configs/demo.yaml", [f"run_dir={run_dir}", "data.tokenizer=bytes"])
+  run_dir_lib.create(earlier.run_dir)
+  run_dir_lib.save_config(earlier)
+  (run_dir / "checkpoints" / "4").mkdir(parents=True)
+  cfg = config.load("configs/demo.yaml", [f"init_from={run_dir}", f"run_dir={tmp_path / 'new'}"])
+  init_from.check_tokenizer(cfg, tokenizer.make("bytes"))
+  with pytest.raises(config.ConfigError, match=r"vocabulary 40\d \(the run's 256\), bos_id 1"):
+    init_from.check_tokenizer(cfg, tokenizer.make(str(source)))
+  run_dir_lib.save_tokenizer(str(run_dir), tokenizer.make(str(source)))  # the run's copy
+  init_from.check_tokenizer(cfg, tokenizer.make(str(source)))
 
 
 def test_a_sentencepiece_export_reads_back_in_transformers(tmp_path):

@@ -177,16 +177,21 @@ def _ids(value) -> list[int]:
 
 
 def check_tokenizer(cfg: TrainConfig, tok) -> None:
-  """Refuses a tokenizer that does not fit the Hugging Face checkpoint `cfg.init_from`
-  starts from (nothing to check without one, when resuming, or from a run_dir): more ids
+  """Refuses a tokenizer that does not fit the checkpoint `cfg.init_from` starts from
+  (nothing to check without one, or when resuming). A Hugging Face checkpoint: more ids
   than its config.json's `vocab_size`; BOS / EOS ids other than its `bos_token_id` /
   `eos_token_id` (one of them, where it lists several); or no BOS or EOS token at all where
-  it names some (a tokenizer that names no BOS is fine: Qwen's). Reads files only.
+  it names some (a tokenizer that names no BOS is fine: Qwen's). A run_dir: a tokenizer
+  other than the run's (`train.run_dir.load_tokenizer`) in its vocabulary size, its BOS or
+  EOS, or the special tokens it adds to a document. Reads files only.
 
   Raises:
     ConfigError naming data.tokenizer and init_from, with both values.
   """
-  if not cfg.init_from or resuming(cfg) or not is_hf(cfg.init_from):
+  if not cfg.init_from or resuming(cfg):
+    return
+  if not is_hf(cfg.init_from):
+    _check_run_tokenizer(cfg, tok)
     return
   try:
     source = hf.read_config(cfg.init_from)
@@ -214,3 +219,24 @@ def check_tokenizer(cfg: TrainConfig, tok) -> None:
     raise ConfigError(f"config key 'data.tokenizer' ({cfg.data.tokenizer!r}) has {has}, but"
                       f" {where} {want} (its config.json), so it was trained with other"
                       f" special tokens; {fix}.")
+
+
+def _check_run_tokenizer(cfg: TrainConfig, tok) -> None:
+  """`check_tokenizer` for an `init_from` that is a run_dir of this trainer."""
+  what = f"config key 'init_from' ({cfg.init_from!r})"
+  try:
+    theirs = run_dir_lib.load_tokenizer(cfg.init_from, run_dir_lib.saved_config(cfg.init_from))
+  except ConfigError as e:
+    raise ConfigError(f"{what}: {e}") from None
+
+  def facts(t):
+    return dict(vocabulary=t.vocab_size, bos_id=t.bos_id, eos_id=t.eos_id, begin=t.begin,
+                end=t.end)
+  ours, source = facts(tok), facts(theirs)
+  if differ := [k for k in ours if ours[k] != source[k]]:
+    raise ConfigError(
+        f"config key 'data.tokenizer' ({cfg.data.tokenizer!r}) is not the tokenizer of the run"
+        f" {cfg.init_from!r} that init_from starts from: "
+        + ", ".join(f"{k} {ours[k]} (the run's {source[k]})" for k in differ)
+        + "; set data.tokenizer to that run's (its config.json's data.tokenizer, or its"
+        " tokenizer/ copy).")
