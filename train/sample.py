@@ -5,17 +5,18 @@
       --temperature 0.8 --top_p 0.95 --seed 1
 
 The run's config.json gives the model, its copy of its tokenizer's files (or
-data.tokenizer) the tokenizer; its newest checkpoint gives the
-parameters, read without changing the run_dir (`train.export.restore_model`; a run may
-still be training there); a `scan_layers` model is decoded through
-`models.llama.unroll_layers`. The prompt is one document from
-position 0: one decode call fills the KV cache with it (prefill), then each new token is one
-decode call. Greedy at temperature 0, else temperature and nucleus (top-p) sampling with a
-JAX PRNG key from the seed. Runs on one device of the run's platform; with
-`--context_parallel N`, on a mesh of N devices (axis `context`) with the run's
-`context_parallel` strategy and load balancing: each layer's KV cache is sharded over them
-(N simulated devices on a CPU host need XLA_FLAGS=--xla_force_host_platform_device_count=N).
-Greedy tokens are the same either way. Prints the prompt followed by the new text.
+data.tokenizer) the tokenizer; its newest checkpoint gives the parameters, read without
+changing the run_dir (`train.export.restore_model`; a run may still be training there); a
+`scan_layers` model is decoded through `models.llama.unroll_layers`. The prompt is one
+document from position 0, beginning with the special tokens the run's tokenizer begins a
+document with (`Tokenizer.document`; no end): one decode call fills the KV cache with it
+(prefill), then each new token is one decode call. Greedy at temperature 0, else
+temperature and nucleus (top-p) sampling with a JAX PRNG key from the seed. Runs on one
+device of the run's platform; with `--context_parallel N`, on a mesh of N devices (axis
+`context`) with the run's `context_parallel` strategy and load balancing: each layer's KV
+cache is sharded over them (N simulated devices on a CPU host need
+XLA_FLAGS=--xla_force_host_platform_device_count=N). Greedy tokens are the same either
+way. Prints the prompt followed by the new text.
 
 Exit status 0; 2 for a bad argument or run_dir (one line naming it, before anything is
 allocated or compiled: the KV cache's length is checked as it will be allocated, the prompt
