@@ -24,7 +24,7 @@ from models.llama import layer_masks
 from train import config as config_lib
 from train import data, loop
 from train import mesh as mesh_lib
-from train import tokenizer as tokenizer_lib
+from train.data import tokenizers as tokenizer_lib
 from train.state import make_state
 
 

@@ -14,9 +14,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from train import tokenizer
 from train.config import ConfigError, DataConfig
-from train.data import list_documents, order, pipeline, shard, sources, split_documents
+from train.data import list_documents, order, pipeline, shard, sources, split_documents, tokenizers
 from trainer import TIMEOUT, command, run
 
 GROUP = 4  # rows per row group of the small corpora
@@ -130,7 +129,7 @@ def test_shards_take_whole_row_groups(tmp_path):
 
 def test_parquet_pipeline_resumes_from_its_state(tmp_path):
   docs = list_documents(str(_write_shards(tmp_path / "corpus", rows=60)))
-  tok = tokenizer.ByteTokenizer()
+  tok = tokenizers.ByteTokenizer()
 
   def batches():
     return iter(pipeline(docs, tok, DataConfig(read_threads=2), seq_len=64, batch=2, seed=0,

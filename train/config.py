@@ -39,7 +39,12 @@ class DataConfig:
     its `text_field`) and `.parquet` shards (one document per row, its column
     `text_field`; needs pyarrow), read recursively in sorted order (`train.data.sources`).
   text_field: the `.jsonl` field and `.parquet` column that holds a document's text.
-  tokenizer: "bytes" (UTF-8 bytes, ids 0..255) or the path of a SentencePiece `.model`.
+  tokenizer: "bytes" (UTF-8 bytes, ids 0..255); a Hugging Face `tokenizer.json` or a
+    directory holding one (a model directory such as `init_from`'s; the `tokenizers`
+    package), whose post-processor's special tokens (BOS, EOS) begin and end each
+    document, as transformers adds them; or a SentencePiece `.model` (or a directory
+    holding tokenizer.model). A run copies its files into the run_dir
+    (`train.run_dir.save_tokenizer`), which resume, export and sample read.
   bad_records: what listing the corpus does with a record it cannot train on (a `.jsonl`
     line that is not UTF-8 JSON with a string `text_field`, a null `.parquet` value, a
     `.txt` file that is binary or mostly not UTF-8): "skip" leaves it out and counts it in

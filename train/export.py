@@ -1,7 +1,8 @@
 """`python -m train.export RUN_DIR OUT_DIR [--dtype bfloat16] [--force]`: the model of a
 run's newest checkpoint as a Hugging Face directory (`models.hf.save`: Llama, Mistral,
 Qwen2 or Qwen3, whichever holds the model's options), which `models.hf.load` and
-`transformers` read.
+`transformers` read, with the run's tokenizer (`write_tokenizer`), which
+`AutoTokenizer.from_pretrained` reads: it encodes a document as the run did.
 
 The checkpoint is restored onto the host's CPU (whatever devices trained it), the model
 config is the run's config.json. Export never overwrites: OUT_DIR must be new or an empty
@@ -18,6 +19,7 @@ as it was.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import pathlib
@@ -27,9 +29,12 @@ import sys
 import uuid
 
 # What `models.hf.save` writes: config.json and one safetensors file, or shards and their
-# index. A directory of these only is a previous export, which --force may replace.
+# index; and the tokenizer's files (`write_tokenizer`). A directory of these only is a
+# previous export, which --force may replace.
 EXPORT_FILES = re.compile(r"config\.json|model\.safetensors(\.index\.json)?"
-                          r"|model-\d{5}-of-\d{5}\.safetensors")
+                          r"|model-\d{5}-of-\d{5}\.safetensors"
+                          r"|tokenizer\.json|tokenizer_config\.json|special_tokens_map\.json"
+                          r"|tokenizer\.model")
 
 
 def restore_model(run_dir: str, cfg=None, device=None):
@@ -124,8 +129,11 @@ def export(run_dir: str, out_dir: str, dtype: str = "bfloat16", force: bool = Fa
   from train import run_dir as run_dir_lib
 
   check_out_dir(run_dir, out_dir, force)
+  tok = None
   if (pathlib.Path(run_dir) / "config.json").is_file():
-    hf.architecture(run_dir_lib.saved_config(run_dir).model)  # refuse before restoring
+    cfg = run_dir_lib.saved_config(run_dir)
+    hf.architecture(cfg.model)  # refuse before restoring
+    tok = run_dir_lib.load_tokenizer(run_dir, cfg)
   step, model = restore_model(run_dir)
   out = pathlib.Path(out_dir).absolute()
   out.parent.mkdir(parents=True, exist_ok=True)
@@ -134,6 +142,8 @@ def export(run_dir: str, out_dir: str, dtype: str = "bfloat16", force: bool = Fa
   old = None
   try:
     hf.save(model, str(new), dtype=dtype)
+    if tok is not None:
+      write_tokenizer(tok, new)
     if out.exists():  # empty, or a previous export with force: set aside until replaced
       old = out.rename(out.parent / f"{new.name}.old")
     new.rename(out)
@@ -145,6 +155,38 @@ def export(run_dir: str, out_dir: str, dtype: str = "bfloat16", force: bool = Fa
   if old is not None:
     shutil.rmtree(old)
   return step
+
+
+def write_tokenizer(tok, out: pathlib.Path) -> None:
+  """Writes the files of the run's tokenizer `tok` into the export `out`, where transformers
+  reads them, and its BOS / EOS ids into config.json (`bos_token_id`, `eos_token_id`).
+
+  A Hugging Face tokenizer's files are copied as they are; without a tokenizer_config.json
+  one is written (`PreTrainedTokenizerFast`, its BOS and EOS tokens, no add_bos_token /
+  add_eos_token: the post-processor adds what the run added). A SentencePiece model is
+  written as tokenizer.model with the tokenizer_config.json transformers reads for Llama 2
+  (`LlamaTokenizer`), adding no BOS or EOS, as the run did. The bytes tokenizer has no
+  transformers equivalent: nothing is written for it.
+  """
+  from train.data import tokenizers
+
+  if not tok.files:
+    return
+  for name, data in tok.files.items():
+    (out / name).write_bytes(data)
+  special = {k: v for k, v in (("bos_token", tok.piece(tok.bos_id)),
+                               ("eos_token", tok.piece(tok.eos_id))) if v is not None}
+  config_file = out / tokenizers.HF_CONFIG_FILES[0]
+  if isinstance(tok, tokenizers.SentencePieceTokenizer):
+    config_file.write_text(json.dumps(dict(
+        tokenizer_class="LlamaTokenizer", add_bos_token=False, add_eos_token=False,
+        **special), indent=2))
+  elif not config_file.exists():
+    config_file.write_text(json.dumps(dict(tokenizer_class="PreTrainedTokenizerFast",
+                                           **special), indent=2))
+  model_config = json.loads((out / "config.json").read_text())
+  model_config.update(bos_token_id=tok.bos_id, eos_token_id=tok.eos_id)
+  (out / "config.json").write_text(json.dumps(model_config, indent=2))
 
 
 def main(argv: list[str]) -> int:

@@ -13,6 +13,11 @@ else from the source: a
 Hugging Face Llama fine-tuned with a sliding window, or a Llama 3.1 extended with its own
 `rope_scaling`.
 
+The tokenizer (`data.tokenizer`) must be the checkpoint's: `check_tokenizer` refuses one
+whose vocabulary is larger than the checkpoint's `vocab_size`, whose BOS or EOS ids differ
+from its config.json's `bos_token_id` / `eos_token_id`, or that has neither where the
+checkpoint names them.
+
 A run whose run_dir has checkpoints resumes from them and ignores `init_from` (logged);
 its model config is the one its config.json was saved with, with the YAML's options.
 """
@@ -162,3 +167,76 @@ def load(cfg: TrainConfig, context_parallel, graphdef, abstract_state):
       raise ConfigError(f"{what}: {e}") from None
     model = nnx.merge(graphdef, state).model
   return nnx.state(model, nnx.Param)
+
+
+def _ids(value) -> list[int]:
+  """config.json's `bos_token_id` / `eos_token_id`: an int, a list of them (Llama 3.1's
+  EOS ids), or null."""
+  values = value if isinstance(value, list) else [value]
+  return [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
+
+
+def check_tokenizer(cfg: TrainConfig, tok) -> None:
+  """Refuses a tokenizer that does not fit the checkpoint `cfg.init_from` starts from
+  (nothing to check without one, or when resuming). A Hugging Face checkpoint: more ids
+  than its config.json's `vocab_size`; BOS / EOS ids other than its `bos_token_id` /
+  `eos_token_id` (one of them, where it lists several); or no BOS or EOS token at all where
+  it names some (a tokenizer that names no BOS is fine: Qwen's). A run_dir: a tokenizer
+  other than the run's (`train.run_dir.load_tokenizer`) in its vocabulary size, its BOS or
+  EOS, or the special tokens it adds to a document. Reads files only.
+
+  Raises:
+    ConfigError naming data.tokenizer and init_from, with both values.
+  """
+  if not cfg.init_from or resuming(cfg):
+    return
+  if not is_hf(cfg.init_from):
+    _check_run_tokenizer(cfg, tok)
+    return
+  try:
+    source = hf.read_config(cfg.init_from)
+  except hf.CheckpointError as e:
+    raise ConfigError(f"config key 'init_from' ({cfg.init_from!r}): {e}") from None
+  where = f"the checkpoint of init_from {cfg.init_from!r} has"
+  fix = ("use the checkpoint's own tokenizer: data.tokenizer=<the init_from directory>, or its"
+         " tokenizer.json")
+  vocab = source.get("vocab_size")
+  if isinstance(vocab, int) and tok.vocab_size > vocab:
+    raise ConfigError(f"config key 'data.tokenizer' ({cfg.data.tokenizer!r}) has"
+                      f" {tok.vocab_size} ids, but {where} vocab_size {vocab} (its config.json);"
+                      f" {fix}.")
+  theirs = {name: _ids(source.get(f"{name}_token_id")) for name in ("bos", "eos")}
+  ours = {"bos": tok.bos_id, "eos": tok.eos_id}
+  # A tokenizer that names no BOS while the config does is fine (Qwen's config.json has a
+  # bos_token_id, its tokenizer none); one that names neither is not the checkpoint's.
+  named = [n for n in ours if ours[n] is not None]
+  differ = [n for n in named if theirs[n] and ours[n] not in theirs[n]]
+  if differ or (not named and (theirs["bos"] or theirs["eos"])):
+    has = (", ".join(f"{n.upper()} id {ours[n]}" for n in differ) if differ
+           else "no BOS or EOS token")
+    want = ", ".join(f"{n}_token_id {v[0] if len(v) == 1 else f'one of {v}'}"
+                     for n in (differ or ["bos", "eos"]) if (v := theirs[n]))
+    raise ConfigError(f"config key 'data.tokenizer' ({cfg.data.tokenizer!r}) has {has}, but"
+                      f" {where} {want} (its config.json), so it was trained with other"
+                      f" special tokens; {fix}.")
+
+
+def _check_run_tokenizer(cfg: TrainConfig, tok) -> None:
+  """`check_tokenizer` for an `init_from` that is a run_dir of this trainer."""
+  what = f"config key 'init_from' ({cfg.init_from!r})"
+  try:
+    theirs = run_dir_lib.load_tokenizer(cfg.init_from, run_dir_lib.saved_config(cfg.init_from))
+  except ConfigError as e:
+    raise ConfigError(f"{what}: {e}") from None
+
+  def facts(t):
+    return dict(vocabulary=t.vocab_size, bos_id=t.bos_id, eos_id=t.eos_id, begin=t.begin,
+                end=t.end)
+  ours, source = facts(tok), facts(theirs)
+  if differ := [k for k in ours if ours[k] != source[k]]:
+    raise ConfigError(
+        f"config key 'data.tokenizer' ({cfg.data.tokenizer!r}) is not the tokenizer of the run"
+        f" {cfg.init_from!r} that init_from starts from: "
+        + ", ".join(f"{k} {ours[k]} (the run's {source[k]})" for k in differ)
+        + "; set data.tokenizer to that run's (its config.json's data.tokenizer, or its"
+        " tokenizer/ copy).")

@@ -37,9 +37,11 @@ import optax
 from flax import nnx
 
 from models.llama import loss_fn
-from train import data, distributed, evaluation, metrics, throughput, tokenizer
+from train import data, distributed, evaluation, init_from, metrics, throughput
 from train import mesh as mesh_lib
+from train import run_dir as run_dir_lib
 from train.config import TrainConfig
+from train.data import tokenizers
 from train.state import Start, TrainState, restore_state
 from train.stop import Stopped, StopRequest
 
@@ -71,29 +73,35 @@ def run(cfg: TrainConfig) -> tuple[int, bool]:
   stop = StopRequest()
   try:
     try:
-      parallel, run_data = _setup(cfg, stop)
+      parallel, run_data, tok = _setup(cfg, stop)
     except Stopped:
       log.warning("%s before the first step: nothing to save; exiting.", stop.name)
       return 0, True
     with jax.set_mesh(parallel.mesh), nnx.logical_axis_rules(parallel.rules):
       start = restore_state(cfg, parallel.mesh, parallel.cp)
+      run_dir_lib.save_tokenizer(cfg.run_dir, tok)  # the run_dir now holds this run's files
       return _loop(cfg, parallel.mesh, run_data, start, stop)
   finally:
     stop.close()
 
 
-def _setup(cfg: TrainConfig, stop: StopRequest) -> tuple[mesh_lib.Parallelism, data.Data]:
-  """The run's parallelism and data.
+def _setup(cfg: TrainConfig, stop: StopRequest
+           ) -> tuple[mesh_lib.Parallelism, data.Data, tokenizers.Tokenizer]:
+  """The run's parallelism, data and tokenizer.
 
   Raises:
-    ConfigError: see `train.tokenizer.make`, `train.distributed.start_backend`,
-      `train.mesh.make` and `train.data.make`.
+    ConfigError: see `train.run_dir.load_tokenizer`, `train.init_from.check_tokenizer`,
+      `train.data.tokenizers.check_vocab`, `train.distributed.start_backend`, `train.mesh.make`
+      and `train.data.make`.
     Stopped: SIGTERM or SIGINT while reading documents.
   """
-  tok = tokenizer.make(cfg.data.tokenizer, cfg.model.vocab_size)  # before jax starts
+  # Before jax starts; a resumed run reads the copy its checkpoints were trained with.
+  tok = run_dir_lib.load_tokenizer(cfg.run_dir, cfg, copy=init_from.resuming(cfg))
+  init_from.check_tokenizer(cfg, tok)  # first: its errors name the checkpoint
+  tokenizers.check_vocab(tok, cfg.model.vocab_size, cfg.data.tokenizer)
   distributed.start_backend(cfg.platform)
   parallel = mesh_lib.make(cfg)
-  return parallel, data.make(cfg, tok, parallel.mesh, parallel.cp, stop.call)
+  return parallel, data.make(cfg, tok, parallel.mesh, parallel.cp, stop.call), tok
 
 
 @dataclasses.dataclass

@@ -3,6 +3,8 @@
   checkpoints/<step>/      orbax checkpoints (`train.checkpoint`)
   checkpoints_unusable/    damaged steps, set aside when restoring
   config.json              the config the checkpoints were saved with
+  tokenizer/               a copy of the files of the run's tokenizer (`save_tokenizer`):
+                           resume, export and sample read it, not data.tokenizer's path
   metrics.jsonl, tensorboard/, loss.png, eval_loss_by_position.png   (`train.metrics`)
   archive/<time>/          an earlier run's files, moved there when a run starts over
 
@@ -31,6 +33,7 @@ import jax
 from models.llama import param_changes
 from train import distributed
 from train.config import ConfigError, TrainConfig, from_dict, to_dict
+from train.data import tokenizers
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +45,9 @@ DATA_KEYS = ("seq_len", "batch_size", "seed", "data.source", "data.text_field",
 SAVED_KEYS = tuple(k for k in DATA_KEYS if k != "data.text_field") + tuple(
     f"model.{k}" for k in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim"))
 CHECKPOINT_FILES = ("checkpoints", "checkpoints_unusable")
-OUTPUT_FILES = ("config.json", "metrics.jsonl", "tensorboard", "loss.png",
+OUTPUT_FILES = ("config.json", "tokenizer", "metrics.jsonl", "tensorboard", "loss.png",
                 "eval_loss_by_position.png")
+TOKENIZER_DIR = "tokenizer"
 
 
 def timestamp() -> str:
@@ -148,6 +152,41 @@ def save_config(cfg: TrainConfig) -> None:
   tmp = path.with_suffix(".json.tmp")
   tmp.write_text(json.dumps(to_dict(cfg), indent=2))
   os.replace(tmp, path)
+
+
+def save_tokenizer(run_dir: str, tok: tokenizers.Tokenizer) -> None:
+  """Copies the files the run's tokenizer `tok` was read from (`tok.files`; none for
+  "bytes") into `run_dir`'s tokenizer/, on process 0, unless a copy is there: a run that
+  resumes keeps the copy its checkpoints were trained with (a run that starts over has
+  moved it to archive/). Written beside it, then renamed: a run killed meanwhile leaves
+  no partial copy."""
+  target = pathlib.Path(run_dir) / TOKENIZER_DIR
+  if jax.process_index() != 0 or target.exists() or not tok.files:
+    return
+  tmp = target.with_name(f".{TOKENIZER_DIR}.tmp")
+  shutil.rmtree(tmp, ignore_errors=True)
+  tmp.mkdir()
+  for name, data in tok.files.items():
+    (tmp / name).write_bytes(data)
+  os.replace(tmp, target)
+
+
+def load_tokenizer(run_dir: str, cfg: TrainConfig, *, copy: bool = True) -> tokenizers.Tokenizer:
+  """The tokenizer of run `cfg` in `run_dir`: with `copy`, the run_dir's copy of its files
+  (`save_tokenizer`) where there is one; else (or without one: a bytes tokenizer, a run
+  before its first checkpoint) `data.tokenizer`'s.
+
+  Raises:
+    ConfigError: the tokenizer does not read (the copy's errors name the run_dir).
+  """
+  saved = pathlib.Path(run_dir) / TOKENIZER_DIR
+  if not (copy and saved.is_dir()):
+    return tokenizers.make(cfg.data.tokenizer)
+  try:
+    return tokenizers.make(str(saved))
+  except ConfigError as e:
+    raise ConfigError(f"run_dir {run_dir!r}'s copy of its tokenizer ({saved}): {e} Remove"
+                      f" {saved} to read data.tokenizer={cfg.data.tokenizer!r} again.") from None
 
 
 def archive(run_dir: str, names: tuple[str, ...], why: str) -> None:

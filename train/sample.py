@@ -4,17 +4,19 @@
   python -m train.sample runs/demo --prompt "import " --max_new_tokens 64 \\
       --temperature 0.8 --top_p 0.95 --seed 1
 
-The run's config.json gives the model and the tokenizer; its newest checkpoint gives the
-parameters, read without changing the run_dir (`train.export.restore_model`; a run may
-still be training there); a `scan_layers` model is decoded through
-`models.llama.unroll_layers`. The prompt is one document from
-position 0: one decode call fills the KV cache with it (prefill), then each new token is one
-decode call. Greedy at temperature 0, else temperature and nucleus (top-p) sampling with a
-JAX PRNG key from the seed. Runs on one device of the run's platform; with
-`--context_parallel N`, on a mesh of N devices (axis `context`) with the run's
-`context_parallel` strategy and load balancing: each layer's KV cache is sharded over them
-(N simulated devices on a CPU host need XLA_FLAGS=--xla_force_host_platform_device_count=N).
-Greedy tokens are the same either way. Prints the prompt followed by the new text.
+The run's config.json gives the model, its copy of its tokenizer's files (or
+data.tokenizer) the tokenizer; its newest checkpoint gives the parameters, read without
+changing the run_dir (`train.export.restore_model`; a run may still be training there); a
+`scan_layers` model is decoded through `models.llama.unroll_layers`. The prompt is one
+document from position 0, beginning with the special tokens the run's tokenizer begins a
+document with (`Tokenizer.document`; no end): one decode call fills the KV cache with it
+(prefill), then each new token is one decode call. Greedy at temperature 0, else
+temperature and nucleus (top-p) sampling with a JAX PRNG key from the seed. Runs on one
+device of the run's platform; with `--context_parallel N`, on a mesh of N devices (axis
+`context`) with the run's `context_parallel` strategy and load balancing: each layer's KV
+cache is sharded over them (N simulated devices on a CPU host need
+XLA_FLAGS=--xla_force_host_platform_device_count=N). Greedy tokens are the same either
+way. Prints the prompt followed by the new text.
 
 Exit status 0; 2 for a bad argument or run_dir (one line naming it, before anything is
 allocated or compiled: the KV cache's length is checked as it will be allocated, the prompt
@@ -198,7 +200,6 @@ def load(run_dir: str):
   """
   from train import config, distributed
   from train import run_dir as run_dir_lib
-  from train import tokenizer as tokenizer_lib
   from train.distributed import jax_platforms
   from train.export import restore_model
 
@@ -222,7 +223,7 @@ def load(run_dir: str):
                      f" {ckpt_dir}; train longer (checkpoint_every) or pass another run_dir.")
   if cfg.platform:
     jax.config.update("jax_platforms", jax_platforms(cfg.platform))
-  tok = tokenizer_lib.make(cfg.data.tokenizer)
+  tok = run_dir_lib.load_tokenizer(run_dir, cfg)
   distributed.start_backend(cfg.platform, f"the run's platform ({path / 'config.json'})",
                             "sample on a machine with that platform")
   step, model = restore_model(run_dir, cfg, jax.devices()[0])
@@ -287,7 +288,7 @@ def main(argv: list[str]) -> int:
     check_sampling(args.max_new_tokens, args.temperature, args.top_p)
     model, tok, _ = load(args.run_dir)
     with on_mesh(model, args.run_dir, args.context_parallel) as cp:
-      new = generate(model, tok.encode(args.prompt), args.max_new_tokens,
+      new = generate(model, tok.document(args.prompt, end=False), args.max_new_tokens,
                      temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                      context_parallel=cp)
   except checkpoint.CheckpointError as e:

@@ -4,8 +4,9 @@
                 listing, bad records, the held-out split
   pipeline.py   the grain pipeline: order, read + tokenize, split, pack, targets; `make`
   batches.py    `GlobalBatches`: local rows -> global arrays in the run's token order
-
-The tokenizers (text -> ids) are `train.tokenizer`; the pipeline needs only their `encode`.
+  tokenizers.py text -> int32 ids (bytes, Hugging Face tokenizer.json, SentencePiece) behind
+                `Tokenizer`; the pipeline needs only their `document` (one document's ids,
+                with the special tokens that begin and end it)
 """
 
 from train.data.batches import BATCH_SPEC, KEYS, GlobalBatches

@@ -59,7 +59,7 @@ def check_usable(docs: Documents, tokenizer, what: str, fix: str) -> None:
   keeps it from running dry, and with none it would search forever. Reads documents in
   order until one qualifies (usually the first)."""
   for doc in docs:
-    if len(tokenizer.encode(doc.read())) >= MIN_TOKENS:
+    if len(tokenizer.document(doc.read())) >= MIN_TOKENS:
       return
   raise ConfigError(f"{what}: none of its {len(docs)} documents has the {MIN_TOKENS} tokens"
                     f" a training piece needs (all are empty or shorter); {fix}.")
@@ -163,7 +163,7 @@ def pipeline(docs: Documents, tokenizer, cfg: DataConfig, *, seq_len: int, batch
     ConfigError: the shard holds no documents.
   """
   ds = order(shard(docs, shard_index, shard_count), seed=seed, shuffle=shuffle)
-  ds = ds.map(lambda d: tokenizer.encode(d.read()))
+  ds = ds.map(lambda d: tokenizer.document(d.read()))
   ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=cfg.read_threads,
                                             prefetch_buffer_size=4 * cfg.packing_bins))
   ds = grain.experimental.FlatMapIterDataset(ds, _SplitPieces(seq_len))
