@@ -250,10 +250,10 @@ def fused_backward(q_shape, kv_len: int, itemsize: int, block_kv_dkv: int,
   and why in words (for `explain`)."""
   need = fused_dq_bytes(q_shape, kv_len, itemsize, block_kv_dkv)
   if budget is None or need <= budget:
-    limit = "no budget" if budget is None else f"fused_dq_budget {budget} bytes"
-    return True, f"backward fused dK/dV/dQ (its dq partials take {need} bytes, {limit})"
-  return False, (f"backward separate dK/dV and dQ kernels (the fused backward's dq partials"
-                 f" would take {need} bytes, over fused_dq_budget {budget} bytes)")
+    limit = "no budget" if budget is None else f"within fused_dq_budget {budget} bytes"
+    return True, f"backward fused dK/dV/dQ: its dq partials take {need} bytes, {limit}"
+  return False, (f"backward separate dK/dV and dQ kernels: the fused backward's dq partials"
+                 f" would take {need} bytes, over fused_dq_budget {budget} bytes")
 
 
 def _segment_ids(q_seg, kv_seg):
@@ -433,9 +433,9 @@ class Splash(registry.Kernel):
     if needs_index_check(call.mask, call.has_positions):
       notes.append("index masks; positions checked per batch at run time, a batch whose"
                    " documents are not the token index shifted runs the blockwise kernel")
-    notes.append(f"{backward} at block_kv {bkv}, batch {call.q_shape[0]} and"
-                 f" {call.q_shape[2]} heads as given: fewer per device where the mesh splits"
-                 " them")
+    notes.append(f"{backward} (block_kv {bkv}; batch {call.q_shape[0]} and"
+                 f" {call.q_shape[2]} heads as given, fewer per device where the mesh splits"
+                 " them)")
     return "; ".join(notes)
 
   def blocks(self, q_len: int, kv_len: int, head_dim: int) -> tuple[int, int]:

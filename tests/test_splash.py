@@ -289,7 +289,7 @@ def test_fused_dq_budget_decides_by_the_partials_bytes():
   q = jax.ShapeDtypeStruct((1, 32768, 16, 128), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((1, 32768, 8, 128), jnp.bfloat16)
   text = flaxattn.explain(q, kv, kv, backend="splash", print_fn=None)
-  assert f"tpu: splash (backward separate dK/dV and dQ kernels (the fused backward's dq" \
+  assert f"tpu: splash (backward separate dK/dV and dQ kernels: the fused backward's dq" \
          f" partials would take {8 << 30} bytes" in text
 
 
