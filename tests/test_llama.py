@@ -449,5 +449,7 @@ def test_config_numbers_are_stored_as_floats():
 def test_call_errors(small):
   with pytest.raises(ValueError, match=r"max_seq_len=16.*got a sequence of 17"):
     small(jnp.zeros((1, T + 1), jnp.int32))
-  with pytest.raises(ValueError, match=r"tokens expects shape \[batch, seq\]"):
+  with pytest.raises(ValueError, match=r"tokens expects integer ids of shape \[batch, seq\]"):
     small(jnp.zeros((T,), jnp.int32))
+  with pytest.raises(ValueError, match=r"integer ids .*got \(1, 16\) float32"):
+    small(jnp.zeros((1, T), jnp.float32))
