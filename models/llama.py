@@ -412,14 +412,14 @@ class Llama(nnx.Module):
     if getattr(tokens, "ndim", None) != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
       raise ValueError(f"tokens expects integer ids of shape [batch, seq], got"
                        f" {getattr(tokens, 'shape', None)} {getattr(tokens, 'dtype', None)}.")
-    # The table's features are sharded over fsdp, as every weight's are, and gathered whole
-    # before the lookup, as FSDP gathers a weight before its matmul: looked up in a table
-    # sharded on its features, the rows come out sharded on E, which the partitioner cannot
-    # move to the activations' batch sharding and replicates whole ("Involuntary full
-    # rematerialization" of a [B, T, E / fsdp] gather). Its vocabulary may stay sharded.
-    table_VE = constrain(self.embed.embedding[...].astype(DTYPES[self.config.dtype]),
-                         ("vocab", None))
-    return constrain(jnp.take(table_VE, tokens, axis=0), X_NAMES)
+    # The table's features are sharded over fsdp, as every weight's are, so its rows come
+    # out of the lookup sharded on E. Moved to the activations' sharding (batch over fsdp)
+    # in one step, the partitioner replicates the whole [B, T, E / fsdp] lookup ("Involuntary
+    # full rematerialization"); in two (first the sequence over its axes, the features as
+    # they come, then features for batch: an all-to-all), each is one it partitions well.
+    table_VE = self.embed.embedding[...].astype(DTYPES[self.config.dtype])
+    rows_BTE = constrain(jnp.take(table_VE, tokens, axis=0), (None, "seq", "embed"))
+    return constrain(rows_BTE, X_NAMES)
 
   def from_embeddings(self, x_BTE: jax.Array, *, segment_ids: jax.Array | None = None,
                       positions: jax.Array | None = None, decode: bool = False) -> jax.Array:
