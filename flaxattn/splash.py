@@ -35,6 +35,11 @@ LANES = 128  # splash's blocks are multiples of the TPU lane width
 _EMPTY_LSE = sk.DEFAULT_MASK_VALUE / 2
 # Stands in for lse = -inf in the backward pass: exp(score - this) = 0 for every score.
 _NO_KEYS_LSE = 1e30
+# Bytes the fused backward's dq partials may take per kernel call (`Splash.fused_dq_budget`).
+# A judgment, as the speed trade-off can only be timed on a TPU: a quarter GiB is under 2% of
+# the smallest TPU HBM (v5e, 16 GiB), so the fused kernel never decides whether a model fits,
+# and it keeps the fused backward up to T = 4096 with 16 heads of 128 (128 MiB in bf16).
+FUSED_DQ_BUDGET = 256 << 20
 
 @dataclasses.dataclass(frozen=True)
 class _OrderedRule:
@@ -90,7 +95,7 @@ class ShardedKernel:
   (sharded with the queries). Splash's own layout holds every device's rows: at cp=128 and
   10M tokens, 128 ring steps x 128 devices of them."""
 
-  kernel: sk.SplashAttentionKernel  # its forward and dK/dV mask infos (no dQ: fused backward)
+  kernel: sk.SplashAttentionKernel  # forward, dK/dV mask infos (the dQ kernel reads the forward)
   which: Any  # [shards] int32 (device r's rows); a PartitionSpec in `specs()`
   rows: int  # query blocks per device
 
@@ -231,6 +236,26 @@ def _kernel_spec(kernel: Kernel | None, axis: str | None):
   return jax.tree.map(lambda _: P(), kernel)
 
 
+def fused_dq_bytes(q_shape, kv_len: int, itemsize: int, block_kv_dkv: int) -> int:
+  """Bytes of the fused backward's dq partials for q `[B, T, H, D]` (one `[T, D]` per head
+  and key block, in q's dtype, summed after the kernel): O(T x S / block_kv_dkv)."""
+  b, t, h, d = q_shape
+  return b * h * t * d * itemsize * (kv_len // block_kv_dkv)
+
+
+def fused_backward(q_shape, kv_len: int, itemsize: int, block_kv_dkv: int,
+                   budget: int | None) -> tuple[bool, str]:
+  """Whether the fused dK/dV/dQ backward runs for a kernel call on q `[B, T, H, D]` (its dq
+  partials within `budget` bytes, None: no limit), else the separate dK/dV and dQ kernels,
+  and why in words (for `explain`)."""
+  need = fused_dq_bytes(q_shape, kv_len, itemsize, block_kv_dkv)
+  if budget is None or need <= budget:
+    limit = "no budget" if budget is None else f"within fused_dq_budget {budget} bytes"
+    return True, f"backward fused dK/dV/dQ: its dq partials take {need} bytes, {limit}"
+  return False, (f"backward separate dK/dV and dQ kernels: the fused backward's dq partials"
+                 f" would take {need} bytes, over fused_dq_budget {budget} bytes")
+
+
 def _segment_ids(q_seg, kv_seg):
   return None if q_seg is None else sk.SegmentIds(q=q_seg, kv=kv_seg)
 
@@ -262,8 +287,11 @@ def forward(kernel, q, k, v, q_seg, kv_seg, *, scale: float):
   return out, jnp.where(empty, -jnp.inf, lse)
 
 
-def backward(kernel, q, k, v, q_seg, kv_seg, out, lse, dout, dlse, *, scale: float):
-  """Gradients (dq, dk, dv) of a splash call given the (possibly merged) out and lse."""
+def backward(kernel, q, k, v, q_seg, kv_seg, out, lse, dout, dlse, *, scale: float,
+             fused_dq_budget: int | None = FUSED_DQ_BUDGET):
+  """Gradients (dq, dk, dv) of a splash call given the (possibly merged) out and lse: splash's
+  fused backward where its dq partials fit `fused_dq_budget` bytes on these (per-device)
+  shapes, else its separate dK/dV and dQ kernels (`fused_backward`)."""
   kernel = _local(kernel)
   if kernel is None:
     return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)
@@ -279,9 +307,12 @@ def backward(kernel, q, k, v, q_seg, kv_seg, out, lse, dout, dlse, *, scale: flo
   di_BKGT = (jnp.einsum("bkgtd,bkgtd->bkgt", out_BKGTD.astype(jnp.float32),
                         dout_BKGTD.astype(jnp.float32)) - to_kernel(dlse.astype(jnp.float32)))
   sizes, kw, dkv_info = kernel.kwargs["block_sizes"], kernel.kwargs, kernel.dkv_mask_info
-  assert dkv_info is not None  # built with the fused backward's metadata
-
-  one = functools.partial(_fused_backward, dkv_info, sizes=sizes, mask_value=kw["mask_value"],
+  assert dkv_info is not None  # built with the dK/dV kernel's metadata
+  fused, _ = fused_backward(q.shape, k.shape[1], q.dtype.itemsize, sizes.block_kv_dkv,
+                            fused_dq_budget)
+  # The dQ kernel's grid is the forward's (same blocks), so it reads the forward's metadata.
+  one = functools.partial(_backward, dkv_info, None if fused else kernel.fwd_mask_info,
+                          sizes=sizes, mask_value=kw["mask_value"],
                           soft_cap=kw["attn_logits_soft_cap"],
                           mask_function=kw["mask_function"], interpret=kw["interpret"])
   over_heads = jax.vmap(one, in_axes=(0, 0, 0, None, 0, 0, 0))
@@ -294,18 +325,25 @@ def backward(kernel, q, k, v, q_seg, kv_seg, out, lse, dout, dlse, *, scale: flo
 
 @functools.partial(jax.jit, static_argnames=("sizes", "mask_value", "soft_cap", "mask_function",
                                              "interpret"))
-def _fused_backward(mask_info, q, k, v, seg, lse, dout, di, *, sizes, mask_value, soft_cap,
-                    mask_function, interpret):
-  """Splash's fused dK/dV/dQ kernel for one query head group. Splash's own VJP cannot take
-  an lse cotangent (it refuses to differentiate with save_residuals), so this calls the
-  kernel directly (jax 0.10 internals). Jitted like splash's forward: ring steps with the
-  same shapes and mask function trace it once."""
+def _backward(dkv_info, dq_info, q, k, v, seg, lse, dout, di, *, sizes, mask_value, soft_cap,
+              mask_function, interpret):
+  """Splash's backward kernels for one query head group: the fused dK/dV/dQ kernel with
+  `dq_info` None, else the dK/dV kernel and the dQ kernel on `dq_info`. Splash's own VJP
+  cannot take an lse cotangent (it refuses to differentiate with save_residuals), so this
+  calls the kernels directly (jax 0.10 internals). Jitted like splash's forward: ring steps
+  with the same shapes and mask function trace it once."""
   dq, dk, dv = sk._splash_attention_bwd_dkv(  # pylint: disable=protected-access
       q, k, v, seg, None, lse, dout, di, bq=sizes.block_q_dkv, bkv=sizes.block_kv_dkv,
-      bkv_compute=sizes.block_kv_dkv_compute, is_mqa=True, mask_info=mask_info,
-      mask_value=mask_value, attn_logits_soft_cap=soft_cap, use_fused_bwd_kernel=True,
-      q_layout=sizes.q_layout, k_layout=sizes.k_layout, v_layout=sizes.v_layout,
-      mask_function=mask_function, interpret=interpret)
+      bkv_compute=sizes.block_kv_dkv_compute, is_mqa=True, mask_info=dkv_info,
+      mask_value=mask_value, attn_logits_soft_cap=soft_cap,
+      use_fused_bwd_kernel=dq_info is None, q_layout=sizes.q_layout, k_layout=sizes.k_layout,
+      v_layout=sizes.v_layout, mask_function=mask_function, interpret=interpret)
+  if dq_info is not None:
+    dq = sk._splash_attention_bwd_dq(  # pylint: disable=protected-access
+        q, k, v, seg, None, lse, dout, di, bq=sizes.block_q, bkv=sizes.block_kv, is_mqa=True,
+        mask_info=dq_info, mask_value=mask_value, attn_logits_soft_cap=soft_cap,
+        q_layout=sizes.q_layout, k_layout=sizes.k_layout, v_layout=sizes.v_layout,
+        mask_function=mask_function, interpret=interpret)
   assert dq is not None  # the fused backward kernel computes dq too
   return dq, dk, dv
 
@@ -316,6 +354,7 @@ class Passes:
   `ShardedKernel` is called inside its shard_map)."""
 
   scale: float
+  fused_dq_budget: int | None = FUSED_DQ_BUDGET
 
   def forward(self, kernel, q, k, v, layout: Layout):
     return forward(kernel, q, k, v, layout.q_segment_ids, layout.kv_segment_ids,
@@ -324,7 +363,7 @@ class Passes:
   def backward(self, kernel, q, k, v, layout: Layout, out, lse, dout, dlse):
     dlse = jnp.zeros(lse.shape, jnp.float32) if dlse is None else dlse
     return backward(kernel, q, k, v, layout.q_segment_ids, layout.kv_segment_ids, out, lse,
-                    dout, dlse, scale=self.scale)
+                    dout, dlse, scale=self.scale, fused_dq_budget=self.fused_dq_budget)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -332,11 +371,18 @@ class Splash(registry.Kernel):
   """The "splash" kernel. Block sizes default to `default_block(head_dim)` fitted to the
   sequence; pass `Splash(block_q=..., block_kv=...)` as `backend=` to override them.
   `interpret`: Pallas interpret mode; None decides by the platform the program is lowered
-  for (compiled Mosaic on TPU, interpret mode elsewhere)."""
+  for (compiled Mosaic on TPU, interpret mode elsewhere).
+
+  `fused_dq_budget`: bytes the fused backward's dq partials may take per kernel call on one
+  device (B x H x T x D x S / block_kv in q's dtype, `fused_dq_bytes`); above it the
+  backward runs splash's separate dK/dV and dQ kernels, O(T) in memory, which recompute the
+  scores (docs/kernels.md has the FLOPs of each). Default `FUSED_DQ_BUDGET` (256 MiB);
+  0: always separate; None: always fused."""
 
   block_q: int | None = None
   block_kv: int | None = None
   interpret: bool | None = None
+  fused_dq_budget: int | None = FUSED_DQ_BUDGET
   name: str = "splash"
   ring: bool = True
   soft_cap: bool = True  # splash's attn_logits_soft_cap, after our scale as everywhere
@@ -350,6 +396,11 @@ class Splash(registry.Kernel):
       if value is not None and (not isinstance(value, int) or value <= 0 or value % LANES):
         raise ValueError(f"Splash({arg}=...) expects a positive multiple of {LANES} or None,"
                          f" got {value!r}.")
+    budget = self.fused_dq_budget
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)
+                               or budget < 0):
+      raise ValueError(f"Splash(fused_dq_budget=...) expects bytes as an int >= 0 (0: always"
+                       f" the separate dQ kernel) or None (always fused), got {budget!r}.")
 
   def reason(self, call: registry.Call) -> str | None:
     """None if splash serves `call` exactly (docs/design.md), else why not."""
@@ -369,11 +420,23 @@ class Splash(registry.Kernel):
     return None
 
   def describe(self, call: registry.Call) -> str | None:
-    """What runs: splash, and the run-time check where explicit positions meet a mask."""
+    """What runs: splash, its backward (fused or separate dQ, by `fused_dq_budget` on the
+    call's shapes per context shard), and the run-time check where explicit positions meet
+    a mask."""
+    t, s = call.q_shape[1] // call.cp_size, call.kv_shape[1]
+    if call.cp_strategy == "ring":
+      s //= call.cp_size
+    _, bkv = self.blocks(t, s, call.q_shape[3])
+    _, backward = fused_backward((call.q_shape[0], t, *call.q_shape[2:]), s,
+                                 np.dtype(call.dtype).itemsize, bkv, self.fused_dq_budget)
+    notes = []
     if needs_index_check(call.mask, call.has_positions):
-      return ("index masks; positions checked per batch at run time, a batch whose documents"
-              " are not the token index shifted runs the blockwise kernel")
-    return None
+      notes.append("index masks; positions checked per batch at run time, a batch whose"
+                   " documents are not the token index shifted runs the blockwise kernel")
+    notes.append(f"{backward} (block_kv {bkv}; batch {call.q_shape[0]} and"
+                 f" {call.q_shape[2]} heads as given, fewer per device where the mesh splits"
+                 " them)")
+    return "; ".join(notes)
 
   def blocks(self, q_len: int, kv_len: int, head_dim: int) -> tuple[int, int]:
     default = default_block(head_dim)
@@ -415,7 +478,7 @@ class Splash(registry.Kernel):
     kernel = self.kernel(mask, TokenOrder(), q.shape, k.shape, soft_cap)
     index = layout.index(*q.shape[:2])
     exact = index_check(mask, layout, index, index)
-    attend = functools.partial(checked.attention, Passes(float(scale)),
+    attend = functools.partial(checked.attention, Passes(float(scale), self.fused_dq_budget),
                                blockwise.Passes(mask, float(scale), soft_cap))
     attend = sharding.per_batch_and_head(attend, q.shape, k.shape[2], layout,
                                          (P(), _kernel_spec(kernel, None)))
@@ -439,7 +502,7 @@ class Splash(registry.Kernel):
     index = layout.index(q_shape[0], t)
     exact = index_check(mask, layout, index, index)
     fallback = blockwise.ring_step(mask, scale, t, shards, load_balance, soft_cap)
-    return SplashStep(kernels, exact, axis, float(scale), mask, fallback)
+    return SplashStep(kernels, exact, axis, float(scale), mask, fallback, self.fused_dq_budget)
 
 
 # The blockwise ring step takes a traced step (it runs in a scan), so as a jitted call it is
@@ -455,7 +518,7 @@ def _fallback_backward(fallback, step, q, k, v, layout, out, lse, dout, dlse):
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["kernels", "exact"],
-                   meta_fields=["axis", "scale", "mask", "fallback"])
+                   meta_fields=["axis", "scale", "mask", "fallback", "fused_dq_budget"])
 @dataclasses.dataclass(frozen=True)
 class SplashStep(RingStep):
   """Splash as the per-device step of context parallelism: the `ShardedKernel`s (one per
@@ -469,7 +532,12 @@ class SplashStep(RingStep):
   scale: float
   mask: Mask
   fallback: blockwise.BlockwiseStep  # for batches splash cannot mask exactly
+  fused_dq_budget: int | None = FUSED_DQ_BUDGET
   unrolled = True  # a kernel per ring step: the step must be static
+
+  @property
+  def passes(self) -> Passes:
+    return Passes(self.scale, self.fused_dq_budget)
 
   def specs(self):
     kernels = tuple(_kernel_spec(k, self.axis) for k in self.kernels)
@@ -480,7 +548,7 @@ class SplashStep(RingStep):
     if self.exact is None and kernel is None:  # no query sees these keys: skip the step
       return None
     return checked.either(
-        self.exact, lambda: Passes(self.scale).forward(kernel, q, k, v, layout),
+        self.exact, lambda: self.passes.forward(kernel, q, k, v, layout),
         lambda: _fallback_forward(self.fallback, jnp.int32(step), q, k, v, layout))
 
   def backward(self, step: int, q, k, v, layout: Layout, out, lse, dout, dlse):
@@ -488,12 +556,11 @@ class SplashStep(RingStep):
     if self.exact is None and kernel is None:
       return None
     return checked.either(
-        self.exact, lambda: Passes(self.scale).backward(kernel, q, k, v, layout, out, lse,
-                                                        dout, dlse),
+        self.exact, lambda: self.passes.backward(kernel, q, k, v, layout, out, lse, dout, dlse),
         lambda: _fallback_backward(self.fallback, jnp.int32(step), q, k, v, layout, out, lse,
                                    dout, dlse))
 
   def gathered(self, axis, n, q, k, v, layout: Layout):
-    return checked.attention(Passes(self.scale),
+    return checked.attention(self.passes,
                              blockwise.Passes(self.mask, self.scale, self.fallback.soft_cap),
                              self.exact, self.kernels[0], q, k, v, layout)

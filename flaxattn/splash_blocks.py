@@ -4,7 +4,8 @@
 JAX's `process_mask` evaluates the mask on every token pair of every block to classify it;
 here the classification comes from `blocks`, and this module lays it out as
 `process_mask` / `process_mask_dkv` do for one mask shared by all heads, one head shard,
-fused backward (the dK/dV grid unshrunk). Partial blocks are masked in the kernel by the
+the dK/dV grid unshrunk (as the fused backward needs; the dK/dV kernel without dq reads it
+too). Partial blocks are masked in the kernel by the
 mask function, so no block is ever materialized. Derivation: docs/design.md (Splash).
 """
 

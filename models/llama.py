@@ -40,7 +40,7 @@ from flax import nnx
 import flaxattn
 from flaxattn import checks
 from flaxattn.attention import MAX_SOFT_CAP
-from flaxattn.sharding import constrain, param_metadata
+from flaxattn.sharding import constrain, logical_to_spec, param_metadata
 
 X_NAMES = ("batch", "seq", "embed")
 HIDDEN_NAMES = ("batch", "seq", "mlp")
@@ -400,11 +400,26 @@ class Llama(nnx.Module):
       ValueError: tokens not `[B, T]` or T > max_seq_len; in decode, `scan_layers`, a
         missing cache, or tokens that do not fit in it (see `flaxattn.MultiHeadAttention`).
     """
-    if getattr(tokens, "ndim", None) != 2:
-      raise ValueError(f"tokens expects shape [batch, seq], got {getattr(tokens, 'shape', None)}.")
-    x_BTE = constrain(self.embed(tokens), X_NAMES)
-    return self.from_embeddings(x_BTE, segment_ids=segment_ids, positions=positions,
-                                decode=decode)
+    return self.from_embeddings(self.embeddings(tokens), segment_ids=segment_ids,
+                                positions=positions, decode=decode)
+
+  def embeddings(self, tokens: jax.Array) -> jax.Array:
+    """The embeddings `[B, T, dim]` of `tokens` `[B, T]`.
+
+    Raises:
+      ValueError: tokens not `[B, T]`.
+    """
+    if getattr(tokens, "ndim", None) != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+      raise ValueError(f"tokens expects integer ids of shape [batch, seq], got"
+                       f" {getattr(tokens, 'shape', None)} {getattr(tokens, 'dtype', None)}.")
+    # The table's features are sharded over fsdp, as every weight's are, so its rows come
+    # out of the lookup sharded on E. Moved to the activations' sharding (batch over fsdp)
+    # in one step, the partitioner replicates the whole [B, T, E / fsdp] lookup ("Involuntary
+    # full rematerialization"); in two (first the sequence over its axes, the features as
+    # they come, then features for batch: an all-to-all), each is one it partitions well.
+    table_VE = self.embed.embedding[...].astype(DTYPES[self.config.dtype])
+    rows_BTE = constrain(jnp.take(table_VE, tokens, axis=0), (None, "seq", "embed"))
+    return constrain(rows_BTE, X_NAMES)
 
   def from_embeddings(self, x_BTE: jax.Array, *, segment_ids: jax.Array | None = None,
                       positions: jax.Array | None = None, decode: bool = False) -> jax.Array:
@@ -414,6 +429,14 @@ class Llama(nnx.Module):
     exist (causality tests) and callers may feed their own embeddings. Arguments and
     errors as `__call__`.
     """
+    return self.logits(self.hidden(x_BTE, segment_ids=segment_ids, positions=positions,
+                                   decode=decode))
+
+  def hidden(self, x_BTE: jax.Array, *, segment_ids: jax.Array | None = None,
+             positions: jax.Array | None = None, decode: bool = False) -> jax.Array:
+    """The final norm's output `[B, T, dim]` in the compute dtype for token embeddings
+    `x_BTE`: every layer, then the norm, before the output projection (`logits`). Arguments
+    and errors as `__call__`."""
     cfg = self.config
     t = x_BTE.shape[1]
     if t > cfg.max_seq_len:
@@ -439,12 +462,18 @@ class Llama(nnx.Module):
     else:
       for b in self.layers:
         x_BTE = block(b, x_BTE, segment_ids, positions)
-    x_BTE = self.norm(x_BTE)
-    if self.lm_head is None:  # tie_embeddings
-      logits_BTV = self.embed.attend(x_BTE)
-    else:
-      logits_BTV = self.lm_head(x_BTE)
-    return constrain(logits_BTV.astype(jnp.float32), LOGITS_NAMES)
+    return self.norm(x_BTE)
+
+  def head_EV(self) -> jax.Array:
+    """The output projection `[dim, vocab_size]` (float32 parameters): the embedding's
+    transpose with `tie_embeddings`, else `lm_head`'s kernel."""
+    if self.lm_head is None:
+      return self.embed.embedding[...].T
+    return self.lm_head.kernel[...]
+
+  def logits(self, x_BTE: jax.Array) -> jax.Array:
+    """Logits `[B, T, vocab_size]` float32 of the final norm's output `x_BTE` (`hidden`)."""
+    return project(x_BTE, self.head_EV(), DTYPES[self.config.dtype])
 
 
 def unroll_layers(model: Llama) -> Llama:
@@ -499,24 +528,94 @@ def make_targets(tokens, segment_ids):
   return targets, weights
 
 
-def token_losses(model: Llama, batch: dict) -> jax.Array:
+def project(x_BTE: jax.Array, head_EV: jax.Array, dtype) -> jax.Array:
+  """Logits `[B, T, V]` float32: `x_BTE` times the output projection `head_EV` `[E, V]`, both
+  in the compute `dtype` (as `nnx.Linear` and `nnx.Embed.attend` compute them)."""
+  logits_BTV = jnp.dot(x_BTE.astype(dtype), head_EV.astype(dtype))
+  return constrain(logits_BTV.astype(jnp.float32), LOGITS_NAMES)
+
+
+def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
+  """logsumexp(logits) - logits[target] per token, `[B, T]` float32."""
+  log_z_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
+  # A masked sum rather than a gather keeps a vocab-sharded logits array sharded, and
+  # unlike a one-hot product it fuses into one pass over the logits.
+  vocab_V = jnp.arange(logits_BTV.shape[-1], dtype=targets_BT.dtype)
+  hit_BTV = vocab_V == targets_BT[..., None]
+  return log_z_BT - jnp.sum(jnp.where(hit_BTV, logits_BTV, 0.0), axis=-1)
+
+
+# Tokens per device whose float32 logits one step of the chunked loss holds: 1024 x 128256
+# x 4 bytes = 0.49 GiB for Llama 3's vocabulary (the whole row's would be O(T x V)).
+LOSS_CHUNK_TOKENS = 1024
+
+
+def loss_chunks(batch: int, length: int, chunk_tokens: int = LOSS_CHUNK_TOKENS) -> int:
+  """How many chunks `chunked_token_losses` cuts a `[batch, length]` batch's sequence into:
+  the fewest that divide each device's share of the sequence (under the current mesh and
+  logical rules) with at most `chunk_tokens` of its tokens per chunk."""
+  spec = logical_to_spec(("batch", "seq"), (batch, length))
+  shape = dict(jax.sharding.get_abstract_mesh().shape)
+  def shards(entry) -> int:
+    return math.prod(shape[a] for a in ((entry,) if isinstance(entry, str) else entry or ()))
+  local_b, local_t = batch // shards(spec[0]), length // shards(spec[1])
+  return next((n for n in range(1, local_t + 1)
+               if local_t % n == 0 and local_b * (local_t // n) <= chunk_tokens), local_t)
+
+
+def chunked_token_losses(x_BTE: jax.Array, head_EV: jax.Array, targets_BT: jax.Array, *,
+                         dtype, chunk_tokens: int = LOSS_CHUNK_TOKENS) -> jax.Array:
+  """`cross_entropy(project(x_BTE, head_EV, dtype), targets_BT)`, `[B, T]` float32, without
+  the `[B, T, V]` logits: a loop over chunks of the tokens (`loss_chunks`), each chunk's
+  logits computed, reduced to its losses and dropped, and recomputed in the backward
+  (`jax.checkpoint`), so the loss holds one chunk's logits at a time.
+
+  Chunk j takes the tokens t with t % n == j (n chunks), so a chunk is spread over the
+  devices the sequence is sharded over and the loop's axis is never sharded.
+
+  Raises:
+    ValueError: `chunk_tokens` not a positive int.
+  """
+  if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens <= 0:
+    raise ValueError(f"chunked_token_losses(chunk_tokens=...) expects a positive int, got"
+                     f" {chunk_tokens!r}.")
+  b, t, e = x_BTE.shape
+  n = loss_chunks(b, t, chunk_tokens)
+
+  @jax.checkpoint
+  def chunk(head_EV, x_BLE, targets_BL):
+    return cross_entropy(project(constrain(x_BLE, X_NAMES), head_EV, dtype), targets_BL)
+
+  x_NBLE = x_BTE.reshape(b, t // n, n, e).transpose(2, 0, 1, 3)
+  targets_NBL = targets_BT.reshape(b, t // n, n).transpose(2, 0, 1)
+  ce_NBL = jax.lax.map(lambda xs: chunk(head_EV, *xs), (x_NBLE, targets_NBL))
+  return ce_NBL.transpose(1, 2, 0).reshape(b, t)
+
+
+def token_losses(model: Llama, batch: dict, *,
+                 chunk_tokens: int = LOSS_CHUNK_TOKENS) -> jax.Array:
   """Next-token cross entropy of every token of a batch, `[B, T]` float32 (unweighted).
+
+  The same numbers as `cross_entropy(model(tokens, ...), targets)`, computed from the final
+  norm's output in chunks of at most `chunk_tokens` tokens per device
+  (`chunked_token_losses`): the `[B, T, vocab]` float32 logits are never materialized.
 
   Args:
     model: a `Llama`.
     batch: `[B, T]` int32 `tokens`, `targets`, `segment_ids` and `positions`.
+    chunk_tokens: tokens per device in one chunk of the loss.
 
   Returns:
     `ce_BT`: logsumexp(logits) - logits[target] per token; padding and last tokens of a
     document included (weight them with `make_targets`'s weights).
+
+  Raises:
+    ValueError: as `Llama.__call__`, or `chunk_tokens` not a positive int.
   """
-  logits_BTV = model(batch["tokens"], segment_ids=batch["segment_ids"],
-                     positions=batch["positions"])
-  log_z_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
-  # A one-hot product rather than a gather keeps a vocab-sharded logits array sharded.
-  one_hot_BTV = jax.nn.one_hot(batch["targets"], logits_BTV.shape[-1], dtype=logits_BTV.dtype)
-  target_BT = jnp.sum(logits_BTV * one_hot_BTV, axis=-1)
-  return log_z_BT - target_BT
+  x_BTE = model.hidden(model.embeddings(batch["tokens"]), segment_ids=batch["segment_ids"],
+                       positions=batch["positions"])
+  return chunked_token_losses(x_BTE, model.head_EV(), batch["targets"],
+                              dtype=DTYPES[model.config.dtype], chunk_tokens=chunk_tokens)
 
 
 def loss_fn(model: Llama, batch: dict) -> tuple[jax.Array, dict]:

@@ -131,11 +131,12 @@ def _train_step(devices: int, preset: str) -> dict:
 def test_the_tpu_demo_lowers_for_tpu_as_it_is():
   """configs/tpu_demo.yaml, unchanged, on one host of 8 chips (fsdp 8): the train step holds
   compiled splash kernels in the scanned layers' one body: the forward, its recomputation
-  under remat, and the fused backward."""
+  under remat, and the backward's dK/dV and dQ kernels (the fused backward's dq partials
+  would take 8 GiB per device: 16 heads x 32768 x 128 in bf16 x 64 key blocks)."""
   held = _train_step(8, "tpu_demo")
   assert held["mesh"] == {"data": 1, "fsdp": 8, "tensor": 1, "context_ring": 1, "context": 1}
   assert (held["seq_len"], held["batch_size"]) == (32768, 8), held
-  assert held["tpu_custom_calls"] == 3, held
+  assert held["tpu_custom_calls"] == 4, held
 
 
 def test_llama_train_step_of_the_tpu_config_lowers_for_tpu():

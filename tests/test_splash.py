@@ -5,12 +5,14 @@ edges), D=64, GQA 4 query heads on 2 KV heads.
 """
 
 import tracemalloc
+from typing import cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+from jax.sharding import PartitionSpec as P
 
 import flaxattn
 from flaxattn import blocks, splash
@@ -250,4 +252,71 @@ def test_explain_says_when_splash_checks_at_run_time():
                              print_fn=None)
   assert "tpu: splash (index masks; positions checked per batch at run time" in checked
   plain = flaxattn.explain(q, q, q, segment_ids=seg[:1], backend="splash", print_fn=None)
-  assert "tpu: splash\n" in plain + "\n"
+  assert "tpu: splash (backward fused" in plain
+  assert "index masks" not in plain
+
+
+def _runs_dq_kernel(backend, q, k, v, layout) -> bool:
+  """Whether the gradient of `backend`'s attention traces splash's dQ-only kernel."""
+  def loss(q, k, v):
+    out, lse = backend(q, k, v, layout, mask=flaxattn.Causal(), scale=0.3, return_lse=True)
+    return jnp.sum(out ** 2) + jnp.sum(jnp.where(jnp.isinf(lse), 0, lse))
+  return "splash_mqa_dq" in str(jax.make_jaxpr(jax.grad(loss, (0, 1, 2)))(q, k, v))
+
+
+@pytest.mark.parametrize("mask", [flaxattn.Causal(), flaxattn.Local(40), flaxattn.Chunked(96)],
+                         ids=str)
+def test_separate_dq_backward_matches_reference(mask):
+  """Over its budget, the backward runs splash's dK/dV and dQ kernels: still exact."""
+  over = splash.Splash(block_q=128, block_kv=128, fused_dq_budget=0)
+  q, k, v = qkv(4, B, T, T, H, HKV, D, jnp.float32)
+  _, _, layout = _packed(4, pad_tail=20)
+  assert _runs_dq_kernel(over, q, k, v, layout)
+  assert not _runs_dq_kernel(_splash_128, q, k, v, layout)  # 256 KiB of partials: fused
+  compare(over, layout, mask, q, k, v, jnp.float32)
+
+
+def test_fused_dq_budget_decides_by_the_partials_bytes():
+  # [B, T, H, D] = [1, 32768, 16, 128] bf16 over 64 key blocks of 512: 8 GiB of partials.
+  fused, why = splash.fused_backward((1, 32768, 16, 128), 32768, 2, 512, splash.FUSED_DQ_BUDGET)
+  assert not fused and f"{8 << 30} bytes, over fused_dq_budget {256 << 20}" in why
+  fused, why = splash.fused_backward((1, 4096, 16, 128), 4096, 2, 512, splash.FUSED_DQ_BUDGET)
+  assert fused and f"take {128 << 20} bytes" in why
+  assert splash.fused_backward((1, 32768, 16, 128), 32768, 2, 512, None)[0]
+  assert not splash.fused_backward((1, 256, 1, 128), 256, 2, 128, 0)[0]
+  with pytest.raises(ValueError, match=r"fused_dq_budget=.*got -1"):
+    splash.Splash(fused_dq_budget=-1)
+  q = jax.ShapeDtypeStruct((1, 32768, 16, 128), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((1, 32768, 8, 128), jnp.bfloat16)
+  text = flaxattn.explain(q, kv, kv, backend="splash", print_fn=None)
+  assert f"tpu: splash (backward separate dK/dV and dQ kernels: the fused backward's dq" \
+         f" partials would take {8 << 30} bytes" in text
+
+
+def _tpu_temporaries(backend, t: int) -> int:
+  """Bytes of temporaries XLA plans for splash's forward and backward (causal, T=`t`, 16
+  query and 8 KV heads of 128, bf16) compiled for one v5p chip from this host."""
+  from jax.experimental import topologies
+  topology = topologies.get_topology_desc(topology_name="v5p:2x2x1", platform="tpu")
+  replicated = jax.sharding.NamedSharding(jax.sharding.Mesh(topology.devices[:1], ("x",)), P())
+  q = jax.ShapeDtypeStruct((1, t, 16, 128), jnp.bfloat16, sharding=replicated)
+  kv = jax.ShapeDtypeStruct((1, t, 8, 128), jnp.bfloat16, sharding=replicated)
+  def loss(q, k, v):
+    out = cast(jax.Array, flaxattn.attention(q, k, v, backend=backend))
+    return jnp.sum(out.astype(jnp.float32) ** 2)
+  # The tests' "highest" float32 matmul precision would ask Mosaic for fp32 bf16 matmuls.
+  with flaxattn.lowering_for("tpu"), jax.default_matmul_precision("default"):
+    compiled = jax.jit(jax.grad(loss, (0, 1, 2))).lower(q, kv, kv).compile()
+  plan = compiled.memory_analysis()
+  assert plan is not None
+  return plan.temp_size_in_bytes
+
+
+def test_backward_within_budget_compiled_for_tpu():
+  """T=8192 on one v5p chip: the fused backward's dq partials alone are 512 MiB (16 key
+  blocks of [16, 8192, 128] bf16); by the default budget the separate dQ kernel runs and
+  the compiled temporaries stay under 192 MiB (100 MiB planned with libtpu 0.0.42)."""
+  pytest.importorskip("libtpu", reason="needs libtpu (pip install 'jax[tpu]') to compile for"
+                      " compile-only TPU devices")
+  assert _tpu_temporaries(splash.Splash(), 8192) < 192 << 20
+  assert _tpu_temporaries(splash.Splash(fused_dq_budget=None), 8192) > 512 << 20
