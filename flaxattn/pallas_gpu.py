@@ -511,10 +511,13 @@ class PallasGpu(registry.Kernel):
               f" Dv={call.dv}; the blockwise kernel serves wider heads.")
     return None
 
-  def describe(self, call: registry.Call) -> str | None:
-    if call.platform != "gpu" and self.interpret is not False:
+  def for_tests_on(self, platform: str) -> str | None:
+    if platform != "gpu" and self.interpret is not False:
       return "Pallas interpret mode off GPU: for tests, not speed"
     return None
+
+  def describe(self, call: registry.Call) -> str | None:
+    return self.for_tests_on(call.platform)
 
   def tiling(self, q, k, v, chunk: int | None = None) -> Tiling:
     """This kernel's `Tiling` for these operands (`choose_tiling`)."""

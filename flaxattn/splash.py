@@ -368,12 +368,19 @@ class Splash(registry.Kernel):
       return f"splash has no lazy mask for {call.mask!r}: {e}"
     return None
 
-  def describe(self, call: registry.Call) -> str | None:
-    """What runs: splash, and the run-time check where explicit positions meet a mask."""
-    if needs_index_check(call.mask, call.has_positions):
-      return ("index masks; positions checked per batch at run time, a batch whose documents"
-              " are not the token index shifted runs the blockwise kernel")
+  def for_tests_on(self, platform: str) -> str | None:
+    if platform != "tpu" and self.interpret is not False:
+      return "Pallas interpret mode off TPU: for tests, not speed"
     return None
+
+  def describe(self, call: registry.Call) -> str | None:
+    """What runs: splash, the run-time check where explicit positions meet a mask, and
+    interpret mode off TPU."""
+    notes = [self.for_tests_on(call.platform)]
+    if needs_index_check(call.mask, call.has_positions):
+      notes.append("index masks; positions checked per batch at run time, a batch whose"
+                   " documents are not the token index shifted runs the blockwise kernel")
+    return "; ".join(n for n in notes if n) or None
 
   def blocks(self, q_len: int, kv_len: int, head_dim: int) -> tuple[int, int]:
     default = default_block(head_dim)

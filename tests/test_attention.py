@@ -6,8 +6,10 @@ import numpy as np
 import pytest
 
 import flaxattn
+from flaxattn import registry
 from flaxattn.blockwise import blockwise_attention
 from flaxattn.layout import Layout
+from flaxattn.splash import Splash
 from helpers import as_layout, compare, qkv, random_packing
 
 MASKS = [flaxattn.Full(), flaxattn.Causal(), flaxattn.Local(7), flaxattn.Chunked(16),
@@ -141,3 +143,46 @@ def test_program_size_does_not_grow_with_the_sequence():
     return len(jax.jit(jax.grad(loss, (0, 1, 2))).lower(q, kv, kv).as_text())
   small, large = size(8192), size(131072)
   assert abs(large - small) < 2048 and large < 2**20, (small, large)
+
+
+def _long_call(platform: str, dtype: str = "bfloat16", t: int = 8192, q_len: int | None = None):
+  return registry.Call(platform=platform, q_shape=(1, q_len or t, 8, 128),
+                       kv_shape=(1, t, 8, 128), dtype=dtype, mask=flaxattn.Causal(),
+                       has_segment_ids=False, has_positions=False, return_lse=False)
+
+
+# What each alias picks for a long training call, per platform. cuDNN takes bfloat16 on a
+# GPU; in float32 it declines and pallas_gpu follows. A Pallas kernel in interpret mode
+# off its own platform is for tests: no alias picks it there.
+ALIAS_PICKS = [
+    ("cpu", "fused", "bfloat16", "blockwise"), ("cpu", "auto", "bfloat16", "blockwise"),
+    ("tpu", "fused", "bfloat16", "blockwise"), ("tpu", "auto", "bfloat16", "splash"),
+    ("gpu", "fused", "bfloat16", "cudnn"), ("gpu", "auto", "bfloat16", "cudnn"),
+    ("gpu", "fused", "float32", "pallas_gpu"), ("gpu", "auto", "float32", "pallas_gpu"),
+]
+
+
+@pytest.mark.parametrize("platform,alias,dtype,picks", ALIAS_PICKS, ids=str)
+def test_aliases_pick_per_platform_never_an_interpreted_kernel(platform, alias, dtype, picks):
+  call = _long_call(platform, dtype)
+  assert registry.select(alias, call).name == picks
+  decode = _long_call(platform, dtype, q_len=1)
+  assert registry.select("auto", decode).name == "split_k"
+  assert registry.order(platform)[0] == "split_k"
+  # An explicit backend still runs an interpreted kernel, and explain says why aliases don't.
+  if platform != "gpu":
+    assert registry.select("pallas_gpu", call).name == "pallas_gpu"
+    assert "pallas_gpu passed by (Pallas interpret mode off GPU" in registry.describe("fused",
+                                                                                       call)
+
+
+@pytest.mark.parametrize("platform", ["cpu", "tpu"])
+def test_programs_traced_for_cpu_or_tpu_hold_no_interpreted_kernel(platform):
+  call = _long_call(jax.default_backend(), "float32")
+  with flaxattn.lowering_for(platform):
+    picks = {alias: registry.per_platform(alias, call) for alias in ("fused", "auto")}
+  name = registry.lowering_name(platform)
+  assert picks["fused"][name].name == "blockwise"
+  assert picks["auto"][name].name == ("splash" if platform == "tpu" else "blockwise")
+  assert picks["auto"][name].for_tests_on(platform) is None
+  assert Splash(interpret=False).for_tests_on("cpu") is None
