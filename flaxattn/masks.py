@@ -32,6 +32,27 @@ def floor_div(x, n: int):
   return jax.lax.div(jnp.where(x < 0, x - (n - 1), x), jnp.asarray(n, x.dtype))
 
 
+def values_apart(v, allowed):
+  """`v` with its non-finite keys zeroed, and which rows are allowed to see one of them:
+  `p @ v` gives 0 * NaN = NaN where a masked key's value is NaN or inf (a padding token's),
+  so a kernel multiplies by these values and sets the rows returned to NaN, and a value
+  that the mask excludes reaches no output. Sums only (no boolean reductions): Triton
+  lowers it too.
+
+  Args:
+    v: `[..., S, Dv]` values (or keys) of one block, any float dtype.
+    allowed: bool `[..., R, S]`, broadcasting against v's leading axes: which rows may see
+      which keys.
+  Returns:
+    v in its dtype with non-finite keys zeroed, and bool `[..., R]`: rows allowed a
+    non-finite key (their output is NaN, as without the zeroing).
+  """
+  bad_S = jnp.sum(v.astype(jnp.float32) * 0.0, axis=-1) != 0.0  # inf * 0 and NaN give NaN
+  clean = jnp.where(bad_S[..., None], jnp.zeros((), v.dtype), v)
+  seen_R = jnp.sum(jnp.where(allowed & bad_S[..., None, :], 1.0, 0.0), axis=-1) > 0.0
+  return clean, seen_R
+
+
 class Mask:
   """Base class of all masks. Subclasses are frozen dataclasses."""
 

@@ -25,7 +25,7 @@ from jax.experimental.pallas import triton as pl_triton
 from flaxattn import registry, sharding
 from flaxattn.blocks import block_schedule, round_up, visit_order
 from flaxattn.layout import Layout
-from flaxattn.masks import Mask
+from flaxattn.masks import Mask, values_apart
 from flaxattn.ring import RingStep
 
 # Triton's dots take operands of at least 16 x 16, and its tensors have power-of-two sizes.
@@ -107,16 +107,20 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, q_pos_ref, kv_seg_ref, kv_po
     m, denom, acc = carry
     cols = pl.ds(j * keys, keys)
     s, _ = _scores(q, k_ref[cols, :], scale, soft_cap)
+    v = v_ref[cols, :]
     if masked:
-      s = jnp.where(_allowed(mask, q_seg, kv_seg_ref[cols], q_pos, kv_pos_ref[cols]), s, -jnp.inf)
+      allowed = _allowed(mask, q_seg, kv_seg_ref[cols], q_pos, kv_pos_ref[cols])
+      s = jnp.where(allowed, s, -jnp.inf)
+      v, seen_bad = values_apart(v, allowed)
     m_new = jnp.maximum(m, s.max(-1))
     # A row that has seen no allowed key keeps m = -inf; shift by 0 so exp gives 0, not NaN.
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
     p = jnp.exp(s - m_safe[:, None])
     alpha = jnp.exp(m - m_safe)
-    v = v_ref[cols, :]
-    return m_new, alpha * denom + p.sum(-1), alpha[:, None] * acc + _dot(p.astype(v.dtype), v,
-                                                                         (1, 0))
+    pv = _dot(p.astype(v.dtype), v, (1, 0))
+    if masked:
+      pv = jnp.where(seen_bad[:, None], jnp.nan, pv)
+    return m_new, alpha * denom + p.sum(-1), alpha[:, None] * acc + pv
 
   init = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32),
           jnp.zeros((rows, dv), jnp.float32))
@@ -129,15 +133,20 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, q_pos_ref, kv_seg_ref, kv_po
 
 def _probs_and_grads(q, k, v, do, lse, delta, allowed, scale, soft_cap):
   """p and dS of one block (dS: the loss's gradient w.r.t. the scaled scores before the
-  cap; the scale itself is applied to dQ and dK once, at the end)."""
+  cap; the scale itself is applied to dQ and dK once, at the end), and k as dQ takes it.
+  `allowed` (a partial block): masked-out keys' non-finite keys and values are zeroed, so
+  they reach neither dP nor dQ."""
+  if allowed is not None:
+    ok = allowed()
+    k, v = (values_apart(x, ok)[0] for x in (k, v))
   s, tanh = _scores(q, k, scale, soft_cap)
   if allowed is not None:
-    s = jnp.where(allowed(), s, -jnp.inf)
+    s = jnp.where(ok, s, -jnp.inf)
   p = jnp.exp(s - lse[:, None])
   ds = p * (_dot(do, v, (1, 1)) - delta[:, None])
   if tanh is not None:  # d(cap * tanh(x / cap)) / dx = 1 - tanh^2
     ds = ds * (1.0 - tanh * tanh)
-  return p, ds
+  return p, ds, k
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, q_pos_ref, kv_seg_ref,
@@ -151,8 +160,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, q_pos
     k = k_ref[cols, :]
     def allowed():
       return _allowed(mask, q_seg, kv_seg_ref[cols], q_pos, kv_pos_ref[cols])
-    _, ds = _probs_and_grads(q, k, v_ref[cols, :], do, lse, delta, allowed if masked else None,
-                             scale, soft_cap)
+    _, ds, k = _probs_and_grads(q, k, v_ref[cols, :], do, lse, delta,
+                                allowed if masked else None, scale, soft_cap)
     return dq + _dot(ds.astype(k.dtype), k, (1, 0))
 
   dq = _visit(order_ref, full_ref, partial_ref, update, jnp.zeros(q.shape, jnp.float32))
@@ -170,8 +179,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, q_po
     q, do = q_ref[block, :], do_ref[block, :]
     def allowed():
       return _allowed(mask, q_seg_ref[block], kv_seg, q_pos_ref[block], kv_pos)
-    p, ds = _probs_and_grads(q, k, v, do, lse_ref[block], delta_ref[block],
-                             allowed if masked else None, scale, soft_cap)
+    p, ds, _ = _probs_and_grads(q, k, v, do, lse_ref[block], delta_ref[block],
+                                allowed if masked else None, scale, soft_cap)
     return dk + _dot(ds.astype(q.dtype), q, (0, 0)), dv + _dot(p.astype(do.dtype), do, (0, 0))
 
   init = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
