@@ -24,12 +24,26 @@ def _check_positive_int(cls_name: str, arg: str, value) -> None:
 
 
 def floor_div(x, n: int):
-  """`x // n` for int arrays, numpy or jax. For jax it avoids `sign` (what `//` lowers
-  through), which Mosaic cannot lower for TPU from another host, so masks evaluated inside
-  a splash kernel lower anywhere."""
+  """`x // n` for int arrays, numpy or jax, exact for every int32 (no intermediate
+  overflows near -2**31). For jax it avoids `sign` (what `//` lowers through), which Mosaic
+  cannot lower for TPU from another host, so masks evaluated inside a splash kernel lower
+  anywhere: for x < 0, floor(x / n) = trunc((x + 1) / n) - 1."""
   if isinstance(x, (int, np.ndarray, np.integer)):
     return x // n
-  return jax.lax.div(jnp.where(x < 0, x - (n - 1), x), jnp.asarray(n, x.dtype))
+  neg = x < 0
+  return (jax.lax.div(jnp.where(neg, x + 1, x), jnp.asarray(n, x.dtype))
+          - jnp.where(neg, 1, 0).astype(x.dtype))
+
+
+def minus(x, n: int):
+  """`x - n` for positions `x` (int, numpy or jax) and 0 <= n < 2**31, saturating at the
+  dtype's minimum instead of wrapping to large positive values. Exact in `k >= minus(q, n)`:
+  where q - n is below the minimum, every key position satisfies both."""
+  if isinstance(x, int):
+    return x - n
+  low = np.iinfo(x.dtype).min
+  return np.maximum(x, low + n) - n if isinstance(x, (np.ndarray, np.integer)) else (
+      jnp.maximum(x, jnp.asarray(low + n, x.dtype)) - jnp.asarray(n, x.dtype))
 
 
 def values_apart(v, allowed):
@@ -114,12 +128,13 @@ class Local(Mask):
   def __post_init__(self):
     _check_positive_int("Local", "window", self.window)
 
+  # q - window + 1 <= k, saturated (`minus`): positions near -2**31 do not wrap.
   def allows(self, q_pos, k_pos):
-    return (k_pos <= q_pos) & (k_pos > q_pos - self.window)
+    return (k_pos <= q_pos) & (k_pos >= minus(q_pos, self.window - 1))
 
   def block_kinds(self, q_lo, q_hi, k_lo, k_hi):
-    skip = (k_lo > q_hi) | (k_hi <= q_lo - self.window)
-    full = (k_hi <= q_lo) & (k_lo > q_hi - self.window)
+    skip = (k_lo > q_hi) | (k_hi < minus(q_lo, self.window - 1))
+    full = (k_hi <= q_lo) & (k_lo >= minus(q_hi, self.window - 1))
     return skip, full
 
   @property
