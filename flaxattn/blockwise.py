@@ -14,7 +14,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from flaxattn import registry
+from flaxattn import checks, registry
 from flaxattn.blocks import by_kind, pad_axis1, round_up, schedule, visit_bounds
 from flaxattn.layout import Layout
 from flaxattn.masks import Mask, values_apart
@@ -348,6 +348,11 @@ class Blockwise(registry.Kernel):
   name: str = "blockwise"
   ring: bool = True
   soft_cap: bool = True
+
+  def __post_init__(self):
+    for arg in ("block_q", "block_kv"):
+      checks.integer(f"Blockwise({arg}=...)", getattr(self, arg), "a positive int (tokens per"
+                     " block)", lambda x: x > 0, "512 is the default")
 
   def __call__(self, q, k, v, layout: Layout, *, mask: Mask, scale: float, return_lse: bool,
                soft_cap: float | None = None):

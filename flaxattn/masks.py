@@ -8,19 +8,21 @@ combine with `&`. `band(mask)` is the one normal form that splash and cuDNN read
 from __future__ import annotations
 
 import dataclasses
-import numbers
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flaxattn import checks
 
-def _check_positive_int(cls_name: str, arg: str, value) -> None:
-  if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
-    raise ValueError(
-        f"{cls_name}({arg}=...) expects a positive int, got {value!r}"
-        f" ({type(value).__name__}). Pass the {arg} in tokens, e.g. {cls_name}(128)."
-    )
+# Positions are int32; `minus` and `floor_div` are exact for sizes up to its maximum.
+MAX_SIZE = 2**31 - 1
+
+
+def _check_size(cls_name: str, arg: str, value) -> int:
+  return checks.integer(f"{cls_name}({arg}=...)", value, f"a positive int of at most {MAX_SIZE}"
+                        " (positions are int32)", lambda x: 0 < x <= MAX_SIZE,
+                        f"pass the {arg} in tokens, e.g. {cls_name}(128)")
 
 
 def floor_div(x, n: int):
@@ -126,7 +128,7 @@ class Local(Mask):
   window: int
 
   def __post_init__(self):
-    _check_positive_int("Local", "window", self.window)
+    object.__setattr__(self, "window", _check_size("Local", "window", self.window))
 
   # q - window + 1 <= k, saturated (`minus`): positions near -2**31 do not wrap.
   def allows(self, q_pos, k_pos):
@@ -152,7 +154,7 @@ class Chunked(Mask):
   size: int
 
   def __post_init__(self):
-    _check_positive_int("Chunked", "size", self.size)
+    object.__setattr__(self, "size", _check_size("Chunked", "size", self.size))
 
   def allows(self, q_pos, k_pos):
     return (k_pos <= q_pos) & (floor_div(k_pos, self.size) == floor_div(q_pos, self.size))

@@ -22,7 +22,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from flaxattn import registry, sharding
+from flaxattn import checks, registry, sharding
 from flaxattn.blocks import block_schedule, round_up, visit_order
 from flaxattn.layout import Layout
 from flaxattn.masks import Mask, values_apart
@@ -31,6 +31,7 @@ from flaxattn.ring import RingStep
 # Triton's dots take operands of at least 16 x 16, and its tensors have power-of-two sizes.
 MIN_BLOCK = 16
 MAX_HEAD_DIM = 256
+MAX_WARPS = 32  # 1024 threads, the most a CUDA thread block holds
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -488,7 +489,13 @@ class PallasGpu(registry.Kernel):
   `default_block` of the head dim and dtype), fitted to the sequence. `num_warps` (None: 4 up to
   head dim 64, else 8) and `num_stages` go to Triton. `interpret`: Pallas interpret mode;
   None decides by the platform the program is lowered for (compiled on GPU, interpret mode
-  elsewhere)."""
+  elsewhere).
+
+  Raises:
+    ValueError: a block size not a power of two >= 16, `num_warps` not a power of two from
+      1 to 32, `num_stages` below 1, `interpret` not a bool or None (each also for a bool,
+      float or string where an int is expected).
+  """
 
   block_q: int | None = None
   block_kv: int | None = None
@@ -502,10 +509,18 @@ class PallasGpu(registry.Kernel):
   def __post_init__(self):
     for arg in ("block_q", "block_kv"):
       value = getattr(self, arg)
-      if value is not None and (not isinstance(value, int) or isinstance(value, bool)
-                                or value < MIN_BLOCK or value & (value - 1)):
-        raise ValueError(f"PallasGpu({arg}=...) expects a power of two >= {MIN_BLOCK} or None"
-                         f" (Triton's tensors and dots), got {value!r}.")
+      if value is not None:
+        checks.integer(f"PallasGpu({arg}=...)", value, f"a power of two >= {MIN_BLOCK} or None"
+                       " (Triton's tensors and dots)", lambda x: x >= MIN_BLOCK and not x & (x - 1))
+    if self.num_warps is not None:
+      checks.integer("PallasGpu(num_warps=...)", self.num_warps, f"a power of two from 1 to"
+                     f" {MAX_WARPS} or None (Triton's warps per program)",
+                     lambda x: 1 <= x <= MAX_WARPS and not x & (x - 1), "None picks 4 or 8")
+    checks.integer("PallasGpu(num_stages=...)", self.num_stages, "a positive int (Triton's"
+                   " pipeline stages)", lambda x: x >= 1, "2 is the default")
+    if self.interpret is not None:
+      checks.boolean("PallasGpu(interpret=...)", self.interpret,
+                     "None decides by the platform")
 
   def on(self, platform: str) -> PallasGpu:
     return dataclasses.replace(self, interpret=platform != "gpu")

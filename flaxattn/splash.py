@@ -23,7 +23,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import (
 )
 from jax.sharding import PartitionSpec as P
 
-from flaxattn import blocks, blockwise, checked, registry, sharding, splash_blocks
+from flaxattn import blocks, blockwise, checked, checks, registry, sharding, splash_blocks
 from flaxattn.blocks import TokenOrder
 from flaxattn.layout import Layout, index_check, needs_index_check
 from flaxattn.masks import Band, Mask, NoBand, band
@@ -347,9 +347,11 @@ class Splash(registry.Kernel):
   def __post_init__(self):
     for arg in ("block_q", "block_kv"):
       value = getattr(self, arg)
-      if value is not None and (not isinstance(value, int) or value <= 0 or value % LANES):
-        raise ValueError(f"Splash({arg}=...) expects a positive multiple of {LANES} or None,"
-                         f" got {value!r}.")
+      if value is not None:
+        checks.integer(f"Splash({arg}=...)", value, f"a positive multiple of {LANES} or None",
+                       lambda x: x > 0 and x % LANES == 0)
+    if self.interpret is not None:
+      checks.boolean("Splash(interpret=...)", self.interpret, "None decides by the platform")
 
   def reason(self, call: registry.Call) -> str | None:
     """None if splash serves `call` exactly (docs/design.md), else why not."""
