@@ -77,7 +77,8 @@ EDGES = np.concatenate([np.arange(INT32.min, INT32.min + 12), np.arange(-6, 6),
 
 
 @pytest.mark.parametrize("mask", [flaxattn.Local(1), flaxattn.Local(5), flaxattn.Chunked(4),
-                                  flaxattn.Chunked(7), flaxattn.Local(2**30)], ids=str)
+                                  flaxattn.Chunked(7), flaxattn.Local(2**31 - 1),
+                                  flaxattn.Chunked(2**31 - 1)], ids=str)
 def test_masks_on_int32_positions_at_the_limits_are_exact(mask):
   """allows and block_kinds on int32 (numpy and jax, traced as in the kernels) against the
   same rule on Python ints, for positions within 12 of both int32 limits and of 0."""
