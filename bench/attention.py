@@ -18,9 +18,11 @@ Forward+backward (gradient of sum(out**2) w.r.t. q, k, v), B=1, H=4, D=64, float
      jax.nn.dot_product_attention where it can express it (Dv: v zero-padded to D, output
      sliced), else the dense reference backend.
 Times are the best of `--repeats` runs after one compile-and-warm-up run. `--ratios` runs
-parts 1 and 2 only. The table names the kernel "fused" ran; the script exits with status 1
-when fused is slower than jax.nn.dot_product_attention (xla) on either case, the ratio that
-guards "fused" against picking a kernel that is not fast here (an interpreted one, say).
+parts 1 and 2 only. The table names the kernel "fused" ran, and the script exits with
+status 1 when jax.nn's time over fused's falls below `MIN_RATIO` for a case: fused must beat
+the dense causal call, and by 8x the dense packed one, whose 16 documents leave 1/16 of its
+work useful (a kernel that skips blocks: 43x to 83x here; pallas_gpu in interpret mode,
+which "fused" ran on CPU for a while: 1.3x to 2.1x).
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ from flaxattn.layout import Layout
 from flaxattn.selftest import best_time
 
 B, H, D = 1, 4, 64
+# Per case (by its first word): the least jax.nn time over fused time that passes.
+MIN_RATIO = {"causal": 1.0, "16": 8.0}
 
 
 def fwd_bwd(attn):
@@ -207,11 +211,12 @@ def main():
   for r in rows:
     print(f"{r['case']:<26} {r['impl']:<26} {r['seconds']:>9.3f} {r['speedup_of_fused']:>8.2f}"
           f" {r['gflops']:>8.1f} {r['matmul_fraction']:>9.2f}")
-  slower = [r["case"] for r in rows if r["impl"].startswith("jax.nn")
-            and r["speedup_of_fused"] < 1.0]
+  slower = [f"{r['case']}: {r['speedup_of_fused']:.2f}x" for r in rows
+            if r["impl"].startswith("jax.nn") and not args.quick
+            and r["speedup_of_fused"] < MIN_RATIO[r["case"].split()[0]]]
   if slower:
-    print(f"fused is slower than jax.nn.dot_product_attention (xla) on {slower}: check which"
-          " kernel it runs (flaxattn.explain(..., backend='fused')).")
+    print(f"fused against jax.nn.dot_product_attention (xla) below {MIN_RATIO} on {slower}:"
+          " check which kernel it runs (flaxattn.explain(..., backend='fused')).")
   if args.ratios:
     if args.json:
       with open(args.json, "w") as f:
