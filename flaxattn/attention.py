@@ -180,6 +180,7 @@ def attention(q, k, v, *, mask: Mask = Causal(), segment_ids=None, positions=Non
   """
   check_qkv(q, k, v)
   _check_sinks(q, sinks)
+  return_lse = checks.boolean("return_lse", return_lse)
   soft_cap = check_soft_cap(logit_soft_cap)
   scale = check_scale(scale)
   mask, layout = _layout(q, k, mask, segment_ids, positions, kv_segment_ids, kv_positions,
@@ -262,6 +263,7 @@ def explain(q, k, v, *, mask: Mask = Causal(), segment_ids=None, positions=None,
     kv_segment_ids, kv_positions = ids(kv_segment_ids, k.shape[1]), ids(kv_positions, k.shape[1])
   check_qkv(q, k, v)
   _check_sinks(q, sinks)
+  return_lse = checks.boolean("return_lse", return_lse)
   soft_cap = check_soft_cap(logit_soft_cap)
   mask, layout = _layout(q, k, mask, segment_ids, positions, kv_segment_ids, kv_positions,
                          context_parallel, None)

@@ -14,10 +14,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from flaxattn import registry
+from flaxattn import checks, registry
 from flaxattn.blocks import by_kind, pad_axis1, round_up, schedule, visit_bounds
 from flaxattn.layout import Layout
-from flaxattn.masks import Mask
+from flaxattn.masks import Mask, values_apart
 from flaxattn.ring import RingStep
 
 DEFAULT_BLOCK_Q = 512
@@ -59,16 +59,17 @@ def _allowed(mask, q_seg, kv_seg, q_pos, kv_pos, g: int):
   return jnp.broadcast_to(ok[:, None, :], (bq, g, bk)).reshape(bq * g, bk)
 
 
-def _scores(q_blk, k_blk, masked: bool, allowed_fn, soft_cap: float | None):
-  """Scores of a block, soft-capped then masked, and tanh of the capped scores (None
-  without a cap), whose 1 - tanh^2 the backward pass needs."""
+def _scores(q_blk, k_blk, allowed, soft_cap: float | None):
+  """Scores of a block, soft-capped then masked where `allowed` `[rows, keys]` is given
+  (a partial block), and tanh of the capped scores (None without a cap), whose 1 - tanh^2
+  the backward pass needs."""
   s = jnp.einsum("hmd,hkd->hmk", q_blk, k_blk, preferred_element_type=jnp.float32)
   tanh = None
   if soft_cap is not None:
     tanh = jnp.tanh(s / soft_cap)
     s = soft_cap * tanh
-  if masked:
-    s = jnp.where(allowed_fn()[None], s, -jnp.inf)
+  if allowed is not None:
+    s = jnp.where(allowed[None], s, -jnp.inf)
   return s, tanh
 
 
@@ -91,10 +92,12 @@ def _blockwise_fwd(q, k, v, arrays, kinds, lo, hi, *, mask, bq, bk, soft_cap):
       m, denom, acc = carry
       k_blk, v_blk = _block(k, bi, j * bk, bk), _block(v, bi, j * bk, bk)
 
-      def allowed():
-        return _allowed(mask, qs, _tokens(kv_seg, bi, j * bk, bk), qp,
-                        _tokens(kv_pos, bi, j * bk, bk), g)
-      s, _ = _scores(q_blk, k_blk, masked, allowed, soft_cap)
+      allowed = None
+      if masked:
+        allowed = _allowed(mask, qs, _tokens(kv_seg, bi, j * bk, bk), qp,
+                           _tokens(kv_pos, bi, j * bk, bk), g)
+        v_blk, seen_bad = values_apart(v_blk, allowed)
+      s, _ = _scores(q_blk, k_blk, allowed, soft_cap)
       m_new = jnp.maximum(m, s.max(-1))
       # A row that has seen no allowed key keeps m = -inf; shift by 0 so exp gives 0, not NaN.
       m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -102,6 +105,8 @@ def _blockwise_fwd(q, k, v, arrays, kinds, lo, hi, *, mask, bq, bk, soft_cap):
       alpha = jnp.exp(m - m_safe)
       denom = alpha * denom + p.sum(-1)
       pv = jnp.einsum("hmk,hkd->hmd", p.astype(v.dtype), v_blk, preferred_element_type=jnp.float32)
+      if masked:
+        pv = jnp.where(seen_bad[..., None], jnp.nan, pv)
       return m_new, denom, alpha[..., None] * acc + pv
 
     def body(j, carry):
@@ -144,21 +149,22 @@ def _blockwise_bwd(q, k, v, out, lse, dout, dlse, arrays, kinds, lo_t, hi_t, *, 
     def update(masked, i, carry):
       dq, dk, dv = carry
       q_blk, do_blk = rows(q, i), rows(dout, i)
-
-      def allowed():
-        return _allowed(mask, _tokens(q_seg, bi, i * bq, bq), ks,
-                        _tokens(q_pos, bi, i * bq, bq), kp, g)
-      s, tanh = _scores(q_blk, k_blk, masked, allowed, soft_cap)
+      k_i, v_i, allowed = k_blk, v_blk, None
+      if masked:  # masked-out keys' non-finite values stay out of dQ (ds @ k) and dP
+        allowed = _allowed(mask, _tokens(q_seg, bi, i * bq, bq), ks,
+                           _tokens(q_pos, bi, i * bq, bq), kp, g)
+        k_i, v_i = (values_apart(x, allowed)[0] for x in (k_blk, v_blk))
+      s, tanh = _scores(q_blk, k_i, allowed, soft_cap)
       p = jnp.exp(s - rows(lse_safe, i)[..., None])
       dv = dv + jnp.einsum("hmk,hmd->hkd", p.astype(dout.dtype), do_blk,
                            preferred_element_type=jnp.float32)
-      dp = jnp.einsum("hmd,hkd->hmk", do_blk, v_blk, preferred_element_type=jnp.float32)
+      dp = jnp.einsum("hmd,hkd->hmk", do_blk, v_i, preferred_element_type=jnp.float32)
       ds = p * (dp - rows(delta, i)[..., None])
       if tanh is not None:  # a soft cap: d(cap * tanh(x / cap)) / dx = 1 - tanh^2
         ds = ds * (1.0 - tanh * tanh)
       dk = dk + jnp.einsum("hmk,hmd->hkd", ds.astype(q.dtype), q_blk,
                            preferred_element_type=jnp.float32)
-      dq_blk = jnp.einsum("hmk,hkd->hmd", ds.astype(k.dtype), k_blk,
+      dq_blk = jnp.einsum("hmk,hkd->hmd", ds.astype(k.dtype), k_i,
                           preferred_element_type=jnp.float32).reshape(1, hkv, bq, g, d)
       start = _int32(bi, 0, i * bq, 0, 0)
       dq = jax.lax.dynamic_update_slice(
@@ -342,6 +348,11 @@ class Blockwise(registry.Kernel):
   name: str = "blockwise"
   ring: bool = True
   soft_cap: bool = True
+
+  def __post_init__(self):
+    for arg in ("block_q", "block_kv"):
+      checks.integer(f"Blockwise({arg}=...)", getattr(self, arg), "a positive int (tokens per"
+                     " block)", lambda x: x > 0, "512 is the default")
 
   def __call__(self, q, k, v, layout: Layout, *, mask: Mask, scale: float, return_lse: bool,
                soft_cap: float | None = None):

@@ -113,6 +113,43 @@ def number(arg: str, value, expected: str, valid: Callable[[float], bool], hint:
   return x
 
 
+def integer(arg: str, value, expected: str, valid: Callable[[int], bool], hint: str = "") -> int:
+  """`value` as a Python int: an integer (Python or numpy, not a bool) that `valid` accepts.
+  Sizes and counts of a kernel's options are checked where the option is made, so that a
+  zero, a fraction or a flag there fails with its name instead of deep inside a call.
+
+  Args:
+    arg: how the message names the option, e.g. "SplitK(chunk=...)".
+    value: the value given.
+    expected: what the message says is expected, e.g. "a positive int".
+    valid: the range, on the value as an int.
+    hint: appended to the message after "; ": what to do.
+
+  Raises:
+    ValueError: a bool, a float (even integral), a string, None or any other non-integer,
+      or an integer outside `valid`.
+  """
+  why = f"; {hint}" if hint else ""
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    raise ValueError(f"{arg} expects {expected}, got {value!r} ({type_name(value)}){why}.")
+  if not valid(int(value)):
+    raise ValueError(f"{arg} expects {expected}, got {value!r}{why}.")
+  return int(value)
+
+
+def boolean(arg: str, value, hint: str = "") -> bool:
+  """`value` as a bool: True or False (Python or numpy). A string or a number there is a
+  mistake that truth testing would hide ("no" is true).
+
+  Raises:
+    ValueError: anything else, naming `arg` and the value.
+  """
+  if not isinstance(value, (bool, np.bool_)):
+    why = f"; {hint}" if hint else ""
+    raise ValueError(f"{arg} expects True or False, got {value!r} ({type_name(value)}){why}.")
+  return bool(value)
+
+
 def positive_int(arg: str, value, optional: bool = False) -> None:
   """Raises ValueError unless `value` is a positive int (None too where `optional`): a size.
 
@@ -120,11 +157,8 @@ def positive_int(arg: str, value, optional: bool = False) -> None:
     arg: how the message names the argument, e.g. "KVCache(max_length=...)".
     value: the value received; a bool is refused (True would be a size of 1).
   """
-  if optional and value is None:
-    return
-  if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
-    raise ValueError(f"{arg} expects a positive int{' or None' if optional else ''}, got"
-                     f" {value!r} ({type_name(value)}).")
+  if not (optional and value is None):
+    integer(arg, value, "a positive int" + (" or None" if optional else ""), lambda x: x > 0)
 
 
 def type_name(value) -> str:

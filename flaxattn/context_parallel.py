@@ -61,7 +61,8 @@ class ContextParallel:
     TypeError: `load_balance` other than True, False or a string (1, 1.0, np.True_, None:
       the order is read by identity).
     ValueError: unknown strategy, load balancing string or cost model, a non-string axis,
-      or a `ring_axis` that is `axis` or comes without strategy "ulysses" or "auto".
+      `batch_axes` or `head_axes` other than a tuple of axis names, or a `ring_axis` that is
+      `axis` or comes without strategy "ulysses" or "auto".
   """
 
   axis: str = "context"
@@ -96,6 +97,13 @@ class ContextParallel:
         raise ValueError(f"ContextParallel(ring_axis={self.ring_axis!r}) runs a ring inside"
                          f" Ulysses and expects strategy='ulysses' (or 'auto'), got"
                          f" {self.strategy!r}; for a ring over one axis leave ring_axis=None.")
+    for field in ("batch_axes", "head_axes"):
+      names = getattr(self, field)
+      if not (isinstance(names, (tuple, list)) and all(isinstance(n, str) and n for n in names)):
+        raise ValueError(f"ContextParallel({field}=...) expects a tuple of mesh axis names, got"
+                         f" {names!r} ({checks.type_name(names)}); e.g. ('data', 'fsdp'), or ()"
+                         " for none.")
+      object.__setattr__(self, field, tuple(names))  # hashable: a static argument
     if not (self.cost_model is None or isinstance(self.cost_model, planner.Platform)
             or self.cost_model in planner.PLATFORMS):
       raise ValueError(f"ContextParallel(cost_model=...) expects None, one of"

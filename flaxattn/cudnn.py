@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax._src.cudnn import fused_attention_stablehlo as fsa
 
-from flaxattn import checked, cudnn_ring, registry
+from flaxattn import checked, checks, cudnn_ring, registry
 from flaxattn.layout import Layout, index_check
 from flaxattn.masks import Mask, NoBand, band
 from flaxattn.segments import SeqlensOffsets, seqlens_and_offsets
@@ -557,6 +557,14 @@ class Cudnn(registry.Kernel):
   name: str = "cudnn"
   ring: bool = True
   traces_anywhere: bool = False  # JAX checks for cuDNN while tracing
+
+  def __post_init__(self):
+    if self.max_segments is not None:
+      checks.integer("Cudnn(max_segments=...)", self.max_segments, "a positive int or None",
+                     lambda x: x > 0, f"None: {DEFAULT_MAX_SEGMENTS}")
+    if self.thd_budget is not None:
+      checks.number("Cudnn(thd_budget=...)", self.thd_budget, "a positive number of bytes"
+                    " (finite) or None", lambda x: x > 0, "None: twice the unpacked call's")
 
   def reason(self, call: registry.Call) -> str | None:
     reason = _reason(call)

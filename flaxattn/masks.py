@@ -8,28 +8,65 @@ combine with `&`. `band(mask)` is the one normal form that splash and cuDNN read
 from __future__ import annotations
 
 import dataclasses
-import numbers
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flaxattn import checks
 
-def _check_positive_int(cls_name: str, arg: str, value) -> None:
-  if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
-    raise ValueError(
-        f"{cls_name}({arg}=...) expects a positive int, got {value!r}"
-        f" ({type(value).__name__}). Pass the {arg} in tokens, e.g. {cls_name}(128)."
-    )
+# Positions are int32; `minus` and `floor_div` are exact for sizes up to its maximum.
+MAX_SIZE = 2**31 - 1
+
+
+def _check_size(cls_name: str, arg: str, value) -> int:
+  return checks.integer(f"{cls_name}({arg}=...)", value, f"a positive int of at most {MAX_SIZE}"
+                        " (positions are int32)", lambda x: 0 < x <= MAX_SIZE,
+                        f"pass the {arg} in tokens, e.g. {cls_name}(128)")
 
 
 def floor_div(x, n: int):
-  """`x // n` for int arrays, numpy or jax. For jax it avoids `sign` (what `//` lowers
-  through), which Mosaic cannot lower for TPU from another host, so masks evaluated inside
-  a splash kernel lower anywhere."""
+  """`x // n` for int arrays, numpy or jax, exact for every int32 (no intermediate
+  overflows near -2**31). For jax it avoids `sign` (what `//` lowers through), which Mosaic
+  cannot lower for TPU from another host, so masks evaluated inside a splash kernel lower
+  anywhere: for x < 0, floor(x / n) = trunc((x + 1) / n) - 1."""
   if isinstance(x, (int, np.ndarray, np.integer)):
     return x // n
-  return jax.lax.div(jnp.where(x < 0, x - (n - 1), x), jnp.asarray(n, x.dtype))
+  neg = x < 0
+  return (jax.lax.div(jnp.where(neg, x + 1, x), jnp.asarray(n, x.dtype))
+          - jnp.where(neg, 1, 0).astype(x.dtype))
+
+
+def minus(x, n: int):
+  """`x - n` for positions `x` (int, numpy or jax) and 0 <= n < 2**31, saturating at the
+  dtype's minimum instead of wrapping to large positive values. Exact in `k >= minus(q, n)`:
+  where q - n is below the minimum, every key position satisfies both."""
+  if isinstance(x, int):
+    return x - n
+  low = np.iinfo(x.dtype).min
+  return np.maximum(x, low + n) - n if isinstance(x, (np.ndarray, np.integer)) else (
+      jnp.maximum(x, jnp.asarray(low + n, x.dtype)) - jnp.asarray(n, x.dtype))
+
+
+def values_apart(v, allowed):
+  """`v` with its non-finite keys zeroed, and which rows are allowed to see one of them:
+  `p @ v` gives 0 * NaN = NaN where a masked key's value is NaN or inf (a padding token's),
+  so a kernel multiplies by these values and sets the rows returned to NaN, and a value
+  that the mask excludes reaches no output. Sums only (no boolean reductions): Triton
+  lowers it too.
+
+  Args:
+    v: `[..., S, Dv]` values (or keys) of one block, any float dtype.
+    allowed: bool `[..., R, S]`, broadcasting against v's leading axes: which rows may see
+      which keys.
+  Returns:
+    v in its dtype with non-finite keys zeroed, and bool `[..., R]`: rows allowed a
+    non-finite key (their output is NaN, as without the zeroing).
+  """
+  bad_S = jnp.sum(v.astype(jnp.float32) * 0.0, axis=-1) != 0.0  # inf * 0 and NaN give NaN
+  clean = jnp.where(bad_S[..., None], jnp.zeros((), v.dtype), v)
+  seen_R = jnp.sum(jnp.where(allowed & bad_S[..., None, :], 1.0, 0.0), axis=-1) > 0.0
+  return clean, seen_R
 
 
 class Mask:
@@ -91,14 +128,15 @@ class Local(Mask):
   window: int
 
   def __post_init__(self):
-    _check_positive_int("Local", "window", self.window)
+    object.__setattr__(self, "window", _check_size("Local", "window", self.window))
 
+  # q - window + 1 <= k, saturated (`minus`): positions near -2**31 do not wrap.
   def allows(self, q_pos, k_pos):
-    return (k_pos <= q_pos) & (k_pos > q_pos - self.window)
+    return (k_pos <= q_pos) & (k_pos >= minus(q_pos, self.window - 1))
 
   def block_kinds(self, q_lo, q_hi, k_lo, k_hi):
-    skip = (k_lo > q_hi) | (k_hi <= q_lo - self.window)
-    full = (k_hi <= q_lo) & (k_lo > q_hi - self.window)
+    skip = (k_lo > q_hi) | (k_hi < minus(q_lo, self.window - 1))
+    full = (k_hi <= q_lo) & (k_lo >= minus(q_hi, self.window - 1))
     return skip, full
 
   @property
@@ -116,7 +154,7 @@ class Chunked(Mask):
   size: int
 
   def __post_init__(self):
-    _check_positive_int("Chunked", "size", self.size)
+    object.__setattr__(self, "size", _check_size("Chunked", "size", self.size))
 
   def allows(self, q_pos, k_pos):
     return (k_pos <= q_pos) & (floor_div(k_pos, self.size) == floor_div(q_pos, self.size))

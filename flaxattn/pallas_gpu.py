@@ -22,15 +22,16 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from flaxattn import registry, sharding
+from flaxattn import checks, registry, sharding
 from flaxattn.blocks import block_schedule, round_up, visit_order
 from flaxattn.layout import Layout
-from flaxattn.masks import Mask
+from flaxattn.masks import Mask, values_apart
 from flaxattn.ring import RingStep
 
 # Triton's dots take operands of at least 16 x 16, and its tensors have power-of-two sizes.
 MIN_BLOCK = 16
 MAX_HEAD_DIM = 256
+MAX_WARPS = 32  # 1024 threads, the most a CUDA thread block holds
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -107,16 +108,20 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, q_pos_ref, kv_seg_ref, kv_po
     m, denom, acc = carry
     cols = pl.ds(j * keys, keys)
     s, _ = _scores(q, k_ref[cols, :], scale, soft_cap)
+    v = v_ref[cols, :]
     if masked:
-      s = jnp.where(_allowed(mask, q_seg, kv_seg_ref[cols], q_pos, kv_pos_ref[cols]), s, -jnp.inf)
+      allowed = _allowed(mask, q_seg, kv_seg_ref[cols], q_pos, kv_pos_ref[cols])
+      s = jnp.where(allowed, s, -jnp.inf)
+      v, seen_bad = values_apart(v, allowed)
     m_new = jnp.maximum(m, s.max(-1))
     # A row that has seen no allowed key keeps m = -inf; shift by 0 so exp gives 0, not NaN.
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
     p = jnp.exp(s - m_safe[:, None])
     alpha = jnp.exp(m - m_safe)
-    v = v_ref[cols, :]
-    return m_new, alpha * denom + p.sum(-1), alpha[:, None] * acc + _dot(p.astype(v.dtype), v,
-                                                                         (1, 0))
+    pv = _dot(p.astype(v.dtype), v, (1, 0))
+    if masked:
+      pv = jnp.where(seen_bad[:, None], jnp.nan, pv)
+    return m_new, alpha * denom + p.sum(-1), alpha[:, None] * acc + pv
 
   init = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32),
           jnp.zeros((rows, dv), jnp.float32))
@@ -129,15 +134,20 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, q_pos_ref, kv_seg_ref, kv_po
 
 def _probs_and_grads(q, k, v, do, lse, delta, allowed, scale, soft_cap):
   """p and dS of one block (dS: the loss's gradient w.r.t. the scaled scores before the
-  cap; the scale itself is applied to dQ and dK once, at the end)."""
+  cap; the scale itself is applied to dQ and dK once, at the end), and k as dQ takes it.
+  `allowed` (a partial block): masked-out keys' non-finite keys and values are zeroed, so
+  they reach neither dP nor dQ."""
+  if allowed is not None:
+    ok = allowed()
+    k, v = (values_apart(x, ok)[0] for x in (k, v))
   s, tanh = _scores(q, k, scale, soft_cap)
   if allowed is not None:
-    s = jnp.where(allowed(), s, -jnp.inf)
+    s = jnp.where(ok, s, -jnp.inf)
   p = jnp.exp(s - lse[:, None])
   ds = p * (_dot(do, v, (1, 1)) - delta[:, None])
   if tanh is not None:  # d(cap * tanh(x / cap)) / dx = 1 - tanh^2
     ds = ds * (1.0 - tanh * tanh)
-  return p, ds
+  return p, ds, k
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, q_pos_ref, kv_seg_ref,
@@ -151,8 +161,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, q_pos
     k = k_ref[cols, :]
     def allowed():
       return _allowed(mask, q_seg, kv_seg_ref[cols], q_pos, kv_pos_ref[cols])
-    _, ds = _probs_and_grads(q, k, v_ref[cols, :], do, lse, delta, allowed if masked else None,
-                             scale, soft_cap)
+    _, ds, k = _probs_and_grads(q, k, v_ref[cols, :], do, lse, delta,
+                                allowed if masked else None, scale, soft_cap)
     return dq + _dot(ds.astype(k.dtype), k, (1, 0))
 
   dq = _visit(order_ref, full_ref, partial_ref, update, jnp.zeros(q.shape, jnp.float32))
@@ -170,8 +180,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, q_po
     q, do = q_ref[block, :], do_ref[block, :]
     def allowed():
       return _allowed(mask, q_seg_ref[block], kv_seg, q_pos_ref[block], kv_pos)
-    p, ds = _probs_and_grads(q, k, v, do, lse_ref[block], delta_ref[block],
-                             allowed if masked else None, scale, soft_cap)
+    p, ds, _ = _probs_and_grads(q, k, v, do, lse_ref[block], delta_ref[block],
+                                allowed if masked else None, scale, soft_cap)
     return dk + _dot(ds.astype(q.dtype), q, (0, 0)), dv + _dot(p.astype(do.dtype), do, (0, 0))
 
   init = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
@@ -479,7 +489,13 @@ class PallasGpu(registry.Kernel):
   `default_block` of the head dim and dtype), fitted to the sequence. `num_warps` (None: 4 up to
   head dim 64, else 8) and `num_stages` go to Triton. `interpret`: Pallas interpret mode;
   None decides by the platform the program is lowered for (compiled on GPU, interpret mode
-  elsewhere)."""
+  elsewhere).
+
+  Raises:
+    ValueError: a block size not a power of two >= 16, `num_warps` not a power of two from
+      1 to 32, `num_stages` below 1, `interpret` not a bool or None (each also for a bool,
+      float or string where an int is expected).
+  """
 
   block_q: int | None = None
   block_kv: int | None = None
@@ -493,10 +509,18 @@ class PallasGpu(registry.Kernel):
   def __post_init__(self):
     for arg in ("block_q", "block_kv"):
       value = getattr(self, arg)
-      if value is not None and (not isinstance(value, int) or isinstance(value, bool)
-                                or value < MIN_BLOCK or value & (value - 1)):
-        raise ValueError(f"PallasGpu({arg}=...) expects a power of two >= {MIN_BLOCK} or None"
-                         f" (Triton's tensors and dots), got {value!r}.")
+      if value is not None:
+        checks.integer(f"PallasGpu({arg}=...)", value, f"a power of two >= {MIN_BLOCK} or None"
+                       " (Triton's tensors and dots)", lambda x: x >= MIN_BLOCK and not x & (x - 1))
+    if self.num_warps is not None:
+      checks.integer("PallasGpu(num_warps=...)", self.num_warps, f"a power of two from 1 to"
+                     f" {MAX_WARPS} or None (Triton's warps per program)",
+                     lambda x: 1 <= x <= MAX_WARPS and not x & (x - 1), "None picks 4 or 8")
+    checks.integer("PallasGpu(num_stages=...)", self.num_stages, "a positive int (Triton's"
+                   " pipeline stages)", lambda x: x >= 1, "2 is the default")
+    if self.interpret is not None:
+      checks.boolean("PallasGpu(interpret=...)", self.interpret,
+                     "None decides by the platform")
 
   def on(self, platform: str) -> PallasGpu:
     return dataclasses.replace(self, interpret=platform != "gpu")
@@ -511,10 +535,13 @@ class PallasGpu(registry.Kernel):
               f" Dv={call.dv}; the blockwise kernel serves wider heads.")
     return None
 
-  def describe(self, call: registry.Call) -> str | None:
-    if call.platform != "gpu" and self.interpret is not False:
+  def for_tests_on(self, platform: str) -> str | None:
+    if platform != "gpu" and self.interpret is not False:
       return "Pallas interpret mode off GPU: for tests, not speed"
     return None
+
+  def describe(self, call: registry.Call) -> str | None:
+    return self.for_tests_on(call.platform)
 
   def tiling(self, q, k, v, chunk: int | None = None) -> Tiling:
     """This kernel's `Tiling` for these operands (`choose_tiling`)."""

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from flaxattn import registry
 from flaxattn.layout import Layout
-from flaxattn.masks import Mask
+from flaxattn.masks import Mask, values_apart
 
 
 def dense_mask(mask: Mask, layout: Layout) -> jax.Array:
@@ -41,7 +41,14 @@ def reference_attention(q, k, v, layout: Layout, *, mask: Mask, scale: float, re
   layout = layout.materialize(b, t, s)
   allowed_BTS = dense_mask(mask, layout)
   q_BTKGD = q.astype(jnp.float32).reshape(b, t, hkv, g, d)
-  scores_BKGTS = jnp.einsum("btkgd,bskd->bkgts", q_BTKGD, k.astype(jnp.float32)) * scale
+  # A masked-out key's NaN or inf (key or value) would reach every row through 0 * NaN, in
+  # the output or in dQ: zeroed, and the rows allowed to see one set to NaN.
+  k_BKSD, k_bad_BKT = values_apart(k.astype(jnp.float32).transpose(0, 2, 1, 3),
+                                   allowed_BTS[:, None])
+  v_BKSD, v_bad_BKT = values_apart(v.astype(jnp.float32).transpose(0, 2, 1, 3),
+                                   allowed_BTS[:, None])
+  bad_BKT = k_bad_BKT | v_bad_BKT
+  scores_BKGTS = jnp.einsum("btkgd,bksd->bkgts", q_BTKGD, k_BKSD) * scale
   if soft_cap is not None:
     scores_BKGTS = soft_cap * jnp.tanh(scores_BKGTS / soft_cap)
   scores_BKGTS = jnp.where(allowed_BTS[:, None, None], scores_BKGTS, -jnp.inf)
@@ -49,10 +56,12 @@ def reference_attention(q, k, v, layout: Layout, *, mask: Mask, scale: float, re
   # A row with no allowed key has lse = -inf; keep its probabilities (and gradients) zero.
   safe_lse = jnp.where(jnp.isfinite(lse_BKGT), lse_BKGT, 0.0)
   probs_BKGTS = jnp.exp(scores_BKGTS - safe_lse[..., None])
-  out_BTKGD = jnp.einsum("bkgts,bskd->btkgd", probs_BKGTS, v.astype(jnp.float32))
+  out_BTKGD = jnp.einsum("bkgts,bksd->btkgd", probs_BKGTS, v_BKSD)
+  out_BTKGD = jnp.where(bad_BKT.transpose(0, 2, 1)[..., None, None], jnp.nan, out_BTKGD)
   out = out_BTKGD.reshape(b, t, h, v.shape[-1]).astype(q.dtype)
   if not return_lse:
     return out
+  lse_BKGT = jnp.where(bad_BKT[:, :, None], jnp.nan, lse_BKGT)
   lse_BTH = lse_BKGT.transpose(0, 3, 1, 2).reshape(b, t, h)
   return out, lse_BTH
 

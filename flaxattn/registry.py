@@ -197,6 +197,12 @@ class Kernel:
     interpret mode off TPU)."""
     return self
 
+  def for_tests_on(self, platform: str) -> str | None:
+    """None, or why the kernel runs on `platform` for tests, not speed (a Pallas kernel in
+    interpret mode off its own platform): "auto" and the aliases then pass it by, an
+    explicit backend still runs it."""
+    return None
+
   def __call__(self, q, k, v, layout: Layout, *, mask: Mask, scale: float, return_lse: bool):
     """Attention `[B, T, H, Dv]` (and log-sum-exp `[B, T, H]` float32 with `return_lse`).
     Kernels with `soft_cap = True` also take `soft_cap=` (a float or None)."""
@@ -284,13 +290,27 @@ def reasons(call: Call, kernels=None) -> dict[str, str | None]:
   return {name: get(name).unsupported_reason(call) for name in (kernels or names())}
 
 
+def _passed_by(kernel: Kernel, call: Call, traced_here: bool = False) -> str | None:
+  """Why "auto" and the aliases pass `kernel` by for `call`, or None if they may take it."""
+  reason = kernel.unsupported_reason(call)
+  if reason is not None:
+    return f"declines: {reason}"
+  slow = kernel.for_tests_on(call.platform)
+  if slow is not None:
+    return f"passed by ({slow}; backend={kernel.name!r} runs it)"
+  if traced_here and not kernel.traces_anywhere:
+    return f"passed by (needs {call.platform}'s libraries while tracing)"
+  return None
+
+
 def _first(candidates, call: Call, backend, traced_here: bool = False) -> Kernel:
   for name in candidates:
     kernel = get(name)
-    if kernel.unsupported_reason(call) is None and (kernel.traces_anywhere or not traced_here):
+    if _passed_by(kernel, call, traced_here) is None:
       return kernel
   raise ValueError(f"backend={backend!r}: no kernel serves this call on {call.platform}:\n"
-                   + _format_reasons(reasons(call, candidates)))
+                   + "\n".join(f"  {n}: {_passed_by(get(n), call, traced_here) or 'accepts'}"
+                               for n in candidates))
 
 
 def select(backend, call: Call, traced_here: bool = False) -> Kernel:
@@ -363,7 +383,7 @@ def _resolve(backend, call: Call) -> str:
   notes = [kernel.describe(call.local())]
   if isinstance(backend, str) and (backend == "auto" or backend in ALIASES):
     candidates = order(call.platform) if backend == "auto" else ALIASES[backend]
-    notes += [f"{n} declines: {get(n).unsupported_reason(call)}"
+    notes += [f"{n} {_passed_by(get(n), call)}"
               for n in candidates[:candidates.index(kernel.name)]]
   notes = [n for n in notes if n]
   return kernel.name + (f" ({'; '.join(notes)})" if notes else "")

@@ -23,7 +23,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import (
 )
 from jax.sharding import PartitionSpec as P
 
-from flaxattn import blocks, blockwise, checked, registry, sharding, splash_blocks
+from flaxattn import blocks, blockwise, checked, checks, registry, sharding, splash_blocks
 from flaxattn.blocks import TokenOrder
 from flaxattn.layout import Layout, index_check, needs_index_check
 from flaxattn.masks import Band, Mask, NoBand, band
@@ -393,14 +393,15 @@ class Splash(registry.Kernel):
   def __post_init__(self):
     for arg in ("block_q", "block_kv"):
       value = getattr(self, arg)
-      if value is not None and (not isinstance(value, int) or value <= 0 or value % LANES):
-        raise ValueError(f"Splash({arg}=...) expects a positive multiple of {LANES} or None,"
-                         f" got {value!r}.")
-    budget = self.fused_dq_budget
-    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)
-                               or budget < 0):
-      raise ValueError(f"Splash(fused_dq_budget=...) expects bytes as an int >= 0 (0: always"
-                       f" the separate dQ kernel) or None (always fused), got {budget!r}.")
+      if value is not None:
+        checks.integer(f"Splash({arg}=...)", value, f"a positive multiple of {LANES} or None",
+                       lambda x: x > 0 and x % LANES == 0)
+    if self.interpret is not None:
+      checks.boolean("Splash(interpret=...)", self.interpret, "None decides by the platform")
+    if self.fused_dq_budget is not None:
+      checks.integer("Splash(fused_dq_budget=...)", self.fused_dq_budget,
+                     "bytes as an int >= 0 (0: always the separate dQ kernel) or None (always"
+                     " fused)", lambda x: x >= 0)
 
   def reason(self, call: registry.Call) -> str | None:
     """None if splash serves `call` exactly (docs/design.md), else why not."""
@@ -419,24 +420,29 @@ class Splash(registry.Kernel):
       return f"splash has no lazy mask for {call.mask!r}: {e}"
     return None
 
+  def for_tests_on(self, platform: str) -> str | None:
+    if platform != "tpu" and self.interpret is not False:
+      return "Pallas interpret mode off TPU: for tests, not speed"
+    return None
+
   def describe(self, call: registry.Call) -> str | None:
-    """What runs: splash, its backward (fused or separate dQ, by `fused_dq_budget` on the
-    call's shapes per context shard), and the run-time check where explicit positions meet
-    a mask."""
+    """What runs: interpret mode off TPU, the run-time check where explicit positions meet
+    a mask, and the backward (fused or separate dQ, by `fused_dq_budget` on the call's
+    shapes per context shard)."""
     t, s = call.q_shape[1] // call.cp_size, call.kv_shape[1]
     if call.cp_strategy == "ring":
       s //= call.cp_size
     _, bkv = self.blocks(t, s, call.q_shape[3])
     _, backward = fused_backward((call.q_shape[0], t, *call.q_shape[2:]), s,
                                  np.dtype(call.dtype).itemsize, bkv, self.fused_dq_budget)
-    notes = []
+    notes = [self.for_tests_on(call.platform)]
     if needs_index_check(call.mask, call.has_positions):
       notes.append("index masks; positions checked per batch at run time, a batch whose"
                    " documents are not the token index shifted runs the blockwise kernel")
     notes.append(f"{backward} (block_kv {bkv}; batch {call.q_shape[0]} and"
                  f" {call.q_shape[2]} heads as given, fewer per device where the mesh splits"
                  " them)")
-    return "; ".join(notes)
+    return "; ".join(n for n in notes if n)
 
   def blocks(self, q_len: int, kv_len: int, head_dim: int) -> tuple[int, int]:
     default = default_block(head_dim)

@@ -14,7 +14,7 @@ import dataclasses
 import jax.numpy as jnp
 from jax import lax
 
-from flaxattn import registry
+from flaxattn import checks, registry
 from flaxattn.blocks import pad_axis1
 from flaxattn.layout import Layout
 from flaxattn.masks import Mask
@@ -104,12 +104,23 @@ def split_k_attention(q, k, v, layout: Layout, *, mask: Mask, scale: float, retu
 class SplitK(registry.Kernel):
   """`backend="split_k"`: decode-shaped calls (at most `MAX_QUERIES` queries against more
   keys) whose float32 scores fit `score_budget` bytes; every mask, layout, GQA, soft cap,
-  Dv != D, lse; first on every platform, so "auto" takes it for decode steps only."""
+  Dv != D, lse; first on every platform, so "auto" takes it for decode steps only.
+
+  Raises:
+    ValueError: `chunk` not a positive int (a bool, a float, a string), or `score_budget`
+      not a positive finite number.
+  """
 
   chunk: int = DEFAULT_CHUNK
   score_budget: int = DEFAULT_SCORE_BUDGET
   name: str = "split_k"
   soft_cap: bool = True
+
+  def __post_init__(self):
+    checks.integer("SplitK(chunk=...)", self.chunk, "a positive int (keys per chunk)",
+                   lambda x: x > 0, f"{DEFAULT_CHUNK} is the default")
+    checks.number("SplitK(score_budget=...)", self.score_budget, "a positive number of bytes"
+                  " (finite)", lambda x: x > 0, f"{DEFAULT_SCORE_BUDGET} (1 GiB) is the default")
 
   def reason(self, call: registry.Call) -> str | None:
     b, t, h = call.q_shape[:3]

@@ -6,9 +6,12 @@ import numpy as np
 import pytest
 
 import flaxattn
-from flaxattn.blockwise import blockwise_attention
+from flaxattn import registry
+from flaxattn.blockwise import Blockwise, blockwise_attention
 from flaxattn.layout import Layout
-from helpers import as_layout, compare, qkv, random_packing
+from flaxattn.pallas_gpu import PallasGpu
+from flaxattn.splash import Splash
+from helpers import TOL, as_layout, compare, grads_of, qkv, random_packing
 
 MASKS = [flaxattn.Full(), flaxattn.Causal(), flaxattn.Local(7), flaxattn.Chunked(16),
          flaxattn.Causal() & flaxattn.Local(40)]
@@ -141,3 +144,79 @@ def test_program_size_does_not_grow_with_the_sequence():
     return len(jax.jit(jax.grad(loss, (0, 1, 2))).lower(q, kv, kv).as_text())
   small, large = size(8192), size(131072)
   assert abs(large - small) < 2048 and large < 2**20, (small, large)
+
+
+def _long_call(platform: str, dtype: str = "bfloat16", t: int = 8192, q_len: int | None = None):
+  return registry.Call(platform=platform, q_shape=(1, q_len or t, 8, 128),
+                       kv_shape=(1, t, 8, 128), dtype=dtype, mask=flaxattn.Causal(),
+                       has_segment_ids=False, has_positions=False, return_lse=False)
+
+
+# What each alias picks for a long training call, per platform. cuDNN takes bfloat16 on a
+# GPU; in float32 it declines and pallas_gpu follows. A Pallas kernel in interpret mode
+# off its own platform is for tests: no alias picks it there.
+ALIAS_PICKS = [
+    ("cpu", "fused", "bfloat16", "blockwise"), ("cpu", "auto", "bfloat16", "blockwise"),
+    ("tpu", "fused", "bfloat16", "blockwise"), ("tpu", "auto", "bfloat16", "splash"),
+    ("gpu", "fused", "bfloat16", "cudnn"), ("gpu", "auto", "bfloat16", "cudnn"),
+    ("gpu", "fused", "float32", "pallas_gpu"), ("gpu", "auto", "float32", "pallas_gpu"),
+]
+
+
+@pytest.mark.parametrize("platform,alias,dtype,picks", ALIAS_PICKS, ids=str)
+def test_aliases_pick_per_platform_never_an_interpreted_kernel(platform, alias, dtype, picks):
+  call = _long_call(platform, dtype)
+  assert registry.select(alias, call).name == picks
+  decode = _long_call(platform, dtype, q_len=1)
+  assert registry.select("auto", decode).name == "split_k"
+  assert registry.order(platform)[0] == "split_k"
+  # An explicit backend still runs an interpreted kernel, and explain says why aliases don't.
+  if platform != "gpu":
+    assert registry.select("pallas_gpu", call).name == "pallas_gpu"
+    assert "pallas_gpu passed by (Pallas interpret mode off GPU" in registry.describe("fused",
+                                                                                       call)
+
+
+@pytest.mark.parametrize("platform", ["cpu", "tpu"])
+def test_programs_traced_for_cpu_or_tpu_hold_no_interpreted_kernel(platform):
+  call = _long_call(jax.default_backend(), "float32")
+  with flaxattn.lowering_for(platform):
+    picks = {alias: registry.per_platform(alias, call) for alias in ("fused", "auto")}
+  name = registry.lowering_name(platform)
+  assert picks["fused"][name].name == "blockwise"
+  assert picks["auto"][name].name == ("splash" if platform == "tpu" else "blockwise")
+  assert picks["auto"][name].for_tests_on(platform) is None
+  assert Splash(interpret=False).for_tests_on("cpu") is None
+
+
+# A document of 18 tokens, 2 padding tokens, a document of 28: with blocks of 16 the
+# padding shares partial blocks with both documents.
+GAP_SEG = np.array([[1] * 18 + [0] * 2 + [2] * 28], np.int32)
+GAP_POS = np.array([list(range(18)) + [0, 0] + list(range(28))], np.int32)
+
+
+@pytest.mark.parametrize("backend", [
+    "reference", "blockwise", Blockwise(block_q=16, block_kv=16), "pallas_gpu",
+    PallasGpu(block_q=16, block_kv=16)], ids=lambda b: b if isinstance(b, str) else b.name + "16")
+def test_a_non_finite_key_or_value_reaches_only_the_rows_that_see_it(backend):
+  q, k, v = qkv(8, 1, 48, 48, 4, 2, 16)
+  attend = grads_of(lambda q, k, v: flaxattn.attention(
+      q, k, v, segment_ids=GAP_SEG, positions=GAP_POS, backend=backend, return_lse=True))
+  want_g, (want_o, want_l) = attend(q, k, v)
+  # (which of k/v, token): padding keys (no row sees them); token 30, position 10 of the
+  # second document, seen by that document's tokens 30..47.
+  for which, token in (("k", 18), ("v", 19), ("v", 30)):
+    for value in (np.nan, np.inf):
+      args = {"q": q, "k": k, "v": v}
+      args[which] = args[which].at[0, token, 0, 3].set(value)  # KV head 0: query heads 0, 1
+      got_g, (got_o, got_l) = attend(*args.values())
+      sees = np.arange(48) >= (30 if token == 30 else 48)
+      case = f"{which}[{token}] = {value}"
+      np.testing.assert_allclose(got_o[0, ~sees], want_o[0, ~sees], err_msg=case,
+                                 **TOL[jnp.float32])
+      np.testing.assert_allclose(got_l[0, ~sees], want_l[0, ~sees], err_msg=case,
+                                 **TOL[jnp.float32])
+      assert not np.isfinite(got_o[0, sees, :2]).any(), case
+      if not sees.any():  # nothing sees it: every gradient as without it
+        for name, got, want in zip("qkv", got_g, want_g, strict=True):
+          np.testing.assert_allclose(got, want, err_msg=f"d{name}, {case}", **TOL[jnp.float32])

@@ -17,6 +17,7 @@ import pytest
 import flaxattn
 from flaxattn import registry
 from flaxattn.attention import apply_sinks
+from flaxattn.cudnn import Cudnn
 from helpers import TOL, as_layout, dense_oracle, grads_of, normal, qkv, random_packing
 
 SCALE = 0.3
@@ -112,3 +113,32 @@ def test_kernel_conforms(name, case, fake_cudnn):
   if case.empty_row:
     np.testing.assert_array_equal(got_o[1], 0.0)
     assert np.isneginf(got_l[1]).all()
+
+
+@pytest.mark.parametrize("mask", [flaxattn.Local(5), flaxattn.Chunked(8)], ids=str)
+@pytest.mark.parametrize("name", registry.names())
+def test_positions_at_the_int32_limits_mask_as_anywhere(name, mask, fake_cudnn):
+  """A document whose positions start at -2**31, or end at 2**31 - 1, is masked as the same
+  document at positions from 0: the window's and the chunk's arithmetic does not wrap."""
+  q, k, v = qkv(13, 1, T, T, 4, 2, 16, jnp.bfloat16)
+  queries = slice(0, 3) if name == "split_k" else slice(None)  # a decode step's
+  q = q[:, queries]
+  seg = np.ones((1, T), np.int32)
+
+  def layout(first: int):
+    pos = (np.arange(T) + first).astype(np.int32)[None]
+    return as_layout(seg[:, queries], pos[:, queries], seg, pos)
+  want = dense_oracle(q, k, v, layout(0), mask, SCALE)[0]
+  call = dataclasses.replace(registry.Call.of(q, k, v, mask, layout(0), False),
+                             platform=home(name))
+  # cuDNN: one document, so two THD slots keep the row within its temporaries' budget.
+  kernel = Cudnn(max_segments=2) if name == "cudnn" else registry.get(name)
+  reason = kernel.unsupported_reason(call)
+  if reason is not None:
+    assert reason.endswith(".") and isinstance(mask, flaxattn.Chunked), reason
+    return
+  kernel = kernel.on("cpu")
+  for first in (np.iinfo(np.int32).min, np.iinfo(np.int32).max + 1 - T):
+    got = kernel(q, k, v, layout(first), mask=mask, scale=SCALE, return_lse=False)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               err_msg=f"positions from {first}", **TOL[jnp.bfloat16])

@@ -229,3 +229,70 @@ def test_explain_shows_each_platform():
   text = flaxattn.explain(q, kv, kv, backend="splash", print_fn=None)
   assert ("  tpu: error: backend='splash' cannot serve this call: splash needs a sequence length"
           in text)
+
+
+# Odd values at every public constructor (the options of flaxattn's exports and of the
+# kernels' objects): each is refused where it is made, with an error that names the option,
+# unless it is listed as taken.
+ODD = {"0": 0, "-3": -3, "2.5": 2.5, "True": True, "'64'": "64", "None": None,
+       "nan": float("nan"), "inf": float("inf"), "2**64": 2**64}
+# (constructor, option, other options, the odd values it takes and why)
+OPTIONS = [
+    (flaxattn.Local, "window", {}, ()), (flaxattn.Chunked, "size", {}, ()),
+    ("split_k:SplitK", "chunk", {}, ("2**64",)),  # one chunk of all the keys
+    ("split_k:SplitK", "score_budget", {}, ("2.5", "2**64")),  # bytes: any positive amount
+    *[("pallas_gpu:PallasGpu", arg, {}, ("None", "2**64")) for arg in ("block_q", "block_kv")],
+    ("pallas_gpu:PallasGpu", "num_warps", {}, ("None",)),
+    ("pallas_gpu:PallasGpu", "num_stages", {}, ("2**64",)),
+    ("pallas_gpu:PallasGpu", "interpret", {}, ("True", "None")),
+    *[("splash:Splash", arg, {}, ("None", "2**64")) for arg in ("block_q", "block_kv")],
+    ("splash:Splash", "interpret", {}, ("True", "None")),
+    *[("blockwise:Blockwise", arg, {}, ("2**64",)) for arg in ("block_q", "block_kv")],
+    ("cudnn:Cudnn", "max_segments", {}, ("None", "2**64")),
+    ("cudnn:Cudnn", "thd_budget", {}, ("None", "2.5", "2**64")),
+    (flaxattn.ContextParallel, "axis", {}, ("'64'",)),  # a mesh axis name
+    (flaxattn.ContextParallel, "strategy", {}, ()),
+    (flaxattn.ContextParallel, "load_balance", {}, ("True",)),
+    (flaxattn.ContextParallel, "ring_axis", {"strategy": "ulysses"}, ("'64'", "None")),
+    (flaxattn.ContextParallel, "batch_axes", {}, ()),
+    (flaxattn.ContextParallel, "head_axes", {}, ()),
+    (flaxattn.ContextParallel, "cost_model", {}, ("None",)),
+    (flaxattn.RoPE, "theta", {}, ("2.5", "2**64")), (flaxattn.RoPE, "scaling", {}, ("None",)),
+    (flaxattn.RoPEScaling, "kind", {}, ()),
+    (flaxattn.RoPEScaling, "factor", {"kind": "linear"}, ("2.5", "2**64")),
+    (flaxattn.RoPEScaling, "original_max_position", {"kind": "llama3"}, ()),
+    *[(flaxattn.RoPEScaling, arg, {}, ("2.5", "2**64"))
+      for arg in ("low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow")],
+    (flaxattn.RoPEScaling, "attention_factor", {}, ("2.5", "None")),
+]
+
+
+def _maker(spec):
+  if isinstance(spec, str):  # a kernel's options, in its module (loaded on first use)
+    module, name = spec.split(":")
+    return getattr(getattr(flaxattn, module), name)
+  return spec
+
+
+@pytest.mark.parametrize("label", ODD)
+@pytest.mark.parametrize("spec,arg,others,taken", OPTIONS,
+                         ids=[f"{getattr(o[0], '__name__', o[0])}.{o[1]}" for o in OPTIONS])
+def test_odd_values_at_every_public_constructor(spec, arg, others, taken, label):
+  make = _maker(spec)
+  kwargs = {**others, arg: ODD[label]}
+  if make is flaxattn.RoPEScaling and "kind" in others and arg != "original_max_position":
+    kwargs.setdefault("original_max_position", 8192)
+  if label in taken:
+    make(**kwargs)
+    return
+  with pytest.raises((ValueError, TypeError), match=arg) as raised:
+    make(**kwargs)
+  assert repr(ODD[label]) in str(raised.value) or label == "None" and "original" in arg
+
+
+@pytest.mark.parametrize("label", [x for x in ODD if x != "True"])
+def test_return_lse_takes_a_bool_only(label):
+  with pytest.raises(ValueError, match=r"return_lse expects True or False, got"):
+    flaxattn.attention(Q, K, K, return_lse=ODD[label], backend="reference")
+  with pytest.raises(ValueError, match="return_lse"):
+    flaxattn.explain(Q, K, K, return_lse=ODD[label], print_fn=None)

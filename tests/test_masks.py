@@ -69,3 +69,30 @@ def test_band_is_the_one_normal_form():
   q, k = np.arange(64)[:, None], np.arange(64)[None, :]
   for mask in (flaxattn.Full(), C, C & L(8) & L(4), L(5) & K(16) & C):
     np.testing.assert_array_equal(band(mask).mask.allows(q, k), mask.allows(q, k))
+
+
+INT32 = np.iinfo(np.int32)
+EDGES = np.concatenate([np.arange(INT32.min, INT32.min + 12), np.arange(-6, 6),
+                        np.arange(INT32.max - 11, INT32.max + 1)])
+
+
+@pytest.mark.parametrize("mask", [flaxattn.Local(1), flaxattn.Local(5), flaxattn.Chunked(4),
+                                  flaxattn.Chunked(7), flaxattn.Local(2**31 - 1),
+                                  flaxattn.Chunked(2**31 - 1)], ids=str)
+def test_masks_on_int32_positions_at_the_limits_are_exact(mask):
+  """allows and block_kinds on int32 (numpy and jax, traced as in the kernels) against the
+  same rule on Python ints, for positions within 12 of both int32 limits and of 0."""
+  q, k = np.meshgrid(EDGES, EDGES, indexing="ij")
+  want = np.vectorize(lambda q, k: bool(mask.allows(int(q), int(k))))(q, k)
+  q32, k32 = q.astype(np.int32), k.astype(np.int32)
+  np.testing.assert_array_equal(mask.allows(q32, k32), want)
+  np.testing.assert_array_equal(jax.jit(mask.allows)(q32, k32), want)
+  # One block per pair of 3-position runs: skip only if nothing is allowed, full only if all.
+  lo = EDGES[::3].astype(np.int32)
+  blocks = np.stack([want[i:i + 3, j:j + 3] for i in range(0, len(EDGES), 3)
+                     for j in range(0, len(EDGES), 3)])
+  q_lo, k_lo = (x.ravel() for x in np.meshgrid(lo, lo, indexing="ij"))
+  for xp_kinds in (mask.block_kinds, jax.jit(mask.block_kinds)):
+    skip, full = (np.asarray(x) for x in xp_kinds(q_lo, q_lo + 2, k_lo, k_lo + 2))
+    assert not blocks[skip].any() and blocks[full].all()
+    assert skip[~blocks.any((1, 2))].mean() > 0.9  # and not merely conservative
