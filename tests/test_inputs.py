@@ -213,7 +213,11 @@ def test_explain_shows_each_platform():
           " cuDNN's packed (THD) layout with 32 slots would hold about 1.07 GiB of"
           " temporaries") in text
   assert "over its budget of 0.09 GiB" in text
-  assert f"\n  tpu: splash ({decline} 4096.)\n" in text + "\n"
+  # splash: its backward (8 heads x 4096 x 4096 / 512 x 128 bf16 of dq partials, within the
+  # default budget), then why split_k declined.
+  assert ("\n  tpu: splash (backward fused dK/dV/dQ: its dq partials take 67108864 bytes,"
+          " within fused_dq_budget 268435456 bytes") in text
+  assert f"; {decline} 4096.)\n" in text.split("\n  tpu: ")[1]
   # Chunked: no cuDNN mask, so GPU takes the next kernel and says why; splash chunks lazily
   # on TPU.
   text = flaxattn.explain(q, kv, kv, mask=flaxattn.Chunked(1024), print_fn=None)
