@@ -72,8 +72,15 @@ def compile_for(name: str, fn, *args, axes: dict[str, int] | None = None):
   found = target_devices(name)
   mesh = jax.make_mesh(tuple(axes.values()), tuple(axes), axis_types=(AxisType.Auto,) * len(axes),
                        devices=found[:math.prod(axes.values())])
-  with jax.set_mesh(mesh):
+  with jax.set_mesh(mesh), target_precision():
     return jax.jit(fn).lower(*args).compile()
+
+
+def target_precision():
+  """JAX's default matmul precision, as a program compiled for a target has it: conftest.py
+  sets "highest" for float32 comparisons, and Mosaic refuses bf16 matmuls at float32
+  precision ("Bad lhs type")."""
+  return jax.default_matmul_precision("default")
 
 
 # float32 matches to rounding; bfloat16 inputs round q/k/v and p before the matmuls.
