@@ -81,8 +81,10 @@ def lowering_for(*platforms: str):
 
 
 def exporting() -> bool:
-  """Whether a program traced now is for `lowering_for`'s platforms (an export)."""
-  return bool(_LOWERING_FOR.value)
+  """Whether a program traced now is for a platform other than this process's: an export
+  under `lowering_for`, or a mesh of another platform's devices (the compile-only devices
+  of `flaxattn.aot`). Such a program cannot hold host callbacks for a GPU."""
+  return bool(_LOWERING_FOR.value) or lowering_platforms()[0] != jax.default_backend()
 
 
 def lowering_platforms() -> tuple[str, ...]:
