@@ -53,6 +53,8 @@ class Chip:
   dims: int = 2
   topology_name: str = ""
   config: str = ""
+  kind: str = ""  # GPU: the device kind its compile-only devices report
+  capability: tuple[int, int] | None = None  # GPU: CUDA compute capability
 
   @property
   def reserve_bytes(self) -> int:
@@ -69,9 +71,12 @@ TARGETS: dict[str, Chip] = {
     "v5e": Chip("v5e", "tpu", 16 * GIB, int(15.75 * GIB), "chips", 2, "v5e"),
     "v5p": Chip("v5p", "tpu", 96 * GIB, int(95.74 * GIB), "cores", 3, "v5p"),
     "v6e": Chip("v6e", "tpu", 32 * GIB, int(31.25 * GIB), "chips", 2, "v6e"),
-    "h100": Chip("h100", "gpu", 84978434048, count="gpus", config="h100.txtpb"),
-    "h200": Chip("h200", "gpu", 150754820096, count="gpus", config="h200.txtpb"),
-    "a100-80g": Chip("a100-80g", "gpu", 85899345920, count="gpus", config="a100-80g.txtpb"),
+    "h100": Chip("h100", "gpu", 84978434048, count="gpus", config="h100.txtpb",
+                 kind="NVIDIA H100 80GB HBM3", capability=(9, 0)),
+    "h200": Chip("h200", "gpu", 150754820096, count="gpus", config="h200.txtpb",
+                 kind="NVIDIA H200", capability=(9, 0)),
+    "a100-80g": Chip("a100-80g", "gpu", 85899345920, count="gpus", config="a100-80g.txtpb",
+                     kind="NVIDIA A100-SXM4-80GB", capability=(8, 0)),
 }
 # Refused by name: the compile-only v4 topology has one device per TensorCore (two per chip),
 # and JAX's mesh helpers refuse it; a v4 slice runs megacore, one device per chip, so a plan
@@ -105,6 +110,11 @@ class Target:
     if mem_fraction is None:
       mem_fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", GPU_MEM_FRACTION))
     return int(self.chip.hbm_bytes * mem_fraction)
+
+
+def gpu_capability(device_kind: str) -> tuple[int, int] | None:
+  """The compute capability of a target GPU by its device kind, None for another kind."""
+  return next((c.capability for c in TARGETS.values() if c.kind == device_kind), None)
 
 
 def names() -> list[str]:
@@ -175,6 +185,16 @@ def missing_package(platform: str) -> str | None:
   if importlib.util.find_spec(module) is None:
     return (f"compiling for {platform.upper()} needs {what}: pip install \"{EXTRA}\" (or"
             f" \"flaxattn[{extra}]\" for this platform only).")
+  return None
+
+
+def cudnn_missing() -> str | None:
+  """Why cuDNN's calls cannot be compiled here for a GPU target (its library, which JAX
+  reads while tracing, is not installed), or None."""
+  from flaxattn import cudnn
+  if cudnn._cudnn_version() is None:  # pyright: ignore[reportPrivateUsage]
+    return ("cuDNN is not installed on this host (pip install nvidia-cudnn-cu12): calls a GPU"
+            " would run with cuDNN were compiled with the next kernel (pallas_gpu).")
   return None
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
+import logging
 
 import jax
 import numpy as np
@@ -47,6 +48,7 @@ _BUILTIN = {
     "split_k": "flaxattn.split_k:SplitK",
 }
 _KERNELS: dict[str, Kernel] = {}
+log = logging.getLogger("flaxattn")
 PLATFORMS = ("cpu", "gpu", "tpu")
 # `jax.lax.platform_dependent`'s names of the platforms a program may be lowered for.
 LOWERING = {"cpu": "cpu", "cuda": "gpu", "tpu": "tpu"}
@@ -287,10 +289,18 @@ def reasons(call: Call, kernels=None) -> dict[str, str | None]:
 
 
 def _first(candidates, call: Call, backend, traced_here: bool = False) -> Kernel:
+  passed = []  # kernels that serve the call but cannot be traced on this host
   for name in candidates:
     kernel = get(name)
     if kernel.unsupported_reason(call) is None and (kernel.traces_anywhere or not traced_here):
+      if passed:
+        log.warning("%s substituted for %s on %s: %s needs its platform's libraries while"
+                    " tracing, and this host is %s; q %s, k/v %s, mask %s", kernel.name,
+                    passed[0], call.platform, passed[0], jax.default_backend(), call.q_shape,
+                    call.kv_shape, call.mask)
       return kernel
+    if kernel.unsupported_reason(call) is None:
+      passed.append(name)
   raise ValueError(f"backend={backend!r}: no kernel serves this call on {call.platform}:\n"
                    + _format_reasons(reasons(call, candidates)))
 

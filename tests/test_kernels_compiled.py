@@ -14,6 +14,7 @@ from flax import nnx
 
 import flaxattn
 from flaxattn import aot
+from flaxattn.cudnn import Cudnn
 from flaxattn.layer import MultiHeadAttention
 from helpers import compile_for
 
@@ -109,3 +110,28 @@ def test_split_k_decode_step_compiles(target):
   text = compile_for(target, step, *args).as_text()
   assert "split_k" in text
   assert not aot.kernels(text) and not re.search(r"\bwhile\(", text)
+
+
+def test_cudnn_compiles_for_an_h100_where_a_gpu_would_run_it():
+  """Unpacked rows: "auto" takes cuDNN for the H100 target, as on the GPU itself."""
+  if aot.cudnn_missing():
+    pytest.skip(aot.cudnn_missing())
+  q = jax.ShapeDtypeStruct((1, 2048, 8, 128), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((1, 2048, 2, 128), jnp.bfloat16)
+  found = aot.kernels(compile_for("h100", _grads(mask=flaxattn.Causal()), q, kv, kv).as_text())
+  assert found == {"__cudnn$fmhaSoftmax": 1, "__cudnn$fmhaSoftmaxBackward": 1}, found
+
+
+def test_cudnn_packed_layout_asks_the_target_for_hopper():
+  """JAX's packed-layout check reads the GPU: the H100 target passes it, the A100 target
+  does not (cuDNN declines, naming the GPU)."""
+  if aot.cudnn_missing():
+    pytest.skip(aot.cudnn_missing())
+  t = 2048
+  q = jax.ShapeDtypeStruct((1, t, 8, 128), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((1, t, 2, 128), jnp.bfloat16)
+  packed = _grads(segment_ids=_packed(1, t), backend=Cudnn(max_segments=4, thd_budget=2**40))
+  found = aot.kernels(compile_for("h100", packed, q, kv, kv).as_text())
+  assert set(found) == {"__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"}, found
+  with pytest.raises(ValueError, match="needs a Hopper or newer GPU; this is NVIDIA A100"):
+    compile_for("a100-80g", packed, q, kv, kv)

@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from bench import aot as aot_bench
 from flaxattn import aot
 from helpers import target_devices, target_precision
 from train import compile as train_compile
@@ -87,3 +88,22 @@ def test_the_compilers_refusal_is_exit_1_in_one_line(capsys):
   assert "RESOURCE_EXHAUSTED" in out and "available HBM (15.75G)" in out
   # The logits, [B, T, vocab] in float32, before they are split over the 8 chips.
   assert "f32[8,65536,65536] 128.00 GiB (global)" in out.split("largest arrays: ")[1]
+
+
+# Each example config's model cut down (one layer, head_dim 128, 4K tokens) on its target's
+# whole topology and mesh; bench.aot compiles them at full size.
+SCALED = ("model.n_layers=1", "model.dim=512", "model.n_heads=4", "model.n_kv_heads=2",
+          "model.ffn_dim=1024", "model.vocab_size=1024", "seq_len=4096",
+          "model.max_seq_len=4096")
+
+
+@pytest.mark.parametrize("config, target, overrides", aot_bench.CASES,
+                         ids=[f"{c[0].removeprefix('configs/')}-{c[1]}" for c in aot_bench.CASES])
+def test_every_example_config_compiles_for_its_target(capsys, config, target, overrides):
+  target_devices(target)
+  status, out, _ = run(capsys, config, *overrides, *SCALED, "--target", target, "--json")
+  r = json.loads(out)
+  assert status == 0 and r["fits"], r
+  assert r["devices"] == aot.target(target).devices
+  attention = ("splash",) if target[:2] in ("v5", "v6") else ("flash_", "__cudnn")
+  assert any(k.startswith(attention) for k in r["kernels"]), r["kernels"]

@@ -42,6 +42,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import logging
 import math
 import os
 import re
@@ -120,6 +121,8 @@ def compile_step(cfg, target) -> Result:
   mesh = parallel.mesh
   hbm = target.hbm_bytes()
   begin = time.perf_counter()
+  substituted = _Collect()
+  logging.getLogger("flaxattn").addHandler(substituted)
   with _stderr_to() as log, jax.set_mesh(mesh), nnx.logical_axis_rules(parallel.rules):
     _, graphdef, abstract = state.abstract_state(cfg, mesh, parallel.cp)
     batch = data.abstract_batch(mesh, cfg.batch_size, cfg.seq_len)
@@ -131,7 +134,10 @@ def compile_step(cfg, target) -> Result:
         raise
       compiled, refusal = None, str(e).strip().splitlines()[0]
   seconds = time.perf_counter() - begin
-  warnings = sorted(set(_REMAT.findall("".join(log))))
+  logging.getLogger("flaxattn").removeHandler(substituted)
+  # The registry's kernel substitutions (a GPU kernel that cannot be traced on this host),
+  # then the partitioner's rematerializations.
+  warnings = sorted(set(substituted.messages)) + sorted(set(_REMAT.findall("".join(log))))
   if compiled is None:
     plan, text, fits = {}, "", False
     # The refusal names no buffers: the program's arrays before partitioning instead.
@@ -141,6 +147,9 @@ def compile_step(cfg, target) -> Result:
     plan, text = memory.as_dict(), compiled.as_text() or ""
     fits, largest = memory.total + MARGIN * hbm <= hbm, _largest(text)
   kernels = aot.kernels(text)
+  missing = aot.cudnn_missing() if target.platform == "gpu" else None
+  if missing:
+    warnings.append(missing)
   if any(k.startswith("__cudnn") for k in kernels):
     warnings.append("cuDNN calls: their workspace is not in the plan (a deviceless compile"
                     " does not size it); measure on the GPU.")
@@ -150,6 +159,17 @@ def compile_step(cfg, target) -> Result:
                 collectives=aot.collectives(text), compile_s=seconds, warnings=warnings,
                 largest=largest,
                 error=refusal and refusal[refusal.find("RESOURCE_EXHAUSTED"):].rstrip("."))
+
+
+class _Collect(logging.Handler):
+  """Keeps the messages of warnings logged while it is attached."""
+
+  def __init__(self):
+    super().__init__(logging.WARNING)
+    self.messages = []
+
+  def emit(self, record):
+    self.messages.append(record.getMessage())
 
 
 @contextlib.contextmanager
