@@ -188,16 +188,6 @@ def missing_package(platform: str) -> str | None:
   return None
 
 
-def cudnn_missing() -> str | None:
-  """Why cuDNN's calls cannot be compiled here for a GPU target (its library, which JAX
-  reads while tracing, is not installed), or None."""
-  from flaxattn import cudnn
-  if cudnn._cudnn_version() is None:  # pyright: ignore[reportPrivateUsage]
-    return ("cuDNN is not installed on this host (pip install nvidia-cudnn-cu12): calls a GPU"
-            " would run with cuDNN were compiled with the next kernel (pallas_gpu).")
-  return None
-
-
 class MissingCompiler(RuntimeError):
   """The target's compiler is not installed here; the message names the extra."""
 

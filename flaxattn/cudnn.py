@@ -63,6 +63,15 @@ def _cudnn_version() -> int | None:
     return None
 
 
+def missing_here() -> str | None:
+  """Why cuDNN's calls cannot be traced on this host for a GPU target (its library, which
+  JAX reads while tracing, is not installed), or None."""
+  if _cudnn_version() is None:
+    return ("cuDNN is not installed on this host (pip install nvidia-cudnn-cu12): calls a GPU"
+            " would run with cuDNN were compiled with the next kernel (pallas_gpu).")
+  return None
+
+
 @functools.lru_cache(maxsize=1)
 def _local_gpu() -> tuple[bool, tuple[int, ...] | None, int | None, str]:
   """(CUDA?, compute capability, cuDNN version, device kind) of this process's first GPU."""

@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 import flaxattn
-from flaxattn import aot
+from flaxattn import aot, cudnn
 from flaxattn.cudnn import Cudnn
 from flaxattn.layer import MultiHeadAttention
 from helpers import compile_for
@@ -114,8 +114,8 @@ def test_split_k_decode_step_compiles(target):
 
 def test_cudnn_compiles_for_an_h100_where_a_gpu_would_run_it():
   """Unpacked rows: "auto" takes cuDNN for the H100 target, as on the GPU itself."""
-  if aot.cudnn_missing():
-    pytest.skip(aot.cudnn_missing())
+  if cudnn.missing_here():
+    pytest.skip(cudnn.missing_here())
   q = jax.ShapeDtypeStruct((1, 2048, 8, 128), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((1, 2048, 2, 128), jnp.bfloat16)
   found = aot.kernels(compile_for("h100", _grads(mask=flaxattn.Causal()), q, kv, kv).as_text())
@@ -125,8 +125,8 @@ def test_cudnn_compiles_for_an_h100_where_a_gpu_would_run_it():
 def test_cudnn_packed_layout_asks_the_target_for_hopper():
   """JAX's packed-layout check reads the GPU: the H100 target passes it, the A100 target
   does not (cuDNN declines, naming the GPU)."""
-  if aot.cudnn_missing():
-    pytest.skip(aot.cudnn_missing())
+  if cudnn.missing_here():
+    pytest.skip(cudnn.missing_here())
   t = 2048
   q = jax.ShapeDtypeStruct((1, t, 8, 128), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((1, t, 2, 128), jnp.bfloat16)

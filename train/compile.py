@@ -105,7 +105,7 @@ def compile_step(cfg, target) -> Result:
   import jax
   from flax import nnx
 
-  from flaxattn import aot
+  from flaxattn import aot, cudnn
   from train import data, loop, state
   from train import mesh as mesh_lib
   from train.config import ConfigError
@@ -147,7 +147,7 @@ def compile_step(cfg, target) -> Result:
     plan, text = memory.as_dict(), compiled.as_text() or ""
     fits, largest = memory.total + MARGIN * hbm <= hbm, _largest(text)
   kernels = aot.kernels(text)
-  missing = aot.cudnn_missing() if target.platform == "gpu" else None
+  missing = cudnn.missing_here() if target.platform == "gpu" else None
   if missing:
     warnings.append(missing)
   if any(k.startswith("__cudnn") for k in kernels):
