@@ -67,8 +67,8 @@ def missing_here() -> str | None:
   """Why cuDNN's calls cannot be traced on this host for a GPU target (its library, which
   JAX reads while tracing, is not installed), or None."""
   if _cudnn_version() is None:
-    return ("cuDNN is not installed on this host (pip install nvidia-cudnn-cu12): calls a GPU"
-            " would run with cuDNN were compiled with the next kernel (pallas_gpu).")
+    return ("cuDNN is not installed on this host (pip install nvidia-cudnn-cu12): any call a"
+            " GPU would run with cuDNN was compiled with the next kernel (pallas_gpu).")
   return None
 
 

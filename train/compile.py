@@ -123,18 +123,20 @@ def compile_step(cfg, target) -> Result:
   begin = time.perf_counter()
   substituted = _Collect()
   logging.getLogger("flaxattn").addHandler(substituted)
-  with _stderr_to() as log, jax.set_mesh(mesh), nnx.logical_axis_rules(parallel.rules):
-    _, graphdef, abstract = state.abstract_state(cfg, mesh, parallel.cp)
-    batch = data.abstract_batch(mesh, cfg.batch_size, cfg.seq_len)
-    lowered = loop.train_step.lower(nnx.merge(graphdef, abstract), batch)
-    try:
-      compiled, refusal = lowered.compile(), None
-    except jax.errors.JaxRuntimeError as e:
-      if "RESOURCE_EXHAUSTED" not in str(e):
-        raise
-      compiled, refusal = None, str(e).strip().splitlines()[0]
+  try:
+    with _stderr_to() as log, jax.set_mesh(mesh), nnx.logical_axis_rules(parallel.rules):
+      _, graphdef, abstract = state.abstract_state(cfg, mesh, parallel.cp)
+      batch = data.abstract_batch(mesh, cfg.batch_size, cfg.seq_len)
+      lowered = loop.train_step.lower(nnx.merge(graphdef, abstract), batch)
+      try:
+        compiled, refusal = lowered.compile(), None
+      except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+          raise
+        compiled, refusal = None, str(e).strip().splitlines()[0]
+  finally:
+    logging.getLogger("flaxattn").removeHandler(substituted)
   seconds = time.perf_counter() - begin
-  logging.getLogger("flaxattn").removeHandler(substituted)
   # The registry's kernel substitutions (a GPU kernel that cannot be traced on this host),
   # then the partitioner's rematerializations.
   warnings = sorted(set(substituted.messages)) + sorted(set(_REMAT.findall("".join(log))))
