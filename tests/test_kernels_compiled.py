@@ -16,7 +16,7 @@ import flaxattn
 from flaxattn import aot, cudnn
 from flaxattn.cudnn import Cudnn
 from flaxattn.layer import MultiHeadAttention
-from helpers import compile_for
+from helpers import compile_for, target_devices
 
 # The lowering tests' masks (tests/test_lowering.py).
 MASKS = [flaxattn.Full(), flaxattn.Causal(), flaxattn.Local(100), flaxattn.Chunked(128),
@@ -114,6 +114,7 @@ def test_split_k_decode_step_compiles(target):
 
 def test_cudnn_compiles_for_an_h100_where_a_gpu_would_run_it():
   """Unpacked rows: "auto" takes cuDNN for the H100 target, as on the GPU itself."""
+  target_devices("h100")  # the CUDA plugin first, then cuDNN's library beside it
   if cudnn.missing_here():
     pytest.skip(cudnn.missing_here())
   q = jax.ShapeDtypeStruct((1, 2048, 8, 128), jnp.bfloat16)
@@ -125,6 +126,7 @@ def test_cudnn_compiles_for_an_h100_where_a_gpu_would_run_it():
 def test_cudnn_packed_layout_asks_the_target_for_hopper():
   """JAX's packed-layout check reads the GPU: the H100 target passes it, the A100 target
   does not (cuDNN declines, naming the GPU)."""
+  target_devices("h100")  # the CUDA plugin first, then cuDNN's library beside it
   if cudnn.missing_here():
     pytest.skip(cudnn.missing_here())
   t = 2048
