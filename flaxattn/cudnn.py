@@ -8,6 +8,7 @@ cotangent, and the zeros of padding and one-sided documents. Derivations: docs/d
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -18,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax._src.cudnn import fused_attention_stablehlo as fsa
 
-from flaxattn import checked, checks, cudnn_ring, registry
+from flaxattn import aot, checked, checks, cudnn_ring, registry
 from flaxattn.layout import Layout, index_check
 from flaxattn.masks import Mask, NoBand, band
 from flaxattn.segments import SeqlensOffsets, seqlens_and_offsets
@@ -54,22 +55,78 @@ def mask_band(mask: Mask) -> tuple[bool, int | None]:
 
 
 @functools.lru_cache(maxsize=1)
+def _cudnn_version() -> int | None:
+  """The version of the cuDNN library this process loads (tracing checks it), or None."""
+  try:
+    return fsa.check_cudnn_version()
+  except RuntimeError:
+    return None
+
+
+def missing_here() -> str | None:
+  """Why cuDNN's calls cannot be traced on this host for a GPU target (its library, which
+  JAX reads while tracing, is not installed), or None."""
+  if _cudnn_version() is None:
+    return ("cuDNN is not installed on this host (pip install nvidia-cudnn-cu12): any call a"
+            " GPU would run with cuDNN was compiled with the next kernel (pallas_gpu).")
+  return None
+
+
+@functools.lru_cache(maxsize=1)
 def _local_gpu() -> tuple[bool, tuple[int, ...] | None, int | None, str]:
   """(CUDA?, compute capability, cuDNN version, device kind) of this process's first GPU."""
   device = jax.devices("gpu")[0]
   cuda = "cuda" in device.client.platform_version.lower()
   capability = getattr(device, "compute_capability", None) if cuda else None
   capability = tuple(int(x) for x in capability.split(".")) if capability else None
+  return cuda, capability, _cudnn_version(), device.device_kind
+
+
+def _target_capability() -> tuple[int, ...] | None:
+  """The compute capability of the GPU a program traced now is for when that is not this
+  process's: the abstract device of the mesh set with `jax.set_mesh`, a `flaxattn.aot`
+  target's compile-only GPU (known by its kind); else None."""
+  device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+  if device is None or device.platform != "gpu" or jax.default_backend() == "gpu":
+    return None
+  return aot.gpu_capability(device.device_kind)
+
+
+def _gpu() -> tuple[bool, tuple[int, ...] | None, int | None, str] | None:
+  """`_local_gpu`'s answer for the GPU a program traced now is for: a target's
+  (`_target_capability`, with this host's cuDNN, which traces it) or this process's; None
+  when neither is known (an export from a host without a GPU: reason from the call)."""
+  capability = _target_capability()
+  if capability is not None:
+    kind = jax.sharding.get_abstract_mesh().abstract_device.device_kind  # pyright: ignore[reportOptionalMemberAccess]
+    return True, capability, _cudnn_version(), kind
+  return _local_gpu() if jax.default_backend() == "gpu" else None
+
+
+@contextlib.contextmanager
+def _jax_checks_on_target():
+  """JAX's own cuDNN checks read the compute capability of this process's GPU; for a
+  target's GPU (`_target_capability`) they answer from the target while the call is
+  traced."""
+  have = _target_capability()
+  if have is None:
+    yield
+    return
+
+  def parse(capability: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in capability.split("."))
+  saved = fsa.check_compute_capability, fsa.is_cuda_compute_capability_equal
+  fsa.check_compute_capability = lambda c: have >= parse(c)
+  fsa.is_cuda_compute_capability_equal = lambda c: have == parse(c)
   try:
-    version = fsa.check_cudnn_version()
-  except RuntimeError:
-    version = None
-  return cuda, capability, version, device.device_kind
+    yield
+  finally:
+    fsa.check_compute_capability, fsa.is_cuda_compute_capability_equal = saved
 
 
-def _device_reason(head_dim: int, packed: bool) -> str | None:
-  """Why the local GPU cannot run the call (asked only when the call is for this GPU)."""
-  cuda, capability, version, kind = _local_gpu()
+def _device_reason(gpu, head_dim: int, packed: bool) -> str | None:
+  """Why GPU `gpu` (`_gpu`'s answer) cannot run the call."""
+  cuda, capability, version, kind = gpu
   if not cuda or capability is None:
     return (f"cuDNN fused attention needs an NVIDIA (CUDA) GPU; this one is {kind}. Use the"
             " blockwise kernel.")
@@ -94,9 +151,9 @@ def _device_reason(head_dim: int, packed: bool) -> str | None:
 def _reason(call: registry.Call) -> str | None:
   """None if cuDNN serves `call` exactly (docs/design.md), else one sentence why not.
 
-  A pure function of `call`; the GPU itself (compute capability, cuDNN version) is
-  consulted only when the call is for "gpu" and this process runs on a GPU, so asking
-  about "gpu" from a CPU machine reasons from the call alone (assuming a Hopper GPU).
+  A pure function of `call` and the GPU it is for (compute capability, cuDNN version):
+  this process's, or a compile-only target's under `jax.set_mesh` (`_gpu`); asking about
+  "gpu" from a CPU machine without either reasons from the call alone (assuming Hopper).
   """
   if call.platform != "gpu":
     return f"cuDNN fused attention runs on NVIDIA GPUs; this call is on {call.platform}."
@@ -123,9 +180,8 @@ def _reason(call: registry.Call) -> str | None:
             " (segment_ids given) whose positions restart at 0 and increase by one; permuted"
             " (load-balanced) positions are not supported. Pass segment_ids, omit positions,"
             " or use the blockwise kernel.")
-  if call.platform == jax.default_backend():
-    return _device_reason(d, call.has_segment_ids)
-  return None
+  gpu = _gpu()
+  return None if gpu is None else _device_reason(gpu, d, call.has_segment_ids)
 
 
 # ---------------------------------------------------------------------------------------
@@ -193,7 +249,8 @@ def _sdpa_forward(q, k, v, desc: SeqlensOffsets | None, cfg: _Config):
   """One cuDNN forward: out `[B, T, Hq, D]` and the softmax stats (natural-log lse),
   `[B, Hq, T]` for dense rows, `[B * M, Hq, T]` (one slab per document) for packed rows."""
   # JAX's annotation does not narrow on return_residual=True, which returns (out, stats).
-  out, stats = fsa.dot_product_attention(  # pyright: ignore[reportAssignmentType, reportGeneralTypeIssues]
+  with _jax_checks_on_target():
+    out, stats = fsa.dot_product_attention(  # pyright: ignore[reportAssignmentType, reportGeneralTypeIssues]
       q, k, v, scale=cfg.scale, mask_type=cfg.mask_type(desc is not None),
       sliding_window_length=cfg.window, qkv_layout="BTNH", return_residual=True,
       q_seqlen=None if desc is None else desc.q_seqlens,
@@ -556,7 +613,13 @@ class Cudnn(registry.Kernel):
   thd_budget: int | None = None
   name: str = "cudnn"
   ring: bool = True
-  traces_anywhere: bool = False  # JAX checks for cuDNN while tracing
+
+  @property
+  def traces_anywhere(self) -> bool:  # pyright: ignore[reportIncompatibleVariableOverride]
+    """JAX checks cuDNN and the GPU while tracing: on a host without the GPU only for a
+    target's compile-only GPU (`_target_capability`), whose checks `_jax_checks_on_target`
+    answers (the cuDNN library must be here: `_reason` says so)."""
+    return _target_capability() is not None
 
   def __post_init__(self):
     if self.max_segments is not None:

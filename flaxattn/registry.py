@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
+import logging
 
 import jax
 import numpy as np
@@ -47,6 +48,7 @@ _BUILTIN = {
     "split_k": "flaxattn.split_k:SplitK",
 }
 _KERNELS: dict[str, Kernel] = {}
+log = logging.getLogger("flaxattn")
 PLATFORMS = ("cpu", "gpu", "tpu")
 # `jax.lax.platform_dependent`'s names of the platforms a program may be lowered for.
 LOWERING = {"cpu": "cpu", "cuda": "gpu", "tpu": "tpu"}
@@ -81,8 +83,10 @@ def lowering_for(*platforms: str):
 
 
 def exporting() -> bool:
-  """Whether a program traced now is for `lowering_for`'s platforms (an export)."""
-  return bool(_LOWERING_FOR.value)
+  """Whether a program traced now is for a platform other than this process's: an export
+  under `lowering_for`, or a mesh of another platform's devices (the compile-only devices
+  of `flaxattn.aot`). Such a program cannot hold host callbacks for a GPU."""
+  return bool(_LOWERING_FOR.value) or lowering_platforms()[0] != jax.default_backend()
 
 
 def lowering_platforms() -> tuple[str, ...]:
@@ -304,10 +308,18 @@ def _passed_by(kernel: Kernel, call: Call, traced_here: bool = False) -> str | N
 
 
 def _first(candidates, call: Call, backend, traced_here: bool = False) -> Kernel:
+  passed = []  # kernels that serve the call but cannot be traced on this host
   for name in candidates:
     kernel = get(name)
     if _passed_by(kernel, call, traced_here) is None:
+      if passed:
+        log.warning("%s substituted for %s on %s: %s needs its platform's libraries while"
+                    " tracing, and this host is %s; q %s, k/v %s, mask %s", kernel.name,
+                    passed[0], call.platform, passed[0], jax.default_backend(), call.q_shape,
+                    call.kv_shape, call.mask)
       return kernel
+    if kernel.unsupported_reason(call) is None and kernel.for_tests_on(call.platform) is None:
+      passed.append(name)
   raise ValueError(f"backend={backend!r}: no kernel serves this call on {call.platform}:\n"
                    + "\n".join(f"  {n}: {_passed_by(get(n), call, traced_here) or 'accepts'}"
                                for n in candidates))

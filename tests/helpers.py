@@ -53,6 +53,36 @@ def mesh(axes: dict[str, int]) -> jax.sharding.Mesh:
                        devices=devices(math.prod(axes.values())))
 
 
+def target_devices(name: str) -> list:
+  """The compile-only devices of target `name` (`flaxattn.aot`), or the test is skipped
+  naming the package its compiler needs (libtpu, the CUDA 12 plugin)."""
+  from flaxattn import aot
+  try:
+    return aot.devices(aot.target(name))
+  except aot.MissingCompiler as e:
+    pytest.skip(str(e))
+
+
+def compile_for(name: str, fn, *args, axes: dict[str, int] | None = None):
+  """`jax.jit(fn)` over `args` (arrays or `jax.ShapeDtypeStruct`s) compiled for target `name`
+  on a mesh of `axes` (default one device) of its compile-only devices, set with
+  `jax.set_mesh` so that flaxattn picks the target's kernels: the target's own compiler's
+  `jax.stages.Compiled`. Skipped as `target_devices` where the compiler is missing."""
+  axes = axes or {"data": 1}
+  found = target_devices(name)
+  mesh = jax.make_mesh(tuple(axes.values()), tuple(axes), axis_types=(AxisType.Auto,) * len(axes),
+                       devices=found[:math.prod(axes.values())])
+  with jax.set_mesh(mesh), target_precision():
+    return jax.jit(fn).lower(*args).compile()
+
+
+def target_precision():
+  """JAX's default matmul precision, as a program compiled for a target has it: conftest.py
+  sets "highest" for float32 comparisons, and Mosaic refuses bf16 matmuls at float32
+  precision ("Bad lhs type")."""
+  return jax.default_matmul_precision("default")
+
+
 # float32 matches to rounding; bfloat16 inputs round q/k/v and p before the matmuls.
 TOL = {jnp.float32: dict(atol=2e-5, rtol=2e-5), jnp.bfloat16: dict(atol=3e-2, rtol=3e-2)}
 

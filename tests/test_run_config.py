@@ -193,10 +193,15 @@ def test_readme_install_extras_pull_jax_in_the_supported_range():
   jax_pin = next(d for d in project["dependencies"] if d.startswith("jax"))
   extras = project["optional-dependencies"]
   named = re.findall(r'pip install -e "\.\[([a-z0-9_,]+)\]"', (ROOT / "README.md").read_text())
-  accelerators = {x for line in named for x in line.split(",")} - {"train", "test"}
+  accelerators = {x for line in named for x in line.split(",")} - {"train", "test", "aot"}
   assert accelerators == {"cuda12", "cuda13", "tpu"}, named
+  pin = jax_pin[len("jax"):]
   for name in accelerators:
-    assert extras[name] == [f"jax[{name}]{jax_pin[len('jax'):]}"], (name, extras[name], jax_pin)
+    assert extras[name] == [f"jax[{name}]{pin}"], (name, extras[name], jax_pin)
+  # The compilers for chips a host lacks (flaxattn.aot), in the same range.
+  assert ["aot"] in [line.split(",") for line in named]
+  assert extras["aot-tpu"] == [f"jax[tpu]{pin}"] and extras["aot-cuda"][0] == (
+      f"jax-cuda12-plugin{pin}"), (extras["aot-tpu"], extras["aot-cuda"])
 
 
 @pytest.mark.parametrize("override, key, expected", [

@@ -1,6 +1,13 @@
 """The run's parallelism, built once: the device mesh (axes data, fsdp, tensor,
 context_ring, context, all `AxisType.Auto`), the model's logical sharding rules on it, and
-the context parallelism over its sequence axes."""
+the context parallelism over its sequence axes.
+
+The mesh's device order is `jax.make_mesh`'s, where each mesh axis runs along whole
+physical axes of the TPU torus; where the torus has no such order for the mesh's sizes
+(v6e-256 as fsdp 64 x context 4), physical axes are split between mesh axes
+(`mesh_utils.create_device_mesh(allow_split_physical_axes=True)`), and `physical_axes`
+says which mesh axis spans which: a ring over a split axis takes longer steps.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +16,8 @@ import logging
 import math
 
 import jax
+import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType
 
 import flaxattn
@@ -46,8 +55,7 @@ def make(cfg: TrainConfig, devices=None) -> Parallelism:
   if cfg.batch_size % batch_parts:
     raise ConfigError(f"batch_size ({cfg.batch_size}) expects a multiple of mesh data x fsdp"
                       f" ({batch_parts}).")
-  mesh = jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES),
-                       devices=devices)
+  mesh = _device_mesh(shape, devices)
   cp = None
   if sizes["context_ring"] * sizes["context"] > 1:
     cp = context_parallel(cfg.context_parallel.strategy, cfg.data.balance,
@@ -62,8 +70,51 @@ def make(cfg: TrainConfig, devices=None) -> Parallelism:
                         f" {dict(mesh.shape)} with context_parallel.strategy="
                         f"{cfg.context_parallel.strategy!r} and data.balance={cfg.data.balance}:"
                         f" {e}") from None
-  log.info("mesh %s", dict(mesh.shape))
+  log.info("mesh %s; physical axes %s", dict(mesh.shape), describe_axes(mesh))
   return Parallelism(mesh, rules(mesh, cfg.model), cp)
+
+
+def _device_mesh(shape: tuple[int, ...], devices) -> jax.sharding.Mesh:
+  """A mesh of `shape` over `devices` (see the module docstring for the order)."""
+  types = (AxisType.Auto,) * len(MESH_AXES)
+  try:
+    return jax.make_mesh(shape, MESH_AXES, axis_types=types, devices=devices)
+  except NotImplementedError:  # no assignment without splitting a physical axis
+    ordered = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+  mesh = jax.sharding.Mesh(ordered, MESH_AXES, axis_types=types)
+  log.warning("mesh %s splits physical axes of the %s topology: %s", dict(mesh.shape),
+              devices[0].device_kind, describe_axes(mesh))
+  return mesh
+
+
+def physical_axes(mesh: jax.sharding.Mesh) -> dict[str, tuple[str, ...]]:
+  """For each mesh axis of more than one device, the physical axes its steps move along:
+  on TPU the torus's `x`, `y`, `z` (and `core` where a chip has two devices), elsewhere
+  `host` (the process) and `device`."""
+  flat = list(mesh.devices.flat)
+  if flat[0].platform == "tpu":
+    names = ("x", "y", "z", "core")
+    coords = [(*d.coords, getattr(d, "core_on_chip", 0)) for d in flat]
+  else:
+    names = ("host", "device")
+    coords = [(d.process_index, d.id) for d in flat]
+  grid = np.asarray(coords).reshape(*mesh.devices.shape, len(names))
+  spans = {}
+  for i, axis in enumerate(mesh.axis_names):
+    if mesh.devices.shape[i] > 1:
+      moved = np.diff(grid, axis=i) != 0
+      spans[axis] = tuple(n for j, n in enumerate(names) if moved[..., j].any())
+  return spans
+
+
+def describe_axes(mesh: jax.sharding.Mesh) -> str:
+  """`physical_axes` as text, naming the physical axes that two mesh axes share (split)."""
+  spans = physical_axes(mesh)
+  # Within a host, GPUs share one switch (NVLink): only torus axes and hosts can be split.
+  shared = {p for a in spans for p in spans[a]
+            if p != "device" and sum(p in s for s in spans.values()) > 1}
+  text = ", ".join(f"{a} over {'+'.join(s)}" for a, s in spans.items()) or "one device"
+  return text + (f" (split: {', '.join(sorted(shared))})" if shared else "")
 
 
 def _shape(sizes: MeshConfig, num_devices: int) -> tuple[int, ...]:

@@ -48,6 +48,17 @@ def make_state(model: LlamaConfig, opt: OptimizerConfig, steps: int, seed: int =
   return TrainState(llama, nnx.Optimizer(llama, optimizer.make(opt, lr), wrt=nnx.Param), lr)
 
 
+def abstract_state(cfg: TrainConfig, mesh, cp):
+  """(init, graphdef, abstract state) of run `cfg`'s `TrainState` on `mesh`: `init()` makes
+  it (`make_state`), the abstract state holds its arrays' shapes, dtypes and shardings (no
+  memory). What `restore_state` restores into and `train.compile` compiles for."""
+  def init():
+    return make_state(cfg.model, cfg.optimizer, cfg.steps, cfg.seed, cp)
+
+  graphdef, abstract = nnx.get_abstract_model(init, mesh)
+  return init, graphdef, abstract
+
+
 @dataclasses.dataclass
 class Start:
   """Where a run starts: the steps done, the state, the data iterator's position to go on
@@ -71,10 +82,7 @@ def restore_state(cfg: TrainConfig, mesh, cp) -> Start:
     ConfigError: the run_dir cannot be created, or `init_from` does not load.
     train.checkpoint.CheckpointError: checkpoints exist but none restores.
   """
-  def init():
-    return make_state(cfg.model, cfg.optimizer, cfg.steps, cfg.seed, cp)
-
-  graphdef, abstract = nnx.get_abstract_model(init, mesh)
+  init, graphdef, abstract = abstract_state(cfg, mesh, cp)
   params = nnx.state(nnx.merge(graphdef, abstract).model, nnx.Param)
   log.info("model: %.2fM parameters", sum(x.size for x in jax.tree.leaves(params)) / 1e6)
   weights = (init_from.load(cfg, cp, graphdef, abstract)

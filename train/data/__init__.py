@@ -9,7 +9,7 @@
                 with the special tokens that begin and end it)
 """
 
-from train.data.batches import BATCH_SPEC, KEYS, GlobalBatches
+from train.data.batches import BATCH_SPEC, DTYPES, KEYS, GlobalBatches, abstract_batch
 from train.data.pipeline import (
   MIN_TOKENS,
   Data,
@@ -29,6 +29,6 @@ from train.data.sources import (
   split_documents,
 )
 
-__all__ = ["BATCH_SPEC", "KEYS", "MIN_TOKENS", "BadRecord", "Data", "Document", "Documents",
-           "GlobalBatches", "Source", "check_evals", "check_usable", "list_documents", "make",
-           "order", "pipeline", "shard", "split_documents"]
+__all__ = ["BATCH_SPEC", "DTYPES", "KEYS", "MIN_TOKENS", "BadRecord", "Data", "Document",
+           "Documents", "GlobalBatches", "Source", "abstract_batch", "check_evals", "check_usable",
+           "list_documents", "make", "order", "pipeline", "shard", "split_documents"]

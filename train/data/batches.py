@@ -10,6 +10,7 @@ the whole row by `flaxattn.load_balance`) and assembles global arrays with
 from __future__ import annotations
 
 import jax
+import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -17,6 +18,8 @@ import flaxattn
 
 BATCH_SPEC = P(("data", "fsdp"), ("context_ring", "context"))  # ContextParallel.seq_axes
 KEYS = ("tokens", "targets", "weights", "segment_ids", "positions")
+DTYPES = {"tokens": np.int32, "targets": np.int32, "weights": np.float32,
+          "segment_ids": np.int32, "positions": np.int32}
 
 
 class GlobalBatches:
@@ -65,6 +68,14 @@ class GlobalBatches:
         x = plan.segment_ids(x) if key == "segment_ids" else plan.apply(x)
       elif self.order is True:
         x = flaxattn.load_balance(x, self.shards)
-      out[key] = jax.make_array_from_process_local_data(self.sharding, x[:, self.cols],
-                                                        self.shape)
+      out[key] = jax.make_array_from_process_local_data(
+          self.sharding, x[:, self.cols].astype(DTYPES[key], copy=False), self.shape)
     return out
+
+
+def abstract_batch(mesh, batch_size: int, seq_len: int) -> dict[str, jax.ShapeDtypeStruct]:
+  """The global batch a train step takes (`GlobalBatches.to_global`'s arrays) as shapes,
+  dtypes and shardings over `mesh`: `KEYS` -> `[batch_size, seq_len]`."""
+  sharding = NamedSharding(mesh, BATCH_SPEC)
+  return {key: jax.ShapeDtypeStruct((batch_size, seq_len), DTYPES[key], sharding=sharding)
+          for key in KEYS}

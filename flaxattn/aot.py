@@ -1,0 +1,283 @@
+"""Compile-only devices of chips this host does not have: Cloud TPU slices and NVIDIA GPUs.
+
+  devs = flaxattn.aot.devices(flaxattn.aot.target("v5p-128"))   # 64 compile-only TPU v5p
+  mesh = jax.make_mesh((64,), ("fsdp",), devices=devs)
+  compiled = jax.jit(f).lower(*abstract_args).compile()         # the real TPU compiler
+  flaxattn.aot.memory(compiled)                                 # its per-device plan
+
+`jax.jit(...).lower(...).compile()` over a mesh of these devices runs the target's own
+compiler (libtpu for TPU, Mosaic included; XLA's GPU compiler with its Triton for NVIDIA)
+on this host, without the chip. TPU needs libtpu (`pip install "flaxattn[aot]"` or
+`"jax[tpu]"`), NVIDIA the CUDA 12 plugin (`jax-cuda12-plugin` with XLA's ptxas); run the
+process with `JAX_PLATFORMS=cpu` so neither looks for a local chip.
+
+TARGETS is the one table of targets: Cloud TPU accelerator types (`v5e-N`, `v6e-N`: N
+chips; `v5p-N`: N TensorCores, two per chip) and NVIDIA GPUs (`h100`, `h200`, `a100-80g`,
+with `8xh100` for eight per host), each with its memory per device and what a program may
+use of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.resources
+import importlib.util
+import math
+import os
+import re
+
+GIB = 2**30
+# The extra that installs both compilers (pyproject.toml).
+EXTRA = "flaxattn[aot]"
+# JAX preallocates this fraction of a GPU's memory for its arrays unless
+# XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise (JAX's GPU memory allocation docs).
+GPU_MEM_FRACTION = 0.75
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+  """One kind of accelerator.
+
+  platform: "tpu" or "gpu". hbm_bytes: its memory per device. available_bytes (TPU): what the
+  TPU compiler lets a program plan, the rest being the runtime's reserve. count: what N of an
+  accelerator type counts ("chips" or "cores" (two per chip, one device per chip)); for GPUs
+  "gpus". dims: the torus's dimensions (TPU). config: the GpuTargetConfigProto file (GPU).
+  """
+
+  name: str
+  platform: str
+  hbm_bytes: int
+  available_bytes: int | None = None
+  count: str = "chips"
+  dims: int = 2
+  topology_name: str = ""
+  config: str = ""
+  kind: str = ""  # GPU: the device kind its compile-only devices report
+  capability: tuple[int, int] | None = None  # GPU: CUDA compute capability
+
+  @property
+  def reserve_bytes(self) -> int:
+    """The TPU runtime's share of the memory (0 for GPUs, whose limit is a fraction)."""
+    return 0 if self.available_bytes is None else self.hbm_bytes - self.available_bytes
+
+
+# available_bytes: the "available HBM" in libtpu 0.0.42's RESOURCE_EXHAUSTED refusal of an
+# oversized program compiled for one chip of each kind from a CPU host (15.75G, 95.74G,
+# 31.25G, in GiB). hbm_bytes: Google Cloud's TPU pages (v5e 16 GiB, v6e 32 GiB per chip; v5p
+# is listed as 95 GB, and the compiler's 95.74 GiB available leaves 96 GiB less the 0.25 GiB
+# that v5e keeps back) and the GPU target configs' device_memory_size.
+TARGETS: dict[str, Chip] = {
+    "v5e": Chip("v5e", "tpu", 16 * GIB, int(15.75 * GIB), "chips", 2, "v5e"),
+    "v5p": Chip("v5p", "tpu", 96 * GIB, int(95.74 * GIB), "cores", 3, "v5p"),
+    "v6e": Chip("v6e", "tpu", 32 * GIB, int(31.25 * GIB), "chips", 2, "v6e"),
+    "h100": Chip("h100", "gpu", 84978434048, count="gpus", config="h100.txtpb",
+                 kind="NVIDIA H100 80GB HBM3", capability=(9, 0)),
+    "h200": Chip("h200", "gpu", 150754820096, count="gpus", config="h200.txtpb",
+                 kind="NVIDIA H200", capability=(9, 0)),
+    "a100-80g": Chip("a100-80g", "gpu", 85899345920, count="gpus", config="a100-80g.txtpb",
+                     kind="NVIDIA A100-SXM4-80GB", capability=(8, 0)),
+}
+# Refused by name: the compile-only v4 topology has one device per TensorCore (two per chip),
+# and JAX's mesh helpers refuse it; a v4 slice runs megacore, one device per chip, so a plan
+# per core would be the wrong program with half the memory.
+REFUSED = {"v4": "TPU v4 is not a compile target: its compile-only topology has one device per"
+                 " TensorCore, while a v4 slice runs one device per chip (megacore), so the"
+                 " plan would not be the one the slice runs. Compile for v5p-N (the same"
+                 " megacore counting) instead."}
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+  """A named target: `chip` x `devices`, laid out as `topology` (TPU: "v5p:4x4x4"; GPU:
+  "1xHOSTSxPER_HOST")."""
+
+  name: str
+  chip: Chip
+  devices: int
+  topology: str
+
+  @property
+  def platform(self) -> str:
+    return self.chip.platform
+
+  def hbm_bytes(self, mem_fraction: float | None = None) -> int:
+    """The bytes a program may use on one device: on TPU the HBM less the runtime's
+    reserve; on GPU `mem_fraction` (default: XLA_PYTHON_CLIENT_MEM_FRACTION, else JAX's
+    0.75) of the memory."""
+    if self.chip.available_bytes is not None:
+      return self.chip.available_bytes
+    if mem_fraction is None:
+      mem_fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", GPU_MEM_FRACTION))
+    return int(self.chip.hbm_bytes * mem_fraction)
+
+
+def gpu_capability(device_kind: str) -> tuple[int, int] | None:
+  """The compute capability of a target GPU by its device kind, None for another kind."""
+  return next((c.capability for c in TARGETS.values() if c.kind == device_kind), None)
+
+
+def names() -> list[str]:
+  """How targets are spelled, for messages and `--help`."""
+  return ["v5e-N (N chips)", "v5p-N (N cores, 2 per chip)", "v6e-N (N chips)",
+          *(f"[Nx]{n}" for n, c in TARGETS.items() if c.platform == "gpu")]
+
+
+def target(name: str, hosts: int = 1) -> Target:
+  """The target `name`: a Cloud TPU accelerator type (`v5e-8`, `v5p-128`, `v6e-256`) or an
+  NVIDIA GPU with an optional count per host (`h100`, `8xh100`) over `hosts` hosts.
+
+  TPU slices take Google Cloud's topologies for power-of-two chip counts: `2xK` / `KxK`
+  squares and rectangles for v5e and v6e (1x1 to 16x16), and for v5p 2x2x1 doubled along its
+  shortest side (v5p-128: 4x4x4).
+
+  Raises:
+    ValueError: an unknown name, a count with no topology, `hosts` < 1 or hosts for a TPU
+      (a slice's hosts follow from its type), or v4 (`REFUSED`).
+  """
+  if not isinstance(hosts, int) or hosts < 1:
+    raise ValueError(f"hosts expects a positive int, got {hosts!r}.")
+  spelled = name.strip().lower()
+  gpu = re.fullmatch(r"(?:(\d+)x)?([a-z0-9-]+)", spelled)
+  if gpu and gpu.group(2) in TARGETS and TARGETS[gpu.group(2)].platform == "gpu":
+    per_host = int(gpu.group(1) or 1)
+    if per_host < 1:
+      raise ValueError(f"target {name!r} expects at least one GPU per host.")
+    return Target(spelled, TARGETS[gpu.group(2)], per_host * hosts, f"1x{hosts}x{per_host}")
+  tpu = re.fullmatch(r"(v\d+[a-z]*)-(\d+)", spelled)
+  if tpu and tpu.group(1) in REFUSED:
+    raise ValueError(f"target {name!r}: {REFUSED[tpu.group(1)]}")
+  if not tpu or tpu.group(1) not in TARGETS:
+    raise ValueError(f"target expects one of {names()}, got {name!r}.")
+  if hosts != 1:
+    raise ValueError(f"hosts expects 1 for a TPU slice (its hosts follow from {name!r}), got"
+                     f" {hosts}.")
+  chip, n = TARGETS[tpu.group(1)], int(tpu.group(2))
+  chips = n // 2 if chip.count == "cores" else n
+  shape = _torus(chips, chip.dims)
+  if shape is None or (chip.count == "cores" and n % 2):
+    raise ValueError(f"target {name!r}: no {chip.name} slice of {n} {chip.count}; expected a"
+                     f" power of two ({'8 to 4096 cores' if chip.dims == 3 else '1 to 256'}"
+                     f" chips), e.g. {chip.name}-{16 if chip.dims == 3 else 8}.")
+  return Target(spelled, chip, chips, f"{chip.topology_name}:{'x'.join(map(str, shape))}")
+
+
+def _torus(chips: int, dims: int) -> tuple[int, ...] | None:
+  """Google Cloud's topology of `chips` (a power of two), or None."""
+  if chips < 1 or chips & (chips - 1):
+    return None
+  if dims == 2:
+    side = 1 << (chips.bit_length() - 1) // 2  # 8 -> 2x4, 16 -> 4x4, 128 -> 8x16
+    return (side, chips // side) if chips <= 256 else None
+  if not 4 <= chips <= 2048:
+    return None
+  shape = [2, 2, 1]
+  while math.prod(shape) < chips:  # 2x2x2, 2x2x4, 2x4x4, 4x4x4, ...
+    shape[max(i for i, s in enumerate(shape) if s == min(shape))] *= 2
+  return tuple(shape)
+
+
+def missing_package(platform: str) -> str | None:
+  """What to install to compile for `platform` ("tpu" or "gpu") on this host, or None when
+  it is there."""
+  module, what, extra = {"tpu": ("libtpu", "libtpu (jax[tpu])", "aot-tpu"),
+                         "gpu": ("jax_cuda12_plugin", "the CUDA 12 plugin", "aot-cuda")}[platform]
+  if importlib.util.find_spec(module) is None:
+    return (f"compiling for {platform.upper()} needs {what}: pip install \"{EXTRA}\" (or"
+            f" \"flaxattn[{extra}]\" for this platform only).")
+  return None
+
+
+class MissingCompiler(RuntimeError):
+  """The target's compiler is not installed here; the message names the extra."""
+
+
+def devices(t: Target) -> list:
+  """The compile-only devices of `t`, in the order of its topology.
+
+  Raises:
+    MissingCompiler: libtpu or the CUDA plugin is not installed.
+  """
+  missing = missing_package(t.platform)
+  if missing:
+    raise MissingCompiler(missing)
+  return list(_devices(t.platform, t.topology, t.chip.config))
+
+
+@functools.cache
+def _devices(platform: str, topology: str, config: str) -> tuple:
+  from jax.experimental import topologies
+  if platform == "tpu":
+    # No chip is opened; without this a second process (a test worker, a compile beside a
+    # run) is refused at libtpu's lock file.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    # One chip is less than the default host (2x2); its bounds must say so.
+    one = {"chips_per_host_bounds": [1, 1, 1]} if topology.endswith(":1x1") else {}
+    return tuple(topologies.get_topology_desc(topology_name=topology, platform="tpu",
+                                              **one).devices)
+  text = importlib.resources.files("flaxattn.targets").joinpath(config).read_text()
+  name = config.removesuffix(".txtpb")
+  return tuple(topologies.get_topology_desc(platform="cuda", topology_name=name,
+                                            topology=topology, target_config=text).devices)
+
+
+@dataclasses.dataclass(frozen=True)
+class Memory:
+  """XLA's memory plan of a compiled program, bytes per device. total = arguments +
+  temporaries + outputs - aliased (outputs written over donated arguments)."""
+
+  arguments: int
+  temporaries: int
+  outputs: int
+  aliased: int
+
+  @property
+  def total(self) -> int:
+    return self.arguments + self.temporaries + self.outputs - self.aliased
+
+  def as_dict(self) -> dict[str, int]:
+    return {**dataclasses.asdict(self), "total": self.total}
+
+
+def memory(compiled) -> Memory:
+  """The per-device plan of `compiled` (a `jax.stages.Compiled`)."""
+  m = compiled.memory_analysis()
+  return Memory(m.argument_size_in_bytes, m.temp_size_in_bytes, m.output_size_in_bytes,
+                m.alias_size_in_bytes)
+
+
+# Kernels as a compiled program names them: Pallas TPU calls carry the kernel's name as the
+# instruction's (`%splash_mqa_fwd.1 = ... custom_call_target="tpu_custom_call"`), Triton
+# calls in their backend config (`name = "flash_forward"`), cuDNN calls in their target.
+_CUSTOM_CALL = re.compile(r"%([\w.-]+) = [^\n]*?custom_call_target=\"([^\"]+)\"([^\n]*)")
+_TRITON_NAME = re.compile(r'\bname = "([^"]+)"')
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
+_COLLECTIVE = re.compile(r"= [^\n=]*? (" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
+
+
+def kernels(hlo_text: str) -> dict[str, int]:
+  """Each kernel's name in a compiled program's text (`compiled.as_text()`) and how many
+  calls to it the program holds: Pallas TPU and Triton kernels by their names, cuDNN calls
+  by their custom-call target (`__cudnn$fmha...`)."""
+  found: dict[str, int] = {}
+  for instruction, call_target, rest in _CUSTOM_CALL.findall(hlo_text):
+    if call_target == "tpu_custom_call":
+      name = re.sub(r"\.\d+$", "", instruction)
+    elif "triton" in call_target:
+      named = _TRITON_NAME.search(rest)
+      name = named.group(1) if named else call_target
+    elif call_target.startswith("__cudnn$fmha"):
+      name = call_target
+    else:
+      continue
+    found[name] = found.get(name, 0) + 1
+  return found
+
+
+def collectives(hlo_text: str) -> dict[str, int]:
+  """How many collectives of each kind (`COLLECTIVES`) a compiled program's text holds (an
+  asynchronous one counts once, at its start)."""
+  found: dict[str, int] = {}
+  for kind in _COLLECTIVE.findall(hlo_text):
+    found[kind] = found.get(kind, 0) + 1
+  return found

@@ -1,0 +1,1 @@
+"""GpuTargetConfigProto text files of the NVIDIA targets (flaxattn.aot.TARGETS)."""
