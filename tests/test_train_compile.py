@@ -78,16 +78,17 @@ def test_v5p_slice_compiles_splash_and_the_ring(capsys):
 
 def test_the_compilers_refusal_is_exit_1_in_one_line(capsys):
   target_devices("v5e-8")
-  # Full-vocabulary float32 logits of 64K tokens x 64K ids per chip: 16 GiB.
+  # One layer whose MLP hidden activations, 65536 tokens x 262144 features in bf16 per chip,
+  # are 32 GiB: more than a v5e chip's 16 GiB.
   status, out, _ = run(capsys, "configs/tpu_demo.yaml", "model.n_layers=1", "model.dim=256",
-                       "model.n_heads=2", "model.n_kv_heads=1", "model.ffn_dim=512",
-                       "model.vocab_size=65536", "seq_len=65536", "model.max_seq_len=65536",
+                       "model.n_heads=2", "model.n_kv_heads=1", "model.ffn_dim=262144",
+                       "model.vocab_size=1024", "seq_len=65536", "model.max_seq_len=65536",
                        "--target", "v5e-8")
   assert status == 1
   assert out.count("\n") == 1 and out.startswith("does not fit: v5e-8 seq_len 65536")
   assert "RESOURCE_EXHAUSTED" in out and "available HBM (15.75G)" in out
-  # The logits, [B, T, vocab] in float32, before they are split over the 8 chips.
-  assert "f32[8,65536,65536] 128.00 GiB (global)" in out.split("largest arrays: ")[1]
+  # The MLP's hidden activations, [B, T, ffn_dim], before they are split over the 8 chips.
+  assert "bf16[8,65536,262144] 256.00 GiB (global)" in out.split("largest arrays: ")[1]
 
 
 # Each example config's model cut down (one layer, head_dim 128, 4K tokens) on its target's
