@@ -13,6 +13,7 @@ which a run keeps in its run_dir, `train.run_dir.save_tokenizer`).
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import pathlib
@@ -27,6 +28,19 @@ HF_CONFIG_FILES = ("tokenizer_config.json", "special_tokens_map.json")
 SP_FILE = "tokenizer.model"  # the name transformers reads a SentencePiece model by
 KEY = "config key 'data.tokenizer'"
 
+
+
+def _package(name: str, path: str):
+  """The optional package `name`, installed by the extra of the same name.
+
+  Raises:
+    ConfigError: it is not installed, naming the key, the file and the extra.
+  """
+  try:
+    return importlib.import_module(name)
+  except ImportError:
+    raise ConfigError(f"{KEY} ({path!r}) needs the {name} package: pip install"
+                      f" 'flaxattn[{name}]' (or {name}), or set data.tokenizer=bytes.") from None
 
 class Tokenizer:
   """What every tokenizer here has (see the module docstring)."""
@@ -85,13 +99,7 @@ class SentencePieceTokenizer(Tokenizer):
   """
 
   def __init__(self, path: str):
-    try:
-      # Only this option needs it: an optional extra, not installed where pyright runs in CI.
-      import sentencepiece  # pyright: ignore[reportMissingImports]
-    except ImportError:
-      raise ConfigError(f"{KEY} ({path!r}) needs the sentencepiece"
-                        " package: pip install 'flaxattn[sentencepiece]' (or sentencepiece), or"
-                        " set data.tokenizer=bytes.") from None
+    sentencepiece = _package("sentencepiece", path)
     try:
       self._sp = sentencepiece.SentencePieceProcessor(model_file=path)
     except (OSError, RuntimeError) as e:  # what it raises for a file it cannot parse
@@ -159,12 +167,7 @@ class HFTokenizer(Tokenizer):
   """
 
   def __init__(self, path: str):
-    try:
-      import tokenizers
-    except ImportError:
-      raise ConfigError(f"{KEY} ({path!r}) needs the tokenizers package: pip install"
-                        " 'flaxattn[tokenizers]' (or tokenizers), or set"
-                        " data.tokenizer=bytes.") from None
+    tokenizers = _package("tokenizers", path)
     p = pathlib.Path(path)
     file = p / HF_FILE if p.is_dir() else p
     try:
