@@ -58,6 +58,7 @@ def test_compiles_and_reads_the_memory_plan(name, kind):
   assert plan.arguments == plan.outputs == 4 * n * n
   assert 0 < plan.temporaries < 64 * n * n
   assert plan.total == plan.arguments + plan.temporaries + plan.outputs - plan.aliased
+  assert plan.peak >= max(plan.arguments, plan.outputs)  # the compiler's own figure
 
 
 def test_reads_kernels_and_collectives():

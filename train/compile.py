@@ -21,6 +21,9 @@ Reported (a table, or one JSON line with --json):
   per_device_bytes  arguments (parameters, optimizer state, batch), temporaries, outputs,
                     aliased (outputs written over the donated state) and total = arguments +
                     temporaries + outputs - aliased, as XLA's memory plan gives them;
+                    peak, the compiler's own most-bytes-live figure (arguments included; on
+                    TPU the 8B example's is well below total; fit is judged on total:
+                    flaxattn.aot.Memory);
   hbm_bytes         what a program may use: on TPU the HBM less the runtime's reserve, on
                     GPU JAX's preallocated fraction (0.75, or XLA_PYTHON_CLIENT_MEM_FRACTION);
   fits              total + MARGIN x hbm_bytes <= hbm_bytes;
