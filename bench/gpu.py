@@ -356,14 +356,17 @@ def _run_torch(case: Case, matmul: float, repeats: int) -> dict:
     return _failure(e)
 
 
-def run_cells(lengths, repeats: int, matmul: float, missing: dict[str, str | None]) -> list[dict]:
-  """Every row in every case at every length, printed as it goes."""
+def run_cells(lengths, repeats: int, matmul: float, missing: dict[str, str | None],
+              rows=tuple(ROWS), cases=tuple(CASES)) -> list[dict]:
+  """Each of `rows` in each of `cases` at every length, printed as it goes."""
   cells: dict[tuple[str, str, int], dict] = {}
   for t in lengths:
     qkv = measure.inputs(t)
-    for case in (make_case(name, t) for name in CASES):
-      for name in ROWS:
+    for case in (make_case(name, t) for name in cases):
+      for name in rows:
         p = plan(name, case, missing)
+        if p.same_as is not None and (*p.same_as, t) not in cells:  # that row did not run
+          p = dataclasses.replace(p, same_as=None)
         fwd_flops, fb_flops = measure.flops(case.pairs)
         cell = dict(kernel=name, label=ROWS[name], case=case.name, length=t, status=p.status,
                     reason=p.reason, runs=p.runs, pairs=case.pairs, fwd_flops=fwd_flops,
@@ -453,13 +456,14 @@ def tables(cells: list[dict], lengths, matmul: float) -> list[str]:
   length, f+b over the matmul, f+b temporaries), each with one line per row and outcome."""
   by = {(c["kernel"], c["case"], c["length"]): c for c in cells}
   lines = []
-  for case in CASES:
+  run = {c["kernel"] for c in cells}
+  for case in (case for case in CASES if any(c["case"] == case for c in cells)):
     heads = [f"{_length(t)} {part}" for t in lengths for part in ("fwd", "f+b")]
     lines += ["", f"### {case}: {CASES[case]}; TFLOP/s of useful work (matmul {matmul:.0f})",
               "",
               "| kernel | " + " | ".join(heads) + " | f+b / matmul | temp f+b MiB |",
               "|---|" + "---:|" * (len(heads) + 2)]
-    for name, label in ROWS.items():
+    for name, label in ((n, label) for n, label in ROWS.items() if n in run):
       row = [by.get((name, case, t)) for t in lengths]
       values = [_cell_text(c, k) for c in row for k in ("fwd_tflops", "fb_tflops")]
       ratio = " / ".join(_number_ratio(c) for c in row)
@@ -536,6 +540,10 @@ def main(argv=None) -> int:
   parser.add_argument("--lengths", type=int, nargs="+",
                       help="sequence lengths, multiples of 4096 from 8192 (default 8K 32K 128K)")
   parser.add_argument("--repeats", type=int, default=10, help="most timed runs per figure")
+  parser.add_argument("--rows", nargs="+", choices=tuple(ROWS), default=tuple(ROWS),
+                      help="the rows to run (default all)")
+  parser.add_argument("--cases", nargs="+", choices=tuple(CASES), default=tuple(CASES),
+                      help="the cases to run (default all)")
   parser.add_argument("--tilings", action="store_true",
                       help="also pallas_gpu under each of TILINGS at 32K")
   parser.add_argument("--trainer-steps", type=int, default=10,
@@ -572,7 +580,7 @@ def main(argv=None) -> int:
   for library, why in sorted(missing.items()):
     if why:
       print(f"  {library}: skipped, {why}")
-  cells = run_cells(lengths, args.repeats, matmul, missing)
+  cells = run_cells(lengths, args.repeats, matmul, missing, args.rows, args.cases)
   lines = tables(cells, lengths, matmul)
   print("\n".join(lines))
   tilings = []
