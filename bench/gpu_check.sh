@@ -8,7 +8,8 @@
 #      test_cudnn.py, test_bench_gpu.py, test_split_k.py; junit XML in tests.xml);
 #   2. `python -m bench.gpu` at 32K with --tilings (gpu.json);
 #   3. `python -m bench.gpu_goals` (goals.json);
-#   4. the trainer, `python -m train configs/gpu_demo.yaml steps=60`: its log with each
+#   4. the trainer, `python -m train configs/gpu_demo.yaml steps=60` (GPU_CHECK_TRAINER_STEPS),
+#      its log with each
 #      line's seconds since this script started (trainer.log), its metrics.jsonl;
 #   5. with the time left (GPU_CHECK_BUDGET_S, default 420, counted from the start), the
 #      README's test command with -n 8 (suite.xml).
@@ -89,9 +90,10 @@ echo "setup done at $(since)s"
 if has 1; then
   XLA_PYTHON_CLIENT_PREALLOCATE=false stage selftest 150 "$python" -m flaxattn.selftest \
     --quick >/tmp/selftest.txt 2>&1 &
+  # GPU_CHECK_TESTS: other pytest arguments (e.g. test ids to rerun)
   XLA_PYTHON_CLIENT_PREALLOCATE=false stage gpu_tests 150 "$python" -m pytest -q -n 6 \
-    -p no:cacheprovider --junitxml="$out/tests.xml" tests/test_pallas_gpu.py \
-    tests/test_cudnn.py tests/test_bench_gpu.py tests/test_split_k.py
+    -p no:cacheprovider --junitxml="$out/tests.xml" ${GPU_CHECK_TESTS:-tests/test_pallas_gpu.py \
+    tests/test_cudnn.py tests/test_bench_gpu.py tests/test_split_k.py}
   wait
   echo "--- selftest:"; cat /tmp/selftest.txt
 fi
@@ -99,7 +101,8 @@ fi
 # --- 2. and 3. The benchmarks, alone on the GPU ------------------------------------------------
 if has 2; then
   stage bench_gpu 170 "$python" -m bench.gpu --lengths 32768 --tilings --trainer-steps 0 \
-    --rows pallas_gpu cudnn auto jax_nn_cudnn docs_as_rows torch_sdpa --json "$out/gpu.json"
+    --rows ${GPU_CHECK_ROWS:-pallas_gpu cudnn auto jax_nn_cudnn docs_as_rows torch_sdpa} \
+    --json "$out/gpu.json"
 fi
 if has 3; then
   stage gpu_goals 100 "$python" -m bench.gpu_goals --json "$out/goals.json"
@@ -113,7 +116,7 @@ t0 = float(sys.argv[1])
 for line in sys.stdin:
   print(f'{time.time() - t0:7.1f} {line}', end='', flush=True)"
   stage trainer 150 bash -c "set -o pipefail; '$python' -m train configs/gpu_demo.yaml \
-    steps=60 run_dir='$run_dir' 2>&1 | '$python' -c \"\$0\" '$t0' >'$out/trainer.log'" \
+    steps=${GPU_CHECK_TRAINER_STEPS:-60} run_dir='$run_dir' 2>&1 | '$python' -c \"\$0\" '$t0' >'$out/trainer.log'" \
     "$stamp"
   tail -15 "$out/trainer.log"
   cp "$run_dir/metrics.jsonl" "$out/metrics.jsonl" 2>/dev/null || true

@@ -8,8 +8,10 @@
             orders a row), bf16, `auto`; useful pairs counted in the original order.
   float32   one causal document of 8K in float32 under
             `jax.default_matmul_precision("highest")` (no TF32), `auto` beside
-            jax.nn.dot_product_attention(implementation="xla"), and a float32 matmul of
-            8192^3 at the same precision as its yardstick.
+            jax.nn.dot_product_attention(implementation="xla") (and the largest difference
+            between their outputs, relative to its largest), pallas_gpu at each of
+            `FLOAT32_TILINGS`, and a float32 matmul of 8192^3 at the same precision as the
+            yardstick.
   decode    `flaxattn.MultiHeadAttention` H=32 on 8 KV heads, E=4096, D=128, bf16 parameters
             and cache, RoPE, causal, B=1: the median of --steps one-token decode calls of
             `nnx.jit(layer, donate the layer)` over a cache holding S - 64 tokens, S = 32K and
@@ -18,7 +20,9 @@
             in the same run, bytes read plus written) and the attention alone: the new
             token's `flaxattn.attention` over the cache (`auto`: split_k) against
             `jax.nn.dot_product_attention(implementation="xla")` with a boolean mask from the
-            cached ids and positions, timed in alternation.
+            cached ids and positions, and split_k at each of `CHUNKS` keys per chunk, timed in
+            alternation; then the same step as one `jax.jit` over `nnx.split(layer)`'s state
+            (donated), without nnx.jit's host-side graph traversal.
 
 The shapes are B=1, H=16 on 8 KV heads, D=128 (`bench.measure`) for the first two. TFLOP/s
 count useful work only (`bench.measure.flops`). Without a GPU it says why and exits 0.
@@ -27,6 +31,7 @@ count useful work only (`bench.measure.flops`). Without a GPU it says why and ex
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -40,12 +45,16 @@ import flaxattn
 from bench import measure
 from flaxattn import registry
 from flaxattn.layout import resolve
+from flaxattn.pallas_gpu import PallasGpu
+from flaxattn.split_k import SplitK
 
 T_CHUNKED, CHUNK, LONG, SHORT, SHORT_DOCS = 32768, 8192, 16384, 512, 32
 T_FLOAT32 = 8192
 E, DEC_H, DEC_HKV, DEC_D = 4096, 32, 8, 128
 LENGTHS = (32768, 131072)
-ROOM = 64
+ROOM = 128
+CHUNKS = (1024, 2048, 4096, 8192, 16384)  # split_k's keys per chunk, timed for the attention
+FLOAT32_TILINGS = ((64, 32), (64, 64))  # pallas_gpu's block_q x block_kv beside the default
 COPY_BYTES = 2 << 30
 
 
@@ -96,15 +105,28 @@ def float32(repeats: int) -> dict:
     pairs = measure.useful_pairs(flaxattn.Causal(), np.ones((1, T_FLOAT32), np.int32))
     kernel = _kernel(q, k, flaxattn.Causal())
     ours = _timed(lambda q, k, v: flaxattn.attention(q, k, v), (q, k, v), pairs, repeats)
-    plain = _timed(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                                                 implementation="xla"),
-                   (q, k, v), pairs, repeats)
+
+    def plain_fn(q, k, v):
+      return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+    plain = _timed(plain_fn, (q, k, v), pairs, repeats)
+    want = np.asarray(jax.jit(plain_fn)(q, k, v), np.float64)
+    got = np.asarray(jax.jit(lambda q, k, v: flaxattn.attention(q, k, v))(q, k, v), np.float64)
+    ours["max_error_vs_jax_nn"] = float(np.abs(got - want).max() / np.abs(want).max())
+    tilings = {}
+    for block_q, block_kv in FLOAT32_TILINGS:
+      tiled = PallasGpu(block_q=block_q, block_kv=block_kv)
+      try:
+        tilings[f"{block_q}x{block_kv}"] = _timed(
+            lambda q, k, v, tiled=tiled: flaxattn.attention(q, k, v, backend=tiled),
+            (q, k, v), pairs, repeats)
+      except Exception as e:  # a tiling over the shared memory is a result
+        tilings[f"{block_q}x{block_kv}"] = dict(error=f"{type(e).__name__}: {e}"[:300])
     a = jax.random.normal(jax.random.key(0), (measure.MATMUL_N,) * 2, jnp.float32)
     b = jax.random.normal(jax.random.key(1), (measure.MATMUL_N,) * 2, jnp.float32)
     mm = jax.jit(jnp.matmul)
     matmul = 2 * measure.MATMUL_N**3 / measure.median_seconds(mm, (a, b), repeats) / 1e12
   return dict(case="float32", kernel=kernel, pairs=pairs, auto=ours, jax_nn_xla=plain,
-              matmul_f32_tflops=matmul)
+              matmul_f32_tflops=matmul, pallas_gpu_tilings=tilings)
 
 
 def copy_bandwidth(repeats: int) -> float:
@@ -125,10 +147,12 @@ def _dense(q, k, v, ids, pos, q_pos):
   return jax.nn.dot_product_attention(q, k, v, mask=allowed[:, None, None], implementation="xla")
 
 
-@jax.jit
-def _ours(q, k, v, ids, pos, q_pos):
+@functools.partial(jax.jit, static_argnames="chunk")
+def _ours(q, k, v, ids, pos, q_pos, chunk=None):
+  backend = "auto" if chunk is None else SplitK(chunk=chunk)
   return flaxattn.attention(q, k, v, segment_ids=jnp.ones((1, 1), jnp.int32),
-                            positions=q_pos[:, None], kv_segment_ids=ids, kv_positions=pos)
+                            positions=q_pos[:, None], kv_segment_ids=ids, kv_positions=pos,
+                            backend=backend)
 
 
 def decode(length: int, steps: int, bandwidth: float) -> dict:
@@ -162,20 +186,42 @@ def decode(length: int, steps: int, bandwidth: float) -> dict:
                                               q_pos[:, None], idc, posc),
         return_lse=False)).name
   args = (q, kc, vc, idc, posc, q_pos)
-  jax.block_until_ready((_step(m, x), _dense(*args), _ours(*args)))
-  times: dict[str, list[float]] = {"step": [], "dense": [], "ours": []}
+  runs = {"step": lambda: _step(m, x), "dense": lambda: _dense(*args),
+          "ours": lambda: _ours(*args)}
+  runs.update({f"chunk{c}": functools.partial(_ours, *args, chunk=c) for c in CHUNKS})
+  jax.block_until_ready([run() for run in runs.values()])
+  times: dict[str, list[float]] = {name: [] for name in runs}
   for _ in range(steps):
-    for name, run in (("step", lambda: _step(m, x)), ("dense", lambda: _dense(*args)),
-                      ("ours", lambda: _ours(*args))):
+    for name, run in runs.items():
       start = time.perf_counter()
       jax.block_until_ready(run())
       times[name].append(time.perf_counter() - start)
+  # The same step as one jax.jit over the layer's split state (donated): no nnx.jit graph
+  # traversal on the host each call, what a serving loop compiles.
+  graphdef, state = nnx.split(m)
+
+  def functional(state, x):
+    layer = nnx.merge(graphdef, state)
+    return layer(x, decode=True), nnx.state(layer)
+  functional = jax.jit(functional, donate_argnums=0)
+  y, state = functional(state, x)
+  jax.block_until_ready(y)
+  times["step_jit"] = []
+  for _ in range(steps):
+    start = time.perf_counter()
+    y, state = functional(state, x)
+    jax.block_until_ready(y)
+    times["step_jit"].append(time.perf_counter() - start)
   med = {name: float(np.median(t)) for name, t in times.items()}
   floor = (weights + cache_bytes) / bandwidth
   return dict(length=length, kernel=kernel, step_ms=med["step"] * 1e3,
+              step_jit_ms=med["step_jit"] * 1e3,
               attention_ms=med["ours"] * 1e3, jax_nn_xla_ms=med["dense"] * 1e3,
+              split_k_chunk_ms={c: med[f"chunk{c}"] * 1e3 for c in CHUNKS},
               bytes_read=weights + cache_bytes, floor_ms=floor * 1e3,
-              step_over_floor=med["step"] / floor, attention_over_jax_nn=med["ours"] / med["dense"],
+              step_over_floor=med["step"] / floor,
+              step_jit_over_floor=med["step_jit"] / floor,
+              attention_over_jax_nn=med["ours"] / med["dense"],
               best_step_ms=min(times["step"]) * 1e3)
 
 

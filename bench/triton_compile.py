@@ -4,11 +4,12 @@ against each GPU's limit, registers, spills, and whether the loops' reads are pi
   python -m bench.triton_compile [--arch 80 89 90] [--json PATH]
 
 Each case's forward and backward are lowered for CUDA from this host (as
-`flaxattn.lowering_for("gpu")` does for an export), and each of the three kernels' Triton IR
-is taken as Pallas hands it to XLA. The `triton` package (`pip install triton`, not a
-dependency of flaxattn) then compiles that IR for each architecture to PTX and, with its
-bundled ptxas, to a cubin, in a process that never imports JAX. Reported per kernel and
-architecture:
+`flaxattn.lowering_for("gpu")` does for an export), once per architecture with a GPU of it
+named on the abstract mesh (`KINDS`: pallas_gpu's default tiling depends on the GPU), and
+each of the three kernels' Triton IR is taken as Pallas hands it to XLA. The `triton`
+package (`pip install triton`, not a dependency of flaxattn) then compiles that IR for each
+architecture to PTX and, with its bundled ptxas, to a cubin, in a process that never
+imports JAX. Reported per kernel and architecture:
   smem      shared memory the kernel asks for, and the most one block may have on that
             architecture (a kernel above it fails to launch there);
   regs      registers per thread (255 at most) and bytes spilled to local memory;
@@ -38,6 +39,10 @@ from typing import Any
 # capabilities table): A100 (8.0) 163 KiB, consumer Ampere and Ada (8.6, 8.9) 99 KiB,
 # H100 (9.0) 227 KiB.
 SMEM_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
+# The GPU each architecture's kernels are lowered for (pallas_gpu's default tiling depends on
+# it: `choose_tiling`): device kinds as JAX reports them.
+KINDS = {80: "NVIDIA A100-SXM4-80GB", 86: "NVIDIA RTX A6000", 89: "NVIDIA L40S",
+         90: "NVIDIA H100 80GB HBM3"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,22 +69,22 @@ CASES = (
 TRITON_CALL = "__gpu$xla.gpu.triton"
 
 
-def cuda_export(fn, *args):
+def cuda_export(fn, *args, arch: int = 90):
   """`jax.export` of `jax.jit(fn)(*args)` for CUDA from this host: flaxattn's GPU kernels
-  (`flaxattn.lowering_for("gpu")`), Triton's custom calls allowed, for an H100 named on the
-  abstract mesh (jax 0.11 and later lower Triton for the GPU it names; 0.10 took sm90)."""
+  (`flaxattn.lowering_for("gpu")`), Triton's custom calls allowed, for the GPU of `arch`
+  (`KINDS`; default an H100) named on the abstract mesh (jax 0.11 and later lower Triton for
+  the GPU it names; 0.10 took sm90)."""
   import jax
 
   import flaxattn
-  h100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132,
-                                     platform="gpu")
-  on_gpu = jax.sharding.get_abstract_mesh().update(abstract_device=h100)
+  gpu = jax.sharding.AbstractDevice(device_kind=KINDS[arch], num_cores=132, platform="gpu")
+  on_gpu = jax.sharding.get_abstract_mesh().update(abstract_device=gpu)
   with flaxattn.lowering_for("gpu"), jax.sharding.use_abstract_mesh(on_gpu):
     return jax.export.export(jax.jit(fn), platforms=("cuda",), disabled_checks=[
         jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL)])(*args)
 
 
-def triton_modules(fn, *args) -> list[tuple[str, str]]:
+def triton_modules(fn, *args, arch: int = 90) -> list[tuple[str, str]]:
   """(kernel name, Triton IR text) of every Pallas Triton kernel in `fn(*args)` lowered for
   CUDA from this host (`cuda_export`). Reads Pallas's private lowering (jax 0.10 to 0.12):
   the IR is the module it builds before serializing it into the custom call."""
@@ -94,15 +99,16 @@ def triton_modules(fn, *args) -> list[tuple[str, str]]:
     return result
   registration.lowering.lower_jaxpr_to_triton_module = capture
   try:
-    cuda_export(fn, *args)
+    cuda_export(fn, *args, arch=arch)
   finally:
     registration.lowering.lower_jaxpr_to_triton_module = lower
   return found
 
 
-def case_kernels(case: Case, t: int = 8192) -> tuple[Any, list[tuple[str, str]]]:
+def case_kernels(case: Case, t: int = 8192,
+                 arch: int = 90) -> tuple[Any, list[tuple[str, str]]]:
   """The tiling and the (name, IR) of the forward, dQ and dK/dV kernels of `case` (B=1,
-  8 query heads on 2 KV heads, packed segment ids and positions)."""
+  8 query heads on 2 KV heads, packed segment ids and positions) lowered for `arch`."""
   import jax
   import jax.numpy as jnp
 
@@ -122,7 +128,11 @@ def case_kernels(case: Case, t: int = 8192) -> tuple[Any, list[tuple[str, str]]]
                                positions=pos, logit_soft_cap=case.soft_cap)
       return jnp.sum(out.astype(jnp.float32) ** 2)
     return jax.grad(loss, (0, 1, 2))(q, k, v)
-  return PallasGpu(interpret=False).tiling(q, k, v), triton_modules(grads, q, k, v, ids, ids)
+  kernels = triton_modules(grads, q, k, v, ids, ids, arch=arch)
+  gpu = jax.sharding.AbstractDevice(device_kind=KINDS[arch], num_cores=132, platform="gpu")
+  with jax.sharding.use_abstract_mesh(jax.sharding.get_abstract_mesh().update(
+      abstract_device=gpu)), flaxattn.lowering_for("gpu"):
+    return PallasGpu(interpret=False).tiling(q, k, v), kernels
 
 
 def loop_structure(ir: str) -> dict[str, int]:
@@ -155,17 +165,17 @@ def _compile(jobs: list[dict], arch: int) -> list[dict]:
   return rows
 
 
-def kernel_jobs(cases, directory: str | None, t: int = 8192) -> list[dict]:
-  """Each case's three kernels: name, tiling, loop structure, and (with `directory`) the
-  file its IR is written to."""
+def kernel_jobs(cases, directory: str | None, t: int = 8192, arch: int = 90) -> list[dict]:
+  """Each case's three kernels lowered for `arch`: name, tiling, loop structure, and (with
+  `directory`) the file its IR is written to."""
   jobs = []
   for case in cases:
-    tiling, kernels = case_kernels(case, t)
+    tiling, kernels = case_kernels(case, t, arch)
     for name, ir in kernels:
       job = dict(case=case.name, kernel=name, warps=tiling.num_warps, stages=tiling.num_stages,
                  rows=tiling.rows, keys=tiling.keys, **loop_structure(ir))
       if directory is not None:
-        job["file"] = os.path.join(directory, f"{len(jobs)}-{name}.ttir")
+        job["file"] = os.path.join(directory, f"{arch}-{len(jobs)}-{name}.ttir")
         with open(job["file"], "w") as f:
           f.write(ir)
       jobs.append(job)
@@ -177,10 +187,10 @@ def compile_cases(cases, archs, t: int = 8192) -> list[dict]:
   one row per kernel and architecture (see the module's docstring)."""
   rows = []
   with tempfile.TemporaryDirectory() as tmp:
-    jobs_file = os.path.join(tmp, "jobs.json")
-    with open(jobs_file, "w") as f:
-      json.dump(kernel_jobs(cases, tmp, t), f)
     for arch in archs:
+      jobs_file = os.path.join(tmp, f"jobs-{arch}.json")
+      with open(jobs_file, "w") as f:
+        json.dump(kernel_jobs(cases, tmp, t, arch), f)
       child = subprocess.run([sys.executable, "-m", "bench.triton_compile", "--compile",
                               jobs_file, str(arch)], capture_output=True, text=True, check=True)
       rows += json.loads(child.stdout)

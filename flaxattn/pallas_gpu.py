@@ -13,6 +13,7 @@ carries its token's segment id and position. Lowered for "gpu" it is compiled Tr
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 
@@ -22,7 +23,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from flaxattn import checks, registry, sharding
+from flaxattn import checks, cudnn, registry, sharding
 from flaxattn.blocks import block_schedule, round_up, visit_order
 from flaxattn.layout import Layout
 from flaxattn.masks import Mask, values_apart
@@ -38,6 +39,21 @@ _DTYPES = ("float32", "bfloat16", "float16")
 def _pow2(x: int) -> int:
   """The smallest power of two >= x, at least `MIN_BLOCK`."""
   return max(MIN_BLOCK, 1 << max(x - 1, 0).bit_length())
+
+
+# Query rows of a block on Hopper GPUs in 16-bit dtypes up to D = 128 (`choose_tiling`): on
+# an H200 (jax 0.11.2), causal bf16 at 32K, D=128, forward+backward ran at 270 TFLOP/s with
+# 128 x 64 blocks against 138 with 64 x 64 (`python -m bench.gpu --tilings`); compiled for
+# sm_90, its kernels fit the H100's 227 KiB of shared memory (`bench.triton_compile`).
+HOPPER_ROWS = 128
+# The float32 dots' precision on Hopper GPUs under each `jax_default_matmul_precision` (None:
+# as JAX takes float32 on the platform, TF32 on GPUs): the full-precision settings run as
+# three TF32 products (`TF32_TF32_F32_X3`, float32-level error), not Triton's IEEE path, whose
+# FMA loops ran at 4.5 TFLOP/s on an H200 (`bench.gpu_goals`). Elsewhere the IEEE path stays:
+# compiled for sm_89, the three-product dQ kernel needs 139,392 bytes of shared memory of
+# 101,376 (`bench.triton_compile` under "highest").
+FULL_PRECISION = ("highest", "float32", "F32_F32_F32")
+THREE_TF32 = "TF32_TF32_F32_X3"
 
 
 def default_block(head_dim: int, itemsize: int = 2) -> int:
@@ -59,6 +75,7 @@ class Tiling:
   num_warps: int = 4
   num_stages: int = 2
   interpret: bool = False
+  float32_dots: str | None = None  # a `jax.default_matmul_precision` for the kernels' dots
 
 
 # The kernels. Their refs hold one (batch, KV head)'s rows `[R, Dp]` or one block of them,
@@ -277,13 +294,16 @@ def _pass(kernel, ops: _Operands, name: str, blocks: int, inputs, outputs):
   (array or ShapeDtypeStruct, block size or None) pairs (see `_spec`)."""
   b, hkv = ops.q_BKRD.shape[:2]
   tiling = ops.tiling
-  return pl.pallas_call(
+  call = pl.pallas_call(
       kernel, grid=(b, hkv, blocks), in_specs=[_spec(x, n) for x, n in inputs],
       out_specs=[_spec(x, n) for x, n in outputs],
       out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x, _ in outputs],
       compiler_params=pl_triton.CompilerParams(num_warps=tiling.num_warps,
                                                num_stages=tiling.num_stages),
-      interpret=tiling.interpret, name=name)(*[x for x, _ in inputs])
+      interpret=tiling.interpret, name=name)
+  with (jax.default_matmul_precision(tiling.float32_dots) if tiling.float32_dots
+        else contextlib.nullcontext()):  # the kernel is traced here
+    return call(*[x for x, _ in inputs])
 
 
 def _forward_rows(ops: _Operands, *, mask: Mask, scale: float, soft_cap: float | None):
@@ -387,25 +407,33 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 def choose_tiling(q_shape, kv_shape, dv: int, *, itemsize: int = 2, block_q: int | None = None,
            block_kv: int | None = None, num_warps: int | None = None, num_stages: int = 2,
-           interpret: bool = False, chunk: int | None = None) -> Tiling:
+           interpret: bool = False, chunk: int | None = None,
+           capability: tuple[int, ...] | None = None,
+           float32_dots: str | None = None) -> Tiling:
   """The tiling of a call on q `[B, T, H, D]` and k `[B, S, Hkv, D]` (v's head dim `dv`,
-  `itemsize` bytes an element): the requested block sizes (default `default_block`) fitted
-  to the rows (T x G) and keys.
+  `itemsize` bytes an element): the requested block sizes fitted to the rows (T x G) and
+  keys. Defaults: `default_block`, except query blocks of `HOPPER_ROWS` rows on GPUs of
+  compute `capability` 9.0 or later in 16-bit dtypes up to head dim 128 (measured on an
+  H200: twice the throughput of 64-row blocks, docs/kernels.md).
   `chunk`: tokens in a load-balanced chunk of a shard; blocks then divide it where they can,
-  as a block straddling two chunks covers distant positions and is rarely skipped."""
+  as a block straddling two chunks covers distant positions and is rarely skipped.
+  `float32_dots`: the kernels' matmul precision for float32 operands (`Tiling`)."""
   t, h, d = q_shape[1:]
   s, hkv = kv_shape[1:3]
   default = default_block(max(d, dv), itemsize)
+  hopper = capability is not None and capability >= (9, 0)
+  rows_default = HOPPER_ROWS if hopper and itemsize <= 2 and max(d, dv) <= 128 else default
 
   def fit(requested, length, unit):
-    block = min(_pow2(requested or default), _pow2(length))
+    block = min(_pow2(requested), _pow2(length))
     while unit is not None and block > MIN_BLOCK and unit % block:
       block //= 2
     return block
   g = h // hkv
   warps = num_warps or (4 if _pow2(max(d, dv)) <= 64 else 8)
-  return Tiling(fit(block_q, t * g, None if chunk is None else chunk * g),
-                fit(block_kv, s, chunk), warps, num_stages, interpret)
+  return Tiling(fit(block_q or rows_default, t * g, None if chunk is None else chunk * g),
+                fit(block_kv or default, s, chunk), warps, num_stages, interpret,
+                float32_dots if itemsize == 4 else None)
 
 
 def pallas_gpu_attention(q, k, v, layout: Layout, *, mask: Mask, scale: float, return_lse: bool,
@@ -546,10 +574,15 @@ class PallasGpu(registry.Kernel):
   def tiling(self, q, k, v, chunk: int | None = None) -> Tiling:
     """This kernel's `Tiling` for these operands (`choose_tiling`)."""
     interpret = jax.default_backend() != "gpu" if self.interpret is None else self.interpret
+    capability = None if interpret else cudnn.gpu_capability()
+    precision = jax.config.jax_default_matmul_precision  # pyright: ignore[reportAttributeAccessIssue]
+    hopper = capability is not None and capability >= (9, 0)
+    float32_dots = THREE_TF32 if hopper and precision in FULL_PRECISION else None
     return choose_tiling(q.shape, k.shape, v.shape[-1], itemsize=jnp.dtype(q.dtype).itemsize,
                          block_q=self.block_q, block_kv=self.block_kv,
                          num_warps=self.num_warps, num_stages=self.num_stages,
-                         interpret=interpret, chunk=chunk)
+                         interpret=interpret, chunk=chunk, capability=capability,
+                         float32_dots=float32_dots)
 
   def __call__(self, q, k, v, layout: Layout, *, mask: Mask, scale: float, return_lse: bool,
                soft_cap: float | None = None):

@@ -31,6 +31,9 @@ SCALE = 0.3
 # Blocks of 16 rows and 16 keys: with 2 query heads per KV head a query block holds 8
 # tokens, so documents of random_packing cross block boundaries.
 KERNEL = pallas_gpu.PallasGpu(block_q=16, block_kv=16)
+# Interpret mode on every platform: the block counts are read by callbacks in the kernels,
+# which Triton cannot compile.
+COUNTED = pallas_gpu.PallasGpu(block_q=16, block_kv=16, interpret=True)
 TRITON = triton_compile.TRITON_CALL
 
 
@@ -142,8 +145,8 @@ def test_schedule_visits_only_live_blocks(monkeypatch):
   visits = _counting(monkeypatch)
   q, k, v = qkv(5, 1, 64, 64, 1, 1, 16)
   def loss(q, k, v):
-    return flaxattn.attention(q, k, v, backend=KERNEL).sum()
-  jax.block_until_ready(flaxattn.attention(q, k, v, backend=KERNEL))
+    return flaxattn.attention(q, k, v, backend=COUNTED).sum()
+  jax.block_until_ready(flaxattn.attention(q, k, v, backend=COUNTED))
   assert visits == {"live": 10, "masked": 4}
   visits.update(live=0, masked=0)
   jax.block_until_ready(jax.grad(loss, (0, 1, 2))(q, k, v))
@@ -163,7 +166,8 @@ def test_skipped_blocks_inside_the_range_are_never_loaded(monkeypatch):
   layout = as_layout(np.ones((b, t), np.int32), None, kv_seg, None)
   poisoned = [jnp.where((kv_seg == 9)[..., None, None], jnp.nan, x) for x in (k, v)]
   sinks = normal((1,), 7)
-  got_g, (got_o, got_l) = grads_of(_attend(layout, flaxattn.Full()), 4)(q, *poisoned, sinks)
+  got_g, (got_o, got_l) = grads_of(_attend(layout, flaxattn.Full(), COUNTED), 4)(
+      q, *poisoned, sinks)
   assert visits == {"live": 6, "masked": 0}, visits
   def oracle(q, k, v, s):
     return dense_oracle(q, k, v, layout, flaxattn.Full(), SCALE)
@@ -418,3 +422,34 @@ def test_kernels_compile_pipelined_within_shared_memory():
   assert len(rows) == 12
   for row in rows:
     assert row["smem"] <= row["smem_limit"] and row["pipelined"], row
+
+
+@pytest.mark.parametrize("arch", [80, 89, 90])
+def test_tiling_follows_the_gpu_it_is_lowered_for(arch):
+  """128-row query blocks in 16-bit dtypes up to D = 128 on Hopper (sm_90: twice the
+  throughput of 64 rows, measured on an H200), 64 elsewhere; float32 under "highest" takes
+  three TF32 products on Hopper and Triton's IEEE dots elsewhere (the three products' dQ
+  kernel would not fit an sm_89 block's shared memory); float32 under JAX's default stays
+  TF32 everywhere."""
+  if jax.default_backend() == "gpu":
+    pytest.skip("on a GPU host its own GPU decides the tiling, not one named on the mesh")
+  gpu = jax.sharding.AbstractDevice(device_kind=triton_compile.KINDS[arch], num_cores=132,
+                                    platform="gpu")
+  hopper = arch >= 90
+
+  def tiling(dtype, d):
+    q = jax.ShapeDtypeStruct((1, 8192, 16, d), dtype)
+    kv = jax.ShapeDtypeStruct((1, 8192, 8, d), dtype)
+    with jax.sharding.use_abstract_mesh(jax.sharding.get_abstract_mesh().update(
+        abstract_device=gpu)), flaxattn.lowering_for("gpu"):
+      return pallas_gpu.PallasGpu(interpret=False).tiling(q, kv, kv)
+  for dtype, d in ((jnp.bfloat16, 128), (jnp.float16, 64)):
+    assert (tiling(dtype, d).rows, tiling(dtype, d).keys) == ((128, 64) if hopper else (64, 64))
+  assert (tiling(jnp.bfloat16, 256).rows, tiling(jnp.bfloat16, 256).keys) == (32, 32)
+  with jax.default_matmul_precision("highest"):
+    full = tiling(jnp.float32, 128)
+  with jax.default_matmul_precision("default"):
+    default = tiling(jnp.float32, 128)
+  assert (full.rows, full.keys, default.rows, default.keys) == (32, 32, 32, 32)
+  assert full.float32_dots == ("TF32_TF32_F32_X3" if hopper else None)
+  assert default.float32_dots is None and tiling(jnp.bfloat16, 128).float32_dots is None

@@ -23,7 +23,7 @@ def _program(m, t: int) -> str:
       state, jnp.zeros((1, t, E))))
 
 
-def test_auto_takes_split_k_for_a_decode_step_and_blockwise_for_a_prefill():
+def test_auto_takes_split_k_for_a_decode_step_and_a_training_kernel_for_a_prefill():
   cache = jax.ShapeDtypeStruct((1, 4096, 2, 64), jnp.float32)
   step = jax.ShapeDtypeStruct((1, 1, 8, 64), jnp.float32)
   text = flaxattn.explain(step, cache, cache, decode=True, print_fn=None)
@@ -33,13 +33,16 @@ def test_auto_takes_split_k_for_a_decode_step_and_blockwise_for_a_prefill():
   assert "decode: q are 1 new token(s) attending to 4096 cache slots" in text
   prefill = jax.ShapeDtypeStruct((1, 64, 8, 64), jnp.float32)
   text = flaxattn.explain(prefill, cache, cache, decode=True, print_fn=None)
-  assert ("backend='auto' -> blockwise (split_k declines: split_k serves decode steps of at"
-          " most 16 queries; this call has 64.)") in text
-  # The layer's programs: no loop over key blocks in a step; blockwise's loop in a prefill.
+  # float32 on a GPU: cuDNN declines the dtype and pallas_gpu serves it.
+  training = "pallas_gpu" if jax.default_backend() == "gpu" else "blockwise"
+  assert (f"backend='auto' -> {training} (split_k declines: split_k serves decode steps of at"
+          " most 16 queries; this call has 64.") in text
+  # The layer's programs: no loop over key blocks in a step; blockwise's loop in a prefill
+  # (pallas_gpu's loops are inside its Triton kernels).
   m = MultiHeadAttention(4, E, num_kv_heads=2, mask=Causal(), rngs=nnx.Rngs(0))
   m.init_cache((1, 4096, E))
   assert "while[" not in _program(m, 1)
-  assert "while[" in _program(m, 64)
+  assert ("while[" in _program(m, 64)) == (training == "blockwise")
 
 
 def test_a_decode_step_lowered_for_cuda_is_split_k_without_a_loop():
@@ -159,3 +162,27 @@ def test_layer_decode_through_split_k_equals_its_full_forward(mask):
   got = jnp.concatenate(outs, axis=1)
   np.testing.assert_allclose(got[0], full[0], atol=1e-5)
   np.testing.assert_allclose(got[1, 2:], full[1, 2:], atol=1e-5)
+
+
+def test_bfloat16_gradients_of_a_query_seeing_one_key():
+  """Chunked(64) puts a decode query at position 64 alone in its chunk: its softmax has one
+  key, whose gradient is a difference of two equal terms. The weights' gradient stays
+  float32 (autodiff's bfloat16 cotangent left 2.8% of the largest dK there)."""
+  b, t, h, hkv, d = 2, 256, 4, 2, 64
+  k, v = (normal((b, t, hkv, d), seed).astype(jnp.bfloat16) for seed in (1, 2))
+  q = normal((b, 3, h, d), 3).astype(jnp.bfloat16)
+  seg = np.ones((b, t), np.int32)
+  pos = np.broadcast_to(np.arange(t, dtype=np.int32), (b, t))
+  q_seg, q_pos = np.ones((b, 3), np.int32), np.array([[64, 100, 200]] * b, np.int32)
+
+  def grads(backend):
+    def loss(q, k, v):
+      out, lse = flaxattn.attention(q, k, v, mask=Chunked(64), segment_ids=q_seg,
+                                    positions=q_pos, kv_segment_ids=seg, kv_positions=pos,
+                                    backend=backend, return_lse=True)
+      return jnp.sum(out.astype(jnp.float32) * jnp.cos(out.astype(jnp.float32))) + jnp.sum(
+          jnp.sin(lse))
+    return jax.grad(loss, (0, 1, 2))(q, k, v)
+  for got, want in zip(grads("split_k"), grads("reference"), strict=True):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert np.abs(got - want).max() <= 1e-2 * np.abs(want).max()
