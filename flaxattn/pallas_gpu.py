@@ -551,7 +551,8 @@ class PallasGpu(registry.Kernel):
                      "None decides by the platform")
 
   def on(self, platform: str) -> PallasGpu:
-    return dataclasses.replace(self, interpret=platform != "gpu")
+    # Interpret mode off its platform; on it, as asked (None: compiled).
+    return dataclasses.replace(self, interpret=platform != "gpu" or self.interpret is True)
 
   def reason(self, call: registry.Call) -> str | None:
     if call.dtype not in _DTYPES:

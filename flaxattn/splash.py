@@ -388,7 +388,8 @@ class Splash(registry.Kernel):
   soft_cap: bool = True  # splash's attn_logits_soft_cap, after our scale as everywhere
 
   def on(self, platform: str) -> Splash:
-    return dataclasses.replace(self, interpret=platform != "tpu")
+    # Interpret mode off its platform; on it, as asked (None: compiled).
+    return dataclasses.replace(self, interpret=platform != "tpu" or self.interpret is True)
 
   def __post_init__(self):
     for arg in ("block_q", "block_kv"):

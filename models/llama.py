@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 import flaxattn
 from flaxattn import checks
@@ -51,12 +52,20 @@ LOGITS_NAMES = ("batch", "seq", "vocab")
 LAYERS_AXIS = "layers"
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+# The name of each block's input (`jax.ad_checkpoint.checkpoint_name`), what "offload" moves.
+LAYER_INPUT = "layer_input"
 # jax.checkpoint policies by name. "dots" keeps the outputs of the weight matmuls (no batch
-# dimensions) and recomputes the rest, attention included; "full" keeps only block inputs.
+# dimensions) and recomputes the rest, attention included; "full" keeps only block inputs;
+# "offload" keeps those in the host's memory (`pinned_host`, as MaxText's offloading
+# policies), copied back for the backward pass: the device holds one block's input at a
+# time, not all of them (the 8B example on v5p-128 keeps 8 GiB of them under "full").
 REMAT_POLICIES = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "offload": jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=[LAYER_INPUT],
+        offload_src="device", offload_dst="pinned_host"),
 }
 
 
@@ -83,8 +92,9 @@ class LlamaConfig:
       `chunk_size`.
     attention_sinks: a learned sink logit per head in every attention layer (gpt-oss).
     logit_soft_cap: attention scores become `cap * tanh(scores / cap)` (Gemma 2), or None.
-    remat: "none", "full" (keep only each layer's input) or "dots" (also keep the weight
-      matmul outputs, recompute attention and elementwise ops); `jax.checkpoint` policies.
+    remat: "none", "full" (keep only each layer's input), "offload" (keep it in host memory)
+      or "dots" (also keep the weight matmul outputs, recompute attention and elementwise
+      ops); `jax.checkpoint` policies (`REMAT_POLICIES`).
     scan_layers: stack layers and run them with `nnx.scan` (one compiled period of the mask
       pattern); parameter trees differ from the unrolled layout (see the module docstring).
     dtype: compute dtype, "float32" or "bfloat16", of matmuls and the residual stream;
@@ -290,7 +300,7 @@ class LayerGroup(nnx.Module):
 
 
 def _call_block(block: Block, x_BTE, segment_ids, positions):
-  return block(x_BTE, segment_ids, positions)
+  return block(checkpoint_name(x_BTE, LAYER_INPUT), segment_ids, positions)
 
 
 class Llama(nnx.Module):

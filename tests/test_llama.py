@@ -386,12 +386,20 @@ def test_remat_policies_same_loss_and_grads(small):
   seg, pos = _packed([[6, 7], [16]])
   batch = _batch(_tokens(9), seg, pos)
   want_loss, _, want_grads = loss_and_grads(small, batch)
-  for remat in ("full", "dots"):
+  for remat in ("full", "dots", "offload"):
     model = Llama(dataclasses.replace(SMALL, remat=remat), rngs=nnx.Rngs(0))  # same weights
     loss, _, grads = loss_and_grads(model, batch)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
                  grads, want_grads)
+  # Scanned layers: the layer inputs the scan stacks are what "offload" moves to the host.
+  scanned = {remat: Llama(dataclasses.replace(SMALL, remat=remat, scan_layers=True),
+                          rngs=nnx.Rngs(0)) for remat in ("none", "offload")}
+  (want_loss, _, want_grads), (loss, _, grads) = (loss_and_grads(m, batch)
+                                                  for m in scanned.values())
+  np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
+               grads, want_grads)
 
 
 # -- dtype, sharding names, errors ----------------------------------------------------------

@@ -37,12 +37,12 @@ def test_auto_takes_split_k_for_a_decode_step_and_a_training_kernel_for_a_prefil
   training = "pallas_gpu" if jax.default_backend() == "gpu" else "blockwise"
   assert (f"backend='auto' -> {training} (split_k declines: split_k serves decode steps of at"
           " most 16 queries; this call has 64.") in text
-  # The layer's programs: no loop over key blocks in a step; blockwise's loop in a prefill
-  # (pallas_gpu's loops are inside its Triton kernels).
+  # The layer's programs: no loop over key blocks in a step; a loop in a prefill (blockwise's,
+  # or inside pallas_gpu's kernels).
   m = MultiHeadAttention(4, E, num_kv_heads=2, mask=Causal(), rngs=nnx.Rngs(0))
   m.init_cache((1, 4096, E))
   assert "while[" not in _program(m, 1)
-  assert ("while[" in _program(m, 64)) == (training == "blockwise")
+  assert "while[" in _program(m, 64)
 
 
 def test_a_decode_step_lowered_for_cuda_is_split_k_without_a_loop():
