@@ -230,13 +230,15 @@ class Memory:
   libtpu's temporaries figure holds more than its dumped buffer assignment; for a small
   program it can be above it (a 1024 x 1024 float32 matmul chain on v5p: peak 12.0 MiB,
   total 10.0 MiB). Which one a chip really allocates is unmeasured here; fit is judged on
-  total."""
+  total. `host_temporaries`: temporaries in the host's memory (remat "offload"'s saved
+  layer inputs), not counted in total."""
 
   arguments: int
   temporaries: int
   outputs: int
   aliased: int
   peak: int
+  host_temporaries: int = 0
 
   @property
   def total(self) -> int:
@@ -250,7 +252,8 @@ def memory(compiled) -> Memory:
   """The per-device plan of `compiled` (a `jax.stages.Compiled`)."""
   m = compiled.memory_analysis()
   return Memory(m.argument_size_in_bytes, m.temp_size_in_bytes, m.output_size_in_bytes,
-                m.alias_size_in_bytes, m.peak_memory_in_bytes)
+                m.alias_size_in_bytes, m.peak_memory_in_bytes,
+                getattr(m, "host_temp_size_in_bytes", 0) or 0)
 
 
 # Kernels as a compiled program names them: Pallas TPU calls carry the kernel's name as the

@@ -76,6 +76,27 @@ def test_v5p_slice_compiles_splash_and_the_ring(capsys):
   assert r["hbm_bytes"] == int(95.74 * aot.GIB)
 
 
+def test_offload_keeps_the_layer_inputs_in_host_memory(capsys):
+  """remat "offload" (the 8B example's): each scanned layer's input goes to the host's
+  memory, which the plan reports apart (host_temporaries, arrays marked "(host)"), and the
+  device's temporaries drop below "full"'s by about that much."""
+  target_devices("v5p-8")
+  plans = {}
+  for remat in ("full", "offload"):
+    status, out, _ = run(capsys, "configs/tpu_v5p_8b.yaml", "model.n_layers=4", "model.dim=512",
+                         "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=1024",
+                         "model.vocab_size=1024", "seq_len=8192", "model.max_seq_len=8192",
+                         "batch_size=2", "mesh.context=2", f"model.remat={remat}", "--target",
+                         "v5p-8", "--json")
+    assert status == 0, out
+    plans[remat] = json.loads(out)["per_device_bytes"]
+  # 4 layers' inputs of one row of 4096 tokens x 512 features in bf16 per device: 16 MiB.
+  inputs = 4 * 4096 * 512 * 2
+  assert plans["full"]["host_temporaries"] == 0
+  assert plans["offload"]["host_temporaries"] >= inputs
+  assert plans["full"]["temporaries"] - plans["offload"]["temporaries"] >= inputs // 2
+
+
 def test_the_compilers_refusal_is_exit_1_in_one_line(capsys):
   target_devices("v5e-8")
   # One layer whose MLP hidden activations, 65536 tokens x 262144 features in bf16 per chip,

@@ -23,7 +23,8 @@ Reported (a table, or one JSON line with --json):
                     temporaries + outputs - aliased, as XLA's memory plan gives them;
                     peak, the compiler's own most-bytes-live figure (arguments included; on
                     TPU the 8B example's is well below total; fit is judged on total:
-                    flaxattn.aot.Memory);
+                    flaxattn.aot.Memory); host_temporaries, in the host's memory (remat
+                    "offload"), not in total;
   hbm_bytes         what a program may use: on TPU the HBM less the runtime's reserve, on
                     GPU JAX's preallocated fraction (0.75, or XLA_PYTHON_CLIENT_MEM_FRACTION);
   fits              total + MARGIN x hbm_bytes <= hbm_bytes;
@@ -59,7 +60,9 @@ GIB = 2**30
 # with its plan.
 MARGIN = 0.05
 _REMAT = re.compile(r"Involuntary full rematerialization[^\n]*")
-_ARRAY = re.compile(r"\b(pred|s8|u8|s16|u16|s32|u32|s64|u64|bf16|f16|f32|f64)\[([\d,]+)\]")
+_ARRAY = re.compile(
+    r"\b(pred|s8|u8|s16|u16|s32|u32|s64|u64|bf16|f16|f32|f64)\[([\d,]+)\](\{[^}]*\})?")
+_HOST = "S(5)"  # a layout's memory space 5: the host's memory
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4,
           "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
 
@@ -198,10 +201,16 @@ def _stderr_to():
 def _largest(text: str, n: int = 3) -> list[str]:
   """The `n` largest array shapes `text` names (a compiled program or the compiler's
   refusal), with their sizes."""
-  sizes = {}
-  for dtype, dims in _ARRAY.findall(text):
+  sizes, spaces = {}, {}
+  for dtype, dims, layout in _ARRAY.findall(text):
     shape = f"{dtype}[{dims}]"
-    sizes[shape] = _BYTES[dtype] * math.prod(int(d) for d in dims.split(","))
+    size = _BYTES[dtype] * math.prod(int(d) for d in dims.split(","))
+    seen = spaces.setdefault(shape, set())
+    if layout:  # a buffer's layout names its memory; a signature's shape names none
+      seen.add(" (host)" if _HOST in layout else "")
+    sizes[shape] = size
+  sizes = {shape + space: size for shape, size in sizes.items()
+           for space in (spaces[shape] or {""})}
   top = sorted(sizes, key=lambda s: (-sizes[s], s))[:n]
   return [f"{s} {sizes[s] / GIB:.2f} GiB" for s in top]
 
