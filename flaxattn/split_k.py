@@ -4,7 +4,8 @@ A decode step has a few queries and a long cache. The blockwise kernel walks the
 key block after another; here the keys are cut into C chunks of L and all chunks are
 computed at once, one batched XLA computation: each chunk's partial output and lse, then
 the chunks merged exactly by lse (`ring.merge_weights`, the merge of context-parallel
-decode). Plain XLA ops, so autodiff gives the gradients. docs/design.md, "Decode steps".
+decode). Plain XLA ops, so autodiff gives the gradients, but for the weighted sum of values,
+whose weights' gradient stays float32 (`_weighted_values`). docs/design.md, "Decode steps".
 """
 
 from __future__ import annotations
