@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -140,3 +141,30 @@ def test_tilings_run_pallas_gpu_under_each_tiling(monkeypatch):
   assert len(rows) == len(gpu.TILINGS)
   n = len(gpu.TILINGS)  # the first tiling: measured first in each of the two cases
   assert rows[0] == f"| 128x64 w8 s2 | 1.0 | 2.0 | {n + 1}.0 | 2.0 |"
+
+
+def test_goals_skip_without_a_gpu(tmp_path):
+  """`python -m bench.gpu_goals` without a GPU: one line, exit 0, the JSON says why."""
+  from bench import gpu_goals
+  if jax.default_backend() == "gpu":
+    pytest.skip("a GPU is present: bench.gpu_goals measures instead")
+  path = tmp_path / "goals.json"
+  assert gpu_goals.main(["--json", str(path)]) == 0
+  assert "no GPU" in json.loads(path.read_text())["skipped"]
+
+
+def test_goals_chunked_case_is_33_documents_in_document_order():
+  """The chunked goal's row: one document of 16K and 32 of 512 filling 32K, reordered as a
+  2-way ring's document order (documents cut into pieces, positions kept), its useful pairs
+  counted on the original row."""
+  from bench import gpu_goals
+  seg, pos, pairs, _ = gpu_goals.chunked_case()
+  assert seg.shape == pos.shape == (1, gpu_goals.T_CHUNKED)
+  assert sorted(np.unique(seg).tolist()) == list(range(1, 34))
+  assert np.count_nonzero(seg == 1) == 16384 and all(
+      np.count_nonzero(seg == d) == 512 for d in range(2, 34))
+  assert not np.array_equal(seg[0], np.sort(seg[0]))  # reordered
+  for d in range(1, 34):  # each document's positions, in some order, are 0..n-1
+    assert sorted(pos[seg == d].tolist()) == list(range(np.count_nonzero(seg == d)))
+  original = np.repeat(np.arange(1, 34, dtype=np.int32), [16384] + [512] * 32)[None]
+  assert pairs == measure.useful_pairs(flaxattn.Chunked(8192), original)
