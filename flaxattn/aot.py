@@ -117,6 +117,23 @@ def gpu_capability(device_kind: str) -> tuple[int, int] | None:
   return next((c.capability for c in TARGETS.values() if c.kind == device_kind), None)
 
 
+def traced_gpu_capability() -> tuple[int, ...] | None:
+  """The compute capability of the NVIDIA GPU a program traced now is for: this process's
+  first GPU on a GPU host, else a GPU target named on the mesh in force (an abstract device
+  of a kind in `TARGETS`, as `train.compile` sets); None for anything else."""
+  import jax
+  if jax.default_backend() == "gpu":
+    device = jax.devices("gpu")[0]
+    if "cuda" not in device.client.platform_version.lower():
+      return None
+    capability = getattr(device, "compute_capability", None)
+    return tuple(int(x) for x in capability.split(".")) if capability else None
+  device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+  if device is None or device.platform != "gpu":
+    return None
+  return gpu_capability(device.device_kind)
+
+
 def names() -> list[str]:
   """How targets are spelled, for messages and `--help`."""
   return ["v5e-N (N chips)", "v5p-N (N cores, 2 per chip)", "v6e-N (N chips)",

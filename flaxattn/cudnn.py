@@ -103,13 +103,6 @@ def _gpu() -> tuple[bool, tuple[int, ...] | None, int | None, str] | None:
   return _local_gpu() if jax.default_backend() == "gpu" else None
 
 
-def gpu_capability() -> tuple[int, ...] | None:
-  """The compute capability of the NVIDIA GPU a program traced now is for (a target's, as
-  `_gpu`, or this process's first GPU), or None when it is none or not known."""
-  gpu = _gpu()
-  return None if gpu is None or not gpu[0] else gpu[1]
-
-
 @contextlib.contextmanager
 def _jax_checks_on_target():
   """JAX's own cuDNN checks read the compute capability of this process's GPU; for a

@@ -23,7 +23,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from flaxattn import checks, cudnn, registry, sharding
+from flaxattn import aot, checks, registry, sharding
 from flaxattn.blocks import block_schedule, round_up, visit_order
 from flaxattn.layout import Layout
 from flaxattn.masks import Mask, values_apart
@@ -575,7 +575,7 @@ class PallasGpu(registry.Kernel):
   def tiling(self, q, k, v, chunk: int | None = None) -> Tiling:
     """This kernel's `Tiling` for these operands (`choose_tiling`)."""
     interpret = jax.default_backend() != "gpu" if self.interpret is None else self.interpret
-    capability = None if interpret else cudnn.gpu_capability()
+    capability = None if interpret else aot.traced_gpu_capability()
     precision = jax.config.jax_default_matmul_precision  # pyright: ignore[reportAttributeAccessIssue]
     hopper = capability is not None and capability >= (9, 0)
     float32_dots = THREE_TF32 if hopper and precision in FULL_PRECISION else None
