@@ -117,21 +117,35 @@ def gpu_capability(device_kind: str) -> tuple[int, int] | None:
   return next((c.capability for c in TARGETS.values() if c.kind == device_kind), None)
 
 
-def traced_gpu_capability() -> tuple[int, ...] | None:
-  """The compute capability of the NVIDIA GPU a program traced now is for: this process's
-  first GPU on a GPU host, else a GPU target named on the mesh in force (an abstract device
-  of a kind in `TARGETS`, as `train.compile` sets); None for anything else."""
+@functools.lru_cache(maxsize=1)
+def local_gpu_capability() -> tuple[int, ...] | None:
+  """The compute capability of this process's first GPU; None for a GPU that is not CUDA's
+  or does not say."""
   import jax
-  if jax.default_backend() == "gpu":
-    device = jax.devices("gpu")[0]
-    if "cuda" not in device.client.platform_version.lower():
-      return None
-    capability = getattr(device, "compute_capability", None)
-    return tuple(int(x) for x in capability.split(".")) if capability else None
+  device = jax.devices("gpu")[0]
+  if "cuda" not in device.client.platform_version.lower():
+    return None
+  capability = getattr(device, "compute_capability", None)
+  return tuple(int(x) for x in capability.split(".")) if capability else None
+
+
+def target_gpu_capability() -> tuple[int, ...] | None:
+  """The compute capability of the GPU target named on the mesh in force (an abstract device
+  of a kind in `TARGETS`, as `train.compile` sets) when this process has no GPU; else None."""
+  import jax
   device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
-  if device is None or device.platform != "gpu":
+  if device is None or device.platform != "gpu" or jax.default_backend() == "gpu":
     return None
   return gpu_capability(device.device_kind)
+
+
+def traced_gpu_capability() -> tuple[int, ...] | None:
+  """The compute capability of the NVIDIA GPU a program traced now is for: this process's
+  first GPU on a GPU host (`local_gpu_capability`), else `target_gpu_capability`."""
+  import jax
+  if jax.default_backend() == "gpu":
+    return local_gpu_capability()
+  return target_gpu_capability()
 
 
 def names() -> list[str]:

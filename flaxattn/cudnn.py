@@ -77,26 +77,14 @@ def _local_gpu() -> tuple[bool, tuple[int, ...] | None, int | None, str]:
   """(CUDA?, compute capability, cuDNN version, device kind) of this process's first GPU."""
   device = jax.devices("gpu")[0]
   cuda = "cuda" in device.client.platform_version.lower()
-  capability = getattr(device, "compute_capability", None) if cuda else None
-  capability = tuple(int(x) for x in capability.split(".")) if capability else None
-  return cuda, capability, _cudnn_version(), device.device_kind
-
-
-def _target_capability() -> tuple[int, ...] | None:
-  """The compute capability of the GPU a program traced now is for when that is not this
-  process's: the abstract device of the mesh set with `jax.set_mesh`, a `flaxattn.aot`
-  target's compile-only GPU (known by its kind); else None."""
-  device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
-  if device is None or device.platform != "gpu" or jax.default_backend() == "gpu":
-    return None
-  return aot.gpu_capability(device.device_kind)
+  return cuda, aot.local_gpu_capability(), _cudnn_version(), device.device_kind
 
 
 def _gpu() -> tuple[bool, tuple[int, ...] | None, int | None, str] | None:
   """`_local_gpu`'s answer for the GPU a program traced now is for: a target's
-  (`_target_capability`, with this host's cuDNN, which traces it) or this process's; None
+  (`aot.target_gpu_capability`, with this host's cuDNN, which traces it) or this process's; None
   when neither is known (an export from a host without a GPU: reason from the call)."""
-  capability = _target_capability()
+  capability = aot.target_gpu_capability()
   if capability is not None:
     kind = jax.sharding.get_abstract_mesh().abstract_device.device_kind  # pyright: ignore[reportOptionalMemberAccess]
     return True, capability, _cudnn_version(), kind
@@ -106,9 +94,9 @@ def _gpu() -> tuple[bool, tuple[int, ...] | None, int | None, str] | None:
 @contextlib.contextmanager
 def _jax_checks_on_target():
   """JAX's own cuDNN checks read the compute capability of this process's GPU; for a
-  target's GPU (`_target_capability`) they answer from the target while the call is
+  target's GPU (`aot.target_gpu_capability`) they answer from the target while the call is
   traced."""
-  have = _target_capability()
+  have = aot.target_gpu_capability()
   if have is None:
     yield
     return
@@ -617,9 +605,9 @@ class Cudnn(registry.Kernel):
   @property
   def traces_anywhere(self) -> bool:  # pyright: ignore[reportIncompatibleVariableOverride]
     """JAX checks cuDNN and the GPU while tracing: on a host without the GPU only for a
-    target's compile-only GPU (`_target_capability`), whose checks `_jax_checks_on_target`
+    target's compile-only GPU (`aot.target_gpu_capability`), whose checks `_jax_checks_on_target`
     answers (the cuDNN library must be here: `_reason` says so)."""
-    return _target_capability() is not None
+    return aot.target_gpu_capability() is not None
 
   def __post_init__(self):
     if self.max_segments is not None:

@@ -409,7 +409,7 @@ def choose_tiling(q_shape, kv_shape, dv: int, *, itemsize: int = 2, block_q: int
            block_kv: int | None = None, num_warps: int | None = None, num_stages: int = 2,
            interpret: bool = False, chunk: int | None = None,
            capability: tuple[int, ...] | None = None,
-           float32_dots: str | None = None) -> Tiling:
+           precision: str | None = None) -> Tiling:
   """The tiling of a call on q `[B, T, H, D]` and k `[B, S, Hkv, D]` (v's head dim `dv`,
   `itemsize` bytes an element): the requested block sizes fitted to the rows (T x G) and
   keys. Defaults: `default_block`, except query blocks of `HOPPER_ROWS` rows on GPUs of
@@ -417,7 +417,8 @@ def choose_tiling(q_shape, kv_shape, dv: int, *, itemsize: int = 2, block_q: int
   H200: twice the throughput of 64-row blocks, docs/kernels.md).
   `chunk`: tokens in a load-balanced chunk of a shard; blocks then divide it where they can,
   as a block straddling two chunks covers distant positions and is rarely skipped.
-  `float32_dots`: the kernels' matmul precision for float32 operands (`Tiling`)."""
+  `precision`: `jax_default_matmul_precision` where the call is traced; float32 under a
+  full-precision one (`FULL_PRECISION`) takes three TF32 products on Hopper (`Tiling`)."""
   t, h, d = q_shape[1:]
   s, hkv = kv_shape[1:3]
   default = default_block(max(d, dv), itemsize)
@@ -433,7 +434,8 @@ def choose_tiling(q_shape, kv_shape, dv: int, *, itemsize: int = 2, block_q: int
   warps = num_warps or (4 if _pow2(max(d, dv)) <= 64 else 8)
   return Tiling(fit(block_q or rows_default, t * g, None if chunk is None else chunk * g),
                 fit(block_kv or default, s, chunk), warps, num_stages, interpret,
-                float32_dots if itemsize == 4 else None)
+                THREE_TF32 if hopper and itemsize == 4 and precision in FULL_PRECISION
+                else None)
 
 
 def pallas_gpu_attention(q, k, v, layout: Layout, *, mask: Mask, scale: float, return_lse: bool,
@@ -567,6 +569,8 @@ class PallasGpu(registry.Kernel):
   def for_tests_on(self, platform: str) -> str | None:
     if platform != "gpu" and self.interpret is not False:
       return "Pallas interpret mode off GPU: for tests, not speed"
+    if self.interpret is True:  # kept on its own platform (`on`)
+      return "Pallas interpret mode (interpret=True): for tests, not speed"
     return None
 
   def describe(self, call: registry.Call) -> str | None:
@@ -577,13 +581,11 @@ class PallasGpu(registry.Kernel):
     interpret = jax.default_backend() != "gpu" if self.interpret is None else self.interpret
     capability = None if interpret else aot.traced_gpu_capability()
     precision = jax.config.jax_default_matmul_precision  # pyright: ignore[reportAttributeAccessIssue]
-    hopper = capability is not None and capability >= (9, 0)
-    float32_dots = THREE_TF32 if hopper and precision in FULL_PRECISION else None
     return choose_tiling(q.shape, k.shape, v.shape[-1], itemsize=jnp.dtype(q.dtype).itemsize,
                          block_q=self.block_q, block_kv=self.block_kv,
                          num_warps=self.num_warps, num_stages=self.num_stages,
                          interpret=interpret, chunk=chunk, capability=capability,
-                         float32_dots=float32_dots)
+                         precision=precision)
 
   def __call__(self, q, k, v, layout: Layout, *, mask: Mask, scale: float, return_lse: bool,
                soft_cap: float | None = None):

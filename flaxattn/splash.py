@@ -424,6 +424,8 @@ class Splash(registry.Kernel):
   def for_tests_on(self, platform: str) -> str | None:
     if platform != "tpu" and self.interpret is not False:
       return "Pallas interpret mode off TPU: for tests, not speed"
+    if self.interpret is True:  # kept on its own platform (`on`)
+      return "Pallas interpret mode (interpret=True): for tests, not speed"
     return None
 
   def describe(self, call: registry.Call) -> str | None:

@@ -360,7 +360,8 @@ def test_declines_with_reasons_and_checks_its_options():
   assert "got float64" in kernel.unsupported_reason(_gpu_call(dtype="float64"))
   assert registry.select("fused", _gpu_call(dtype="float64")).name == "blockwise"
   assert kernel.on("gpu").interpret is False and kernel.on("cpu").interpret is True
-  assert pallas_gpu.PallasGpu(interpret=True).on("gpu").interpret is True  # as asked
+  asked = pallas_gpu.PallasGpu(interpret=True)
+  assert asked.on("gpu").interpret is True and "interpret=True" in asked.for_tests_on("gpu")
   with pytest.raises(ValueError, match=r"PallasGpu\(block_q=...\) expects a power of two >= 16"):
     pallas_gpu.PallasGpu(block_q=24)
 
