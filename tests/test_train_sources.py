@@ -14,8 +14,19 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+import corpora
+from train import demo_tokenizer
 from train.config import ConfigError, DataConfig
-from train.data import list_documents, order, pipeline, shard, sources, split_documents, tokenizers
+from train.data import (
+  list_documents,
+  order,
+  pipeline,
+  shard,
+  sources,
+  split_documents,
+  streams,
+  tokenizers,
+)
 from trainer import TIMEOUT, command, run
 
 GROUP = 4  # rows per row group of the small corpora
@@ -72,25 +83,25 @@ def test_text_field_names_the_column_or_field(tmp_path):
   with pytest.raises(ConfigError, match="expects a column of strings.*int64"):
     list_documents(str(root), text_field="number")
   (root / "broken.parquet").write_bytes(b"not parquet at all")
-  with pytest.raises(ConfigError, match="broken.parquet is not a parquet file"):
-    list_documents(str(root))
+  with pytest.raises(ConfigError, match="broken.parquet: not a parquet file pyarrow can read"):
+    list_documents(str(root), bad_records="error")
 
 
 def test_block_shuffle_reads_each_row_group_once_per_epoch(tmp_path, monkeypatch):
   """Shuffled parquet documents: every epoch is a permutation of the documents, new each
   epoch and the same for the same seed; read in order, an epoch decodes each row group
-  once, and the cache never holds more than `ROW_GROUP_CACHE` groups."""
+  once, and the cache never holds more than `BLOCK_CACHE` groups."""
   docs = list_documents(str(_write_shards(tmp_path / "corpus", shards=4, rows=40)))
   decoded = collections.Counter()
   read_group = sources.ParquetFile.read_group
 
   def counted(self, group):
     decoded[self.name, group] += 1
-    assert len(sources.ROW_GROUPS.groups) <= sources.ROW_GROUP_CACHE
+    assert len(sources.BLOCKS.blocks) <= sources.BLOCK_CACHE
     return read_group(self, group)
 
   monkeypatch.setattr(sources.ParquetFile, "read_group", counted)
-  monkeypatch.setattr(sources, "ROW_GROUPS", sources._RowGroups(sources.ROW_GROUP_CACHE))
+  monkeypatch.setattr(sources, "BLOCKS", sources._Blocks(sources.BLOCK_CACHE))
   ds, n = order(docs, seed=3, shuffle=True), len(docs)
   epochs = [[ds[e * n + i].name for i in range(n)] for e in range(3)]
   assert all(sorted(e) == sorted(d.name for d in docs) for e in epochs)
@@ -197,3 +208,49 @@ def test_parquet_corpus_larger_than_memory_trains_in_bounded_memory(tmp_path):
   peak = int(proc.stdout.split("PEAK_RSS_KIB ")[1].split()[0]) * 1024
   print(f"corpus {size / 2**20:.0f} MiB, trainer peak RSS {peak / 2**20:.0f} MiB")
   assert size >= 3 * peak, (size, peak)
+
+
+def test_every_kind_of_odd_record_is_listed_as_documented(tmp_path, caplog, monkeypatch):
+  """`corpora.odd_corpus`: every format, plain, gzip and zstd, with every kind of odd record
+  (see corpora.py). Listing keeps exactly the documents it should, each read back as its
+  text (compressed files in blocks); names each bad record with its reason, and each file
+  it does not read; the bytes, tokenizer.json and SentencePiece tokenizers encode every
+  document kept."""
+  monkeypatch.setattr(streams, "BLOCK_BYTES", 1 << 14)  # many blocks per compressed file
+  expected = corpora.odd_corpus(tmp_path / "corpus")
+  docs = list_documents(str(tmp_path / "corpus"))
+  got = {d.name: d.read() for d in docs}
+  for file, texts in expected.prefixes.items():
+    kept = [got.pop(f"{file}:{i}") for i in range(len(texts)) if f"{file}:{i}" in got]
+    assert 0 < len(kept) < len(texts) and kept == texts[:len(kept)], file
+  assert sorted(got) == sorted(expected.texts)
+  assert got == expected.texts
+  problems = [p for source in docs.sources for p in source.problems]
+  for where, why in expected.problems.items():
+    found = [p for p in problems if p.startswith(where)]
+    assert len(found) == 1 and why in found[0], (where, why, found)
+  assert len(problems) == len(expected.problems), problems
+  unread = f"{len(expected.unread)} file(s) not read"
+  assert unread in caplog.text and all(n in caplog.text for n in expected.unread), caplog.text
+  assert f"skipped {len(problems)} bad records of {len(problems) + len(docs)}" in caplog.text
+  with pytest.raises(ConfigError, match=f"has {len(problems)} records that cannot be trained"):
+    list_documents(str(tmp_path / "corpus"), bad_records="error")
+  texts = set(got.values()) | set(expected.texts.values())  # each text once
+  for tok in _tokenizers(tmp_path):
+    assert sum(len(tok.document(t)) for t in texts) > len(texts), tok
+  print(f"{expected.cases} cases")
+
+
+def _tokenizers(tmp_path) -> list:
+  """The bytes tokenizer, a tokenizer.json and a SentencePiece model (where the packages
+  are installed), the last two trained on a little of the standard library."""
+  texts = demo_tokenizer.corpus(20_000)
+  toks = [tokenizers.ByteTokenizer()]
+  demo_tokenizer.save_bpe(demo_tokenizer.train_bpe(texts, 300), str(tmp_path / "hf"), True, True)
+  toks.append(tokenizers.make(str(tmp_path / "hf")))
+  spm = pytest.importorskip("sentencepiece", reason="needs the sentencepiece extra")
+  spm.SentencePieceTrainer.train(
+      sentence_iterator=iter("\n".join(texts).splitlines()), model_prefix=str(tmp_path / "sp"),
+      vocab_size=400, model_type="bpe", byte_fallback=True, minloglevel=2)
+  toks.append(tokenizers.make(str(tmp_path / "sp.model")))
+  return toks
