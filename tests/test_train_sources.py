@@ -5,14 +5,17 @@ several times larger than its own peak memory."""
 from __future__ import annotations
 
 import collections
+import gzip
 import json
 import shutil
 import sys
 
+import grain
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import zstandard
 
 import corpora
 from train import demo_tokenizer
@@ -254,3 +257,117 @@ def _tokenizers(tmp_path) -> list:
       vocab_size=400, model_type="bpe", byte_fallback=True, minloglevel=2)
   toks.append(tokenizers.make(str(tmp_path / "sp.model")))
   return toks
+
+
+def test_held_out_documents_stay_held_out_when_the_corpus_changes(tmp_path):
+  """The held-out split hashes each document's text: a line inserted at the top of a
+  .jsonl, lines appended, a new file and a file renamed keep every held-out document held
+  out (and every training one in training); a duplicate of a held-out text is held out
+  too, so no held-out text is trained on."""
+  root = tmp_path / "corpus"
+  root.mkdir()
+  lines = [json.dumps({"text": f"document {i}"}) for i in range(400)]
+  (root / "a.jsonl").write_text("\n".join(lines) + "\n")
+  (root / "b.txt").write_text("a text file")
+
+  def split() -> tuple[set[str], set[str]]:
+    train, held = split_documents(list_documents(str(root)), 0.1)
+    return {d.read() for d in train}, {d.read() for d in held}
+
+  train, held = split()
+  assert 20 < len(held) < 80
+  (root / "a.jsonl").write_text("\n".join([json.dumps({"text": "new first"}), *lines,
+                                           json.dumps({"text": "document 7"}),
+                                           json.dumps({"text": "appended"})]) + "\n")
+  (root / "b.txt").rename(root / "renamed.txt")
+  (root / "c.jsonl").write_text("\n".join(lines[:50]) + "\n")  # duplicates
+  new_train, new_held = split()
+  assert held <= new_held and train <= new_train and not new_train & new_held
+
+
+def test_records_that_no_tokenizer_encodes_are_bad_records(tmp_path):
+  """A .jsonl text with a lone surrogate (valid JSON) and a parquet string with invalid
+  UTF-8 (from a writer that does not check it) are bad records at listing: skipped and
+  counted, or refused with data.bad_records=error, never read into the pipeline."""
+  root = tmp_path / "corpus"
+  root.mkdir()
+  (root / "a.jsonl").write_text('{"text": "fine"}\n{"text": "bad \\ud800 surrogate"}\n')
+  data, offsets = b"good" + b"bad \xff", np.array([0, 4, 9], np.int32)
+  column = pa.Array.from_buffers(pa.string(), 2, [None, pa.py_buffer(offsets.tobytes()),
+                                                  pa.py_buffer(data)])
+  pq.write_table(pa.table({"text": column}), root / "b.parquet")
+  docs = list_documents(str(root))
+  assert [d.name for d in docs] == ["a.jsonl:0", "b.parquet:0"]
+  with pytest.raises(ConfigError, match="has 2 records") as e:
+    list_documents(str(root), bad_records="error")
+  assert "a.jsonl line 2: holds a lone surrogate (U+D800" in str(e.value)
+  assert "b.parquet row 1: 'text' is not UTF-8" in str(e.value)
+
+
+def test_a_dictionary_column_is_text(tmp_path):
+  """A parquet dictionary<string> column (a pandas categorical) is read as text."""
+  root = tmp_path / "corpus"
+  root.mkdir()
+  column = pa.array(["red", "green", None, "red"]).dictionary_encode()
+  pq.write_table(pa.table({"text": column}), root / "a.parquet")
+  assert [d.read() for d in list_documents(str(root))] == ["red", "green", "red"]
+
+
+def test_files_are_matched_in_any_case_and_the_others_named(tmp_path, caplog):
+  """.JSONL, .json (JSON Lines, or a JSON array), .jsonl.gz, .txt.zst and the like are read
+  beside a .txt; the files not read are named in a warning with their count; a source with
+  no file to read is a config error that names them."""
+  root = tmp_path / "corpus"
+  root.mkdir()
+  records = "\n".join(json.dumps({"text": f"record {i}"}) for i in range(3)).encode()
+  (root / "README.txt").write_text("readme")
+  (root / "a.JSONL").write_bytes(records)
+  (root / "b.json").write_bytes(records)
+  (root / "c.json").write_text(json.dumps([{"text": "in an array"}]))
+  (root / "d.jsonl.gz").write_bytes(gzip.compress(records))
+  (root / "e.Txt.Zst").write_bytes(zstandard.ZstdCompressor().compress(b"zstd text"))
+  (root / "f.csv").write_text("text\nnot read\n")
+  (root / "g.jsonl.bz2").write_bytes(b"not read")
+  texts = sorted(d.read() for d in list_documents(str(root)))
+  assert texts == sorted(["readme", "in an array", "zstd text"] + [f"record {i}" for i in
+                                                                    range(3)] * 3)
+  assert "2 file(s) not read" in caplog.text and "f.csv; g.jsonl.bz2" in caplog.text
+  other = tmp_path / "other"
+  other.mkdir()
+  (other / "notes.md").write_text("x")
+  with pytest.raises(ConfigError, match="holds no file the trainer reads.*notes.md"):
+    list_documents(str(other))
+
+
+def test_compressed_files_are_decompressed_once_per_epoch(tmp_path, monkeypatch):
+  """.jsonl.gz and .jsonl.zst files of many blocks, shuffled over two epochs and read in
+  that order from two threads, as the pipeline reads them: each document read is its text,
+  and each file is decompressed once per epoch (one decompressor started per file and
+  epoch), not up to each record; the cache never holds more than `BLOCK_CACHE` blocks."""
+  monkeypatch.setattr(streams, "BLOCK_BYTES", 1 << 12)
+  monkeypatch.setattr(sources, "BLOCKS", sources._Blocks(sources.BLOCK_CACHE))
+  monkeypatch.setattr(streams, "CURSORS", streams.Cursors())
+  root = tmp_path / "corpus"
+  root.mkdir()
+  texts = [f"record {i} " + "word " * (i % 40) for i in range(2000)]
+  data = "\n".join(json.dumps({"text": t}) for t in texts).encode()
+  (root / "a.jsonl.gz").write_bytes(gzip.compress(data))
+  (root / "b.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(data))
+  docs = list_documents(str(root))
+  assert all(len(np.unique(s.blocks(s.good))) > 50 for s in docs.sources)
+  started = collections.Counter()
+  cursor = streams._Cursor
+
+  def counted(path):
+    started[path.name] += 1
+    assert len(sources.BLOCKS.blocks) <= sources.BLOCK_CACHE
+    return cursor(path)
+
+  monkeypatch.setattr(streams, "_Cursor", counted)
+  ds = order(docs, seed=0, shuffle=True).to_iter_dataset(
+      grain.ReadOptions(num_threads=2, prefetch_buffer_size=8))
+  read = [(d.name, d.read()) for _, d in zip(range(2 * len(docs)), ds, strict=False)]
+  assert all(text == texts[int(name.split(":")[1])] for name, text in read)
+  names = sorted(d.name for d in docs)
+  assert sorted(n for n, _ in read[:len(docs)]) == sorted(n for n, _ in read[len(docs):]) == names
+  assert started == {"a.jsonl.gz": 2, "b.jsonl.zst": 2}, started
