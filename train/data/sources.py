@@ -696,25 +696,27 @@ def _open(path: epath.Path, name: str, text_field: str) -> Source:
   return TextFile(path, name)  # .txt, and the standard library's .py
 
 
-def _files(root: epath.Path) -> Iterator[tuple[str, list[str]]]:
-  """(a folder under `root` as a path relative to it, the files in it), recursively."""
+def _files(root: epath.Path) -> Iterator[str]:
+  """The files under `root`, recursively, as paths relative to it."""
+  # A filesystem backend (gcsfs) walks folders named without their protocol ("bucket/x"),
+  # so the folder's path below `root` is taken from the names, not from `relative_to`.
+  top = str(root).split("://", 1)[-1].rstrip("/")
   for folder, _, files in root.walk():
-    yield folder.relative_to(root).as_posix(), files
+    below = str(folder).split("://", 1)[-1].removeprefix(top).strip("/")
+    yield from (f"{below}/{file}" if below else file for file in files)
 
 
 def _stdlib_files() -> tuple[epath.Path, list[str]]:
   root = epath.Path(sysconfig.get_paths()["stdlib"])
   skip = {"site-packages", "dist-packages"}  # installed packages, not the standard library
-  return root, [f"{folder}/{file}".removeprefix("./") for folder, files in _files(root)
-                if not skip & set(folder.split("/")) for file in files if file.endswith(".py")]
+  return root, [n for n in _files(root) if n.endswith(".py") and not skip & set(n.split("/"))]
 
 
 def _corpus_files(root: epath.Path) -> tuple[list[str], list[str]]:
   """(the files under `root` that a reader reads, the others), as paths relative to it."""
   read, other = [], []
-  for folder, files in _files(root):
-    for file in files:
-      (read if file_format(file) else other).append(f"{folder}/{file}".removeprefix("./"))
+  for name in _files(root):
+    (read if file_format(name.rsplit("/", 1)[-1]) else other).append(name)
   return read, other
 
 
