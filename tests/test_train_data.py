@@ -12,6 +12,8 @@ import shutil
 import pytest
 
 import corpora
+from train import config
+from train import run_dir as run_dir_lib
 from trainer import (
   checkpoints,
   clean_env,
@@ -133,3 +135,22 @@ def test_odd_corpus_on_two_processes(tmp_path):
   outs = two_processes(run_dir, logs, *overrides, "steps=6", returncode=2)
   assert all("config error: data.source" in out and "changed: texts/good.txt" in out
              for out in outs), outs[0][-4000:]
+
+
+def test_a_resume_compares_the_corpus_with_the_one_saved(tmp_path):
+  """`run_dir_lib.check_corpus`: a resume (config.json saved) on the saved corpus goes through;
+  on one with a file changed, new or gone it is a config error naming each; a corpus.json
+  that does not read is one too; resume=false, or a run_dir without config.json (no
+  checkpoint yet), compares nothing."""
+  cfg = config.load(None, [f"run_dir={tmp_path}", "data.source=corpus"])
+  run_dir_lib.save_corpus(str(tmp_path), {"a.jsonl": "1", "b.txt": "2", "c.txt": "3"})
+  run_dir_lib.check_corpus(cfg, {"a.jsonl": "9"})  # no config.json: no checkpoint to continue
+  run_dir_lib.save_config(cfg)
+  run_dir_lib.check_corpus(cfg, {"a.jsonl": "1", "b.txt": "2", "c.txt": "3"})
+  with pytest.raises(config.ConfigError) as e:
+    run_dir_lib.check_corpus(cfg, {"a.jsonl": "1", "b.txt": "5", "d.txt": "4"})
+  assert "(changed: b.txt; new: d.txt; gone: c.txt)" in str(e.value), e.value
+  run_dir_lib.check_corpus(config.load(None, [f"run_dir={tmp_path}", "resume=false"]), {})
+  (tmp_path / "corpus.json").write_text("[1]")
+  with pytest.raises(config.ConfigError, match="corpus.json, the fingerprint of the run's"):
+    run_dir_lib.check_corpus(cfg, {})

@@ -57,6 +57,7 @@ import collections
 import collections.abc
 import dataclasses
 import hashlib
+import itertools
 import json
 import logging
 import re
@@ -221,13 +222,14 @@ def _utf8(text: str) -> bytes:
                     f" {e.start}), which no tokenizer encodes") from None
 
 
-def _checked(source: Source, index: int, text: str) -> str:
-  """`text`, read back as record `index` of `source`, if its hash is the one listed."""
+def _checked(source: Source, index: int, text: str | None) -> str:
+  """`text`, read back as record `index` of `source` (None: it did not read), if its hash
+  is the one listed."""
   try:
-    same = _hash(_utf8(text)) == source.hashes[index]
+    same = text is not None and _hash(_utf8(text)) == source.hashes[index]
   except BadRecord:
     same = False
-  if not same:
+  if text is None or not same:
     raise BadRecord(f"{source.record_name(index)} is not the text listed: {source.name} changed"
                     " after the corpus was listed. Restore it, or restart the run (resume"
                     " refuses a changed corpus: a new run_dir or resume=false).")
@@ -308,8 +310,8 @@ class TextFile:
   def __getitem__(self, index: int) -> str:
     try:
       text = self._read()
-    except (BadRecord, streams.Damaged):
-      text = ""  # not the text listed: `_checked` says so
+    except (BadRecord, streams.Damaged, OSError):
+      text = None  # not the text listed: `_checked` says so
     return _checked(self, index, text)
 
   def record_name(self, index: int) -> str:
@@ -520,8 +522,8 @@ class JsonFile:
   def __getitem__(self, index: int) -> str:
     try:
       text = _field(_parse(self._bytes(index)), self.field)
-    except (BadRecord, streams.Damaged):
-      text = ""  # not the text listed: `_checked` says so
+    except (BadRecord, streams.Damaged, OSError):
+      text = None  # not the text listed: `_checked` says so
     return _checked(self, index, text)
 
   def record_name(self, index: int) -> str:
@@ -627,7 +629,7 @@ class ParquetFile:
     data = memoryview(data if data is not None else b"")
     blake2b = hashlib.blake2b
     hashes[:] = np.frombuffer(b"".join([  # `_hash` of each value, at C speed
-        blake2b(data[a:b], digest_size=8).digest() for a, b in zip(offsets[:-1], offsets[1:])
+        blake2b(data[a:b], digest_size=8).digest() for a, b in itertools.pairwise(offsets)
     ]), "<u8")
     good = np.ones(len(column), bool)
     good[nulls] = False
@@ -661,8 +663,8 @@ class ParquetFile:
       text = BLOCKS.get((self.path, group), lambda: self.read_group(group))[
           index - self.starts[group]].as_py()
     except (ValueError, IndexError, OSError):  # arrow's errors derive from them
-      text = ""  # not the text listed: `_checked` says so
-    return _checked(self, index, text if isinstance(text, str) else "")
+      text = None  # not the text listed: `_checked` says so
+    return _checked(self, index, text if isinstance(text, str) else None)
 
   def record_name(self, index: int) -> str:
     return f"{self.name}:{index}"
@@ -757,10 +759,10 @@ def list_documents(source: str, bad_records: str = "skip",
       log.warning("data.source %r: %d file(s) not read, of other formats than %s%s: %s",
                   source, len(other), formats, also, _shown(sorted(other), _SHOWN_FILES))
     if not names:
+      others = f": {_shown(sorted(other), _SHOWN_FILES)}" if other else ""
       raise ConfigError(f"data.source {source!r} holds no file the trainer reads ({formats}"
-                        f"{also}, any case); it holds {len(other)} other files"
-                        f"{': ' + _shown(sorted(other), _SHOWN_FILES) if other else ''}. Point data.source"
-                        " at the corpus directory.")
+                        f"{also}, any case); it holds {len(other)} other files{others}. Point"
+                        " data.source at the corpus directory.")
   opened, problems = [], []
   for name in sorted(names, key=lambda n: n.split("/")):
     try:
