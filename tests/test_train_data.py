@@ -114,13 +114,26 @@ def test_bad_records_are_skipped_and_counted(tmp_path):
   assert all(name in proc.stderr for name in bad[:5]) and "data.bad_records=skip" in proc.stderr
 
 
-@pytest.mark.slow  # runs the trainer as two processes, twice
+# The trainer, where process 1 reads texts/good.txt as another copy of it would hold.
+PROCESS_1_READS_ANOTHER_COPY = (
+    "import os, sys\n"
+    "from train.data import sources\n"
+    "if os.environ['JAX_PROCESS_ID'] == '1':\n"
+    "  read = sources.TextFile._read\n"
+    "  sources.TextFile._read = lambda self: read(self) + ('!' if self.name == 'texts/good.txt'"
+    " else '')\n"
+    "from train.__main__ import main\n"
+    "sys.exit(main(sys.argv[1:]))\n")
+
+
+@pytest.mark.slow  # runs the trainer as two processes, three times
 def test_odd_corpus_on_two_processes(tmp_path):
   """`corpora.odd_corpus` (every format, plain and compressed, every kind of odd record)
   trained on by two processes (gloo, 2 CPU devices each, a data axis across them: each
   process reads its own shard): both skip and count the same bad records, name the same
-  files not read, and train 4 steps with evals; once one file has changed, both refuse to
-  resume (exit 2, naming it)."""
+  files not read, and train 4 steps with evals. Where one process reads another copy of a
+  file, both refuse the corpus; once a file has changed, both refuse to resume (exit 2,
+  naming it)."""
   corpus, run_dir = tmp_path / "corpus", tmp_path / "run"
   expected = corpora.odd_corpus(corpus)
   logs = [tmp_path / f"process{i}.txt" for i in range(2)]
@@ -131,6 +144,9 @@ def test_odd_corpus_on_two_processes(tmp_path):
   unread = f"{len(expected.unread)} file(s) not read"
   assert all(skipped in out and unread in out for out in outs), outs[0][-4000:]
   assert sorted(losses(run_dir)) == [1, 2, 3, 4] and sorted(losses(run_dir, "eval_loss")) == [2, 4]
+  outs = two_processes(run_dir, logs, *overrides, "steps=6", returncode=2,
+                       main=PROCESS_1_READS_ANOTHER_COPY)
+  assert all("lists other files or contents on some processes" in out for out in outs), outs[0]
   (corpus / "texts" / "good.txt").write_text("changed")
   outs = two_processes(run_dir, logs, *overrides, "steps=6", returncode=2)
   assert all("config error: data.source" in out and "changed: texts/good.txt" in out

@@ -109,11 +109,15 @@ def train_together(tmp_path, overrides: dict[str, list[str]], config=None) -> di
   return outs
 
 
-def two_processes(run_dir, logs, *overrides, returncode: int = 0) -> list[str]:
-  """The trainer as two processes with 2 CPU devices each (gloo collectives); asserts that
-  both exit with `returncode` and returns their outputs."""
+def two_processes(run_dir, logs, *overrides, returncode: int = 0, main: str | None = None
+                  ) -> list[str]:
+  """The trainer (or the Python code `main`, which gets the trainer's arguments) as two
+  processes with 2 CPU devices each (gloo collectives); asserts that both exit with
+  `returncode` and returns their outputs."""
   port = portpicker.pick_unused_port()
-  procs = [start(run_dir, "num_devices=2", *overrides, log=log,
+  args = command(run_dir, "num_devices=2", *overrides)
+  cmd = None if main is None else [sys.executable, "-c", main, *args[3:]]
+  procs = [start(run_dir, log=log, cmd=args if cmd is None else cmd,
                  env=clean_env(False, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
                                JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i)))
            for i, log in enumerate(logs)]

@@ -14,6 +14,8 @@ before the read is random access by index, so that state is a count.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import logging
 import math
 import sys
@@ -25,6 +27,7 @@ import numpy as np
 
 import flaxattn
 from models.llama import layer_masks, make_targets
+from train import distributed
 from train.config import ConfigError, DataConfig, TrainConfig
 from train.data import sources
 from train.data.batches import GlobalBatches
@@ -211,12 +214,14 @@ def make(cfg: TrainConfig, tok, mesh, cp: flaxattn.ContextParallel | None,
 
   Raises:
     ConfigError: no documents, or none long enough, in a shard (on any process); evals
-      with nothing to evaluate (`check_evals`).
+      with nothing to evaluate (`check_evals`); processes that list different corpora.
   """
   masks = layer_masks(cfg.model)
   batches = GlobalBatches(mesh, batch_size=cfg.batch_size, seq_len=cfg.seq_len, cp=cp,
                           masks=masks)
   docs = sources.list_documents(cfg.data.source, cfg.data.bad_records, cfg.data.text_field)
+  corpus = docs.fingerprint()
+  _check_same_everywhere(cfg.data.source, corpus)
   train_docs, eval_docs = sources.split_documents(docs, cfg.data.eval_fraction)
   log.info("%d train / %d eval documents", len(train_docs), len(eval_docs))
   parts = [(train_docs, True, f"data.source {cfg.data.source!r} (the training documents)",
@@ -234,5 +239,16 @@ def make(cfg: TrainConfig, tok, mesh, cp: flaxattn.ContextParallel | None,
     pipes.append(pipeline(docs, tok, cfg.data, seq_len=cfg.seq_len, batch=batches.local_batch,
                           seed=cfg.seed, shard_index=batches.shard_index,
                           shard_count=batches.shard_count, shuffle=shuffle))
-  return Data(batches, pipes[0], pipes[1] if len(pipes) > 1 else None, masks,
-              docs.fingerprint())
+  return Data(batches, pipes[0], pipes[1] if len(pipes) > 1 else None, masks, corpus)
+
+
+def _check_same_everywhere(source: str, corpus: dict[str, str]) -> None:
+  """Raises ConfigError on every process unless every process listed the same corpus
+  (`corpus`, its fingerprint): a host with another copy of it would take its shard of other
+  documents, and hold out others. A collective."""
+  text = json.dumps(corpus, sort_keys=True).encode()
+  digest = int.from_bytes(hashlib.blake2b(text, digest_size=4).digest(), "little") >> 1
+  if distributed.process_max(digest) != -distributed.process_max(-digest):  # int32s
+    raise ConfigError(f"data.source {source!r} lists other files or contents on some processes"
+                      " than on others; every process must read the same corpus: point"
+                      " data.source at storage every host reads, or make the copies equal.")
