@@ -375,3 +375,25 @@ def test_compressed_files_are_decompressed_once_per_epoch(tmp_path, monkeypatch)
   names = sorted(d.name for d in docs)
   assert sorted(n for n, _ in read[:len(docs)]) == sorted(n for n, _ in read[len(docs):]) == names
   assert started == {"a.jsonl.gz": 2, "b.jsonl.zst": 2}, started
+
+
+def test_a_line_longer_than_the_limit_is_a_bad_record(tmp_path, monkeypatch):
+  """A JSON line longer than `MAX_RECORD_BYTES` (a file without line breaks) is a bad
+  record, not held in memory, in a plain and a compressed file; the lines after it are
+  read. A file that cannot be opened (a broken link) is a config error naming it."""
+  monkeypatch.setattr(sources, "MAX_RECORD_BYTES", 1000)
+  root = tmp_path / "corpus"
+  root.mkdir()
+  data = b"\n".join([b'{"text": "before"}', json.dumps({"text": "x" * 5000}).encode(),
+                     b'{"text": "after"}'])
+  (root / "a.jsonl").write_bytes(data)
+  (root / "b.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(data))
+  docs = list_documents(str(root))
+  assert [(d.name, d.read()) for d in docs] == [
+      ("a.jsonl:0", "before"), ("a.jsonl:2", "after"), ("b.jsonl.zst:0", "before"),
+      ("b.jsonl.zst:2", "after")]
+  assert [p for s in docs.sources for p in s.problems] == [
+      f"{n} line 2: longer than 1000 bytes" for n in ("a.jsonl", "b.jsonl.zst")]
+  (root / "c.txt").symlink_to(tmp_path / "missing.txt")
+  with pytest.raises(ConfigError, match="cannot read c.txt .FileNotFoundError"):
+    list_documents(str(root))
