@@ -17,7 +17,6 @@ import signal
 import sys
 import time
 
-import portpicker
 import pytest
 
 from trainer import (
@@ -35,6 +34,7 @@ from trainer import (
   start,
   train,
   train_together,
+  two_processes,
   wait,
 )
 
@@ -411,25 +411,6 @@ def test_config_change_is_refused_and_nothing_is_lost(reference, tmp_path):
   assert json.loads((run_dir / "config.json").read_text())["model"]["n_layers"] == 2
 
 
-def _two_processes(run_dir, logs) -> list[str]:
-  """The trainer as two processes with 2 CPU devices each (gloo collectives); asserts that
-  both exit 0 and returns their outputs."""
-  port = portpicker.pick_unused_port()
-  procs = [start(run_dir, "num_devices=2", log=log,
-                 env=clean_env(False, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
-                               JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i)))
-           for i, log in enumerate(logs)]
-  try:
-    outs = [wait(p, log) for p, log in zip(procs, logs, strict=True)]
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        kill_group(p)
-  for p, out in zip(procs, outs, strict=True):
-    assert p.returncode == 0, out[-4000:]
-  return outs
-
-
 @pytest.mark.slow  # runs the trainer
 def test_two_processes_context_parallel(reference, tmp_path):
   """Two processes, mesh context=4 spanning both; the losses match the single-process
@@ -438,7 +419,7 @@ def test_two_processes_context_parallel(reference, tmp_path):
   ref_dir, _, _ = reference
   run_dir = tmp_path / "run"
   logs = [tmp_path / f"process{i}.txt" for i in range(2)]
-  outs = _two_processes(run_dir, logs)
+  outs = two_processes(run_dir, logs)
   assert all("'context': 4" in out for out in outs)
   got, want = losses(run_dir), losses(ref_dir)
   assert sorted(got) == list(range(1, STEPS + 1))
@@ -449,7 +430,7 @@ def test_two_processes_context_parallel(reference, tmp_path):
 
   *_, fallback, newest = checkpoints(run_dir)
   (run_dir / "checkpoints" / str(newest) / "data" / "process_1-of-2.json").unlink()
-  outs = _two_processes(run_dir, logs)
+  outs = two_processes(run_dir, logs)
   assert all(f"resumed from step {fallback} " in out for out in outs), outs[0][-4000:]
   assert f"checkpoint step {newest} in " in outs[0] and " is damaged (" in outs[0]
   assert [p.name.split("-")[0]

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 
+import portpicker
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -105,6 +106,29 @@ def train_together(tmp_path, overrides: dict[str, list[str]], config=None) -> di
         kill_group(p)
   for name, p in procs.items():
     assert p.returncode == 0, outs[name][-4000:]
+  return outs
+
+
+def two_processes(run_dir, logs, *overrides, returncode: int = 0, main: str | None = None
+                  ) -> list[str]:
+  """The trainer (or the Python code `main`, which gets the trainer's arguments) as two
+  processes with 2 CPU devices each (gloo collectives); asserts that both exit with
+  `returncode` and returns their outputs."""
+  port = portpicker.pick_unused_port()
+  args = command(run_dir, "num_devices=2", *overrides)
+  cmd = None if main is None else [sys.executable, "-c", main, *args[3:]]
+  procs = [start(run_dir, log=log, cmd=args if cmd is None else cmd,
+                 env=clean_env(False, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+                               JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i)))
+           for i, log in enumerate(logs)]
+  try:
+    outs = [wait(p, log) for p, log in zip(procs, logs, strict=True)]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        kill_group(p)
+  for p, out in zip(procs, outs, strict=True):
+    assert p.returncode == returncode, out[-4000:]
   return outs
 
 

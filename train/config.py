@@ -35,23 +35,29 @@ class DataConfig:
   """Where documents come from and how they become packed rows.
 
   source: "stdlib" (the Python standard library's own `.py` files, on every machine) or a
-    directory of `.txt` files (one document each), `.jsonl` files (one document per line,
-    its `text_field`) and `.parquet` shards (one document per row, its column
-    `text_field`; needs pyarrow), read recursively in sorted order (`train.data.sources`).
-  text_field: the `.jsonl` field and `.parquet` column that holds a document's text.
+    directory (local, or a `gs://` URL where gcsfs is installed) of `.txt` files (one
+    document each), `.jsonl` files (one document per line, its `text_field`), `.json`
+    files (JSON Lines, or a JSON array of objects), each of these also `.gz` or `.zst`
+    compressed, and `.parquet` shards (one document per row, its column `text_field`;
+    needs pyarrow), matched in any case and read recursively in sorted order
+    (`train.data.sources`); other files are named in a warning.
+  text_field: the JSON field and `.parquet` column that holds a document's text.
   tokenizer: "bytes" (UTF-8 bytes, ids 0..255); a Hugging Face `tokenizer.json` or a
     directory holding one (a model directory such as `init_from`'s; the `tokenizers`
     package), whose post-processor's special tokens (BOS, EOS) begin and end each
     document, as transformers adds them; or a SentencePiece `.model` (or a directory
     holding tokenizer.model). A run copies its files into the run_dir
     (`train.run_dir.save_tokenizer`), which resume, export and sample read.
-  bad_records: what listing the corpus does with a record it cannot train on (a `.jsonl`
-    line that is not UTF-8 JSON with a string `text_field`, a null `.parquet` value, a
-    `.txt` file that is binary or mostly not UTF-8): "skip" leaves it out and counts it in
-    a warning; "error" stops with a config error that lists them.
-  eval_fraction: the share of documents held out for eval, chosen by a hash of their name
-    (the file's, and its line or row number: `Source.record_name`; at least one when > 0);
-    evals (`eval_every` > 0) need it > 0 (`train.data.make`).
+  bad_records: what listing the corpus does with a record it cannot train on (a JSON
+    record that is not a UTF-8 JSON object with a string `text_field`, a text with a lone
+    surrogate, a null or invalid UTF-8 `.parquet` value, a file that is not parquet, a
+    `.txt` file that is binary or mostly not UTF-8, a damaged compressed stream; the full
+    list in `train.data.sources`): "skip" leaves it out and counts it in a warning;
+    "error" stops with a config error that lists them.
+  eval_fraction: the share of documents held out for eval, chosen by a hash of their text
+    (so a document stays held out when the corpus grows, and duplicates are held out
+    together; `train.data.sources.split_documents`: at least one when > 0); evals
+    (`eval_every` > 0) need it > 0 (`train.data.make`).
   eval_batches: batches of held-out rows in each eval; at least 1 when evals run.
   packing_bins: rows the packer fills at once (more bins, less padding).
   read_threads: threads reading and tokenizing documents (0: read in the loop's thread).

@@ -80,6 +80,7 @@ def run(cfg: TrainConfig) -> tuple[int, bool]:
     with jax.set_mesh(parallel.mesh), nnx.logical_axis_rules(parallel.rules):
       start = restore_state(cfg, parallel.mesh, parallel.cp)
       run_dir_lib.save_tokenizer(cfg.run_dir, tok)  # the run_dir now holds this run's files
+      run_dir_lib.save_corpus(cfg.run_dir, run_data.corpus)
       return _loop(cfg, parallel.mesh, run_data, start, stop)
   finally:
     stop.close()
@@ -91,8 +92,8 @@ def _setup(cfg: TrainConfig, stop: StopRequest
 
   Raises:
     ConfigError: see `train.run_dir.load_tokenizer`, `train.init_from.check_tokenizer`,
-      `train.data.tokenizers.check_vocab`, `train.distributed.start_backend`, `train.mesh.make`
-      and `train.data.make`.
+      `train.data.tokenizers.check_vocab`, `train.distributed.start_backend`, `train.mesh.make`,
+      `train.data.make` and `train.run_dir.check_corpus`.
     Stopped: SIGTERM or SIGINT while reading documents.
   """
   # Before jax starts; a resumed run reads the copy its checkpoints were trained with.
@@ -101,7 +102,9 @@ def _setup(cfg: TrainConfig, stop: StopRequest
   tokenizers.check_vocab(tok, cfg.model.vocab_size, cfg.data.tokenizer)
   distributed.start_backend(cfg.platform)
   parallel = mesh_lib.make(cfg)
-  return parallel, data.make(cfg, tok, parallel.mesh, parallel.cp, stop.call), tok
+  run_data = data.make(cfg, tok, parallel.mesh, parallel.cp, stop.call)
+  run_dir_lib.check_corpus(cfg, run_data.corpus)
+  return parallel, run_data, tok
 
 
 @dataclasses.dataclass

@@ -5,6 +5,8 @@
   config.json              the config the checkpoints were saved with
   tokenizer/               a copy of the files of the run's tokenizer (`save_tokenizer`):
                            resume, export and sample read it, not data.tokenizer's path
+  corpus.json              the fingerprint of the corpus its data positions count in
+                           (`save_corpus`, `check_corpus`)
   metrics.jsonl, tensorboard/, loss.png, eval_loss_by_position.png   (`train.metrics`)
   archive/<time>/          an earlier run's files, moved there when a run starts over
 
@@ -14,7 +16,9 @@ model's parameter shapes, so every option that changes them is caught) or a data
 other than the one whose position was saved (`DATA_KEYS`) would resume state that does not
 fit, so it is refused with a config error naming the keys, and nothing in the directory is
 touched; other differences (steps, learning rate, eval_every, a sliding window, ...) are
-logged and let through. `resume=false` skips the comparison and starts over, moving the
+logged and let through. Once the corpus is listed, `check_corpus` refuses a corpus whose
+files changed since (a data position counts documents of the corpus it was saved in).
+`resume=false` skips the comparisons and starts over, moving the
 earlier run's files into `archive/` (nothing is deleted; remove the archive to free its
 space).
 """
@@ -29,6 +33,7 @@ import pathlib
 import shutil
 
 import jax
+from etils import epath
 
 from models.llama import param_changes
 from train import distributed
@@ -45,8 +50,9 @@ DATA_KEYS = ("seq_len", "batch_size", "seed", "data.source", "data.text_field",
 SAVED_KEYS = tuple(k for k in DATA_KEYS if k != "data.text_field") + tuple(
     f"model.{k}" for k in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim"))
 CHECKPOINT_FILES = ("checkpoints", "checkpoints_unusable")
-OUTPUT_FILES = ("config.json", "tokenizer", "metrics.jsonl", "tensorboard", "loss.png",
-                "eval_loss_by_position.png")
+CORPUS_FILE = "corpus.json"
+OUTPUT_FILES = ("config.json", "tokenizer", CORPUS_FILE, "metrics.jsonl", "tensorboard",
+                "loss.png", "eval_loss_by_position.png")
 TOKENIZER_DIR = "tokenizer"
 
 
@@ -169,6 +175,55 @@ def save_tokenizer(run_dir: str, tok: tokenizers.Tokenizer) -> None:
   for name, data in tok.files.items():
     (tmp / name).write_bytes(data)
   os.replace(tmp, target)
+
+
+def save_corpus(run_dir: str, corpus: dict[str, str]) -> None:
+  """Writes the fingerprint of the run's corpus (`train.data.Data.corpus`) to `run_dir`'s
+  corpus.json on process 0, unless one is there (a resumed run's, which `check_corpus`
+  found equal; a run that starts over has moved it to archive/). Atomically."""
+  path = epath.Path(run_dir) / CORPUS_FILE
+  if jax.process_index() != 0 or path.exists():
+    return
+  tmp = path.with_name(f".{CORPUS_FILE}.tmp")
+  tmp.write_text(json.dumps({"files": corpus}, indent=0))
+  tmp.rename(path)
+
+
+def check_corpus(cfg: TrainConfig, corpus: dict[str, str]) -> None:
+  """Refuses to resume a run (`cfg.resume`, its config.json saved with its first
+  checkpoint) on another corpus than the one its data positions count in: `corpus`
+  (`train.data.Data.corpus`) against its corpus.json (`save_corpus`; a run_dir without one
+  is not checked).
+
+  Raises:
+    ConfigError: naming the files that changed, are new or are gone; or a corpus.json
+      that does not read.
+  """
+  run = epath.Path(cfg.run_dir)
+  path = run / CORPUS_FILE
+  if not cfg.resume or not (run / "config.json").is_file() or not path.is_file():
+    return
+  try:
+    saved = json.loads(path.read_text())["files"]
+    if not (isinstance(saved, dict) and all(isinstance(v, str) for v in saved.values())):
+      raise TypeError
+  except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
+    raise ConfigError(f"{path}, the fingerprint of the run's corpus, expects a JSON object"
+                      ' {"files": {name: digest}} as the trainer writes it; restore it from'
+                      " the run's archive/ or a backup, or pass resume=false to start over"
+                      " (the run's files are moved to archive/).") from None
+  differ = [(what, sorted(names)) for what, names in (
+      ("changed", [n for n in corpus.keys() & saved.keys() if corpus[n] != saved[n]]),
+      ("new", corpus.keys() - saved.keys()), ("gone", saved.keys() - corpus.keys())) if names]
+  if differ:
+    listed = "; ".join(f"{what}: {', '.join(names[:5])}" + (
+        f" and {len(names) - 5} more" if len(names) > 5 else "") for what, names in differ)
+    raise ConfigError(
+        f"data.source {cfg.data.source!r} is not the corpus that run_dir {cfg.run_dir!r}"
+        f" saved its data positions in ({listed}). Its checkpoints continue at a position"
+        " among that corpus's documents and evaluate on its held-out ones, so they cannot"
+        " continue on this one. Restore those files, use a new run_dir, or pass resume=false"
+        " to start over (the run's files are moved to archive/, not deleted).")
 
 
 def load_tokenizer(run_dir: str, cfg: TrainConfig, *, copy: bool = True) -> tokenizers.Tokenizer:

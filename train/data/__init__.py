@@ -1,7 +1,8 @@
 """A run's data: corpus files -> documents -> packed rows -> global batches.
 
-  sources.py    one reader per corpus format (.txt, .jsonl, .parquet) behind `Source`;
-                listing, bad records, the held-out split
+  sources.py    one reader per corpus format (.txt, .jsonl, .json, .parquet) behind
+                `Source`; listing, bad records, content hashes, the held-out split
+  streams.py    files as byte streams (plain, .gz, .zst); blocks of compressed files
   pipeline.py   the grain pipeline: order, read + tokenize, split, pack, targets; `make`
   batches.py    `GlobalBatches`: local rows -> global arrays in the run's token order
   tokenizers.py text -> int32 ids (bytes, Hugging Face tokenizer.json, SentencePiece) behind

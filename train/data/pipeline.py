@@ -1,7 +1,7 @@
 """Documents -> packed rows, through grain; `make` assembles a run's data.
 
 Per process:
-  documents (`train.data.sources`; the held-out ones by a hash of their name) -> this
+  documents (`train.data.sources`; the held-out ones by a hash of their text) -> this
   process's shard -> shuffled each epoch (`order`), repeated -> read + tokenize -> split
   into pieces of <= seq_len -> first-fit packed into rows of seq_len (`segment_ids` 1, 2,
   ... and `positions` restarting at 0; 0 = padding) -> batched -> next-token targets and
@@ -14,6 +14,8 @@ before the read is random access by index, so that state is a count.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import logging
 import math
 import sys
@@ -25,6 +27,7 @@ import numpy as np
 
 import flaxattn
 from models.llama import layer_masks, make_targets
+from train import distributed
 from train.config import ConfigError, DataConfig, TrainConfig
 from train.data import sources
 from train.data.batches import GlobalBatches
@@ -33,7 +36,8 @@ from train.data.sources import Document, Documents
 log = logging.getLogger(__name__)
 
 MIN_TOKENS = 2  # a piece needs a token and its next-token target
-# Shuffled parquet documents are mixed within windows of this many (mean-sized) row groups.
+# Shuffled parquet documents (and compressed files') are mixed within windows of this many
+# (mean-sized) row groups (blocks).
 WINDOW_BLOCKS = 2
 
 
@@ -101,20 +105,29 @@ def _with_targets(packed: dict) -> dict:
 
 
 class _BlockShuffle:
-  """`docs` endlessly, each epoch in a new order: their blocks (runs of documents of one
-  block, `Source.block`, as listing left them: parquet row groups) in a random order, then
-  the documents within each window of `self.window` in a random order; random access by index
-  (a grain data source). Holds one epoch's order, an index per document."""
+  """`docs` endlessly, each epoch in a new order: their units in a random order, then the
+  documents within each window of `self.window` in a random order; random access by index
+  (a grain data source). A unit is a run of documents of one block (`Source.blocks`, as
+  listing left them: a parquet row group), or all the blocks of a source read in order (a
+  compressed stream: its blocks keep their order, so that an epoch decompresses it once).
+  A window holds `window_blocks` blocks' worth of documents. Holds one epoch's order, an
+  index per document."""
 
   def __init__(self, docs: Documents, seed: int, window_blocks: int = WINDOW_BLOCKS):
     self.docs, self.seed = docs, seed
-    self.starts = docs.block_starts()
-    self.window = window_blocks * math.ceil(len(docs) / self.blocks)
+    starts = docs.block_starts()
+    self.window = window_blocks * math.ceil(len(docs) / (len(starts) - 1))
+    first = starts[:-1]
+    source = docs.source_ids[first]
+    ordered = np.asarray([s.ordered for s in docs.sources], bool)[source]
+    new_unit = np.ones(len(first), bool)
+    new_unit[1:] = ~ordered[1:] | (source[1:] != source[:-1])
+    self.starts = np.concatenate([first[new_unit], starts[-1:]])
     self.epoch = (-1, np.zeros(0, np.int64))  # the last epoch read and its order
     self.lock = threading.Lock()
 
   @property
-  def blocks(self) -> int:
+  def units(self) -> int:
     return len(self.starts) - 1
 
   def __len__(self) -> int:
@@ -124,10 +137,10 @@ class _BlockShuffle:
     with self.lock:
       if self.epoch[0] != epoch:
         rng = np.random.default_rng([self.seed, epoch])
-        blocks = rng.permutation(self.blocks)
-        sizes = self.starts[blocks + 1] - self.starts[blocks]
-        begins = np.cumsum(sizes) - sizes  # where each block begins in the epoch
-        docs = np.repeat(self.starts[blocks] - begins, sizes) + np.arange(len(self.docs))
+        units = rng.permutation(self.units)
+        sizes = self.starts[units + 1] - self.starts[units]
+        begins = np.cumsum(sizes) - sizes  # where each unit begins in the epoch
+        docs = np.repeat(self.starts[units] - begins, sizes) + np.arange(len(self.docs))
         windows = np.arange(len(self.docs)) // self.window
         self.epoch = (epoch, docs[np.lexsort((rng.random(len(self.docs)), windows))])
       return self.epoch[1]
@@ -141,17 +154,19 @@ def order(docs: Documents, *, seed: int, shuffle: bool) -> grain.MapDataset:
   """`docs` repeated forever, by index (so that the iterator's state is a count).
 
   Without `shuffle`, in their order. With it, shuffled anew each epoch: globally where
-  every document is its own block (`.txt`, `.jsonl`); else (`.parquet`) by blocks (row
-  groups) in a random order, then within windows of `WINDOW_BLOCKS` blocks' worth of
-  documents (`_BlockShuffle`). A global shuffle of parquet rows would decode a row group per
-  document.
+  every document is its own block and no source is read in order (`.txt`, plain JSON);
+  else (`.parquet` row groups, compressed files) by units (`_BlockShuffle`: a row group, or
+  a compressed file's blocks in order) in a random order, then within windows of
+  `WINDOW_BLOCKS` blocks' worth of documents. A global shuffle of parquet rows would decode
+  a row group per document, and of a compressed file's records decompress the file up to
+  each one.
   """
   if not shuffle:
     return grain.MapDataset.source(docs).repeat(None)
-  blocks = _BlockShuffle(docs, seed)
-  if blocks.blocks == len(docs):
+  units = _BlockShuffle(docs, seed)
+  if units.units == len(docs):
     return grain.MapDataset.source(docs).shuffle(seed).repeat(None)
-  return grain.MapDataset.source(blocks)
+  return grain.MapDataset.source(units)
 
 
 def pipeline(docs: Documents, tokenizer, cfg: DataConfig, *, seq_len: int, batch: int,
@@ -176,13 +191,15 @@ def pipeline(docs: Documents, tokenizer, cfg: DataConfig, *, seq_len: int, batch
 @dataclasses.dataclass(frozen=True)
 class Data:
   """A run's data: the global batch builder, the endless batches of this process's shard
-  of the training documents and of the held-out ones (None with `eval_every=0`), and the
-  model's masks, one per layer, which weigh its tokens."""
+  of the training documents and of the held-out ones (None with `eval_every=0`), the
+  model's masks, one per layer, which weigh its tokens, and the corpus's fingerprint
+  (`Documents.fingerprint`: what its data positions depend on)."""
 
   batches: GlobalBatches
   train: grain.IterDataset
   eval: grain.IterDataset | None
   masks: tuple[flaxattn.Mask, ...]
+  corpus: dict[str, str]
 
 
 def make(cfg: TrainConfig, tok, mesh, cp: flaxattn.ContextParallel | None,
@@ -197,14 +214,15 @@ def make(cfg: TrainConfig, tok, mesh, cp: flaxattn.ContextParallel | None,
 
   Raises:
     ConfigError: no documents, or none long enough, in a shard (on any process); evals
-      with nothing to evaluate (`check_evals`).
+      with nothing to evaluate (`check_evals`); processes that list different corpora.
   """
   masks = layer_masks(cfg.model)
   batches = GlobalBatches(mesh, batch_size=cfg.batch_size, seq_len=cfg.seq_len, cp=cp,
                           masks=masks)
-  train_docs, eval_docs = sources.split_documents(
-      sources.list_documents(cfg.data.source, cfg.data.bad_records,
-                             cfg.data.text_field), cfg.data.eval_fraction)
+  docs = sources.list_documents(cfg.data.source, cfg.data.bad_records, cfg.data.text_field)
+  corpus = docs.fingerprint()
+  _check_same_everywhere(cfg.data.source, corpus)
+  train_docs, eval_docs = sources.split_documents(docs, cfg.data.eval_fraction)
   log.info("%d train / %d eval documents", len(train_docs), len(eval_docs))
   parts = [(train_docs, True, f"data.source {cfg.data.source!r} (the training documents)",
             "use longer documents")]
@@ -221,4 +239,16 @@ def make(cfg: TrainConfig, tok, mesh, cp: flaxattn.ContextParallel | None,
     pipes.append(pipeline(docs, tok, cfg.data, seq_len=cfg.seq_len, batch=batches.local_batch,
                           seed=cfg.seed, shard_index=batches.shard_index,
                           shard_count=batches.shard_count, shuffle=shuffle))
-  return Data(batches, pipes[0], pipes[1] if len(pipes) > 1 else None, masks)
+  return Data(batches, pipes[0], pipes[1] if len(pipes) > 1 else None, masks, corpus)
+
+
+def _check_same_everywhere(source: str, corpus: dict[str, str]) -> None:
+  """Raises ConfigError on every process unless every process listed the same corpus
+  (`corpus`, its fingerprint): a host with another copy of it would take its shard of other
+  documents, and hold out others. A collective."""
+  text = json.dumps(corpus, sort_keys=True).encode()
+  digest = int.from_bytes(hashlib.blake2b(text, digest_size=4).digest(), "little") >> 1
+  if distributed.process_max(digest) != -distributed.process_max(-digest):  # int32s
+    raise ConfigError(f"data.source {source!r} lists other files or contents on some processes"
+                      " than on others; every process must read the same corpus: point"
+                      " data.source at storage every host reads, or make the copies equal.")

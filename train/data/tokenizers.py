@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
-import pathlib
 
 import numpy as np
+from etils import epath
 
 from train.config import ConfigError
 
@@ -53,7 +52,9 @@ class Tokenizer:
   vocab_size: int
 
   def encode(self, text: str) -> np.ndarray:
-    """The text's ids `[n]` int32, no special tokens."""
+    """The text's ids `[n]` int32, no special tokens. Every tokenizer here encodes every
+    text that encodes to UTF-8 (no lone surrogate): what corpus listing lets through
+    (`train.data.sources`)."""
     raise NotImplementedError
 
   def decode(self, ids) -> str:
@@ -100,15 +101,16 @@ class SentencePieceTokenizer(Tokenizer):
 
   def __init__(self, path: str):
     sentencepiece = _package("sentencepiece", path)
+    data = epath.Path(path).read_bytes()
     try:
-      self._sp = sentencepiece.SentencePieceProcessor(model_file=path)
+      self._sp = sentencepiece.SentencePieceProcessor(model_proto=data)
     except (OSError, RuntimeError) as e:  # what it raises for a file it cannot parse
       raise ConfigError(f"{KEY} expects a SentencePiece .model file, got"
                         f" {path!r}, which sentencepiece cannot read ({_first_line(e)}).") from None
     self.vocab_size = self._sp.get_piece_size()
     self.bos_id, self.eos_id = (i if i >= 0 else None for i in (self._sp.bos_id(),
                                                                  self._sp.eos_id()))
-    self.files = {SP_FILE: pathlib.Path(path).read_bytes()}
+    self.files = {SP_FILE: data}
 
   def piece(self, i: int | None) -> str | None:
     """The text of token `i` (None for None)."""
@@ -121,7 +123,7 @@ class SentencePieceTokenizer(Tokenizer):
     return self._sp.decode([int(i) for i in ids])
 
 
-def _json_object(path: pathlib.Path) -> dict:
+def _json_object(path: epath.Path) -> dict:
   """The JSON object in `path`; {} when there is no such file.
 
   Raises:
@@ -168,15 +170,16 @@ class HFTokenizer(Tokenizer):
 
   def __init__(self, path: str):
     tokenizers = _package("tokenizers", path)
-    p = pathlib.Path(path)
+    p = epath.Path(path)
     file = p / HF_FILE if p.is_dir() else p
-    try:
-      self._tok = tokenizers.Tokenizer.from_file(str(file))
+    data = file.read_bytes()
+    try:  # from the bytes, not the path: a gs:// URL reads through epath
+      self._tok = tokenizers.Tokenizer.from_str(data.decode("utf-8"))
     except Exception as e:  # tokenizers raises a bare Exception for a file it cannot parse
       raise ConfigError(f"{KEY} expects a Hugging Face tokenizer.json, got {str(file)!r},"
                         f" which the tokenizers package cannot read ({_first_line(e)}).") from None
     # Every file the tokenizer was read from, the config ones where present.
-    self.files = {HF_FILE: file.read_bytes()}
+    self.files = {HF_FILE: data}
     self.files.update({n: (file.parent / n).read_bytes() for n in HF_CONFIG_FILES
                        if (file.parent / n).is_file()})
     config, names = (_json_object(file.parent / n) for n in HF_CONFIG_FILES)
@@ -193,7 +196,7 @@ class HFTokenizer(Tokenizer):
     self.begin = tuple(probe.ids[:lead])
     self.end = tuple(probe.ids[len(special) - trail:])
 
-  def _id(self, token: str | None, key: str, where: pathlib.Path) -> int | None:
+  def _id(self, token: str | None, key: str, where: epath.Path) -> int | None:
     if token is None:
       return None
     i = self._tok.token_to_id(token)
@@ -231,7 +234,7 @@ def make(name: str, vocab_size: int | None = None):
   expects = (f"{KEY} expects 'bytes', a Hugging Face tokenizer.json (or a directory holding"
              " one, such as a model directory) or the path of a SentencePiece .model file; got"
              f" {name!r}")
-  path = pathlib.Path(name)
+  path = epath.Path(name)
   if name == "bytes":
     tok = ByteTokenizer()
   elif path.is_dir():
@@ -241,7 +244,7 @@ def make(name: str, vocab_size: int | None = None):
       tok = SentencePieceTokenizer(str(path / SP_FILE))
     else:
       raise ConfigError(f"{expects}, a directory with neither {HF_FILE} nor {SP_FILE}.")
-  elif not os.path.isfile(name):
+  elif not path.is_file():
     raise ConfigError(f"{expects}, which is not a file.")
   elif path.suffix == ".json":
     tok = HFTokenizer(name)
