@@ -40,7 +40,7 @@ def _main(argv: list[str]) -> int:
 
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                       force=True)  # importing grain installed a root handler of its own
-  for noisy in ("absl", "orbax", "jax"):
+  for noisy in ("absl", "orbax", "jax", "fsspec", "gcsfs"):
     logging.getLogger(noisy).setLevel(logging.WARNING)
   path, overrides = (None, argv) if "=" in argv[0] else (argv[0], argv[1:])
   try:
