@@ -166,7 +166,8 @@ class TrainConfig:
 
   run_dir: checkpoints, config.json (the config they were saved with), metrics.jsonl,
     TensorBoard events and loss.png go here; a rerun with the same run_dir resumes from
-    its latest good checkpoint (see `train.run_dir`).
+    its latest good checkpoint (see `train.run_dir`). A local path or a gs://BUCKET/PATH
+    URL (`train.storage`; a multi-host run needs a bucket every host reaches).
   resume: true: continue from run_dir's checkpoints, refusing a config that changes the
     saved state's structure; false: start over at step 0 after moving the previous run's
     files to `{run_dir}/archive/<time>/` (nothing is deleted).
@@ -186,8 +187,8 @@ class TrainConfig:
     collective (jax.distributed's `heartbeat_timeout_seconds`, default 100).
   init_from: "" (random initialization) or the weights to start from, with a fresh
     optimizer at step 0: a Hugging Face checkpoint directory (config.json + safetensors;
-    Llama, Mistral, Qwen2, Qwen3) or a run_dir of this trainer (its newest checkpoint). See
-    `train.init_from`.
+    Llama, Mistral, Qwen2, Qwen3) or a run_dir of this trainer (its newest checkpoint; a
+    gs:// URL too). See `train.init_from`.
   peak_tflops_per_device: the dense peak TFLOP/s of one device in the compute dtype, for
     MFU; 0 = from `train.throughput.PEAK_TFLOPS` (or measured on CPU).
   """
