@@ -17,7 +17,6 @@ import signal
 import sys
 import time
 
-import portpicker
 import pytest
 
 from trainer import (
@@ -26,6 +25,7 @@ from trainer import (
   checkpoints,
   clean_env,
   command,
+  finish,
   interrupt,
   kill_group,
   losses,
@@ -33,6 +33,7 @@ from trainer import (
   poll,
   run,
   start,
+  start_job,
   train,
   train_together,
   wait,
@@ -414,20 +415,7 @@ def test_config_change_is_refused_and_nothing_is_lost(reference, tmp_path):
 def _two_processes(run_dir, logs) -> list[str]:
   """The trainer as two processes with 2 CPU devices each (gloo collectives); asserts that
   both exit 0 and returns their outputs."""
-  port = portpicker.pick_unused_port()
-  procs = [start(run_dir, "num_devices=2", log=log,
-                 env=clean_env(False, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
-                               JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i)))
-           for i, log in enumerate(logs)]
-  try:
-    outs = [wait(p, log) for p, log in zip(procs, logs, strict=True)]
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        kill_group(p)
-  for p, out in zip(procs, outs, strict=True):
-    assert p.returncode == 0, out[-4000:]
-  return outs
+  return finish(start_job(run_dir, logs), logs)
 
 
 @pytest.mark.slow  # runs the trainer

@@ -108,6 +108,32 @@ def train_together(tmp_path, overrides: dict[str, list[str]], config=None) -> di
   return outs
 
 
+def start_job(run_dir, logs: list[pathlib.Path], *overrides, **env) -> list[subprocess.Popen]:
+  """The trainer as a job of one process per log, 2 CPU devices each, on a coordinator of
+  a free local port (gloo collectives between them); `env` added to each one's."""
+  import portpicker
+
+  port = portpicker.pick_unused_port()
+  return [start(run_dir, "num_devices=2", *overrides, log=log,
+                env=clean_env(False, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+                              JAX_NUM_PROCESSES=str(len(logs)), JAX_PROCESS_ID=str(i), **env))
+          for i, log in enumerate(logs)]
+
+
+def finish(procs: list[subprocess.Popen], logs: list[pathlib.Path]) -> list[str]:
+  """Waits for every process of a job (`start_job`); asserts each exits 0; returns their
+  outputs."""
+  try:
+    outs = [wait(p, log) for p, log in zip(procs, logs, strict=True)]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        kill_group(p)
+  for p, out in zip(procs, outs, strict=True):
+    assert p.returncode == 0, out[-4000:]
+  return outs
+
+
 def run(cmd: list[str], timeout=120) -> subprocess.CompletedProcess:
   """`cmd` (e.g. a trainer run expected to fail fast) to completion, output captured."""
   return subprocess.run(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True,
