@@ -89,6 +89,7 @@ def test_pod_run_on_a_bucket_loses_a_process_stops_and_resumes(gcs_emulator, tmp
   assert all(len(s) == 1 for s in stops), outs[0][-4000:]  # one stop, at one step, on each
   stopped_at, = {int("".join(s[0])) for s in stops}  # the same step on both
   assert resumable < stopped_at < STEPS and _finished_checkpoints(url, name)[-1] == stopped_at
+  print(f"resumed from step {resumable}; SIGTERM to both: each stopped at step {stopped_at}")
 
   # Started again, the run finishes: every loss equals the uninterrupted run's.
   outs = finish(start_job(run, logs, STORAGE_EMULATOR_HOST=url), logs)
@@ -172,3 +173,31 @@ def test_missing_bucket_is_a_config_error_before_anything_is_written(gcs_emulato
                        f" 'missing' does not exist at {gcs_emulator}; create it (gcloud storage"
                        " buckets create gs://missing) or fix the name."), lines[-1]
   assert list(tmp_path.iterdir()) == []
+
+
+def test_init_from_a_hugging_face_checkpoint_on_a_bucket(gcs_emulator, storage_env, monkeypatch,
+                                                         tmp_path):
+  """A Hugging Face directory in a bucket: init_from reads its model config as from the
+  local directory it was uploaded from, and its files come back whole for loading."""
+  from flax import nnx
+
+  from models import hf
+  from models.llama import Llama
+  from train import config, init_from
+
+  local = tmp_path / "tiny"
+  hf.save(Llama(hf.SIZES["tiny"], rngs=nnx.Rngs(0)), str(local))
+  monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_emulator)
+  create_bucket(gcs_emulator, "weights")
+  url = "gs://weights/tiny"
+  for file in local.iterdir():
+    storage_env.upload(file, storage_env.path(url) / file.name)
+  keys = [f"model.{k}={getattr(hf.SIZES['tiny'], k)}" for k in
+          ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "tie_embeddings")]
+  resolved = [init_from.resolve(config.load(None, [f"init_from={source}", *keys]))
+              for source in (url, str(local))]
+  assert resolved[0].model == resolved[1].model
+  with storage_env.local_dir(url) as copy:
+    assert {p.name: p.read_bytes() for p in pathlib.Path(copy).iterdir()} == {
+        p.name: p.read_bytes() for p in local.iterdir()}
+  assert not pathlib.Path(copy).exists()  # removed after loading

@@ -18,8 +18,9 @@ whose vocabulary is larger than the checkpoint's `vocab_size`, whose BOS or EOS 
 from its config.json's `bos_token_id` / `eos_token_id`, or that has neither where the
 checkpoint names them.
 
-`init_from` may be a run_dir on a bucket (`gs://`, read through `train.storage` and
-orbax); a Hugging Face checkpoint is read from a local directory.
+`init_from` may be a `gs://` URL (`train.storage`): a run_dir there is read through orbax;
+a Hugging Face checkpoint there is copied to a temporary local directory while it loads
+(safetensors reads local files).
 
 A run whose run_dir has checkpoints resumes from them and ignores `init_from` (logged);
 its model config is the one its config.json was saved with, with the YAML's options.
@@ -68,12 +69,8 @@ def _source_model(path: str) -> LlamaConfig:
                       " the path, or set init_from='' to start from random weights.")
   what = f"config key 'init_from' ({path!r})"
   if is_hf(path):
-    if storage.is_url(path):
-      raise ConfigError(f"{what} is a Hugging Face checkpoint on a bucket, which init_from"
-                        " reads from a local directory only; copy it first (gcloud storage cp"
-                        " -r URL DIR) and pass DIR.")
     try:
-      return hf.config_from_hf(hf.read_config(path), str(storage.path(path) / "config.json"))
+      return hf.config_from_hf(_hf_config(path), str(storage.path(path) / "config.json"))
     except hf.CheckpointError as e:
       raise ConfigError(f"{what}: {e}") from None
   if (storage.path(path) / "checkpoints").is_dir():
@@ -81,6 +78,12 @@ def _source_model(path: str) -> LlamaConfig:
   raise ConfigError(f"{what} expects a Hugging Face checkpoint directory (config.json and"
                     f" {hf.SINGLE} or {hf.INDEX}) or a run_dir with checkpoints/, got a"
                     " directory with neither; fix the path.")
+
+
+def _hf_config(path: str) -> dict:
+  """`hf.read_config` of a Hugging Face checkpoint directory, local or on a bucket."""
+  with storage.local_dir(path, ("config.json",)) as local:
+    return hf.read_config(local)
 
 
 def _merge(model: LlamaConfig, source: LlamaConfig, what: str, keep_layout: bool,
@@ -164,7 +167,8 @@ def load(cfg: TrainConfig, context_parallel, graphdef, abstract_state):
   what = f"config key 'init_from' ({cfg.init_from!r})"
   if is_hf(cfg.init_from):
     try:
-      model = hf.load(cfg.init_from, context_parallel=context_parallel, config=cfg.model)
+      with storage.local_dir(cfg.init_from) as local:
+        model = hf.load(local, context_parallel=context_parallel, config=cfg.model)
     except hf.CheckpointError as e:
       raise ConfigError(f"{what}: {e}") from None
   else:
@@ -201,7 +205,7 @@ def check_tokenizer(cfg: TrainConfig, tok) -> None:
     _check_run_tokenizer(cfg, tok)
     return
   try:
-    source = hf.read_config(cfg.init_from)
+    source = _hf_config(cfg.init_from)
   except hf.CheckpointError as e:
     raise ConfigError(f"config key 'init_from' ({cfg.init_from!r}): {e}") from None
   where = f"the checkpoint of init_from {cfg.init_from!r} has"

@@ -27,9 +27,11 @@ serve (a minute's timeout per bucket) and a standard bucket does not need.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
+import tempfile
 import urllib.parse
 import uuid
 
@@ -235,3 +237,20 @@ def upload(local: os.PathLike, target: epath.Path) -> None:
     _gcs().put(os.fspath(local), str(target))
   else:
     shutil.copyfile(local, target)
+
+
+@contextlib.contextmanager
+def local_dir(location: str, names: tuple[str, ...] | None = None):
+  """Yields a local directory with the files of directory `location` (those of `names`
+  only, where given; no subdirectories), for readers of local files only (safetensors'
+  memory map): `location` itself where it is local; for a URL a temporary copy, removed
+  afterwards (a checkpoint's size on the local disk meanwhile)."""
+  if not is_url(location):
+    yield location
+    return
+  source = path(location)
+  with tempfile.TemporaryDirectory(prefix="flaxattn-") as local:
+    for file in source.iterdir():
+      if (names is None or file.name in names) and file.is_file():
+        _gcs().get(str(file), os.path.join(local, file.name))
+    yield local
