@@ -125,7 +125,7 @@ def check(location: str, key: str) -> None:
   if not is_url(location):
     return
   _check_scheme(location, key)
-  fs = _gcs()
+  _configure_gcs()
   bucket = location.split("://", 1)[1].split("/", 1)[0]
   endpoint = _emulator()
   what = f"{key} {location!r}"
@@ -148,16 +148,17 @@ def check(location: str, key: str) -> None:
     raise ConfigError(f"{what}: the storage endpoint {endpoint} does not answer ({e}); check the"
                       " network" + (", or STORAGE_EMULATOR_HOST (the emulator's address)"
                                     if _emulator() else "") + ".") from None
+  fs = _gcs()
   try:  # listing one object: the permission a run needs, where reading the bucket's own
     # metadata takes another (storage.buckets.get) that object roles lack
     fs.call("GET", "b/{}/o", bucket, maxResults=1, json_out=True)
   except FileNotFoundError:
     raise ConfigError(f"{what}: bucket {bucket!r} does not exist at {endpoint}; create it"
                       f" (gcloud storage buckets create gs://{bucket}) or fix the name.") from None
-  except OSError as e:
-    raise ConfigError(f"{what}: the credentials may not list bucket {bucket!r}"
-                      f" ({_first_line(e)}); grant them a storage role on it (e.g."
-                      " roles/storage.objectAdmin).") from None
+  except Exception as e:  # gcsfs: OSError for 403, its HttpError for 401 and others
+    raise ConfigError(f"{what}: listing bucket {bucket!r} failed ({_first_line(e)}); give"
+                      " the credentials a storage role on it (roles/storage.objectAdmin)."
+                      ) from None
 
 
 def _first_line(error: BaseException) -> str:
