@@ -9,7 +9,9 @@ alike and no code sees a `pathlib.Path` of a URL (which would be a local directo
 
 What a bucket lacks, these calls provide: an atomic replace (an object upload is whole or
 absent, so a bucket needs no temporary file), an append (`append`: the new bytes as an
-object, composed onto the end server-side), and a move (`move`: copies, then deletes).
+object, composed onto the end server-side), and a move (`move`: copies, then deletes);
+readers and writers of local files only (safetensors) get a local copy (`local_dir`,
+`upload`).
 
 A bucket goes through gcsfs (etils' backend for `gs://`; the `train` extra installs it)
 and orbax's TensorStore. `check` refuses, before anything is written, a URL whose scheme is
