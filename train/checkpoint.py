@@ -6,7 +6,8 @@ step into a temporary directory and renames it when complete, so a run killed mi
 leaves no half step behind.
 
 The run_dir may be a bucket (`gs://`): orbax writes it through TensorStore, which every
-process reaches, and the positions through `train.storage`.
+process reaches, and the positions through `train.storage`; there, where nothing renames,
+orbax marks a complete step with a commit_success.txt and lists only the marked ones.
 
 Restoring tries the newest step first. A step is moved to `{run_dir}/checkpoints_unusable/`
 (with a warning) and the next older one tried only on evidence that its files are

@@ -95,8 +95,8 @@ def setup(cfg: TrainConfig) -> None:
 
 def _initialize(mode: str, heartbeat_timeout_s: int) -> None:
   """`jax.distributed.initialize()`, from `JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`
-  and `JAX_PROCESS_ID` where the first is set, else from what jax detects; a process
-  silent for `heartbeat_timeout_s` seconds is lost (`_lost`).
+  and `JAX_PROCESS_ID` where the first is set, else from what jax detects; then the
+  watchdog that names a process silent for `heartbeat_timeout_s` seconds (`_Watchdog`).
 
   Raises:
     ConfigError: those variables incomplete, or jax finding no job to join.
@@ -150,7 +150,7 @@ class _Watchdog(threading.Thread):
     import jax
 
     me, count = jax.process_index(), jax.process_count()
-    seen: dict[str, tuple[str, float]] = {}  # process -> (counter, when it last changed)
+    seen: dict[int, tuple[str, float]] = {}  # process -> (counter, when it last changed)
     beat = 0
     while not self.done.wait(self.period):
       beat += 1
@@ -167,9 +167,9 @@ class _Watchdog(threading.Thread):
         value = values.get(f"{_ALIVE}{i}", "")
         if i == me or value == _DONE:
           continue
-        if seen.get(str(i), (None,))[0] != value:
-          seen[str(i)] = (value, now)
-        elif now - seen[str(i)][1] > self.timeout:
+        if i not in seen or seen[i][0] != value:
+          seen[i] = (value, now)
+        elif now - seen[i][1] > self.timeout:
           _exit_lost(f"process {i} of {count} (no heartbeat from it for {self.timeout:g} s)")
 
   def finish(self):
@@ -250,7 +250,7 @@ def start_backend(platform: str, setting: str = "config key 'platform'",
                       " jax, or its plugin missing)." + install) from None
 
 
-def _first_line(error: BaseException | str) -> str:
+def _first_line(error: BaseException) -> str:
   text = (str(error).strip().splitlines() or [type(error).__name__])[0]
   return text if text.endswith(".") else text + "."
 
