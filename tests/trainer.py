@@ -109,18 +109,30 @@ def train_together(tmp_path, overrides: dict[str, list[str]], config=None) -> di
   return outs
 
 
-def two_processes(run_dir, logs, *overrides, returncode: int = 0, main: str | None = None
-                  ) -> list[str]:
-  """The trainer (or the Python code `main`, which gets the trainer's arguments) as two
-  processes with 2 CPU devices each (gloo collectives); asserts that both exit with
-  `returncode` and returns their outputs."""
+def start_job(run_dir, logs: list[pathlib.Path], *overrides, main: str | None = None, **env
+              ) -> list[subprocess.Popen]:
+  """The trainer (or the Python code `main`, which gets the trainer's arguments) as a job of
+  one process per log, 2 CPU devices each, on a coordinator of a free local port (gloo
+  collectives between them); `env` added to each one's."""
   port = portpicker.pick_unused_port()
   args = command(run_dir, "num_devices=2", *overrides)
-  cmd = None if main is None else [sys.executable, "-c", main, *args[3:]]
-  procs = [start(run_dir, log=log, cmd=args if cmd is None else cmd,
-                 env=clean_env(False, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
-                               JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i)))
-           for i, log in enumerate(logs)]
+  cmd = args if main is None else [sys.executable, "-c", main, *args[3:]]
+  return [start(run_dir, log=log, cmd=cmd,
+                env=clean_env(False, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+                              JAX_NUM_PROCESSES=str(len(logs)), JAX_PROCESS_ID=str(i), **env))
+          for i, log in enumerate(logs)]
+
+
+def two_processes(run_dir, logs, *overrides, returncode: int = 0, main: str | None = None
+                  ) -> list[str]:
+  """`start_job` of two processes, then `finish`."""
+  return finish(start_job(run_dir, logs, *overrides, main=main), logs, returncode)
+
+
+def finish(procs: list[subprocess.Popen], logs: list[pathlib.Path], returncode: int = 0
+           ) -> list[str]:
+  """Waits for every process of a job (`start_job`); asserts each exits with `returncode`;
+  returns their outputs."""
   try:
     outs = [wait(p, log) for p, log in zip(procs, logs, strict=True)]
   finally:

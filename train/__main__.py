@@ -8,7 +8,8 @@ them. Exit status 0 after the last step or after a SIGTERM or SIGINT (Ctrl-C; sa
 step was done since the last checkpoint); 2 for a config error, one line naming the key or
 file (reported before anything is written to the run_dir or compiled); 1 when checkpoints
 exist but the run cannot resume from them (`train.checkpoint.CheckpointError`, nothing
-deleted).
+deleted); 3 when a process of a multi-process job was lost (`train.distributed`: one line
+names it, within config key heartbeat_timeout_s).
 """
 
 from __future__ import annotations
@@ -33,18 +34,27 @@ def _main(argv: list[str]) -> int:
   if not argv or argv[0] in ("-h", "--help"):
     print((__doc__ or "") + "\nKeys:\n  " + "\n  ".join(config.valid_keys()))
     return 0 if argv else 2
-  from train import checkpoint, distributed, init_from, loop, run_dir  # start no jax backend
+  import jax  # imported, not started: loop, run_dir and storage start no jax backend
+
+  from train import checkpoint, distributed, init_from, loop, run_dir, storage
 
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                       force=True)  # importing grain installed a root handler of its own
-  for noisy in ("absl", "orbax", "jax"):
+  for noisy in ("absl", "orbax", "jax", "fsspec", "gcsfs"):
     logging.getLogger(noisy).setLevel(logging.WARNING)
   path, overrides = (None, argv) if "=" in argv[0] else (argv[0], argv[1:])
   try:
-    cfg = init_from.resolve(config.load(path, overrides), config.set_keys(path, overrides))
+    cfg = config.load(path, overrides)
+    for key in ("run_dir", "init_from", "data.source", "data.tokenizer"):
+      storage.check(str(config.get(cfg, key)), f"config key {key!r}")  # before any read
+    cfg = init_from.resolve(cfg, config.set_keys(path, overrides))
     run_dir.check(cfg)
     distributed.setup(cfg)  # before anything starts a jax backend
-    _, stopped = loop.run(cfg)
+    try:
+      _, stopped = loop.run(cfg)
+    except jax.errors.JaxRuntimeError as e:
+      distributed.await_lost(e)  # exits with status 3 naming a lost process of the job
+      raise
   except config.ConfigError as e:
     print(f"config error: {e}", file=sys.stderr)
     return 2
@@ -54,10 +64,12 @@ def _main(argv: list[str]) -> int:
   if stopped:
     # The state is saved. A data read blocked in a pipeline thread would hold up the
     # interpreter's exit (it joins thread pools), and a SIGTERM is followed by a SIGKILL.
+    distributed.shutdown()  # every process of a job leaves together
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+  distributed.finish()  # jax's own shutdown at exit waits for the other processes
   return 0
 
 

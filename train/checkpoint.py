@@ -5,6 +5,10 @@ Saves are asynchronous (the arrays are copied, written in the background); orbax
 step into a temporary directory and renames it when complete, so a run killed mid-save
 leaves no half step behind.
 
+The run_dir may be a bucket (`gs://`): orbax writes it through TensorStore, which every
+process reaches, and the positions through `train.storage`; there, where nothing renames,
+orbax marks a complete step with a commit_success.txt and lists only the marked ones.
+
 Restoring tries the newest step first. A step is moved to `{run_dir}/checkpoints_unusable/`
 (with a warning) and the next older one tried only on evidence that its files are
 damaged: an item directory or the state's metadata missing, a data position file missing
@@ -21,15 +25,13 @@ import dataclasses
 import functools
 import json
 import logging
-import pathlib
 import re
-import shutil
 
 import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from train import distributed
+from train import distributed, storage
 from train import run_dir as run_dir_lib
 from train.config import TrainConfig
 
@@ -59,7 +61,7 @@ def _position_file() -> str:
   return f"process_{jax.process_index()}-of-{jax.process_count()}.json"
 
 
-def _read_position(directory: pathlib.Path) -> dict:
+def _read_position(directory: epath.Path) -> dict:
   """This process's data position in a step's `data` directory.
 
   Raises:
@@ -88,7 +90,7 @@ class _PositionHandler(ocp.CheckpointHandler):
 
   def restore(self, directory: epath.Path, args: PositionRestore | None = None) -> dict:
     del args
-    return _read_position(pathlib.Path(directory))
+    return _read_position(epath.Path(directory))
 
 
 @ocp.args.register_with_handler(_PositionHandler, for_save=True)
@@ -123,7 +125,7 @@ class Checkpoints:
 
   def __init__(self, cfg: TrainConfig):
     self.config, self.config_saved = cfg, False
-    self.directory = pathlib.Path(cfg.run_dir).absolute() / "checkpoints"
+    self.directory = storage.path(cfg.run_dir) / "checkpoints"
     self.unusable = self.directory.parent / "checkpoints_unusable"
     options = ocp.CheckpointManagerOptions(
         max_to_keep=cfg.checkpoint.max_to_keep, create=True, cleanup_tmp_directories=True,
@@ -229,9 +231,8 @@ class Checkpoints:
   def _set_aside(self, step: int) -> None:
     # Out of the manager's directory, so that a new save of this step does not collide.
     if jax.process_index() == 0:
-      self.unusable.mkdir(parents=True, exist_ok=True)
-      shutil.move(str(self.directory / str(step)),
-                  str(self.unusable / f"{step}-{run_dir_lib.timestamp()}"))
+      storage.move(self.directory / str(step),
+                   self.unusable / f"{step}-{run_dir_lib.timestamp()}")
     distributed.barrier("checkpoint set aside")
     self.manager.reload()
 
@@ -252,15 +253,20 @@ def restore_newest(run_dir: str, abstract_state) -> tuple[int, object]:
     CheckpointError: no checkpoint there, or the newest does not restore into
       `abstract_state` (the message says why).
   """
-  directory = pathlib.Path(run_dir).absolute() / "checkpoints"
-  steps = sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit()) \
-      if directory.is_dir() else []
-  if not steps:
+  directory = storage.path(run_dir) / "checkpoints"
+  if not directory.is_dir():
     raise CheckpointError(f"{directory} holds no checkpoint; expected a run_dir of a run that"
                           " saved at least one step.")
   manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(
                                       read_only=True, create=False, save_interval_steps=0),
                                   item_handlers={"state": ocp.StandardCheckpointHandler()})
+  # Orbax's list holds finished steps only (on a bucket, a step being written is there
+  # without its commit marker).
+  steps = sorted(manager.all_steps())
+  if not steps:
+    manager.close()
+    raise CheckpointError(f"{directory} holds no finished checkpoint; expected a run_dir of a"
+                          " run that saved at least one step.")
   try:
     state = manager.restore(steps[-1], args=ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract_state)))["state"]

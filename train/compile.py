@@ -243,11 +243,9 @@ def _table(r: Result) -> str:
 
 def _load(path, overrides):
   """The config of `path` with `overrides`, `init_from`'s model read where it exists here."""
-  import pathlib
-
-  from train import config, init_from
+  from train import config, init_from, storage
   cfg = config.load(path, overrides)
-  if cfg.init_from and pathlib.Path(cfg.init_from).exists():
+  if cfg.init_from and storage.path(cfg.init_from).exists():
     cfg = init_from.resolve(cfg, config.set_keys(path, overrides))
   return cfg
 

@@ -172,7 +172,8 @@ class TrainConfig:
 
   run_dir: checkpoints, config.json (the config they were saved with), metrics.jsonl,
     TensorBoard events and loss.png go here; a rerun with the same run_dir resumes from
-    its latest good checkpoint (see `train.run_dir`).
+    its latest good checkpoint (see `train.run_dir`). A local path or a gs://BUCKET/PATH
+    URL (`train.storage`; a multi-host run needs a bucket every host reaches).
   resume: true: continue from run_dir's checkpoints, refusing a config that changes the
     saved state's structure; false: start over at step 0 after moving the previous run's
     files to `{run_dir}/archive/<time>/` (nothing is deleted).
@@ -186,10 +187,14 @@ class TrainConfig:
     the number of devices (checked). 0 = whatever is there.
   distributed: "auto", "on" or "off": whether to call `jax.distributed.initialize()`
     (see `train.distributed`).
+  heartbeat_timeout_s: in a multi-process job, the seconds after which a process that has
+    sent no heartbeat to the job's coordinator counts as lost (preempted, killed, crashed):
+    every other process then exits with status 3, naming it, instead of waiting in a
+    collective (jax.distributed's `heartbeat_timeout_seconds`, default 100).
   init_from: "" (random initialization) or the weights to start from, with a fresh
     optimizer at step 0: a Hugging Face checkpoint directory (config.json + safetensors;
-    Llama, Mistral, Qwen2, Qwen3) or a run_dir of this trainer (its newest checkpoint). See
-    `train.init_from`.
+    Llama, Mistral, Qwen2, Qwen3) or a run_dir of this trainer (its newest checkpoint; a
+    gs:// URL too). See `train.init_from`.
   peak_tflops_per_device: the dense peak TFLOP/s of one device in the compute dtype, for
     MFU; 0 = from `train.throughput.PEAK_TFLOPS` (or measured on CPU).
   """
@@ -206,6 +211,7 @@ class TrainConfig:
   platform: str = ""
   num_devices: int = 0
   distributed: str = "auto"
+  heartbeat_timeout_s: int = 100
   init_from: str = ""
   peak_tflops_per_device: float = 0.0
   model: LlamaConfig = dataclasses.field(default_factory=LlamaConfig)
@@ -223,6 +229,7 @@ class TrainConfig:
     for name in ("checkpoint_every", "eval_every", "num_devices", "peak_tflops_per_device"):
       if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
         raise ConfigError(f"{name} expects a number >= 0, got {getattr(self, name)}.")
+    _check_at_least("heartbeat_timeout_s", self.heartbeat_timeout_s, 1)
     if self.seq_len > self.model.max_seq_len:
       raise ConfigError(f"seq_len ({self.seq_len}) expects at most model.max_seq_len"
                         f" ({self.model.max_seq_len}); raise model.max_seq_len.")
@@ -232,7 +239,7 @@ class TrainConfig:
                          ("model.attention_backend", tuple(registry.backend_names())),
                          ("data.bad_records", ("skip", "error")),
                          ("data.balance", tuple(BALANCE))):
-      _check_choice(key, _get(self, key), choices)
+      _check_choice(key, get(self, key), choices)
     try:
       context_parallel(self.context_parallel.strategy, self.data.balance,
                        ring=self.mesh.context_ring != 1)
@@ -262,7 +269,8 @@ def _check_at_least(key: str, value: int, least: int) -> None:
     raise ConfigError(f"config key {key!r} expects an int >= {least}, got {value}.")
 
 
-def _get(cfg, key: str):
+def get(cfg, key: str):
+  """The value of dotted config key `key` (e.g. "data.source") in `cfg`."""
   for part in key.split("."):
     cfg = getattr(cfg, part)
   return cfg

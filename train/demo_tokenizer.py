@@ -76,6 +76,10 @@ def main(argv: list[str]) -> int:
   parser.add_argument("--max_bytes", type=int, default=4_000_000)
   parser.add_argument("--seed", type=int, default=0, help="of the random model's weights")
   args = parser.parse_args(argv)
+  from train import storage
+  if storage.is_url(args.out_dir):
+    parser.error(f"out_dir expects a local directory, got the URL {args.out_dir!r}; write it"
+                 " locally, then copy it (gcloud storage cp -r DIR gs://...)")
   if args.vocab_size < 256 + len(SPECIAL):
     parser.error(f"--vocab_size expects at least {256 + len(SPECIAL)} (the 256 bytes and"
                  f" {len(SPECIAL)} special tokens), got {args.vocab_size}")

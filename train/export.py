@@ -14,6 +14,11 @@ is refused, RUN_DIR is not a run with a checkpoint, or its model has an option n
 Face architecture here holds (`models.hf.ExportError`, naming it); nothing is written.
 Exit status 1 with a one-line message when writing fails midway (a full disk): OUT_DIR is
 as it was.
+
+RUN_DIR and OUT_DIR may be `gs://` URLs (`train.storage`). An export to a bucket is written
+to a local temporary directory first, then uploaded into OUT_DIR, file by file (a bucket
+has no rename of a directory): a failed upload removes what it uploaded; with --force the
+previous export's files are removed just before.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import pathlib
 import re
 import shutil
 import sys
+import tempfile
 import uuid
 
 # What `models.hf.save` writes: config.json and one safetensors file, or shards and their
@@ -53,12 +59,12 @@ def restore_model(run_dir: str, cfg=None, device=None):
   import jax
   from flax import nnx
 
-  from train import checkpoint, config
+  from train import checkpoint, config, storage
   from train import run_dir as run_dir_lib
   from train.state import make_state
 
   if cfg is None:
-    if not (pathlib.Path(run_dir) / "config.json").is_file():
+    if not (storage.path(run_dir) / "config.json").is_file():
       raise config.ConfigError(f"export expects a run_dir with config.json (a run of this"
                                f" trainer), got {run_dir!r}, which has none.")
     cfg = run_dir_lib.saved_config(run_dir)
@@ -80,9 +86,14 @@ def check_out_dir(run_dir: str, out_dir: str, force: bool = False) -> None:
   Raises:
     ConfigError naming OUT_DIR and why.
   """
+  from train import storage
   from train.config import ConfigError
 
-  run, out = pathlib.Path(run_dir).resolve(), pathlib.Path(out_dir).resolve()
+  run, out = storage.path(run_dir), storage.path(out_dir)
+  if not storage.is_url(run_dir):
+    run = run.resolve()
+  if not storage.is_url(out_dir):
+    out = out.resolve()
   if out == run or run in out.parents:
     raise ConfigError(f"OUT_DIR expects a directory outside RUN_DIR, got {out_dir!r}, which is"
                       f" {'the run_dir' if out == run else 'inside the run_dir'} {run_dir!r}"
@@ -91,8 +102,10 @@ def check_out_dir(run_dir: str, out_dir: str, force: bool = False) -> None:
   if out.exists() and not out.is_dir():
     raise ConfigError(f"OUT_DIR expects a new or empty directory, got {out_dir!r}, which is a"
                       " file; pass another path.")
-  parent = next(p for p in out.parents if p.exists())  # where the new directories go
-  if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+  # Where the new directories go (a bucket's directories need no creating).
+  parent = out if storage.is_url(out_dir) else next(p for p in out.parents if p.exists())
+  if not storage.is_url(out_dir) and (not parent.is_dir()
+                                      or not os.access(parent, os.W_OK | os.X_OK)):
     raise ConfigError(f"OUT_DIR expects a path whose directories can be created, got"
                       f" {out_dir!r}, but {str(parent)!r} is"
                       f" {'not a directory' if not parent.is_dir() else 'not writable'};"
@@ -120,21 +133,32 @@ def export(run_dir: str, out_dir: str, dtype: str = "bfloat16", force: bool = Fa
     force: replace a previous export in `out_dir` (see `check_out_dir`).
 
   Raises:
-    ConfigError: `out_dir` refused (`check_out_dir`); see also `restore_model`.
+    ConfigError: a URL the export cannot use (`train.storage.check`), `out_dir` refused
+      (`check_out_dir`); see also `restore_model`.
     CheckpointError: as `restore_model`.
     models.hf.ExportError: an option no architecture holds (before the checkpoint is read).
     ValueError: unknown dtype.
   """
   from models import hf
   from train import run_dir as run_dir_lib
+  from train import storage
 
+  for location, key in ((run_dir, "RUN_DIR"), (out_dir, "OUT_DIR")):
+    storage.check(location, key)
   check_out_dir(run_dir, out_dir, force)
   tok = None
-  if (pathlib.Path(run_dir) / "config.json").is_file():
+  if (storage.path(run_dir) / "config.json").is_file():
     cfg = run_dir_lib.saved_config(run_dir)
     hf.architecture(cfg.model)  # refuse before restoring
     tok = run_dir_lib.load_tokenizer(run_dir, cfg)
   step, model = restore_model(run_dir)
+  if storage.is_url(out_dir):
+    with tempfile.TemporaryDirectory(prefix="flaxattn-export-") as local:
+      hf.save(model, local, dtype=dtype)
+      if tok is not None:
+        write_tokenizer(tok, pathlib.Path(local))
+      _upload(pathlib.Path(local), storage.path(out_dir))
+    return step
   out = pathlib.Path(out_dir).absolute()
   out.parent.mkdir(parents=True, exist_ok=True)
   new = out.parent / f".{out.name}.export-{uuid.uuid4().hex[:12]}"
@@ -155,6 +179,25 @@ def export(run_dir: str, out_dir: str, dtype: str = "bfloat16", force: bool = Fa
   if old is not None:
     shutil.rmtree(old)
   return step
+
+
+def _upload(local: pathlib.Path, out) -> None:
+  """Copies the files of export `local` into `out` (an `epath.Path` on a bucket), after
+  removing the files there (a previous export, which `check_out_dir` allowed); on failure
+  removes what it uploaded."""
+  from train import storage
+
+  for old in list(out.iterdir()) if out.is_dir() else []:
+    old.unlink()
+  done = []
+  try:
+    for file in sorted(local.iterdir()):
+      storage.upload(file, out / file.name)
+      done.append(out / file.name)
+  except BaseException:
+    for target in done:
+      target.unlink(missing_ok=True)
+    raise
 
 
 def write_tokenizer(tok, out: pathlib.Path) -> None:

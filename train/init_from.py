@@ -18,6 +18,10 @@ whose vocabulary is larger than the checkpoint's `vocab_size`, whose BOS or EOS 
 from its config.json's `bos_token_id` / `eos_token_id`, or that has neither where the
 checkpoint names them.
 
+`init_from` may be a `gs://` URL (`train.storage`): a run_dir there is read through orbax;
+a Hugging Face checkpoint there is copied to a temporary local directory while it loads
+(safetensors reads local files).
+
 A run whose run_dir has checkpoints resumes from them and ignores `init_from` (logged);
 its model config is the one its config.json was saved with, with the YAML's options.
 """
@@ -26,11 +30,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import pathlib
 
 from models import hf
 from models.llama import LlamaConfig, param_changes
 from train import run_dir as run_dir_lib
+from train import storage
 from train.config import ConfigError, TrainConfig
 
 log = logging.getLogger(__name__)
@@ -40,40 +44,46 @@ RUN_OPTIONS = ("dtype", "remat", "scan_layers", "attention_backend", "max_seq_le
 
 def resuming(cfg: TrainConfig) -> bool:
   """Whether the run resumes from checkpoints in its own run_dir (files only)."""
-  directory = pathlib.Path(cfg.run_dir) / "checkpoints"
+  directory = storage.path(cfg.run_dir) / "checkpoints"
   return cfg.resume and directory.is_dir() and any(p.name.isdigit() for p in directory.iterdir())
 
 
 def is_hf(path: str) -> bool:
   """Whether `path` is a Hugging Face checkpoint directory (config.json + safetensors)."""
-  p = pathlib.Path(path)
+  p = storage.path(path)
   return (p / "config.json").is_file() and ((p / hf.SINGLE).is_file() or (p / hf.INDEX).is_file())
 
 
-def _run_model(run_dir: pathlib.Path, what: str) -> LlamaConfig:
+def _run_model(run_dir: str, what: str) -> LlamaConfig:
   """The model config a run_dir's checkpoints were saved with (its config.json)."""
   try:
-    return run_dir_lib.saved_config(str(run_dir)).model
+    return run_dir_lib.saved_config(run_dir).model
   except ConfigError as e:
     raise ConfigError(f"{what}: {e}") from None
 
 
 def _source_model(path: str) -> LlamaConfig:
-  if not path or not pathlib.Path(path).is_dir():
+  if not path or not storage.path(path).is_dir():
     raise ConfigError(f"config key 'init_from' expects a Hugging Face checkpoint directory or a"
                       f" run_dir of this trainer, got {path!r}, which is not a directory; fix"
                       " the path, or set init_from='' to start from random weights.")
   what = f"config key 'init_from' ({path!r})"
   if is_hf(path):
     try:
-      return hf.config_from_hf(hf.read_config(path), str(pathlib.Path(path) / "config.json"))
+      return hf.config_from_hf(_hf_config(path), str(storage.path(path) / "config.json"))
     except hf.CheckpointError as e:
       raise ConfigError(f"{what}: {e}") from None
-  if (pathlib.Path(path) / "checkpoints").is_dir():
-    return _run_model(pathlib.Path(path), what)
+  if (storage.path(path) / "checkpoints").is_dir():
+    return _run_model(path, what)
   raise ConfigError(f"{what} expects a Hugging Face checkpoint directory (config.json and"
                     f" {hf.SINGLE} or {hf.INDEX}) or a run_dir with checkpoints/, got a"
                     " directory with neither; fix the path.")
+
+
+def _hf_config(path: str) -> dict:
+  """`hf.read_config` of a Hugging Face checkpoint directory, local or on a bucket."""
+  with storage.local_dir(path, ("config.json",)) as local:
+    return hf.read_config(local)
 
 
 def _merge(model: LlamaConfig, source: LlamaConfig, what: str, keep_layout: bool,
@@ -122,11 +132,11 @@ def resolve(cfg: TrainConfig, set_keys=frozenset()) -> TrainConfig:
   if resuming(cfg):
     log.info("run_dir %s has checkpoints: resuming from them; init_from %r is ignored.",
              cfg.run_dir, cfg.init_from)
-    saved = pathlib.Path(cfg.run_dir)
-    if not (saved / "config.json").is_file():
+    if not (storage.path(cfg.run_dir) / "config.json").is_file():
       return cfg
     what = f"run_dir {cfg.run_dir!r} (resuming)"
-    return _replace_model(cfg, _merge(cfg.model, _run_model(saved, what), what, True, set_keys))
+    return _replace_model(cfg, _merge(cfg.model, _run_model(cfg.run_dir, what), what, True,
+                                      set_keys))
   source = _source_model(cfg.init_from)
   what = f"config key 'init_from' ({cfg.init_from!r})"
   return _replace_model(cfg, _merge(cfg.model, source, what, not is_hf(cfg.init_from), set_keys))
@@ -157,7 +167,8 @@ def load(cfg: TrainConfig, context_parallel, graphdef, abstract_state):
   what = f"config key 'init_from' ({cfg.init_from!r})"
   if is_hf(cfg.init_from):
     try:
-      model = hf.load(cfg.init_from, context_parallel=context_parallel, config=cfg.model)
+      with storage.local_dir(cfg.init_from) as local:
+        model = hf.load(local, context_parallel=context_parallel, config=cfg.model)
     except hf.CheckpointError as e:
       raise ConfigError(f"{what}: {e}") from None
   else:
@@ -194,7 +205,7 @@ def check_tokenizer(cfg: TrainConfig, tok) -> None:
     _check_run_tokenizer(cfg, tok)
     return
   try:
-    source = hf.read_config(cfg.init_from)
+    source = _hf_config(cfg.init_from)
   except hf.CheckpointError as e:
     raise ConfigError(f"config key 'init_from' ({cfg.init_from!r}): {e}") from None
   where = f"the checkpoint of init_from {cfg.init_from!r} has"

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import pathlib
 import sys
 import time
 
@@ -37,7 +36,7 @@ import optax
 from flax import nnx
 
 from models.llama import loss_fn
-from train import data, distributed, evaluation, init_from, metrics, throughput
+from train import data, distributed, evaluation, init_from, metrics, storage, throughput
 from train import mesh as mesh_lib
 from train import run_dir as run_dir_lib
 from train.config import TrainConfig
@@ -165,6 +164,7 @@ def _loop(cfg: TrainConfig, mesh, run_data: data.Data, start: Start, stop: StopR
       paused = time.perf_counter()
       if save_now:
         ckpts.save(step, nnx.state(state), position)
+        reporter.writer.flush()  # the lines of the steps this checkpoint holds
         saved = step
       if eval_now:
         reporter.writer.write(step, _evaluate(state, run_data.eval, batches,
@@ -278,7 +278,7 @@ class _Reporter:
     """The run's closing lines: steps, final loss, `wall` seconds of the loop and the steps'
     share, throughput, where its files are."""
     cfg = self.cfg
-    run = pathlib.Path(cfg.run_dir).absolute()
+    run = storage.path(cfg.run_dir)
     lines = [f"done: step {step}/{cfg.steps} ({step - self.start_step} this run)"]
     if self.last is not None:
       lines[0] += f", final loss {self.last[1]['loss']:.4f} (step {self.last[0]})"

@@ -20,6 +20,11 @@ dispatch_time: the step's call until it returns (the loop calls it once the step
 is done, and the device waits for it meanwhile).
 Only process 0 writes.
 
+The run_dir may be a bucket (`train.storage`): there lines are appended (and TensorBoard's
+events uploaded) every `BUCKET_FLUSH_S` seconds, at each eval and checkpoint and at the
+end, rather than at each step (an append to an object is two requests); a kill loses the
+lines since, of steps that the resumed run redoes.
+
 The file is only ever appended to. A run resumed from a checkpoint older than its last
 lines (killed between two checkpoints) redoes those steps and appends their lines again:
 `read` takes the last line of each step as current, and the earlier ones stay in the file.
@@ -30,12 +35,17 @@ from __future__ import annotations
 
 import json
 import logging
-import pathlib
 import sys
+import time
 
 import jax
+from etils import epath
+
+from train import storage
 
 log = logging.getLogger(__name__)
+
+BUCKET_FLUSH_S = 30.0
 
 
 def _rows(text: str) -> list[dict]:
@@ -54,7 +64,7 @@ def read(run_dir: str) -> list[dict]:
   """The current metrics of a run in step order: for each step and kind (training or
   eval line), the last line written."""
   current = {}
-  for row in _rows((pathlib.Path(run_dir) / "metrics.jsonl").read_text()):
+  for row in _rows((storage.path(run_dir) / "metrics.jsonl").read_text()):
     current[row["step"], "eval_loss" in row] = row
   return [current[k] for k in sorted(current)]
 
@@ -69,7 +79,7 @@ class MetricsWriter:
   """
 
   def __init__(self, run_dir: str, start_step: int):
-    self.path = pathlib.Path(run_dir) / "metrics.jsonl"
+    self.path = storage.path(run_dir) / "metrics.jsonl"
     self.enabled = jax.process_index() == 0
     self.evaluated: set[int] = set()
     if not self.enabled:
@@ -81,27 +91,35 @@ class MetricsWriter:
       log.warning("%s has lines for steps %d..%d, past the checkpoint at step %d: they stay,"
                   " and the redone steps are appended after them (the last line of a step"
                   " is current).", self.path, redone[0], redone[-1], start_step)
-    self._file = self.path.open("a")
-    if text and not text.endswith("\n"):
-      self._file.write("\n")  # ends a line cut short by a kill
-    self._tb = _summary_writer()(str(pathlib.Path(run_dir) / "tensorboard"),
+    self._pending = "\n" if text and not text.endswith("\n") else ""  # ends a line cut short
+    self._every = BUCKET_FLUSH_S if storage.is_url(run_dir) else 0.0
+    self._flushed = time.monotonic()
+    self._tb = _summary_writer()(str(self.path.parent / "tensorboard"),
                                  purge_step=start_step + 1)
 
   def write(self, step: int, values: dict) -> None:
-    """One line `{"step": step, **values}`, flushed; scalars to TensorBoard too (a dict of
-    scalars as `name/key`)."""
+    """One line `{"step": step, **values}`, flushed (on a bucket: see the module
+    docstring); scalars to TensorBoard too (a dict of scalars as `name/key`)."""
     if not self.enabled:
       return
-    self._file.write(json.dumps({"step": step, **values}) + "\n")
-    self._file.flush()
+    self._pending += json.dumps({"step": step, **values}) + "\n"
     for name, value in values.items():
       for tag, scalar in (value.items() if isinstance(value, dict) else [("", value)]):
         self._tb.add_scalar(f"{name}/{tag}" if tag else name, scalar, step)
-    self._tb.flush()
+    if "eval_loss" in values or time.monotonic() - self._flushed >= self._every:
+      self.flush()
+
+  def flush(self) -> None:
+    """Writes the lines and events not written yet."""
+    if self.enabled:
+      storage.append(self.path, self._pending.encode())
+      self._pending = ""
+      self._tb.flush()
+      self._flushed = time.monotonic()
 
   def close(self) -> None:
     if self.enabled:
-      self._file.close()
+      self.flush()
       self._tb.close()
 
   def plot(self) -> None:
@@ -118,13 +136,42 @@ def _summary_writer():
   framework in the process); the trainer writes Python floats."""
   if "tensorboardX" in sys.modules or "torch" in sys.modules:
     from tensorboardX import SummaryWriter
-    return SummaryWriter
-  sys.modules["torch"] = None  # type: ignore[assignment]  # `import torch` raises ImportError
-  try:
-    from tensorboardX import SummaryWriter
-  finally:
-    del sys.modules["torch"]
+  else:
+    sys.modules["torch"] = None  # type: ignore[assignment]  # `import torch` raises ImportError
+    try:
+      from tensorboardX import SummaryWriter
+    finally:
+      del sys.modules["torch"]
+  from tensorboardX import record_writer
+  record_writer.register_writer_factory("gs", _BucketEvents)  # type: ignore[arg-type]
   return SummaryWriter
+
+
+class _BucketEvents:
+  """TensorBoard's event files on a bucket, through `train.storage` (tensorboardX's own
+  writer for gs:// needs google-cloud-storage's client with a project, and uploads the
+  whole file again at each flush): records are kept until a flush appends them."""
+
+  def __init__(self, path: str):
+    self.path, self._buffer = storage.path(path), bytearray()
+
+  @classmethod
+  def open(cls, path: str) -> _BucketEvents:  # tensorboardX's factory interface
+    return cls(path)
+
+  @staticmethod
+  def directory_check(path: str) -> None:  # a bucket's directories need no creating
+    del path
+
+  def write(self, data: bytes) -> None:
+    self._buffer += data
+
+  def flush(self) -> None:
+    storage.append(self.path, bytes(self._buffer))
+    self._buffer.clear()
+
+  def close(self) -> None:
+    self.flush()
 
 
 def _pyplot():
@@ -134,10 +181,16 @@ def _pyplot():
   return plt
 
 
-def plot_loss(run_dir: str) -> pathlib.Path:
+def _save(fig, out: epath.Path) -> epath.Path:
+  with out.open("wb") as f:
+    fig.savefig(f, format="png", dpi=100)
+  return out
+
+
+def plot_loss(run_dir: str) -> epath.Path:
   """Draws train and eval loss by step from `{run_dir}/metrics.jsonl` to `loss.png`."""
   plt = _pyplot()
-  run = pathlib.Path(run_dir)
+  run = storage.path(run_dir)
   rows = read(run_dir)
   fig, ax = plt.subplots(figsize=(7, 4))
   for key, style in (("loss", "-"), ("eval_loss", "o-")):
@@ -150,13 +203,12 @@ def plot_loss(run_dir: str) -> pathlib.Path:
   ax.grid(alpha=0.3)
   ax.legend()
   fig.tight_layout()
-  out = run / "loss.png"
-  fig.savefig(out, dpi=100)
+  out = _save(fig, run / "loss.png")
   plt.close(fig)
   return out
 
 
-def plot_loss_by_position(run_dir: str) -> pathlib.Path | None:
+def plot_loss_by_position(run_dir: str) -> epath.Path | None:
   """Draws each eval's loss by position in the segment (`eval_loss_by_position`: a line per
   eval step, x the bucket's upper bound on a log scale) from `{run_dir}/metrics.jsonl` to
   `eval_loss_by_position.png`; None where no eval has it."""
@@ -165,7 +217,7 @@ def plot_loss_by_position(run_dir: str) -> pathlib.Path | None:
   if not rows:
     return None
   plt = _pyplot()
-  run = pathlib.Path(run_dir)
+  run = storage.path(run_dir)
   fig, ax = plt.subplots(figsize=(7, 4))
   colors = plt.get_cmap("viridis")
   for i, r in enumerate(rows):
@@ -182,7 +234,6 @@ def plot_loss_by_position(run_dir: str) -> pathlib.Path | None:
   ax.grid(alpha=0.3)
   ax.legend(fontsize="small", ncol=2)
   fig.tight_layout()
-  out = run / "eval_loss_by_position.png"
-  fig.savefig(out, dpi=100)
+  out = _save(fig, run / "eval_loss_by_position.png")
   plt.close(fig)
   return out

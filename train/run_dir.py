@@ -10,6 +10,9 @@
   metrics.jsonl, tensorboard/, loss.png, eval_loss_by_position.png   (`train.metrics`)
   archive/<time>/          an earlier run's files, moved there when a run starts over
 
+A run_dir is a local directory or a `gs://BUCKET/PATH` URL: every file goes through
+`train.storage`.
+
 `check` runs before anything else: it compares the config with the saved one. A change
 that gives the model other parameters (`models.llama.param_changes`: derived from the
 model's parameter shapes, so every option that changes them is caught) or a data stream
@@ -28,15 +31,12 @@ from __future__ import annotations
 import datetime
 import json
 import logging
-import os
-import pathlib
-import shutil
 
 import jax
 from etils import epath
 
 from models.llama import param_changes
-from train import distributed
+from train import distributed, storage
 from train.config import ConfigError, TrainConfig, from_dict, to_dict
 from train.data import tokenizers
 
@@ -68,7 +68,7 @@ def saved_config(run_dir: str) -> TrainConfig:
     ConfigError naming config.json: missing, not JSON, not a JSON object holding the keys
       the trainer writes (`SAVED_KEYS`), or values the schema rejects.
   """
-  path = pathlib.Path(run_dir) / "config.json"
+  path = storage.path(run_dir) / "config.json"
   fix = ("restore it from a backup or the run's archive/; to start a new run here instead, pass"
          " resume=false (the run's files are moved to archive/).")
   try:
@@ -113,7 +113,7 @@ def check(cfg: TrainConfig) -> None:
     ConfigError: naming each refused key with its saved and new value, or a saved
       config.json that does not load (`saved_config`).
   """
-  path = pathlib.Path(cfg.run_dir) / "config.json"
+  path = storage.path(cfg.run_dir) / "config.json"
   if not cfg.resume or not path.is_file():
     return
   saved_cfg = saved_config(cfg.run_dir)
@@ -136,14 +136,16 @@ def check(cfg: TrainConfig) -> None:
 
 
 def create(run_dir: str, start_over: bool = False) -> None:
-  """Creates the run directory `run_dir` if needed; with `start_over`, moves an earlier
-  run's files in it to `archive/` (`archive`).
+  """Creates the run directory `run_dir` if needed (a bucket's needs no creating: its
+  objects' names hold the path); with `start_over`, moves an earlier run's files in it to
+  `archive/` (`archive`).
 
   Raises:
     ConfigError: it cannot be created (or is not a directory); nothing was moved.
   """
   try:
-    pathlib.Path(run_dir).mkdir(parents=True, exist_ok=True)
+    if not storage.is_url(run_dir):
+      storage.path(run_dir).mkdir(parents=True, exist_ok=True)
   except OSError as e:
     raise ConfigError(f"config key 'run_dir' expects a directory that exists or can be created;"
                       f" got {run_dir!r} ({e.strerror}: {e.filename}). Choose another"
@@ -154,27 +156,21 @@ def create(run_dir: str, start_over: bool = False) -> None:
 
 def save_config(cfg: TrainConfig) -> None:
   """Writes config.json (atomically: a run killed meanwhile leaves the old one)."""
-  path = pathlib.Path(cfg.run_dir) / "config.json"
-  tmp = path.with_suffix(".json.tmp")
-  tmp.write_text(json.dumps(to_dict(cfg), indent=2))
-  os.replace(tmp, path)
+  storage.write_atomic(storage.path(cfg.run_dir) / "config.json",
+                       json.dumps(to_dict(cfg), indent=2))
 
 
 def save_tokenizer(run_dir: str, tok: tokenizers.Tokenizer) -> None:
   """Copies the files the run's tokenizer `tok` was read from (`tok.files`; none for
   "bytes") into `run_dir`'s tokenizer/, on process 0, unless a copy is there: a run that
   resumes keeps the copy its checkpoints were trained with (a run that starts over has
-  moved it to archive/). Written beside it, then renamed: a run killed meanwhile leaves
-  no partial copy."""
-  target = pathlib.Path(run_dir) / TOKENIZER_DIR
-  if jax.process_index() != 0 or target.exists() or not tok.files:
+  moved it to archive/). `storage.write_dir`: a run killed meanwhile leaves no partial
+  copy locally; on a bucket, the next start completes one."""
+  target = storage.path(run_dir) / TOKENIZER_DIR
+  if (jax.process_index() != 0 or not tok.files
+      or all((target / name).exists() for name in tok.files)):
     return
-  tmp = target.with_name(f".{TOKENIZER_DIR}.tmp")
-  shutil.rmtree(tmp, ignore_errors=True)
-  tmp.mkdir()
-  for name, data in tok.files.items():
-    (tmp / name).write_bytes(data)
-  os.replace(tmp, target)
+  storage.write_dir(target, tok.files)
 
 
 def save_corpus(run_dir: str, corpus: dict[str, str]) -> None:
@@ -234,7 +230,7 @@ def load_tokenizer(run_dir: str, cfg: TrainConfig, *, copy: bool = True) -> toke
   Raises:
     ConfigError: the tokenizer does not read (the copy's errors name the run_dir).
   """
-  saved = pathlib.Path(run_dir) / TOKENIZER_DIR
+  saved = storage.path(run_dir) / TOKENIZER_DIR
   if not (copy and saved.is_dir()):
     return tokenizers.make(cfg.data.tokenizer)
   try:
@@ -249,13 +245,12 @@ def archive(run_dir: str, names: tuple[str, ...], why: str) -> None:
   into a new `archive/<time>/` and logs `why` with what moved (on process 0; every process
   returns once it is done)."""
   if jax.process_index() == 0:
-    paths = [pathlib.Path(run_dir) / n for n in names]
+    paths = [storage.path(run_dir) / n for n in names]
     present = [p for p in paths if p.is_file() or (p.is_dir() and any(p.iterdir()))]
     if present:
-      target = pathlib.Path(run_dir) / "archive" / timestamp()
-      target.mkdir(parents=True)
+      target = storage.path(run_dir) / "archive" / timestamp()
       for p in present:
-        shutil.move(str(p), str(target / p.name))
+        storage.move(p, target / p.name)
       log.warning("%s: starting at step 0; moved the earlier run's %s to %s", why,
                   ", ".join(sorted(p.name for p in present)), target)
   distributed.barrier("archive")

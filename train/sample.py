@@ -30,7 +30,6 @@ import argparse
 import contextlib
 import logging
 import math
-import pathlib
 import sys
 
 import jax
@@ -190,20 +189,22 @@ def load(run_dir: str):
   """`(model, tokenizer, step)` of `run_dir`'s newest checkpoint.
 
   The model is unrolled (ready for `generate`) and on the default device of the run's
-  platform. Nothing in `run_dir` changes.
+  platform. Nothing in `run_dir` changes. `run_dir` may be a `gs://` URL (`train.storage`).
 
   Raises:
-    ValueError: `run_dir` is not a directory, has no checkpoint, or no config.json that
+    ValueError: `run_dir` is a URL that cannot be read (`train.storage.check`), is not a
+      directory, has no checkpoint, or no config.json that
       is a valid trainer config; the run's tokenizer cannot be made or its platform does
       not start here (`train.config.ConfigError`).
     train.checkpoint.CheckpointError: the newest checkpoint does not restore.
   """
-  from train import config, distributed
+  from train import config, distributed, storage
   from train import run_dir as run_dir_lib
   from train.distributed import jax_platforms
   from train.export import restore_model
 
-  path = pathlib.Path(run_dir)
+  storage.check(run_dir, "RUN_DIR")
+  path = storage.path(run_dir)
   if not path.is_dir():
     raise ValueError(f"RUN_DIR expects the run_dir of a `python -m train` run, got {run_dir!r},"
                      " which is not a directory.")

@@ -1,0 +1,259 @@
+"""Where a run's files live: a local directory or a Google Cloud Storage bucket
+(`gs://BUCKET/PATH`), through one path type, etils' `epath.Path` (the one orbax uses), so
+that the trainer, `train.export`, `train.sample` and `train.compile` read and write both
+alike and no code sees a `pathlib.Path` of a URL (which would be a local directory named
+`gs:`).
+
+  p = storage.path(cfg.run_dir) / "config.json"   # epath.Path, local or gs://
+  storage.write_atomic(p, text)
+
+What a bucket lacks, these calls provide: an atomic replace (an object upload is whole or
+absent, so a bucket needs no temporary file), an append (`append`: the new bytes as an
+object, composed onto the end server-side), and a move (`move`: copies, then deletes);
+readers and writers of local files only (safetensors) get a local copy (`local_dir`,
+`upload`).
+
+A bucket goes through gcsfs (etils' backend for `gs://`; the `train` extra installs it)
+and orbax's TensorStore. `check` refuses, before anything is written, a URL whose scheme is
+not `gs`, a machine without Google Cloud credentials, an endpoint that does not answer and a
+bucket that does not exist.
+
+The GCS emulator: `STORAGE_EMULATOR_HOST` (the standard variable, `host:port` or a URL) is
+all a user sets. The first use of a `gs://` path derives from it what the other clients
+need, where the user has not set them: `TENSORSTORE_GCS_HTTP_URL`, a placeholder token for
+TensorStore (`GOOGLE_AUTH_TOKEN_FOR_TESTING`; an emulator checks none) and gcsfs's
+anonymous access. gcsfs's experimental zonal-bucket support (`GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT`)
+is off unless set: it asks a gRPC control API about every bucket, which an emulator does not
+serve (a minute's timeout per bucket) and a standard bucket does not need.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import tempfile
+import urllib.parse
+import uuid
+
+from etils import epath
+
+from train.config import ConfigError
+
+SCHEMES = ("gs",)
+_PUBLIC_ENDPOINT = "https://storage.googleapis.com"
+_CONNECT_TIMEOUT_S = 10.0
+_configured = False
+
+
+def is_url(location: str) -> bool:
+  """Whether `location` is a URL (`scheme://...`) rather than a local path."""
+  return "://" in location
+
+
+def path(location: str) -> epath.Path:
+  """`location` (a local path or a `gs://` URL) as an `epath.Path`; a local one is made
+  absolute.
+
+  Raises:
+    ConfigError: a URL whose scheme is not in `SCHEMES`.
+  """
+  if not is_url(location):
+    return epath.Path(os.path.abspath(location))
+  _check_scheme(location, "path")
+  _configure_gcs()
+  return epath.Path(location)
+
+
+def _check_scheme(location: str, key: str) -> None:
+  scheme = location.split("://", 1)[0]
+  bucket = location.split("://", 1)[1].split("/", 1)[0]
+  if scheme not in SCHEMES:
+    raise ConfigError(f"{key} expects a local path or a gs://BUCKET/PATH URL, got {location!r}"
+                      f" (scheme {scheme!r}); the trainer's storage speaks "
+                      + ", ".join(f"{s}://" for s in SCHEMES) + " only: pass a gs:// URL or a"
+                      " local path.")
+  if not bucket:
+    raise ConfigError(f"{key} expects gs://BUCKET/PATH, got {location!r} without a bucket.")
+
+
+def _configure_gcs() -> None:
+  """Settings for gcsfs and TensorStore derived from `STORAGE_EMULATOR_HOST` (see the module
+  docstring); once per process, before either opens a bucket."""
+  global _configured
+  if _configured:
+    return
+  os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")  # read at gcsfs' import
+  emulator = _emulator()
+  if emulator:
+    from fsspec.config import conf
+    os.environ.setdefault("TENSORSTORE_GCS_HTTP_URL", emulator)
+    os.environ.setdefault("GOOGLE_AUTH_TOKEN_FOR_TESTING", "emulator")
+    conf.setdefault("gcs", {}).setdefault("token", "anon")
+  _configured = True
+
+
+def _emulator() -> str | None:
+  """The emulator's URL from `STORAGE_EMULATOR_HOST`, or None."""
+  host = os.environ.get("STORAGE_EMULATOR_HOST", "")
+  if host in ("", "default"):
+    return None
+  return host if "://" in host else f"http://{host}"
+
+
+def _gcs():
+  """gcsfs's file system (the instance fsspec keeps), configured (`_configure_gcs`).
+
+  Raises:
+    ConfigError: gcsfs is not installed.
+  """
+  _configure_gcs()
+  try:
+    import fsspec
+    return fsspec.filesystem("gcs")
+  except ImportError:
+    raise ConfigError("gs:// paths need gcsfs, which the trainer's extra installs: pip install"
+                      " -e '.[train]'.") from None
+
+
+def check(location: str, key: str) -> None:
+  """Refuses, with a one-line ConfigError naming `key`, a URL `location` that the run
+  cannot use: a scheme other than gs, no Google Cloud credentials (not asked of an
+  emulator), an endpoint that does not answer within 10 s, or a bucket that does not exist
+  or that the credentials may not list. Local paths are left to their users. Writes
+  nothing.
+  """
+  if not is_url(location):
+    return
+  _check_scheme(location, key)
+  _configure_gcs()
+  bucket = location.split("://", 1)[1].split("/", 1)[0]
+  endpoint = _emulator()
+  what = f"{key} {location!r}"
+  if endpoint is None:
+    endpoint = _PUBLIC_ENDPOINT
+    import google.auth
+    from google.auth.exceptions import DefaultCredentialsError
+    try:
+      google.auth.default()
+    except DefaultCredentialsError as e:
+      raise ConfigError(
+          f"{what}: no Google Cloud credentials found ({_first_line(e)}). On a Cloud TPU VM or"
+          " a GCE instance the VM's service account is used; elsewhere run `gcloud auth"
+          " application-default login` or set GOOGLE_APPLICATION_CREDENTIALS.") from None
+  host = urllib.parse.urlsplit(endpoint)
+  port = host.port or (443 if host.scheme == "https" else 80)
+  try:
+    socket.create_connection((host.hostname, port), timeout=_CONNECT_TIMEOUT_S).close()
+  except OSError as e:
+    raise ConfigError(f"{what}: the storage endpoint {endpoint} does not answer ({e}); check the"
+                      " network" + (", or STORAGE_EMULATOR_HOST (the emulator's address)"
+                                    if _emulator() else "") + ".") from None
+  fs = _gcs()
+  try:  # listing one object: the permission a run needs, where reading the bucket's own
+    # metadata takes another (storage.buckets.get) that object roles lack
+    fs.call("GET", "b/{}/o", bucket, maxResults=1, json_out=True)
+  except FileNotFoundError:
+    raise ConfigError(f"{what}: bucket {bucket!r} does not exist at {endpoint}; create it"
+                      f" (gcloud storage buckets create gs://{bucket}) or fix the name.") from None
+  except Exception as e:  # gcsfs: OSError for 403, its HttpError for 401 and others
+    raise ConfigError(f"{what}: listing bucket {bucket!r} failed ({_first_line(e)}); give"
+                      " the credentials a storage role on it (roles/storage.objectAdmin)."
+                      ) from None
+
+
+def _first_line(error: BaseException) -> str:
+  return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+def write_atomic(target: epath.Path, data: str | bytes) -> None:
+  """Writes `data` to `target` so that a reader (or a run killed meanwhile) sees the old
+  file or the new one, never part of it: locally through a temporary file and a rename, on
+  a bucket in one upload (an object is whole or absent)."""
+  raw = data.encode() if isinstance(data, str) else data
+  if is_url(str(target)):
+    target.write_bytes(raw)
+    return
+  tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}.tmp")
+  tmp.write_bytes(raw)
+  os.replace(tmp, target)
+
+
+def write_dir(target: epath.Path, files: dict[str, bytes]) -> None:
+  """Writes directory `target` with `files` (name -> bytes). Locally it is written beside
+  and renamed into place (all or nothing); on a bucket each file is an object, written
+  whole; a directory missing some of `files` (a run killed between two uploads) is
+  completed by the next call."""
+  if is_url(str(target)):
+    for name, data in files.items():
+      (target / name).write_bytes(data)
+    return
+  tmp = target.with_name(f".{target.name}.tmp")
+  shutil.rmtree(tmp, ignore_errors=True)
+  tmp.mkdir(parents=True)
+  for name, data in files.items():
+    (tmp / name).write_bytes(data)
+  os.replace(tmp, target)
+
+
+def append(target: epath.Path, data: bytes) -> None:
+  """Appends `data` to file `target` (created if missing). On a bucket: `data` is uploaded
+  as an object beside it and composed onto its end by the server (GCS compose), so an
+  append costs two requests whatever the file's size."""
+  if not data:
+    return
+  if not is_url(str(target)):
+    with open(target, "ab") as f:
+      f.write(data)
+    return
+  fs = _gcs()
+  if not target.exists():
+    target.write_bytes(data)
+    return
+  part = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}.part")
+  part.write_bytes(data)
+  try:
+    fs.merge(str(target), [str(target), str(part)])
+  finally:
+    fs.rm(str(part))
+
+
+def move(source: epath.Path, target: epath.Path) -> None:
+  """Moves file or directory `source` to `target` (its parent directories created). On a
+  bucket, each object is copied, then the sources deleted: a kill meanwhile leaves both
+  copies, never neither."""
+  if not is_url(str(source)):
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.move(os.fspath(source), os.fspath(target))
+    return
+  fs = _gcs()
+  fs.copy(str(source), str(target), recursive=source.is_dir())
+  fs.rm(str(source), recursive=True)
+
+
+
+def upload(local: os.PathLike, target: epath.Path) -> None:
+  """Copies local file `local` to `target` (a bucket's object is streamed from the file,
+  not read into memory first)."""
+  if is_url(str(target)):
+    _gcs().put(os.fspath(local), str(target))
+  else:
+    shutil.copyfile(local, target)
+
+
+@contextlib.contextmanager
+def local_dir(location: str, names: tuple[str, ...] | None = None):
+  """Yields a local directory with the files of directory `location` (those of `names`
+  only, where given; no subdirectories), for readers of local files only (safetensors'
+  memory map): `location` itself where it is local; for a URL a temporary copy, removed
+  afterwards (a checkpoint's size on the local disk meanwhile)."""
+  if not is_url(location):
+    yield location
+    return
+  source = path(location)
+  with tempfile.TemporaryDirectory(prefix="flaxattn-") as local:
+    for file in source.iterdir():
+      if (names is None or file.name in names) and file.is_file():
+        _gcs().get(str(file), os.path.join(local, file.name))
+    yield local
