@@ -1,9 +1,9 @@
-"""A run's data on a bucket (the `gcs_emulator` fixture: a GCS emulator on loopback): a corpus
-of every format in a bucket lists and reads as its local copy, streamed (no
-file of it reaches the local disk); a tokenizer.json there reads; the trainer trains from
-both, resumes exactly, and `train.export` and `train.sample` read the run's copy of the
-tokenizer on the bucket; a corpus file changed under the running trainer stops it with one
-line naming the file, and a resume then refuses the changed corpus."""
+"""A run's data on a bucket (the `gcs_emulator` fixture: a GCS emulator on loopback): a
+corpus of every format there lists and reads as its local copy, streamed (no file of it
+reaches the local disk); a tokenizer.json there reads; the trainer trains from both,
+resumes exactly, and `train.export` and `train.sample` read the run's copy of the tokenizer
+on the bucket; a corpus file changed under the running trainer stops it with one line
+naming the file, and a resume then refuses the changed corpus."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import zstandard
+from fsspec.spec import AbstractBufferedFile
 
 import corpora
 from gcs import checkpoints, create_bucket, delete, metrics, objects, upload_dir, write
@@ -50,7 +51,8 @@ def test_a_corpus_on_a_bucket_reads_as_its_local_copy(gcs_emulator, storage_env,
   of several row groups; every kind of odd record) uploaded to gs://corpus/corpus/: listed
   from there, it has the documents, bad records and fingerprint of its local copy, and read
   as the pipeline reads (shuffled by blocks, two threads, compressed files in many blocks)
-  each document is the local copy's text. Nothing is written to local disk."""
+  each document is the local copy's text, parquet row groups read through file objects of
+  the bucket's shards. Nothing is written to local disk."""
   local = tmp_path / "corpus"
   corpora.odd_corpus(local)
   create_bucket(gcs_emulator, "corpus")
@@ -60,6 +62,14 @@ def test_a_corpus_on_a_bucket_reads_as_its_local_copy(gcs_emulator, storage_env,
   monkeypatch.setattr(sources, "BLOCKS", sources._Blocks(sources.BLOCK_CACHE))
   monkeypatch.setattr(streams, "CURSORS", streams.Cursors())
   want = list_documents(str(local))
+  texts = {d.name: d.read() for d in want}
+  shards, parquet_file = [], pq.ParquetFile
+
+  def spied(source, *args, **kwargs):
+    shards.append(source)
+    return parquet_file(source, *args, **kwargs)
+
+  monkeypatch.setattr(pq, "ParquetFile", spied)
   got = list_documents("gs://corpus/corpus")
   assert [d.name for d in got] == [d.name for d in want]
   assert [p for s in got.sources for p in s.problems] == [p for s in want.sources
@@ -69,7 +79,10 @@ def test_a_corpus_on_a_bucket_reads_as_its_local_copy(gcs_emulator, storage_env,
   ds = order(got, seed=0, shuffle=True).to_iter_dataset(
       grain.ReadOptions(num_threads=2, prefetch_buffer_size=8))
   read = {d.name: d.read() for _, d in zip(range(len(got)), ds, strict=False)}
-  assert read == {d.name: d.read() for d in want}
+  assert read == texts
+  # Parquet shards (listed, and each row group read back) through file objects of the
+  # bucket's objects (gcsfs's), never a local copy.
+  assert len(shards) > 12 and all(isinstance(f, AbstractBufferedFile) for f in shards)
 
 
 def test_a_tokenizer_on_a_bucket_reads(gcs_emulator, storage_env, monkeypatch, tmp_path,
@@ -99,7 +112,7 @@ def _training_corpus(root: pathlib.Path, tag: str) -> dict[str, list[str]]:
   texts = [t[i:i + 1500] for t in demo_tokenizer.corpus(60_000) for i in range(0, len(t), 1500)]
   files = {f"a-{tag}.jsonl": texts[0::2], f"b-{tag}.txt": [texts[1]],
            f"sub/c-{tag}.txt": [texts[3]], f"d-{tag}.jsonl.gz": texts[5::8],
-           f"e-{tag}.jsonl.zst": texts[7::8], f"f-{tag}.parquet": texts[9::4]}
+           f"e-{tag}.jsonl.zst": texts[7::8], f"f-{tag}.parquet": texts[9::8] + texts[11::8]}
   (root / "sub").mkdir(parents=True)
   for name, docs in files.items():
     lines = "\n".join(json.dumps({"text": t}) for t in docs).encode()
