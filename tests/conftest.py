@@ -86,3 +86,18 @@ def gcs_emulator():
   finally:
     proc.terminate()
     proc.wait(timeout=10)
+
+
+@pytest.fixture
+def storage_env(monkeypatch):
+  """`train.storage` as in a fresh process (set `STORAGE_EMULATOR_HOST` before its first
+  gs:// path), and what it derives from the environment undone afterwards."""
+  from fsspec.config import conf
+
+  from train import storage
+  monkeypatch.setattr(storage, "_configured", False)
+  monkeypatch.setitem(conf, "gcs", {})
+  for var in ("STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL",
+              "GOOGLE_AUTH_TOKEN_FOR_TESTING", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"):
+    monkeypatch.delenv(var, raising=False)
+  return storage

@@ -9,7 +9,6 @@ Nothing of the runs reaches the local disk.
 
 from __future__ import annotations
 
-import json
 import pathlib
 import re
 import signal
@@ -21,24 +20,11 @@ import uuid
 import portpicker
 import pytest
 
-from gcs import create_bucket, objects, read
+from gcs import checkpoints, create_bucket, losses, objects
 from trainer import ROOT, STEPS, clean_env, finish, kill_group, poll, start_job
 
 BUCKET = "pod"
 HEARTBEAT_S = 8  # heartbeat_timeout_s of the runs that lose a process
-
-
-def _losses(url: str, run: str, key="loss") -> dict[int, float]:
-  """step -> `key` of the step's last line in the bucket's metrics.jsonl."""
-  rows = [json.loads(line) for line in read(url, BUCKET, f"{run}/metrics.jsonl").splitlines()]
-  return {r["step"]: r[key] for r in rows if key in r}
-
-
-def _finished_checkpoints(url: str, run: str) -> list[int]:
-  """Steps whose checkpoint is complete (on a bucket orbax marks it commit_success.txt)."""
-  names = objects(url, BUCKET, f"{run}/checkpoints/")
-  return sorted(int(n.split("/")[2]) for n in names
-                if n.endswith("/commit_success.txt") and n.count("/") == 3)
 
 
 @pytest.mark.slow  # runs the trainer
@@ -50,14 +36,14 @@ def test_pod_run_on_a_bucket_loses_a_process_stops_and_resumes(gcs_emulator, tmp
 
   # The uninterrupted run.
   finish(start_job(f"gs://{BUCKET}/{name}-whole", logs, STORAGE_EMULATOR_HOST=url), logs)
-  want = _losses(url, f"{name}-whole")
+  want = losses(url, BUCKET, f"{name}-whole")
   assert sorted(want) == list(range(1, STEPS + 1))
 
   # Process 1 is killed mid-run: process 0 names it and exits with status 3.
   run = f"gs://{BUCKET}/{name}"
   procs = start_job(run, logs, f"heartbeat_timeout_s={HEARTBEAT_S}", STORAGE_EMULATOR_HOST=url)
   try:
-    poll(procs[0], logs[0], lambda: len(_finished_checkpoints(url, name)) >= 2,
+    poll(procs[0], logs[0], lambda: len(checkpoints(url, BUCKET, name)) >= 2,
          "two finished checkpoints in the bucket")
     kill_group(procs[1])
     killed = time.monotonic()
@@ -72,7 +58,7 @@ def test_pod_run_on_a_bucket_loses_a_process_stops_and_resumes(gcs_emulator, tmp
   print(f"survivor: exit {procs[0].returncode} {survivor_s:.1f} s after the kill: {last}")
   assert procs[0].returncode == 3, out[-4000:]
   assert last.startswith("lost process 1 of 2 ("), out[-4000:]
-  resumable = _finished_checkpoints(url, name)[-1]
+  resumable = checkpoints(url, BUCKET, name)[-1]
   assert resumable < STEPS, "the run finished before it was killed"
 
   # Both restart and resume; SIGTERM to both at once: each saves once and exits 0.
@@ -88,16 +74,16 @@ def test_pod_run_on_a_bucket_loses_a_process_stops_and_resumes(gcs_emulator, tmp
            for out in outs]
   assert all(len(s) == 1 for s in stops), outs[0][-4000:]  # one stop, at one step, on each
   stopped_at, = {int("".join(s[0])) for s in stops}  # the same step on both
-  assert resumable < stopped_at < STEPS and _finished_checkpoints(url, name)[-1] == stopped_at
+  assert resumable < stopped_at < STEPS and checkpoints(url, BUCKET, name)[-1] == stopped_at
   print(f"resumed from step {resumable}; SIGTERM to both: each stopped at step {stopped_at}")
 
   # Started again, the run finishes: every loss equals the uninterrupted run's.
   outs = finish(start_job(run, logs, STORAGE_EMULATOR_HOST=url), logs)
   assert all(f"resumed from step {stopped_at} " in out for out in outs), outs[0][-4000:]
-  got = _losses(url, name)
+  got = losses(url, BUCKET, name)
   print("losses, killed and resumed twice:", got, "\nlosses, uninterrupted:", want, sep="\n")
   assert got == want  # exact: resuming on CPU is bit-identical
-  assert _losses(url, name, "eval_loss") == _losses(url, f"{name}-whole", "eval_loss")
+  assert losses(url, BUCKET, name, "eval_loss") == losses(url, BUCKET, f"{name}-whole", "eval_loss")
 
   # Export and sample read the run from the bucket; the export goes to the bucket too.
   env = clean_env(STORAGE_EMULATOR_HOST=url)
@@ -120,21 +106,6 @@ def test_pod_run_on_a_bucket_loses_a_process_stops_and_resumes(gcs_emulator, tmp
   assert not (ROOT / "gs:").exists() and not pathlib.Path("gs:").exists()
   local = [p for where in (ROOT, tmp_path, pathlib.Path.cwd()) for p in where.rglob(f"*{name}*")]
   assert not local, local
-
-
-@pytest.fixture
-def storage_env(monkeypatch):
-  """`train.storage` as in a fresh process, and what it derives from the environment
-  undone afterwards."""
-  from fsspec.config import conf
-
-  from train import storage
-  monkeypatch.setattr(storage, "_configured", False)
-  monkeypatch.setitem(conf, "gcs", {})
-  for var in ("STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL",
-              "GOOGLE_AUTH_TOKEN_FOR_TESTING", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"):
-    monkeypatch.delenv(var, raising=False)
-  return storage
 
 
 def test_bad_bucket_urls_are_refused(gcs_emulator, storage_env, monkeypatch, tmp_path):

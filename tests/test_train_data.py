@@ -12,8 +12,10 @@ import shutil
 import pytest
 
 import corpora
-from train import config
+from train import config, distributed
 from train import run_dir as run_dir_lib
+from train.data import BadRecord
+from train.stop import StopRequest
 from trainer import (
   checkpoints,
   clean_env,
@@ -170,3 +172,30 @@ def test_a_resume_compares_the_corpus_with_the_one_saved(tmp_path):
   (tmp_path / "corpus.json").write_text("[1]")
   with pytest.raises(config.ConfigError, match="corpus.json, the fingerprint of the run's"):
     run_dir_lib.check_corpus(cfg, {})
+
+
+@pytest.mark.parametrize("elsewhere", [0, 1, 2, 3])
+def test_a_changed_file_stops_every_process_alike(monkeypatch, elsewhere):
+  """`StopRequest.call` (every read of the pipeline) where a document read is not the text
+  listed (BadRecord: a corpus file changed under the run) on this process or another: each
+  process raises a BadRecord after the agreement (which the others wait in), whatever the
+  others met (nothing: 0, a config error: 1, a stop: 2, a BadRecord: 3), so that all save
+  the same step and exit alike; one from another process names no file but says where to
+  look."""
+  agreed = []
+  monkeypatch.setattr(distributed, "process_max",
+                      lambda value: agreed.append(value) or max(value, elsewhere))
+
+  def changed():
+    raise BadRecord("a.jsonl changed after the corpus was listed")
+
+  stop = StopRequest()
+  try:
+    with pytest.raises(BadRecord, match="^a.jsonl changed"):
+      stop.call(changed)
+    assert len(agreed) == 1
+    if elsewhere == 3:
+      with pytest.raises(BadRecord, match="read on another process .see its log"):
+        stop.call(lambda: "a batch")
+  finally:
+    stop.close()

@@ -6,10 +6,13 @@
 Overrides use dotted keys of `train.config.TrainConfig`; `python -m train --help` lists
 them. Exit status 0 after the last step or after a SIGTERM or SIGINT (Ctrl-C; saved if a
 step was done since the last checkpoint); 2 for a config error, one line naming the key or
-file (reported before anything is written to the run_dir or compiled); 1 when checkpoints
-exist but the run cannot resume from them (`train.checkpoint.CheckpointError`, nothing
-deleted); 3 when a process of a multi-process job was lost (`train.distributed`: one line
-names it, within config key heartbeat_timeout_s).
+file (reported before anything is written to the run_dir or compiled), or a file of
+`data.source` changed under the running job (one line, "data error: ...", naming it; the
+steps done are saved as at a stop, no checkpoint is moved, and a resume refuses the changed
+corpus until the file is restored); 1 when checkpoints exist but the run cannot resume from
+them (`train.checkpoint.CheckpointError`, nothing deleted); 3 when a process of a
+multi-process job was lost (`train.distributed`: one line names it, within config key
+heartbeat_timeout_s).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ def _main(argv: list[str]) -> int:
   import jax  # imported, not started: loop, run_dir and storage start no jax backend
 
   from train import checkpoint, distributed, init_from, loop, run_dir, storage
+  from train.data import BadRecord
 
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                       force=True)  # importing grain installed a root handler of its own
@@ -57,6 +61,9 @@ def _main(argv: list[str]) -> int:
       raise
   except config.ConfigError as e:
     print(f"config error: {e}", file=sys.stderr)
+    return 2
+  except BadRecord as e:  # a document read back is not the one listed (`train.data.sources`)
+    print(f"data error: data.source {cfg.data.source!r}: {e}", file=sys.stderr)
     return 2
   except checkpoint.CheckpointError as e:
     print(f"checkpoint error: {e}", file=sys.stderr)

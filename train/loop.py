@@ -1,7 +1,8 @@
 """The training loop. `run` is three parts: `_setup` (the devices and the data, where
 config errors surface before anything is written or compiled), `train.state.restore_state`
 (the state to start from) and `_loop` (a jitted step per batch, metrics, periodic eval and
-checkpoints, and a clean save-and-exit on SIGTERM or SIGINT).
+checkpoints, and a clean save-and-exit on SIGTERM or SIGINT, or on a corpus file changed
+under the run, which is then raised).
 
 The host reads and places step n + 1's batch while the device runs step n, then waits for
 step n and dispatches step n + 1. A step's time is the wall time between the completions
@@ -68,6 +69,8 @@ def run(cfg: TrainConfig) -> tuple[int, bool]:
     ConfigError: the config does not fit the devices, the tokenizer, the data or the
       run_dir (raised before anything is written or compiled).
     train.checkpoint.CheckpointError: checkpoints exist but the run cannot resume.
+    train.data.BadRecord: a document read is not the one listed (a file of `data.source`
+      changed under the run); the steps done were saved.
   """
   stop = StopRequest()
   try:
@@ -132,7 +135,7 @@ def _loop(cfg: TrainConfig, mesh, run_data: data.Data, start: Start, stop: StopR
   flops = throughput.Flops(state.model, run_data.masks)
   reporter = _Reporter(cfg, throughput.Rates(mesh.size, throughput.peak(
       mesh, cfg.peak_tflops_per_device)), start)
-  saved, stopped, pending = step, False, None
+  saved, stopped, pending, changed = step, False, None, None
   try:
     if _eval_missing(cfg, run_data, step, reporter.writer):
       if step:
@@ -172,18 +175,23 @@ def _loop(cfg: TrainConfig, mesh, run_data: data.Data, start: Start, stop: StopR
       reporter.paused += time.perf_counter() - paused
   except Stopped:
     stopped = True
+  except data.BadRecord as e:  # a corpus file changed; raised on every process at once
+    changed = e  # (`StopRequest.call`): the steps done are saved, as at a stop
+  why = stop.name if stopped else "a file of data.source changed" if changed else None
   try:
     if pending:
       reporter.report(pending)
     if saved != step:
       ckpts.save(step, nnx.state(state), position)
-      if stopped:
-        log.warning("%s: saved step %d; exiting.", stop.name, step)
-    elif stopped:
-      log.warning("%s: step %d is saved already; exiting.", stop.name, step)
+      if why:
+        log.warning("%s: saved step %d; exiting.", why, step)
+    elif why:
+      log.warning("%s: step %d is saved already; exiting.", why, step)
   finally:
     reporter.close()
     ckpts.close()  # waits for the saves in flight
+  if changed is not None:
+    raise changed
   wall = time.perf_counter() - reporter.started
   reporter.writer.plot()
   if jax.process_index() == 0:

@@ -33,7 +33,6 @@ import json
 import logging
 
 import jax
-from etils import epath
 
 from models.llama import param_changes
 from train import distributed, storage
@@ -177,12 +176,10 @@ def save_corpus(run_dir: str, corpus: dict[str, str]) -> None:
   """Writes the fingerprint of the run's corpus (`train.data.Data.corpus`) to `run_dir`'s
   corpus.json on process 0, unless one is there (a resumed run's, which `check_corpus`
   found equal; a run that starts over has moved it to archive/). Atomically."""
-  path = epath.Path(run_dir) / CORPUS_FILE
+  path = storage.path(run_dir) / CORPUS_FILE
   if jax.process_index() != 0 or path.exists():
     return
-  tmp = path.with_name(f".{CORPUS_FILE}.tmp")
-  tmp.write_text(json.dumps({"files": corpus}, indent=0))
-  tmp.rename(path)
+  storage.write_atomic(path, json.dumps({"files": corpus}, indent=0))
 
 
 def check_corpus(cfg: TrainConfig, corpus: dict[str, str]) -> None:
@@ -195,7 +192,7 @@ def check_corpus(cfg: TrainConfig, corpus: dict[str, str]) -> None:
     ConfigError: naming the files that changed, are new or are gone; or a corpus.json
       that does not read.
   """
-  run = epath.Path(cfg.run_dir)
+  run = storage.path(cfg.run_dir)
   path = run / CORPUS_FILE
   if not cfg.resume or not (run / "config.json").is_file() or not path.is_file():
     return

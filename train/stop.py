@@ -19,6 +19,7 @@ from typing import TypeVar, cast
 
 from train import distributed
 from train.config import ConfigError
+from train.data.sources import BadRecord
 
 T = TypeVar("T")
 _POLL_S = 0.1  # how often a wait looks at the flag
@@ -80,6 +81,9 @@ class StopRequest:
       Stopped: SIGTERM or SIGINT arrived on any process (before or while waiting).
       ConfigError: `fn` raised one on any process (its own, or one naming no details on
         the others).
+      BadRecord: `fn` read a document that is not the one listed (a corpus file changed
+        under the run) on any process (its own, or one naming no details on the others);
+        before a stop or a ConfigError: every process saves and exits alike.
     """
     value, error, outcome = None, None, 0
     try:
@@ -88,7 +92,12 @@ class StopRequest:
       outcome = 2
     except ConfigError as e:
       error, outcome = e, 1
+    except BadRecord as e:
+      error, outcome = e, 3
     outcome = distributed.process_max(outcome)
+    if outcome == 3:
+      raise error if isinstance(error, BadRecord) else BadRecord(
+          "a file changed after the corpus was listed, read on another process (see its log)")
     if outcome == 2:
       raise Stopped
     if outcome == 1:

@@ -11,7 +11,9 @@ What a bucket lacks, these calls provide: an atomic replace (an object upload is
 absent, so a bucket needs no temporary file), an append (`append`: the new bytes as an
 object, composed onto the end server-side), and a move (`move`: copies, then deletes);
 readers and writers of local files only (safetensors) get a local copy (`local_dir`,
-`upload`).
+`upload`). For readers of many small parts of large files (a corpus's records), `files`
+lists a directory tree and `read_range` reads a byte range in one request, where a file
+object of gcsfs would also read ahead megabytes that a random read never uses.
 
 A bucket goes through gcsfs (etils' backend for `gs://`; the `train` extra installs it)
 and orbax's TensorStore. `check` refuses, before anything is written, a URL whose scheme is
@@ -167,6 +169,33 @@ def _first_line(error: BaseException) -> str:
   return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
+def files(root: epath.Path) -> list[str]:
+  """The files under directory `root`, recursively, as paths relative to it ("a/b.txt"),
+  sorted."""
+  # gcsfs walks folders named without their protocol ("bucket/x"), so a folder's path below
+  # `root` is taken from the names, not from `relative_to`.
+  top = str(root).split("://", 1)[-1].rstrip("/")
+  out = []
+  for folder, _, names in root.walk():
+    below = str(folder).split("://", 1)[-1].removeprefix(top).strip("/")
+    out += [f"{below}/{name}" if below else name for name in names]
+  return sorted(out)
+
+
+def read_range(file: epath.Path, start: int, end: int) -> bytes:
+  """Bytes `start` to `end` of `file` (fewer where it ends first): locally a seek and a
+  read; on a bucket one ranged request.
+
+  Raises:
+    OSError: the file does not read (FileNotFoundError: it is gone).
+  """
+  if is_url(str(file)):
+    return _gcs().cat_file(str(file), start=start, end=end)
+  with open(file, "rb") as f:
+    f.seek(start)
+    return f.read(end - start)
+
+
 def write_atomic(target: epath.Path, data: str | bytes) -> None:
   """Writes `data` to `target` so that a reader (or a run killed meanwhile) sees the old
   file or the new one, never part of it: locally through a temporary file and a rename, on
@@ -230,7 +259,6 @@ def move(source: epath.Path, target: epath.Path) -> None:
   fs = _gcs()
   fs.copy(str(source), str(target), recursive=source.is_dir())
   fs.rm(str(source), recursive=True)
-
 
 
 def upload(local: os.PathLike, target: epath.Path) -> None:

@@ -4,7 +4,9 @@ A source is one file's records with random access, in the shape of grain's
 `RandomAccessDataSource` (`__len__`, `__getitem__`), plus what listing and shuffling need:
 a name per record for messages, the records that can be trained on and a hash of each
 one's content (both found once, when the source is opened), and the block each record is
-read in. Files are opened, listed and read through `etils.epath` (local paths and `gs://`).
+read in. Files are listed, opened and read through `train.storage` (local paths and
+`gs://` URLs alike), never copied to local disk: a record of a plain file is one ranged
+read, a parquet row group is read through a file object of its shard.
 
   file name (any case)          a record                         its block
   .txt[.gz|.zst]                the whole file                   the file
@@ -45,7 +47,8 @@ duplicated text is on the same side, so no held-out text is also trained on. The
 a file's documents, in order, with the blocks they share, make its digest
 (`Documents.fingerprint`): what a saved data position depends on, which a resume compares
 (`train.run_dir.check_corpus`). A record read back is checked against its hash, so a file
-changed under a running job stops it at that record (BadRecord), never trains on other text.
+changed under a running job stops it at that record (BadRecord, naming the file), never
+trains on other text.
 
 Parquet row groups, and the blocks of compressed files, are read on demand and kept decoded
 in one small cache shared by every source (`BLOCK_CACHE` blocks), never a whole shard.
@@ -70,6 +73,7 @@ from typing import Protocol
 import numpy as np
 from etils import epath
 
+from train import storage
 from train.config import ConfigError
 from train.data import streams
 
@@ -230,9 +234,10 @@ def _checked(source: Source, index: int, text: str | None) -> str:
   except BadRecord:
     same = False
   if text is None or not same:
-    raise BadRecord(f"{source.record_name(index)} is not the text listed: {source.name} changed"
-                    " after the corpus was listed. Restore it, or restart the run (resume"
-                    " refuses a changed corpus: a new run_dir or resume=false).")
+    raise BadRecord(f"{source.name} changed after the corpus was listed"
+                    f" ({source.record_name(index)} is no longer the text listed); restore the"
+                    " file as it was and rerun to resume from the last checkpoint, or start"
+                    " over on the changed corpus (a new run_dir, or resume=false).")
   return text
 
 
@@ -446,8 +451,8 @@ class JsonFile:
   """JSON documents (a string `text_field` each) of a `.jsonl` or `.json` file, plain or
   compressed: a non-blank line each, or (a `.json` file whose first non-blank character is
   `[`) an element of a JSON array each. Holds each record's number (its line, or index in
-  the array) and byte offset in the (decompressed) file, an array element's size, and a
-  compressed file's blocks (where each begins in the decompressed stream, then its end)."""
+  the array), byte offset in the (decompressed) file and size, and a compressed file's
+  blocks (where each begins in the decompressed stream, then its end)."""
 
   def __init__(self, path: epath.Path, name: str, text_field: str):
     self.path, self.name, self.field = path, name, text_field
@@ -490,7 +495,7 @@ class JsonFile:
       self.problems.append(f"{name}: {e}{kept}")
     starts.append(offsets[-1] + sizes[-1] if offsets else 0)
     self.numbers, self.offsets = np.asarray(numbers, np.int64), np.asarray(offsets, np.int64)
-    self.sizes = np.asarray(sizes, np.int64) if self.array else None
+    self.sizes = np.asarray(sizes, np.int64)
     self.hashes, self.good = np.asarray(hashes, np.uint64), np.asarray(good, np.int64)
     self.starts = np.asarray(starts, np.int64)
 
@@ -501,14 +506,10 @@ class JsonFile:
     return len(self.numbers)
 
   def _bytes(self, index: int) -> bytes:
-    """Record `index`'s bytes (a line: up to its newline)."""
-    offset = int(self.offsets[index])
-    size = None if self.sizes is None else int(self.sizes[index])
+    """Record `index`'s bytes (a line: with its newline)."""
+    offset, size = int(self.offsets[index]), int(self.sizes[index])
     if not self.ordered:
-      with self.path.open("rb") as f:
-        f.seek(offset)
-        data = f.read(size) if size is not None else f.readline(MAX_RECORD_BYTES + 1)
-      return typing.cast(bytes, data)
+      return storage.read_range(self.path, offset, offset + size)
     block = int(self.blocks(np.asarray([index]))[0])
     data = BLOCKS.peek((self.path, block))
     if data is None:
@@ -516,8 +517,7 @@ class JsonFile:
           self.path, self.starts, block, peek=lambda b: BLOCKS.peek((self.path, b)),
           keep=lambda b, data: BLOCKS.put((self.path, b), data))
     start = offset - int(self.starts[block])
-    end = start + size if size is not None else data.find(b"\n", start) + 1 or len(data)
-    return data[start:end]
+    return data[start:start + size]
 
   def __getitem__(self, index: int) -> str:
     try:
@@ -698,26 +698,17 @@ def _open(path: epath.Path, name: str, text_field: str) -> Source:
   return TextFile(path, name)  # .txt, and the standard library's .py
 
 
-def _files(root: epath.Path) -> Iterator[str]:
-  """The files under `root`, recursively, as paths relative to it."""
-  # A filesystem backend (gcsfs) walks folders named without their protocol ("bucket/x"),
-  # so the folder's path below `root` is taken from the names, not from `relative_to`.
-  top = str(root).split("://", 1)[-1].rstrip("/")
-  for folder, _, files in root.walk():
-    below = str(folder).split("://", 1)[-1].removeprefix(top).strip("/")
-    yield from (f"{below}/{file}" if below else file for file in files)
-
-
 def _stdlib_files() -> tuple[epath.Path, list[str]]:
-  root = epath.Path(sysconfig.get_paths()["stdlib"])
+  root = storage.path(sysconfig.get_paths()["stdlib"])
   skip = {"site-packages", "dist-packages"}  # installed packages, not the standard library
-  return root, [n for n in _files(root) if n.endswith(".py") and not skip & set(n.split("/"))]
+  return root, [n for n in storage.files(root)
+                if n.endswith(".py") and not skip & set(n.split("/"))]
 
 
 def _corpus_files(root: epath.Path) -> tuple[list[str], list[str]]:
   """(the files under `root` that a reader reads, the others), as paths relative to it."""
   read, other = [], []
-  for name in _files(root):
+  for name in storage.files(root):
     (read if file_format(name.rsplit("/", 1)[-1]) else other).append(name)
   return read, other
 
@@ -748,7 +739,7 @@ def list_documents(source: str, bad_records: str = "skip",
   if source == "stdlib":
     root, names = _stdlib_files()
   else:
-    root = epath.Path(source)
+    root = storage.path(source)
     if not root.is_dir():
       raise ConfigError(f"data.source expects 'stdlib' or a directory, got {source!r}"
                         " (not a directory).")

@@ -1,5 +1,5 @@
-"""Corpus files as byte streams: plain, gzip (`.gz`) or zstd (`.zst`), opened through
-`etils.epath` (local paths and `gs://` URLs alike), never copied to local disk.
+"""Corpus files as byte streams: plain, gzip (`.gz`) or zstd (`.zst`), opened as paths of
+`train.storage` (local paths and `gs://` URLs alike), never copied to local disk.
 
 A compressed stream has no random access: its byte n is known only once everything before
 it is decompressed. So the readers (`train.data.sources`) list a compressed file in one
@@ -115,8 +115,9 @@ def _open(path: epath.Path) -> tuple[BinaryIO, BinaryIO]:
   """(the file, its bytes decompressed as its suffix says)."""
   raw = typing.cast(BinaryIO, path.open("rb"))
   suffix = compression(path.name)
-  if suffix is None:
-    return raw, raw
+  if suffix is None:  # a bucket's file (gcsfs) has no readline(size): buffered here
+    return raw, raw if isinstance(raw, io.BufferedIOBase) else typing.cast(
+        BinaryIO, io.BufferedReader(typing.cast(typing.Any, raw), 1 << 20))
   try:
     stream = gzip.GzipFile(fileobj=raw) if suffix == ".gz" else _Zstd(raw)
   except BaseException:

@@ -19,6 +19,7 @@ import json
 import numpy as np
 from etils import epath
 
+from train import storage
 from train.config import ConfigError
 
 HF_FILE = "tokenizer.json"
@@ -101,7 +102,7 @@ class SentencePieceTokenizer(Tokenizer):
 
   def __init__(self, path: str):
     sentencepiece = _package("sentencepiece", path)
-    data = epath.Path(path).read_bytes()
+    data = storage.path(path).read_bytes()
     try:
       self._sp = sentencepiece.SentencePieceProcessor(model_proto=data)
     except (OSError, RuntimeError) as e:  # what it raises for a file it cannot parse
@@ -170,10 +171,10 @@ class HFTokenizer(Tokenizer):
 
   def __init__(self, path: str):
     tokenizers = _package("tokenizers", path)
-    p = epath.Path(path)
+    p = storage.path(path)
     file = p / HF_FILE if p.is_dir() else p
     data = file.read_bytes()
-    try:  # from the bytes, not the path: a gs:// URL reads through epath
+    try:  # from the bytes, not the path: a gs:// URL reads through `train.storage`
       self._tok = tokenizers.Tokenizer.from_str(data.decode("utf-8"))
     except Exception as e:  # tokenizers raises a bare Exception for a file it cannot parse
       raise ConfigError(f"{KEY} expects a Hugging Face tokenizer.json, got {str(file)!r},"
@@ -234,8 +235,8 @@ def make(name: str, vocab_size: int | None = None):
   expects = (f"{KEY} expects 'bytes', a Hugging Face tokenizer.json (or a directory holding"
              " one, such as a model directory) or the path of a SentencePiece .model file; got"
              f" {name!r}")
-  path = epath.Path(name)
-  if name == "bytes":
+  path = None if name == "bytes" else storage.path(name)
+  if path is None:
     tok = ByteTokenizer()
   elif path.is_dir():
     if (path / HF_FILE).is_file():
