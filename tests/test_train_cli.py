@@ -48,6 +48,9 @@ def _missing_platform() -> str:
         "'ulysses' over 'context' (size 4)", "divisible by 4"]),
     (["data.tokenizer=<model file>", "--hide-sentencepiece"], [
         "'data.tokenizer'", "needs the sentencepiece package", "data.tokenizer=bytes"]),
+    # Document order over 4 devices: died at step 1 ("divisible by 2 * cp = 8").
+    (["seq_len=100"], ["seq_len (100) expects a multiple of 8", "data.balance=document",
+                       "set seq_len=104 or 96"]),
 ])
 def test_setup_errors_exit_2_before_anything_is_written(tmp_path, overrides, names):
   """Mistakes found once jax has started (held-out documents, eval batches, a platform
