@@ -63,7 +63,7 @@ def make(cfg: TrainConfig, devices=None) -> Parallelism:
     multiple = _seq_multiple(cfg, cp, mesh)
     if cfg.seq_len % multiple:
       lower = cfg.seq_len // multiple * multiple
-      shards = math.prod(sizes[a] for a in cp.seq_axes)
+      shards = math.prod(mesh.shape[a] for a in cp.seq_axes)
       why = (f"{shards} sequence shards" if multiple == shards else
              f"{shards} sequence shards, each holding 2 chunks under load balancing")
       raise ConfigError(f"seq_len ({cfg.seq_len}) expects a multiple of {multiple} ({why}) {where};"
