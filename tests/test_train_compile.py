@@ -231,6 +231,8 @@ def test_init_from_not_on_this_host_takes_the_model_keys_or_its_config_json(tmp_
     assert model.startswith(f"--model_config {str(copy)!r} (init_from '/nowhere/llama'")
   with pytest.raises(config.ConfigError, match=r"model.dim=64.* but the config has model.dim=32"):
     train_compile.load(None, [*sizes, "model.dim=32"], str(tmp_path))
+  with pytest.raises(config.ConfigError, match="the model is read from init_from .* drop"):
+    train_compile.load(None, [f"init_from={tmp_path}"], str(tmp_path))
 
 
 @pytest.mark.parametrize("target, overrides, key", [

@@ -325,7 +325,7 @@ def load(path, overrides, model_config: str | None = None):
   Raises:
     ConfigError: as `train.config.load` and `train.init_from.resolve`; `init_from` not on
       this host with neither `model_config` nor model keys (keys ("init_from",)), or
-      `model_config` without `init_from`.
+      `model_config` where init_from is not used or is on this host.
   """
   import pathlib
 
@@ -342,10 +342,14 @@ def load(path, overrides, model_config: str | None = None):
                         " stands for init_from's config.json), got init_from=''; drop it.",
                         ("init_from",))
     return cfg, "the config's model.* keys"
-  if init_from.resuming(cfg):
-    return init_from.resolve(cfg, keys), f"run_dir {cfg.run_dir!r} (resuming)"
-  if pathlib.Path(source).exists():
-    return init_from.resolve(cfg, keys), f"init_from {source!r}"
+  here = (f"run_dir {cfg.run_dir!r} (resuming)" if init_from.resuming(cfg) else
+          f"init_from {source!r}" if pathlib.Path(source).exists() else None)
+  if here and model_config:
+    raise ConfigError(f"--model_config ({model_config!r}) stands for init_from's config.json"
+                      f" where init_from is not on this host, but the model is read from {here};"
+                      " drop --model_config.", ("init_from",))
+  if here:
+    return init_from.resolve(cfg, keys), here
   if model_config:
     return (init_from.resolve_from_copy(cfg, model_config, keys),
             f"--model_config {model_config!r} (init_from {source!r} is not on this host)")

@@ -66,6 +66,8 @@ class DataConfig:
     `flaxattn.balance_plan` weighed by the model's layer masks: the same attention work
     on every device), "row" (`flaxattn.load_balance` dual chunk of the whole row: even for
     one document per row) or "none" (the original order). The loss is the same in each.
+    Under "document" and "row", seq_len is a multiple of twice the balanced shards
+    (`train.mesh.seq_multiple`).
   """
 
   source: str = "stdlib"
