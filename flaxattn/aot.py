@@ -26,13 +26,33 @@ import importlib.util
 import math
 import os
 import re
+import subprocess
+import sys
 
 GIB = 2**30
 # The extra that installs both compilers (pyproject.toml).
 EXTRA = "flaxattn[aot]"
 # JAX preallocates this fraction of a GPU's memory for its arrays unless
-# XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise (JAX's GPU memory allocation docs).
+# XLA_CLIENT_MEM_FRACTION (old name XLA_PYTHON_CLIENT_MEM_FRACTION) says otherwise (JAX's GPU
+# memory allocation docs).
 GPU_MEM_FRACTION = 0.75
+MEM_FRACTION = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")
+# The other variables JAX's GPU client reads (jaxlib's `generate_pjrt_gpu_plugin_options`),
+# also for compile-only GPU devices: a value it cannot parse ends in a traceback about the
+# topology, one it misreads ("no" is true) goes unnoticed. Each: whether a value is good,
+# and what is expected.
+_GPU_CLIENT = {
+    "XLA_PYTHON_CLIENT_ALLOCATOR": (
+        lambda v: v.lower() in ("default", "platform", "bfc", "cuda_async", "vmm"),
+        "one of default, platform, bfc, cuda_async, vmm"),
+    "XLA_PYTHON_CLIENT_PREALLOCATE": (
+        lambda v: v in ("true", "false", "True", "False", "1", "0"),
+        "true or false (JAX reads any value but false, False and 0 as true)"),
+    "XLA_PYTHON_CLIENT_COLLECTIVE_MEM_SIZE_MB": (
+        lambda v: v.strip().isdigit(), "a whole number of MiB >= 0"),
+    "XLA_PYTHON_CLIENT_ABORT_COLLECTIVES_ON_FAILURE": (lambda v: v.strip() in ("0", "1"), "0 or 1"),
+    "XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT": (lambda v: v.strip() in ("0", "1"), "0 or 1"),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,13 +123,53 @@ class Target:
 
   def hbm_bytes(self, mem_fraction: float | None = None) -> int:
     """The bytes a program may use on one device: on TPU the HBM less the runtime's
-    reserve; on GPU `mem_fraction` (default: XLA_PYTHON_CLIENT_MEM_FRACTION, else JAX's
-    0.75) of the memory."""
+    reserve; on GPU `mem_fraction` (default: `gpu_mem_fraction()`, from the environment)
+    of the memory.
+
+    Raises:
+      ValueError: a GPU target and a variable of JAX's GPU client it cannot use
+        (`gpu_mem_fraction`).
+    """
     if self.chip.available_bytes is not None:
       return self.chip.available_bytes
     if mem_fraction is None:
-      mem_fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", GPU_MEM_FRACTION))
+      mem_fraction = gpu_mem_fraction()
     return int(self.chip.hbm_bytes * mem_fraction)
+
+
+def gpu_mem_fraction() -> float:
+  """The share of a GPU's memory JAX lets a program use, as the environment sets it:
+  XLA_CLIENT_MEM_FRACTION or its old name XLA_PYTHON_CLIENT_MEM_FRACTION (empty: unset),
+  else `GPU_MEM_FRACTION`; 1 with XLA_PYTHON_CLIENT_ALLOCATOR=platform, which allocates on
+  demand from the whole memory. Checks every variable of JAX's GPU client (`_GPU_CLIENT`).
+
+  Raises:
+    ValueError: one line naming the variable, its value and what it expects: a fraction
+      that is not a number in (0, 1], both names of it set (JAX refuses that too), or a
+      value of another variable that JAX's GPU client refuses or misreads.
+  """
+  for name, (good, expected) in _GPU_CLIENT.items():
+    value = os.environ.get(name, "")
+    if value and not good(value):
+      raise ValueError(f"environment variable {name} expects {expected}, got {value!r}; fix"
+                       " it or unset it.")
+  set_ = {n: os.environ[n] for n in MEM_FRACTION if os.environ.get(n)}
+  if len(set_) > 1:
+    raise ValueError(f"environment variables {' and '.join(f'{n}={v!r}' for n, v in set_.items())}"
+                     f" are both set (JAX refuses that); keep {MEM_FRACTION[0]} only.")
+  fraction = GPU_MEM_FRACTION
+  for name, value in set_.items():
+    try:
+      fraction = float(value)
+    except ValueError:
+      fraction = math.nan
+    if not 0 < fraction <= 1:  # NaN too
+      raise ValueError(f"environment variable {name} expects the share of a GPU's memory JAX"
+                       f" may use, a number in (0, 1] (default {GPU_MEM_FRACTION}), got"
+                       f" {value!r}; set e.g. {name}=0.9, or unset it.")
+  if os.environ.get("XLA_PYTHON_CLIENT_ALLOCATOR", "").lower() == "platform":
+    return 1.0
+  return fraction
 
 
 def gpu_capability(device_kind: str) -> tuple[int, int] | None:
@@ -187,21 +247,26 @@ def target(name: str, hosts: int = 1) -> Target:
   chips = n // 2 if chip.count == "cores" else n
   shape = _torus(chips, chip.dims)
   if shape is None or (chip.count == "cores" and n % 2):
+    least, most = _TORUS_CHIPS[chip.dims]
+    per_chip = 2 if chip.count == "cores" else 1
     raise ValueError(f"target {name!r}: no {chip.name} slice of {n} {chip.count}; expected a"
-                     f" power of two ({'8 to 4096 cores' if chip.dims == 3 else '1 to 256'}"
-                     f" chips), e.g. {chip.name}-{16 if chip.dims == 3 else 8}.")
+                     f" power of two from {least * per_chip} to {most * per_chip} {chip.count},"
+                     f" e.g. {chip.name}-{8 * per_chip}.")
   return Target(spelled, chip, chips, f"{chip.topology_name}:{'x'.join(map(str, shape))}")
+
+
+# The chips of the smallest and the largest slice, by the torus's dimensions.
+_TORUS_CHIPS = {2: (1, 256), 3: (4, 2048)}
 
 
 def _torus(chips: int, dims: int) -> tuple[int, ...] | None:
   """Google Cloud's topology of `chips` (a power of two), or None."""
-  if chips < 1 or chips & (chips - 1):
+  least, most = _TORUS_CHIPS[dims]
+  if not least <= chips <= most or chips & (chips - 1):
     return None
   if dims == 2:
     side = 1 << (chips.bit_length() - 1) // 2  # 8 -> 2x4, 16 -> 4x4, 128 -> 8x16
-    return (side, chips // side) if chips <= 256 else None
-  if not 4 <= chips <= 2048:
-    return None
+    return side, chips // side
   shape = [2, 2, 1]
   while math.prod(shape) < chips:  # 2x2x2, 2x2x4, 2x4x4, 4x4x4, ...
     shape[max(i for i, s in enumerate(shape) if s == min(shape))] *= 2
@@ -228,11 +293,21 @@ def devices(t: Target) -> list:
 
   Raises:
     MissingCompiler: libtpu or the CUDA plugin is not installed.
+    ValueError: the environment holds a value the compiler cannot start with: a variable
+      of JAX's GPU client (`gpu_mem_fraction`), or flags that native code refuses
+      (`check_native_flags`); one line naming the variables.
   """
   missing = missing_package(t.platform)
   if missing:
     raise MissingCompiler(missing)
+  if t.platform == "gpu":
+    gpu_mem_fraction()
+  check_native_flags(t)
   return list(_devices(t.platform, t.topology, t.chip.config))
+
+
+# Platforms whose compile-only topology this process has made: their native code started.
+_started: set[str] = set()
 
 
 @functools.cache
@@ -244,12 +319,65 @@ def _devices(platform: str, topology: str, config: str) -> tuple:
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     # One chip is less than the default host (2x2); its bounds must say so.
     one = {"chips_per_host_bounds": [1, 1, 1]} if topology.endswith(":1x1") else {}
-    return tuple(topologies.get_topology_desc(topology_name=topology, platform="tpu",
-                                              **one).devices)
-  text = importlib.resources.files("flaxattn.targets").joinpath(config).read_text()
-  name = config.removesuffix(".txtpb")
-  return tuple(topologies.get_topology_desc(platform="cuda", topology_name=name,
-                                            topology=topology, target_config=text).devices)
+    found = topologies.get_topology_desc(topology_name=topology, platform="tpu", **one).devices
+  else:
+    text = importlib.resources.files("flaxattn.targets").joinpath(config).read_text()
+    name = config.removesuffix(".txtpb")
+    found = topologies.get_topology_desc(platform="cuda", topology_name=name, topology=topology,
+                                         target_config=text).devices
+  _started.add(platform)
+  return tuple(found)
+
+
+# Flags that native code parses once, when it starts, and ends the process on when it cannot
+# (XLA's `Unknown flag in XLA_FLAGS`, libtpu's `Unknown command line flag`), by platform:
+# XLA's at the first backend, libtpu's (its own flags, and TPU_* that set some of them) at
+# the first TPU topology.
+_NATIVE_FLAGS = {"": ("XLA_FLAGS",), "tpu": ("LIBTPU_INIT_ARGS", "TPU_")}
+# Set by JAX's import on a host without a TPU (and by libtpu's), not by a user.
+_SET_BY_JAX = ("TPU_SKIP_MDS_QUERY", "TPU_LIBRARY_PATH")
+# A native log line's prefix: severity, date, time, thread, file:line.
+_LOG_PREFIX = re.compile(r"^[FEWI]\d{4} [\d:.]+\s+\d+ [\w.]+:\d+\] ")
+# An error line: XLA's (glog severity E or F) or libtpu's flag parser's.
+_ERROR = re.compile(r"^([EF]\d{4} [\d:.]+\s+\d+ [\w.]+:\d+\] |ERROR: )")
+
+
+def check_native_flags(t: Target) -> None:
+  """Refuses flags in the environment that native code would end the process on, with exit
+  status 1 and no Python exception: where `_NATIVE_FLAGS` of `t`'s platform are set and
+  that code has not started in this process, it starts in a child process first, and its
+  first error line becomes the error. Costs a second start of JAX (and libtpu) only then.
+
+  Raises:
+    ValueError: one line naming the variables, their values and the compiler's refusal.
+  """
+  import jax._src.xla_bridge as xla_bridge  # whether XLA read XLA_FLAGS in this process
+
+  names = []
+  if not xla_bridge.backends_are_initialized():
+    names += _NATIVE_FLAGS[""]
+  if t.platform == "tpu" and "tpu" not in _started:
+    names += _NATIVE_FLAGS["tpu"]
+  found = {k: v for k, v in os.environ.items() if v and k not in _SET_BY_JAX
+           and any(k == n or n.endswith("_") and k.startswith(n) for n in names)}
+  if not found:
+    return
+  code = ("import jax; jax.devices(); from flaxattn import aot;"
+          f" aot._devices({t.platform!r}, {t.topology!r}, {t.chip.config!r})")
+  path = os.pathsep.join(p for p in sys.path if p)
+  child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": path}, check=False)
+  if child.returncode == 0:
+    return
+  lines = [line for line in child.stderr.splitlines() if line.strip()]
+  # The first error is the cause (a "Check failed" and a usage text may follow); libtpu's
+  # complaint about the TPU VM metadata a host without TPUs lacks is none.
+  errors = [line for line in lines if _ERROR.match(line) and "could not determine TPU" not in line]
+  said = (errors or lines or [f"exit status {child.returncode}"])[0 if errors else -1]
+  said = _LOG_PREFIX.sub("", said).strip()
+  raise ValueError(f"the {t.platform.upper()} compiler does not start with environment"
+                   f" {', '.join(f'{k}={v!r}' for k, v in sorted(found.items()))}: {said};"
+                   " fix or unset them.")
 
 
 @dataclasses.dataclass(frozen=True)

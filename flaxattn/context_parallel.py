@@ -121,14 +121,20 @@ class ContextParallel:
     """The mesh axes the sequence is sharded over, outer first."""
     return (self.axis,) if self.ring_axis is None else (self.ring_axis, self.axis)
 
-  def check_length(self, t: int, mesh=None) -> None:
-    """Raises ValueError unless a sequence of `t` tokens splits evenly over the sequence
-    shards of `mesh` (default: the current mesh): a multiple of the shards over
-    `seq_axes`, and of 2 x the balanced shards with row load balancing (each device holds
-    two chunks)."""
+  def length_multiple(self, mesh=None) -> int:
+    """What a sequence length must be a multiple of to split evenly over the sequence
+    shards of `mesh` (default: the current mesh): the shards over `seq_axes`, and 2 x the
+    balanced shards with row load balancing (each device holds two chunks)."""
     n = axis_size(self, mesh=mesh)
     ring_n = axis_size(self, self.ring_axis, mesh) if self.ring_axis else 1
-    parts = math.lcm(n * ring_n, 2 * self.balanced_shards(mesh) if self.row_balanced else 1)
+    return math.lcm(n * ring_n, 2 * self.balanced_shards(mesh) if self.row_balanced else 1)
+
+  def check_length(self, t: int, mesh=None) -> None:
+    """Raises ValueError unless a sequence of `t` tokens splits evenly over the sequence
+    shards of `mesh` (default: the current mesh): a multiple of `length_multiple`."""
+    n = axis_size(self, mesh=mesh)
+    ring_n = axis_size(self, self.ring_axis, mesh) if self.ring_axis else 1
+    parts = self.length_multiple(mesh)
     if t % parts:
       if self.ring_axis is None:
         why = " (2 x axis size, load balancing)" if self.row_balanced else ""

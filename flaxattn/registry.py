@@ -325,6 +325,11 @@ def _first(candidates, call: Call, backend, traced_here: bool = False) -> Kernel
                                for n in candidates))
 
 
+class BackendError(ValueError):
+  """An explicit backend that cannot serve a call (a ValueError, as before: callers that
+  catch those keep working; a trainer tells it from other errors by its type)."""
+
+
 def select(backend, call: Call, traced_here: bool = False) -> Kernel:
   """The kernel that serves `call` for `backend`: "auto", an alias ("fused"), a kernel name,
   or a kernel object (how a kernel's options, e.g. splash block sizes, are set).
@@ -332,7 +337,8 @@ def select(backend, call: Call, traced_here: bool = False) -> Kernel:
   kernels that cannot be traced here.
 
   Raises:
-    ValueError: unknown backend, or an explicit backend that cannot serve the call.
+    ValueError: unknown backend; `BackendError`: an explicit backend that cannot serve the
+      call.
   """
   if isinstance(backend, Kernel):
     kernel = backend
@@ -348,7 +354,7 @@ def select(backend, call: Call, traced_here: bool = False) -> Kernel:
   reason = kernel.unsupported_reason(call)
   if reason is not None:
     able = [n for n, r in reasons(call).items() if r is None]
-    raise ValueError(f"backend={backend!r} cannot serve this call: {reason} Kernels that can:"
+    raise BackendError(f"backend={backend!r} cannot serve this call: {reason} Kernels that can:"
                      f" {able or 'none'}; or pass backend='auto'.")
   return kernel
 

@@ -101,3 +101,17 @@ def storage_env(monkeypatch):
               "GOOGLE_AUTH_TOKEN_FOR_TESTING", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"):
     monkeypatch.delenv(var, raising=False)
   return storage
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+  """A test that skips for want of the hf extra must be marked `hf`: CI runs the marked
+  ones in a step of their own, with the extra installed (.ci/run), and never an unmarked
+  one that skipped without it."""
+  outcome = yield
+  report = outcome.get_result()
+  if (report.skipped and "the hf extra" in str(report.longrepr)
+      and item.get_closest_marker("hf") is None):
+    report.outcome = "failed"
+    report.longrepr = (f"{item.nodeid} skips for want of the hf extra but is not marked hf;"
+                       " add @pytest.mark.hf, or CI never runs it.")

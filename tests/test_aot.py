@@ -2,6 +2,8 @@
 targets' own compilers on this host (skipped, naming the package, where libtpu or the CUDA
 plugin is not installed: `pip install "flaxattn[aot]"`)."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -27,9 +29,15 @@ def test_hosts_multiply_gpus():
 @pytest.mark.parametrize("name, says", [
     ("v4-8", "v4 is not a compile target"), ("v5p-12", "power of two"),
     ("v5e-512", "power of two"), ("b200", "target expects one of"),
-    ("v5p-9", "power of two")])
+    ("v5p-9", "power of two"),
+    ("v5p-3", "no v5p slice of 3 cores; expected a power of two from 8 to 4096 cores, e.g."
+              " v5p-16."),
+    ("v5p-8192", "from 8 to 4096 cores"), ("v5p-4", "from 8 to 4096 cores"),
+    ("v5e-0", "no v5e slice of 0 chips; expected a power of two from 1 to 256 chips, e.g."
+              " v5e-8."),
+    ("v6e-512", "from 1 to 256 chips")])
 def test_bad_targets_say_why(name, says):
-  with pytest.raises(ValueError, match=says):
+  with pytest.raises(ValueError, match=re.escape(says)):
     aot.target(name)
 
 
@@ -44,6 +52,41 @@ def test_gpu_fraction_from_the_environment(monkeypatch):
   assert aot.target("h100").hbm_bytes() == 84978434048 // 2
   monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION")
   assert aot.target("h100").hbm_bytes() == int(0.75 * 84978434048)
+
+
+@pytest.mark.parametrize("value", ["2", "abc", "nan", "0", "-0.5", "inf"])
+def test_a_gpu_fraction_outside_0_1_is_refused_naming_the_variable(monkeypatch, value):
+  """2 planned 158 GiB on an 80 GB H100; abc and nan were raw errors naming no variable."""
+  monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", value)
+  with pytest.raises(ValueError, match=rf"XLA_PYTHON_CLIENT_MEM_FRACTION expects .* in \(0, 1\]"
+                                       rf".*got '{re.escape(value)}'"):
+    aot.target("h100").hbm_bytes()
+  assert aot.target("v5e-8").hbm_bytes() == int(15.75 * aot.GIB)  # a TPU reads no fraction
+
+
+def test_the_gpu_clients_variables_as_jax_reads_them(monkeypatch):
+  """JAX's new name XLA_CLIENT_MEM_FRACTION is read; both names at once are refused, as JAX
+  refuses them; an empty value is unset; the platform allocator allocates from the whole
+  memory; a value JAX's GPU client refuses or misreads is refused, naming it."""
+  h100, memory = aot.target("h100"), 84978434048
+  monkeypatch.setenv("XLA_CLIENT_MEM_FRACTION", "0.9")
+  assert h100.hbm_bytes() == int(0.9 * memory)
+  monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.8")
+  with pytest.raises(ValueError, match="XLA_CLIENT_MEM_FRACTION='0.9' and"
+                                       " XLA_PYTHON_CLIENT_MEM_FRACTION='0.8' are both set"):
+    h100.hbm_bytes()
+  monkeypatch.setenv("XLA_CLIENT_MEM_FRACTION", "")
+  assert h100.hbm_bytes() == int(0.8 * memory)
+  monkeypatch.setenv("XLA_PYTHON_CLIENT_ALLOCATOR", "platform")
+  assert h100.hbm_bytes() == memory
+  for name, value in (("XLA_PYTHON_CLIENT_ALLOCATOR", "bogus"),
+                      ("XLA_PYTHON_CLIENT_PREALLOCATE", "no"),
+                      ("XLA_PYTHON_CLIENT_COLLECTIVE_MEM_SIZE_MB", "1.5"),
+                      ("XLA_PYTHON_CLIENT_ABORT_COLLECTIVES_ON_FAILURE", "yes")):
+    with monkeypatch.context() as m:
+      m.setenv(name, value)
+      with pytest.raises(ValueError, match=rf"variable {name} expects .*, got '{value}'"):
+        aot.gpu_mem_fraction()
 
 
 @pytest.mark.parametrize("name, kind", [("v5p-8", "TPU v5"), ("h100", "NVIDIA H100 80GB HBM3"),

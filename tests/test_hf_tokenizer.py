@@ -46,6 +46,7 @@ def _save(tok, path: pathlib.Path, kind: str) -> pathlib.Path:
   return path
 
 
+@pytest.mark.hf
 @pytest.mark.parametrize("kind, begin, end", [
     ("bos eos", (BOS,), (EOS,)), ("bos", (BOS,), ()), ("none", (), ()), ("qwen", (), ())])
 def test_documents_get_the_special_tokens_transformers_adds(tmp_path, bpe, kind, begin, end):
@@ -102,9 +103,9 @@ def test_packed_documents_start_with_bos_once_and_hold_no_other_document(tmp_pat
 
 def _model_dir(path: pathlib.Path, bpe, **fields) -> pathlib.Path:
   """A tiny transformers Llama (TINY's sizes) of `bpe`'s vocabulary, saved with `bpe` (BOS
-  and EOS added) and its tokenizer_config.json."""
-  import torch
-  import transformers
+  and EOS added) and its tokenizer_config.json. Skips the test without the hf extra."""
+  torch = pytest.importorskip("torch", reason="needs the hf extra")
+  transformers = pytest.importorskip("transformers", reason="needs the hf extra")
 
   hf_config = transformers.LlamaConfig(**dict(dict(
       vocab_size=bpe.get_vocab_size(), hidden_size=32, intermediate_size=64,
@@ -117,6 +118,7 @@ def _model_dir(path: pathlib.Path, bpe, **fields) -> pathlib.Path:
 
 
 @pytest.mark.slow
+@pytest.mark.hf
 def test_init_from_a_transformers_llama_to_an_export_transformers_reads(tmp_path, bpe):
   """Train with `init_from` and the checkpoint's directory as the tokenizer; resume, sample
   and export (twice: --force) after the tokenizer's own files went bad (they read the
@@ -163,7 +165,7 @@ def test_init_from_a_transformers_llama_to_an_export_transformers_reads(tmp_path
 
 @pytest.fixture(scope="module")
 def bad_tokenizers(tmp_path_factory, bpe):
-  """name -> a data.tokenizer path that does not read, or an init_from checkpoint."""
+  """name -> a data.tokenizer path that does not read, or fits no checkpoint."""
   root = tmp_path_factory.mktemp("bad")
   good = _save(bpe, root / "good", "bos eos")
   paths = {"missing": root / "nowhere" / "tokenizer.json", "empty dir": root / "empty",
@@ -178,9 +180,15 @@ def bad_tokenizers(tmp_path_factory, bpe):
     for file, text in files.items():
       (root / name / file).write_text(text)
     paths[name] = root / name
-  paths["llama bos 5"] = _model_dir(root / "llama", bpe, bos_token_id=5)
-  paths["llama of 300 ids"] = _model_dir(root / "llama300", bpe, vocab_size=300)
   return paths
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory, bpe):
+  """name -> an init_from checkpoint written by transformers (skips without the hf extra)."""
+  root = tmp_path_factory.mktemp("checkpoints")
+  return {"llama bos 5": _model_dir(root / "llama", bpe, bos_token_id=5),
+          "llama of 300 ids": _model_dir(root / "llama300", bpe, vocab_size=300)}
 
 
 @pytest.mark.parametrize("tok, init_from, names", [
@@ -189,19 +197,23 @@ def bad_tokenizers(tmp_path_factory, bpe):
     ("corrupt", None, ["'data.tokenizer'", "tokenizer.json", "tokenizers package cannot read"]),
     ("config not json", None, ["'data.tokenizer'", "tokenizer_config.json", "is not JSON"]),
     ("bos not in vocabulary", None, ["'data.tokenizer'", "bos_token '<bos>'", "vocabulary"]),
-    ("good", "llama bos 5", ["'data.tokenizer'", "BOS id 1", "bos_token_id 5", "init_from"]),
-    ("bytes", "llama bos 5", ["'data.tokenizer' ('bytes')", "no BOS or EOS token",
-                              "bos_token_id 5, eos_token_id 2", "init_from"]),
-    ("good", "llama of 300 ids", ["'data.tokenizer'", f"has {VOCAB} ids", "vocab_size 300",
-                                  "init_from"]),
+    pytest.param("good", "llama bos 5", ["'data.tokenizer'", "BOS id 1", "bos_token_id 5",
+                                         "init_from"], marks=pytest.mark.hf),
+    pytest.param("bytes", "llama bos 5", ["'data.tokenizer' ('bytes')", "no BOS or EOS token",
+                                          "bos_token_id 5, eos_token_id 2", "init_from"],
+                 marks=pytest.mark.hf),
+    pytest.param("good", "llama of 300 ids", ["'data.tokenizer'", f"has {VOCAB} ids",
+                                              "vocab_size 300", "init_from"],
+                 marks=pytest.mark.hf),
 ])
-def test_a_tokenizer_that_does_not_read_or_fit_is_a_config_error(tmp_path, bpe, bad_tokenizers,
-                                                                  tok, init_from, names):
+def test_a_tokenizer_that_does_not_read_or_fit_is_a_config_error(request, tmp_path, bpe,
+                                                                  bad_tokenizers, tok,
+                                                                  init_from, names):
   """One line naming data.tokenizer (and init_from where the checkpoint disagrees), before
   anything is written or a jax backend starts."""
-  pytest.importorskip("transformers", reason="needs the hf extra (the checkpoints)")
   run_dir = tmp_path / "run"
-  more = [] if init_from is None else [f"init_from={bad_tokenizers[init_from]}"]
+  more = [] if init_from is None else [
+      f"init_from={request.getfixturevalue('checkpoints')[init_from]}"]
   vocab = 300 if init_from == "llama of 300 ids" else bpe.get_vocab_size()
   proc = refused([sys.executable, "-c", MAIN_REPORTING_BACKEND, "configs/demo.yaml",
                   f"run_dir={run_dir}", *TINY, f"data.tokenizer={bad_tokenizers[tok]}", *more,
@@ -209,10 +221,10 @@ def test_a_tokenizer_that_does_not_read_or_fit_is_a_config_error(tmp_path, bpe, 
   assert "BACKEND_STARTED False" in proc.stdout
 
 
+@pytest.mark.hf
 def test_a_tokenizer_without_bos_fits_a_checkpoint_that_names_one(tmp_path, bpe):
   """Qwen's config.json has a bos_token_id, its tokenizer no BOS token: accepted. An EOS
   that is not the checkpoint's is refused."""
-  pytest.importorskip("transformers", reason="needs the hf extra (the checkpoint)")
   source = _model_dir(tmp_path / "qwen", bpe)
   _save(bpe, source, "qwen")
   cfg = config.load("configs/demo.yaml", [f"init_from={source}", f"run_dir={tmp_path / 'run'}",
@@ -246,6 +258,7 @@ def test_init_from_a_run_dir_takes_that_runs_tokenizer(tmp_path, bpe):
   init_from.check_tokenizer(cfg, tokenizers.make(str(source)))
 
 
+@pytest.mark.hf
 def test_a_sentencepiece_export_reads_back_in_transformers(tmp_path):
   """A SentencePiece model (Llama 2's normalization: none, whitespace kept) exported as
   tokenizer.model with the tokenizer_config.json of Llama 2: transformers' LlamaTokenizer

@@ -13,6 +13,7 @@ import re
 
 import pytest
 
+pytestmark = pytest.mark.hf
 pytest.importorskip("torch", reason="needs the hf extra (pip install -e '.[hf]'): torch")
 pytest.importorskip("transformers", reason="needs the hf extra (pip install -e '.[hf]')")
 

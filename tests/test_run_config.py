@@ -300,3 +300,14 @@ def test_ulysses_heads_are_refused_with_the_config_by_flaxattn():
   assert "model.n_heads (2) and model.n_kv_heads (1) do not split" in str(e.value), str(e.value)
   assert "'ulysses' over 'context' (size 4)" in str(e.value) and "divisible by 4" in str(e.value)
   assert mesh.make(config.load(None, SIZES + ulysses + ["model.n_heads=4"]), devices).cp
+
+
+@pytest.mark.parametrize("seed", [-1, 2**32])
+def test_a_seed_out_of_grains_range_is_a_config_error(seed):
+  """grain shuffles with an unsigned 32-bit seed: others were accepted, then the first
+  batch failed in grain."""
+  with pytest.raises(ConfigError, match=rf"seed expects an int in \[0, 4294967295\].*got {seed}"
+                     ) as e:
+    config.load(None, [f"seed={seed}"])
+  assert e.value.keys == ("seed",)
+  assert config.load(None, [f"seed={2**32 - 1}"]).seed == 2**32 - 1

@@ -81,6 +81,22 @@ def test_generate_errors_name_the_argument(windowed, kwargs, match):
     sample.generate(windowed, kwargs.pop("prompt"), kwargs.pop("max_new_tokens"), **kwargs)
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--seed", "46116860184273879040"], "--seed expects an int in [-2**63, 2**63 - 1]"),
+    (["--seed", str(2**63)], f"got {2**63}"),
+    (["--prompt", "a\udcff"], "--prompt expects UTF-8 text, got byte 0xff at character 1"),
+])
+def test_seed_and_prompt_are_checked_before_the_run_is_read(tmp_path, capsys, args, message):
+  """One line, exit status 2, naming the argument: a seed JAX's PRNG key cannot hold
+  (OverflowError before), a prompt with a byte that is not UTF-8 (a TypeError or a line
+  naming no argument before, by tokenizer)."""
+  argv = [str(tmp_path / "no run here"), "--prompt", "x", "--max_new_tokens", "4", *args]
+  assert sample.main(argv) == 2
+  line, = capsys.readouterr().err.strip().splitlines()
+  assert line.startswith("sample error: ") and message in line, line
+  sample.check_sampling(4, 0.0, 1.0, seed=-2**63)  # the whole signed 64-bit range is a seed
+
+
 def test_generate_checks_the_padded_cache_it_will_allocate():
   """A 500-token prompt on 3 devices is prefilled as 504 tokens (a multiple of 2 chunks per
   device), and the cache rounds up to a multiple of 3: 12 new tokens need 516 slots, more
@@ -153,6 +169,11 @@ def test_sample_command_errors(run_dir, tmp_path, capsys):
        f"[1, {jax.device_count()}], got 3; on a CPU host set XLA_FLAGS="),
       ((run_dir, "--prompt", "x", "--max_new_tokens", 4, "--context_parallel", 0),
        f"--context_parallel expects a number of devices in [1, {jax.device_count()}], got 0."),
+      # A command line's byte 0xff reaches Python as "\udcff".
+      ((run_dir, "--prompt", "def \udcff(", "--max_new_tokens", 4),
+       "--prompt expects UTF-8 text, got byte 0xff at character 4"),
+      ((run_dir, "--prompt", "x", "--max_new_tokens", 4, "--seed", 46116860184273879040),
+       "--seed expects an int in [-2**63, 2**63 - 1] (a 64-bit PRNG seed), got"),
   ]
   for args, message in cases:  # in this process: one line, exit status 2
     assert sample.main([str(a) for a in args]) == 2, args

@@ -48,14 +48,23 @@ def _missing_platform() -> str:
         "'ulysses' over 'context' (size 4)", "divisible by 4"]),
     (["data.tokenizer=<model file>", "--hide-sentencepiece"], [
         "'data.tokenizer'", "needs the sentencepiece package", "data.tokenizer=bytes"]),
+    # Document order over 4 devices: died at step 1 ("divisible by 2 * cp = 8").
+    (["seq_len=100"], ["seq_len (100) expects a multiple of 8", "data.balance=document",
+                       "set seq_len=104 or 96"]),
+    # An explicit kernel that declines the run's calls: a traceback at step 1 before.
+    (["model.attention_backend=<declining>"], ["config key 'model.attention_backend'",
+                                               "cannot serve this call"]),
 ])
 def test_setup_errors_exit_2_before_anything_is_written(tmp_path, overrides, names):
   """Mistakes found once jax has started (held-out documents, eval batches, a platform
   without devices here, distributed=on without a coordinator, heads Ulysses cannot split,
-  a SentencePiece tokenizer without the package): a config error, no run_dir."""
+  a SentencePiece tokenizer without the package, a seq_len document order cannot split, an
+  attention kernel that declines the model's calls): a config error, no run_dir."""
   run_dir, model_file = tmp_path / "run", tmp_path / "tokenizer.model"
   model_file.write_bytes(b"\0")
-  swap = {"<missing>": _missing_platform(), "<model file>": str(model_file)}
+  swap = {"<missing>": _missing_platform(), "<model file>": str(model_file),
+          # cuDNN off a GPU; splash (on a GPU) with 64 tokens a device, not a multiple of 128.
+          "<declining>": "cudnn" if jax.default_backend() != "gpu" else "splash"}
 
   def fill(text):
     for k, v in swap.items():

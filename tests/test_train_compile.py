@@ -4,13 +4,19 @@ are skipped, naming them, without."""
 
 import importlib.util
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
+import helpers
 from bench import aot as aot_bench
 from flaxattn import aot
 from helpers import target_devices, target_precision
 from train import compile as train_compile
+from train import config
+from train import mesh as mesh_lib
 
 # The GPU demo's model cut to one layer and 4K tokens: seconds to compile.
 SMALL = ["model.n_layers=1", "seq_len=4096", "model.max_seq_len=4096"]
@@ -60,6 +66,8 @@ def test_fits_on_one_h100_with_the_gpu_kernels(capsys):
   assert b["aliased"] > 0.9 * b["outputs"]
   assert r["hbm_bytes"] == int(0.75 * 84978434048)
   assert {"flash_forward", "flash_dq", "flash_dkv"} <= set(r["kernels"])
+  assert r["model"] == ("dim 2048, 1 layers, 16 heads (4 K/V), ffn 5632, vocab 256, from the"
+                        " config's model.* keys")
 
 
 def test_v5p_slice_compiles_splash_and_the_ring(capsys):
@@ -146,3 +154,136 @@ def test_v6e_256_builds_fsdp_64_by_context_4_and_says_what_it_splits():
   assert set(spans) == {"fsdp", "context"} and set(spans["fsdp"]) | set(spans["context"]) <= {
       "x", "y"}
   assert "(split: " in mesh_lib.describe_axes(mesh)
+
+
+def _subprocess(env: dict, *argv) -> subprocess.CompletedProcess:
+  """`python -m train.compile ARGV` in a fresh process, with `env` over this one's."""
+  return subprocess.run([sys.executable, "-m", "train.compile", *argv], capture_output=True,
+                        text=True, env={**os.environ, "JAX_PLATFORMS": "cpu", **env},
+                        check=False)
+
+
+@pytest.mark.parametrize("target, env, names", [
+    # XLA ended the process with status 1 ("does not fit") and, its stderr held, no line.
+    ("h100", {"XLA_FLAGS": "--bogus_flag=1"}, ["XLA_FLAGS='--bogus_flag=1'",
+                                               "Unknown flag in XLA_FLAGS"]),
+    ("v5e-1", {"LIBTPU_INIT_ARGS": "--bogus_flag=1"}, ["LIBTPU_INIT_ARGS='--bogus_flag=1'",
+                                                       "Unknown command line flag 'bogus_flag'"]),
+    ("h100", {"JAX_ENABLE_X64": "maybe"}, ["'maybe'", "JAX_ENABLE_X64"]),
+    # The compile-only topology is refused: libtpu starts, its noise is held back.
+    ("v5e-1", {}, ["config error for v5e-1 (1 devices): mesh"]),
+])
+def test_the_environment_a_fresh_process_reads_is_exit_2_in_one_line(target, env, names):
+  """Flags that native code reads when it starts, and JAX's options, each in a process that
+  has not started them: one line on stderr (no CUDA plugin or libtpu noise), exit status
+  2, naming the variable."""
+  target_devices(target)
+  proc = _subprocess(env, "configs/demo.yaml", "--target", target)
+  assert proc.returncode == 2, proc.stderr
+  line, = proc.stderr.strip().splitlines()
+  assert line.startswith("error: ") and all(n in line for n in names), line
+
+
+@pytest.mark.parametrize("target, env, names", [
+    ("h100", {"XLA_PYTHON_CLIENT_MEM_FRACTION": "2"},
+     ["XLA_PYTHON_CLIENT_MEM_FRACTION expects", "(0, 1]", "got '2'"]),
+    ("h100", {"XLA_PYTHON_CLIENT_ALLOCATOR": "bogus"}, ["XLA_PYTHON_CLIENT_ALLOCATOR", "'bogus'"]),
+    ("h100", {"JAX_PLATFORMS": "cuda"}, ["JAX_PLATFORMS expects cpu", "got 'cuda'"]),
+])
+def test_the_environment_is_exit_2_in_one_line(capsys, monkeypatch, target, env, names):
+  """A GPU memory fraction of 2 planned 158 GiB on an 80 GB H100 (exit 0); an allocator the
+  GPU client refuses, or a platform whose backend cannot make these devices, were
+  tracebacks with exit 1."""
+  target_devices(target)
+  for name, value in env.items():
+    monkeypatch.setenv(name, value)
+  status, _, err = run(capsys, "configs/gpu_demo.yaml", *SMALL, "--target", target)
+  assert status == 2, err
+  line, = err.strip().splitlines()
+  assert all(n in line for n in names), line
+
+
+def test_init_from_not_on_this_host_takes_the_model_keys_or_its_config_json(tmp_path, capsys):
+  """Not LlamaConfig's defaults: without model keys, a config error naming init_from; with
+  them, they are the model (python -m train requires them to give the checkpoint's
+  parameters); --model_config reads a copy of the checkpoint's config.json as the trainer
+  reads the checkpoint's: its options where the config sets none, its sizes checked."""
+  from models import hf
+  from models.llama import LlamaConfig
+
+  status, _, err = run(capsys, "init_from=/nowhere/llama", "--target", "h100")
+  assert status == 2 and "config key 'init_from' ('/nowhere/llama') is not on this host" in err
+  with pytest.raises(config.ConfigError) as e:
+    train_compile.load(None, ["init_from=/nowhere/llama"])
+  assert e.value.keys == ("init_from",)
+  cfg, model = train_compile.load("configs/gpu_demo.yaml", ["init_from=/nowhere/llama"])
+  assert cfg.model.dim == 2048 and "model.* keys (init_from '/nowhere/llama' is not on" in model
+  source = LlamaConfig(vocab_size=512, dim=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=128,
+                       sliding_window=32, global_every=0)
+  (tmp_path / "config.json").write_text(json.dumps(hf.config_to_hf(source, "bfloat16")))
+  sizes = ["init_from=/nowhere/llama", "model.vocab_size=512", "model.dim=64",
+           "model.n_layers=3", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=128"]
+  for copy in (tmp_path, tmp_path / "config.json"):
+    cfg, model = train_compile.load(None, [*sizes, "model.remat=full"], str(copy))
+    # The checkpoint's windowed layers (Mistral: their kernels and masks), the run's remat.
+    assert (cfg.model.sliding_window, cfg.model.global_every) == (32, 0)
+    assert cfg.model.remat == "full"
+    assert model.startswith(f"--model_config {str(copy)!r} (init_from '/nowhere/llama'")
+  with pytest.raises(config.ConfigError, match=r"model.dim=64.* but the config has model.dim=32"):
+    train_compile.load(None, [*sizes, "model.dim=32"], str(tmp_path))
+  with pytest.raises(config.ConfigError, match="the model is read from init_from .* drop"):
+    train_compile.load(None, [f"init_from={tmp_path}"], str(tmp_path))
+
+
+@pytest.mark.parametrize("target, overrides, key", [
+    ("2xh100", ["mesh.data=2", "batch_size=3"], "batch_size (3) expects a multiple"),
+    ("8xh100", ["mesh.context=8", "context_parallel.strategy=ulysses", "model.n_heads=4",
+                "model.n_kv_heads=4"], "model.n_heads (4) and model.n_kv_heads (4) do not split"),
+])
+def test_fit_config_errors_are_exit_2_naming_the_key(capsys, target, overrides, key):
+  """Read as "this seq_len does not split" before (exit 1, "none of those tried")."""
+  target_devices(target)
+  status, out, err = run(capsys, "configs/gpu_demo.yaml", *SMALL, *overrides, "--target", target,
+                         "--fit", "seq_len")
+  assert status == 2 and key in err and not out, (out, err)
+
+
+@pytest.mark.parametrize("target, overrides, tried, best", [
+    # Powers of two from the config's 32768 down, then one between: as before.
+    ("h100", [], [32768, 16384, 8192, 12288], 8192),
+    # A context axis of 3 splits multiples of 3 only (no power of two).
+    ("3xh100", ["mesh.context=3"], [24576, 12288, 6144, 9216], 9216),
+    # Row balancing over 3: multiples of 6.
+    ("3xh100", ["mesh.context=3", "data.balance=row"], [24576, 12288, 6144, 9216], 9216),
+])
+def test_fit_tries_the_lengths_the_mesh_splits(monkeypatch, target, overrides, tried, best):
+  """The search with each compile answered by the config check on simulated devices and
+  "fits up to 10000 tokens": every length tried is one the mesh splits."""
+  seen = []
+
+  def compile_step(cfg, t, model=""):
+    mesh_lib.make(cfg, helpers.devices(t.devices))  # the config check, as the compile's
+    seen.append(cfg.seq_len)
+    return train_compile.Result(
+        target=t.name, devices=t.devices, mesh={}, physical_axes="", seq_len=cfg.seq_len,
+        model=model, per_device_bytes={}, hbm_bytes=1, fits=cfg.seq_len <= 10000, kernels={},
+        collectives={}, compile_s=0.0, warnings=[], largest=[])
+
+  monkeypatch.setattr(train_compile, "compile_step", compile_step)
+  found = train_compile.fit_seq_len("configs/gpu_demo.yaml", overrides, aot.target(target),
+                                    lambda r: None)
+  assert (seen, found) == (tried, best)
+
+
+def test_hosts_are_a_physical_axis_of_their_own():
+  """Over 2 hosts of 4 GPUs, data 2 x fsdp 4 moves data across hosts only (it read
+  "host+device": device ids differ across hosts)."""
+  try:
+    devices = aot.devices(aot.target("4xh100", hosts=2))
+  except aot.MissingCompiler as e:
+    pytest.skip(str(e))
+  cfg = config.load("configs/gpu_demo.yaml", ["mesh.data=2", "mesh.fsdp=4", "batch_size=8"])
+  mesh = mesh_lib.make(cfg, devices).mesh
+  assert mesh_lib.describe_axes(mesh) == "data over host, fsdp over device"
+  cfg = config.load("configs/gpu_demo.yaml", ["mesh.data=8", "batch_size=8"])
+  assert mesh_lib.describe_axes(mesh_lib.make(cfg, devices).mesh) == "data over host+device"

@@ -17,6 +17,14 @@ TARGET: `v5e-N`, `v6e-N` (N chips), `v5p-N` (N TensorCores, 2 per chip: v5p-128 
 chips), or `h100`, `h200`, `a100-80g` with an optional count per host (`8xh100`) and
 `--hosts M`. v4 is refused (`flaxattn.aot.REFUSED`).
 
+The model is the one `python -m train` would train: with `init_from`, its checkpoint's
+config (or, resuming, the run_dir's) read as the trainer reads it. Where `init_from` is not
+on this host, the config's `model.*` keys (which the trainer requires to give the
+checkpoint's parameters), refused naming `init_from` when they give LlamaConfig's
+defaults; `--model_config PATH` (a copy of the checkpoint's config.json, or a directory
+holding one) adds what the trainer takes from it: the options the config does not set and
+the check of the sizes. The report names the model and where it came from.
+
 Reported (a table, or one JSON line with --json):
   per_device_bytes  arguments (parameters, optimizer state, batch), temporaries, outputs,
                     aliased (outputs written over the donated state) and total = arguments +
@@ -26,18 +34,34 @@ Reported (a table, or one JSON line with --json):
                     flaxattn.aot.Memory); host_temporaries, in the host's memory (remat
                     "offload"), not in total;
   hbm_bytes         what a program may use: on TPU the HBM less the runtime's reserve, on
-                    GPU JAX's preallocated fraction (0.75, or XLA_PYTHON_CLIENT_MEM_FRACTION);
+                    GPU JAX's preallocated fraction (0.75, or XLA_CLIENT_MEM_FRACTION /
+                    XLA_PYTHON_CLIENT_MEM_FRACTION in (0, 1]; all of it with
+                    XLA_PYTHON_CLIENT_ALLOCATOR=platform: `flaxattn.aot.gpu_mem_fraction`);
   fits              total + MARGIN x hbm_bytes <= hbm_bytes;
-  kernels, collectives, the mesh and the physical axes each mesh axis spans, compile_s,
-  warnings (the partitioner's rematerializations; cuDNN workspaces, which the plan omits).
+  model, kernels, collectives, the mesh and the physical axes each mesh axis spans,
+  compile_s, warnings (the partitioner's rematerializations; cuDNN workspaces, which the
+  plan omits).
+
+The environment: JAX_PLATFORMS must be unset or cpu (it is set to cpu); JAX's GPU client
+variables (XLA_CLIENT_MEM_FRACTION, XLA_PYTHON_CLIENT_*) are checked as JAX would read them
+for a GPU target; XLA_FLAGS, and for TPU LIBTPU_INIT_ARGS and TPU_*, are tried in a child
+process first where set (native code ends a process on a flag it does not know); JAX's own
+options (JAX_ENABLE_X64, ...) are read by JAX. A value any of them refuses is exit status 2,
+one line naming it. What the CUDA plugin and libtpu print on a host without their chip
+(no driver, no TPU VM metadata) is left out of stderr.
 
 Exit status: 0 fits; 1 does not fit (one line: total, HBM, the largest arrays; the
 compiler's own out-of-memory refusal counts); 2 bad input (config, target, a mesh the target
-cannot hold, the compiler not installed: the extra to install).
+cannot hold, an environment variable, the compiler not installed: the extra to install; a
+step the compiler refuses for another reason than memory, with the variables set that
+change the program).
 
---fit seq_len: the longest seq_len that fits (model.max_seq_len raised with it): powers of
-two up or down from the config's, then once between the last that fits and the first that
-does not, each compile reported as it finishes.
+--fit seq_len: the longest seq_len that fits (model.max_seq_len raised with it), among the
+lengths the mesh splits (multiples of `train.mesh.seq_multiple`: 1, or e.g. 3 for a context
+axis of 3): the config's rounded down to that multiple times a power of two, doubled or
+halved (not below 1024), then once between the last that fits and the first that does
+not, each compile reported as it finishes. A config error is exit status 2, as without
+--fit.
 """
 
 from __future__ import annotations
@@ -80,6 +104,7 @@ class Result:
   mesh: dict
   physical_axes: str
   seq_len: int
+  model: str
   per_device_bytes: dict
   hbm_bytes: int
   fits: bool
@@ -102,11 +127,14 @@ class Result:
             + (f"; largest arrays: {largest}" if largest and not self.fits else ""))
 
 
-def compile_step(cfg, target) -> Result:
-  """Compiles `cfg`'s train step for `target` (`flaxattn.aot.Target`) and reads its plan.
+def compile_step(cfg, target, model: str = "the config's model.* keys") -> Result:
+  """Compiles `cfg`'s train step for `target` (`flaxattn.aot.Target`) and reads its plan;
+  `model` says where `cfg.model` came from (`load`), for the report.
 
   Raises:
-    BadInput: the compiler is missing, or the config does not fit the target's devices.
+    BadInput: the compiler is missing or does not start with the environment, or refuses
+      the step for another reason than memory.
+    ConfigError: the config does not fit the target's devices (its `keys` name the keys).
   """
   import jax
   from flax import nnx
@@ -117,29 +145,38 @@ def compile_step(cfg, target) -> Result:
   from train.config import ConfigError
 
   try:
-    devices = aot.devices(target)
-  except aot.MissingCompiler as e:
+    with _native_stderr():  # the compiler's start
+      devices = aot.devices(target)
+    hbm = target.hbm_bytes()
+  except (aot.MissingCompiler, ValueError) as e:
     raise BadInput(str(e)) from None
   try:
     parallel = mesh_lib.make(cfg, devices)
   except ConfigError as e:
-    raise BadInput(f"config error for {target.name} ({target.devices} devices): {e}") from None
+    raise ConfigError(f"config error for {target.name} ({target.devices} devices): {e}",
+                      e.keys) from None
   mesh = parallel.mesh
-  hbm = target.hbm_bytes()
   begin = time.perf_counter()
   substituted = _Collect()
   logging.getLogger("flaxattn").addHandler(substituted)
   try:
-    with _stderr_to() as log, jax.set_mesh(mesh), nnx.logical_axis_rules(parallel.rules):
+    with _native_stderr(echo=False) as log, jax.set_mesh(mesh), \
+        nnx.logical_axis_rules(parallel.rules):
       _, graphdef, abstract = state.abstract_state(cfg, mesh, parallel.cp)
       batch = data.abstract_batch(mesh, cfg.batch_size, cfg.seq_len)
       lowered = loop.train_step.lower(nnx.merge(graphdef, abstract), batch)
       try:
         compiled, refusal = lowered.compile(), None
-      except jax.errors.JaxRuntimeError as e:
-        if "RESOURCE_EXHAUSTED" not in str(e):
+      except Exception as e:  # Pallas re-raises the compiler's error as its own
+        said = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if "RESOURCE_EXHAUSTED" in said:
+          compiled, refusal = None, said
+        elif isinstance(e, jax.errors.JaxRuntimeError) or isinstance(
+            e.__cause__, jax.errors.JaxRuntimeError):
+          raise BadInput(f"the {target.name} compiler refuses the step: {said}"
+                         + _program_environment()) from None
+        else:
           raise
-        compiled, refusal = None, str(e).strip().splitlines()[0]
   finally:
     logging.getLogger("flaxattn").removeHandler(substituted)
   seconds = time.perf_counter() - begin
@@ -163,6 +200,7 @@ def compile_step(cfg, target) -> Result:
                     " does not size it); measure on the GPU.")
   return Result(target=target.name, devices=target.devices, mesh=dict(mesh.shape),
                 physical_axes=mesh_lib.describe_axes(mesh), seq_len=cfg.seq_len,
+                model=f"{_shape(cfg.model)}, from {model}",
                 per_device_bytes=plan, hbm_bytes=hbm, fits=fits, kernels=kernels,
                 collectives=aot.collectives(text), compile_s=seconds, warnings=warnings,
                 largest=largest,
@@ -180,13 +218,28 @@ class _Collect(logging.Handler):
     self.messages.append(record.getMessage())
 
 
+# What native code writes to stderr that tells a user of compile-only devices nothing: the
+# CUDA plugin's missing driver (at JAX's import), libtpu's missing TPU VM metadata
+# (accelerator type, worker hostnames) and the trace of that complaint.
+NOISE = re.compile(
+    r"WARNING: All log messages before absl::InitializeLog\(\) is called"
+    r"|WARNING: Logging before InitGoogle\(\) is written to STDERR"
+    r"|cudart_stub\.cc:\d+\] Could not find cuda drivers on your machine"
+    r"|could not determine TPU (accelerator type|worker hostnames)"
+    r"|^=== Source Location Trace: ===\s*$"
+    r"|^\S*libtpu_init_utils\.cc:\d+\s*$")
+
+
 @contextlib.contextmanager
-def _stderr_to():
-  """The process's stderr (fd 2, where XLA logs) held back; yields a list that holds its
-  text afterwards."""
+def _native_stderr(echo: bool = True):
+  """Holds back what is written to the process's stderr (fd 2, where XLA, libtpu and the
+  CUDA plugin log) in the block; yields a list that holds the text afterwards. With `echo`,
+  the lines that are not `NOISE` are then written to stderr, also when the block raises.
+  A process that native code ends inside the block loses what it wrote there
+  (`flaxattn.aot.check_native_flags` starts such code in a child first)."""
   sys.stderr.flush()
   saved, captured = os.dup(2), []
-  with tempfile.TemporaryFile("w+") as f:
+  with tempfile.TemporaryFile("w+", errors="replace") as f:
     os.dup2(f.fileno(), 2)
     try:
       yield captured
@@ -196,6 +249,26 @@ def _stderr_to():
       os.close(saved)
       f.seek(0)
       captured.append(f.read())
+      kept = [line for line in captured[0].splitlines(keepends=True) if not NOISE.search(line)]
+      if echo and kept:
+        sys.stderr.write("".join(kept))
+        sys.stderr.flush()
+
+
+def _program_environment() -> str:
+  """The environment variables set that change the program or its compiler (JAX's
+  options, XLA's and libtpu's flags), as the tail of an error; "" when none is."""
+  found = {k: v for k, v in sorted(os.environ.items())
+           if v and (k.startswith("JAX_") and k != "JAX_PLATFORMS"
+                     or k in ("XLA_FLAGS", "LIBTPU_INIT_ARGS"))}
+  return (f" (with {', '.join(f'{k}={v!r}' for k, v in found.items())} set in the"
+          " environment)" if found else "")
+
+
+def _shape(m) -> str:
+  """The model's size in a few words (`models.llama.LlamaConfig` `m`)."""
+  return (f"dim {m.dim}, {m.n_layers} layers, {m.n_heads} heads ({m.n_kv_heads} K/V), ffn"
+          f" {m.ffn_dim}, vocab {m.vocab_size}")
 
 
 def _largest(text: str, n: int = 3) -> list[str]:
@@ -229,7 +302,7 @@ def _table(r: Result) -> str:
   b = r.per_device_bytes
   rows = [("target", f"{r.target}: {r.devices} devices"),
           ("mesh", ", ".join(f"{k} {v}" for k, v in r.mesh.items()) + f" ({r.physical_axes})"),
-          ("seq_len", str(r.seq_len))]
+          ("model", r.model), ("seq_len", str(r.seq_len))]
   if b:
     rows.append(("per device", ", ".join(f"{k} {v / GIB:.2f} GiB" for k, v in b.items())))
   rows += [("usable HBM", f"{r.hbm_bytes / GIB:.2f} GiB per device; margin {MARGIN:.0%}"),
@@ -241,46 +314,99 @@ def _table(r: Result) -> str:
   return "\n".join(f"{k:12s} {v}" for k, v in rows)
 
 
-def _load(path, overrides):
-  """The config of `path` with `overrides`, `init_from`'s model read where it exists here."""
+def load(path, overrides, model_config: str | None = None):
+  """The config of `path` with `overrides`, its model the one `python -m train` would train,
+  and where that model comes from: `init_from`'s (or, resuming, the run_dir's) where it is
+  on this host, read as the trainer reads it; else `model_config`, a copy of init_from's
+  config.json (`init_from.resolve_from_copy`); else the config's `model.*` keys, when
+  they give another model than `LlamaConfig`'s defaults (the trainer refuses keys that
+  are not the checkpoint's).
+
+  Raises:
+    ConfigError: as `train.config.load` and `train.init_from.resolve`; `init_from` not on
+      this host with neither `model_config` nor model keys (keys ("init_from",)), or
+      `model_config` where init_from is not used or is on this host.
+  """
+  from models.llama import LlamaConfig, param_changes
   from train import config, init_from, storage
+  from train.config import ConfigError
+
   cfg = config.load(path, overrides)
-  if cfg.init_from and storage.path(cfg.init_from).exists():
-    cfg = init_from.resolve(cfg, config.set_keys(path, overrides))
-  return cfg
+  keys = config.set_keys(path, overrides)
+  source = cfg.init_from
+  if not source:
+    if model_config:
+      raise ConfigError(f"--model_config ({model_config!r}) expects a config with init_from (it"
+                        " stands for init_from's config.json), got init_from=''; drop it.",
+                        ("init_from",))
+    return cfg, "the config's model.* keys"
+  here = (f"run_dir {cfg.run_dir!r} (resuming)" if init_from.resuming(cfg) else
+          f"init_from {source!r}" if storage.path(source).exists() else None)
+  if here and model_config:
+    raise ConfigError(f"--model_config ({model_config!r}) stands for init_from's config.json"
+                      f" where init_from is not on this host, but the model is read from {here};"
+                      " drop --model_config.", ("init_from",))
+  if here:
+    return init_from.resolve(cfg, keys), here
+  if model_config:
+    return (init_from.resolve_from_copy(cfg, model_config, keys),
+            f"--model_config {model_config!r} (init_from {source!r} is not on this host)")
+  if not param_changes(LlamaConfig(), cfg.model):
+    raise ConfigError(
+        f"config key 'init_from' ({source!r}) is not on this host, and the config's model.*"
+        " keys give LlamaConfig's defaults, not the checkpoint's model: pass --model_config"
+        " with a copy of the checkpoint's config.json, or set its model.* keys (model.dim,"
+        " model.n_layers, model.n_heads, model.n_kv_heads, model.ffn_dim, model.vocab_size).",
+        ("init_from",))
+  return cfg, (f"the config's model.* keys (init_from {source!r} is not on this host;"
+               " python -m train checks them against it)")
 
 
-def fit_seq_len(path, overrides, target, report) -> int | None:
+def fit_seq_len(path, overrides, target, report, model_config: str | None = None) -> int | None:
   """The longest seq_len that fits (see the module docstring), or None if not even the
-  shortest power of two tried does; `report(result)` after each compile."""
+  shortest length tried does; `report(result)` after each compile.
+
+  Raises:
+    ConfigError, BadInput: as `compile_step`, for any config error but a length refused
+      alone (keys ("seq_len",)), which is skipped.
+  """
+  from train import mesh as mesh_lib
   from train.config import ConfigError
 
   def fits(n: int) -> bool | None:
-    """Whether seq_len `n` fits; None: the mesh cannot split it."""
+    """Whether seq_len `n` fits; None: the config check refuses this length."""
     try:
-      r = compile_step(_load(path, [*overrides, f"seq_len={n}", f"model.max_seq_len={n}"]),
-                       target)
-    except (BadInput, ConfigError) as e:
-      if "split" in str(e) or "multiple" in str(e):
+      cfg, model = load(path, [*overrides, f"seq_len={n}", f"model.max_seq_len={n}"],
+                        model_config)
+      r = compile_step(cfg, target, model)
+    except ConfigError as e:
+      if e.keys == ("seq_len",):
         return None
       raise
     report(r)
     return r.fits
 
-  start = _load(path, overrides).seq_len
-  n = 1 << (start.bit_length() - 1)
+  start = load(path, overrides, model_config)[0]
+  # The lengths the mesh splits: multiples of `unit`, the config's rounded down to `unit`
+  # times a power of two, doubled or halved (down to 1024 or `unit`), then one between.
+  unit = mesh_lib.seq_multiple(start, target.devices)
+
+  def half(n: int) -> int:
+    return n // 2 // unit * unit
+
+  n = unit << max(0, (start.seq_len // unit).bit_length() - 1)
   if fits(n):
     while fits(2 * n):
       n *= 2
     best, above = n, 2 * n
   else:
-    while n > 1024 and not fits(n // 2):
-      n //= 2
-    if n <= 1024:
+    while half(n) >= max(1024, unit) and not fits(half(n)):
+      n = half(n)
+    if half(n) < max(1024, unit):
       return None
-    best, above = n // 2, n
-  middle = (best + above) // 2
-  if fits(middle):
+    best, above = half(n), n
+  middle = (best + above) // 2 // unit * unit
+  if middle > best and fits(middle):
     best = middle
   return best
 
@@ -296,26 +422,44 @@ def main(argv: list[str]) -> int:
   parser.add_argument("--hosts", type=int, default=1, help="GPU hosts (default 1)")
   parser.add_argument("--json", action="store_true", help="one JSON line")
   parser.add_argument("--fit", choices=["seq_len"], help="search the longest seq_len that fits")
+  parser.add_argument("--model_config", metavar="PATH",
+                      help="init_from's config.json (or a directory holding it) when init_from"
+                      " is not on this host")
   args = parser.parse_args(argv)
   path, overrides = args.config, list(args.overrides)
   if path is not None and "=" in path:
     path, overrides = None, [path, *overrides]
-  # This host's own chips take no part: compile-only devices need no local backend.
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  from flaxattn import aot
-  from train.config import ConfigError
+  # This host's own chips take no part: compile-only devices need no local backend (and
+  # the CUDA plugin makes its compile-only devices only beside the CPU backend). JAX reads
+  # the variable when it is imported.
+  platforms = os.environ.get("JAX_PLATFORMS", "").strip()
+  if not platforms:
+    os.environ["JAX_PLATFORMS"] = "cpu"
+  try:
+    with _native_stderr():  # JAX's first import loads the compilers' plugins
+      from flaxattn import aot
+      from train.config import ConfigError
+  except ValueError as e:  # a JAX option's environment variable (JAX_ENABLE_X64=maybe)
+    print(f"error: {e}{_program_environment()}; JAX reads its options' variables when"
+          " imported: fix or unset it.", file=sys.stderr)
+    return 2
   try:
     target = aot.target(args.target, args.hosts)
+    if platforms not in ("", "cpu"):
+      raise BadInput(f"environment variable JAX_PLATFORMS expects cpu or nothing for"
+                     f" train.compile (compile-only devices need no local backend), got"
+                     f" {platforms!r}; unset it.")
     if args.fit:
       def report(r: Result):
         print(json.dumps(dataclasses.asdict(r)) if args.json else r.summary()
               + f" ({r.compile_s:.0f} s)", flush=True)
-      best = fit_seq_len(path, overrides, target, report)
+      best = fit_seq_len(path, overrides, target, report, args.model_config)
       line = {"target": target.name, "longest_seq_len": best}
       print(json.dumps(line) if args.json else f"longest seq_len that fits {target.name}:"
             f" {best if best else 'none of those tried'}")
       return 0 if best else 1
-    result = compile_step(_load(path, overrides), target)
+    cfg, model = load(path, overrides, args.model_config)
+    result = compile_step(cfg, target, model)
   except (ValueError, ConfigError, BadInput) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

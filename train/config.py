@@ -27,7 +27,13 @@ from models.llama import LlamaConfig
 
 
 class ConfigError(ValueError):
-  """A config key or value that the schema rejects."""
+  """A config key or value that the schema rejects. `keys`: the dotted config keys at fault
+  where the check knows them (`("seq_len",)`, `("model.n_heads", "model.n_kv_heads")`), so
+  that a caller can tell which failed without reading the message; () where it does not."""
+
+  def __init__(self, message: str, keys: tuple[str, ...] = ()):
+    super().__init__(message)
+    self.keys = tuple(keys)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +72,8 @@ class DataConfig:
     `flaxattn.balance_plan` weighed by the model's layer masks: the same attention work
     on every device), "row" (`flaxattn.load_balance` dual chunk of the whole row: even for
     one document per row) or "none" (the original order). The loss is the same in each.
+    Under "document" and "row", seq_len is a multiple of twice the balanced shards
+    (`train.mesh.seq_multiple`).
   """
 
   source: str = "stdlib"
@@ -137,6 +145,7 @@ class MeshConfig:
 
 
 MESH_AXES = ("data", "fsdp", "tensor", "context_ring", "context")
+SEED_LIMIT = 2**32
 # data.balance -> ContextParallel(load_balance=...).
 BALANCE = {"document": "document", "row": True, "none": False}
 PLATFORMS = ("cpu", "gpu", "cuda", "rocm", "tpu")
@@ -225,14 +234,19 @@ class TrainConfig:
   def __post_init__(self):
     for name in ("steps", "seq_len", "batch_size", "log_every"):
       if getattr(self, name) < 1:
-        raise ConfigError(f"{name} expects a positive int, got {getattr(self, name)}.")
+        raise ConfigError(f"{name} expects a positive int, got {getattr(self, name)}.",
+                          keys=(name,))
+    if not 0 <= self.seed < SEED_LIMIT:  # grain's shuffle and split take an unsigned 32-bit seed
+      raise ConfigError(f"seed expects an int in [0, {SEED_LIMIT - 1}] (2**32 - 1), got"
+                        f" {self.seed}.", keys=("seed",))
     for name in ("checkpoint_every", "eval_every", "num_devices", "peak_tflops_per_device"):
       if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
         raise ConfigError(f"{name} expects a number >= 0, got {getattr(self, name)}.")
     _check_at_least("heartbeat_timeout_s", self.heartbeat_timeout_s, 1)
     if self.seq_len > self.model.max_seq_len:
       raise ConfigError(f"seq_len ({self.seq_len}) expects at most model.max_seq_len"
-                        f" ({self.model.max_seq_len}); raise model.max_seq_len.")
+                        f" ({self.model.max_seq_len}); raise model.max_seq_len.",
+                        keys=("seq_len", "model.max_seq_len"))
     for key, choices in (("distributed", ("auto", "on", "off")),
                          ("context_parallel.strategy", STRATEGIES),
                          ("platform", ("",) + PLATFORMS),

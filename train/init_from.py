@@ -29,13 +29,14 @@ its model config is the one its config.json was saved with, with the YAML's opti
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 
 from models import hf
 from models.llama import LlamaConfig, param_changes
 from train import run_dir as run_dir_lib
 from train import storage
-from train.config import ConfigError, TrainConfig
+from train.config import ConfigError, TrainConfig, from_dict
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +141,38 @@ def resolve(cfg: TrainConfig, set_keys=frozenset()) -> TrainConfig:
   source = _source_model(cfg.init_from)
   what = f"config key 'init_from' ({cfg.init_from!r})"
   return _replace_model(cfg, _merge(cfg.model, source, what, not is_hf(cfg.init_from), set_keys))
+
+
+def resolve_from_copy(cfg: TrainConfig, path: str, set_keys=frozenset()) -> TrainConfig:
+  """`resolve` for an `init_from` that is not on this host, from a copy of its config.json
+  (`python -m train.compile --model_config PATH`): PATH is that file, under any name, or a
+  directory holding config.json. A Hugging Face config.json gives the checkpoint's model; a
+  run_dir's (a JSON object with a `model` section) the run's.
+
+  Raises:
+    ConfigError naming --model_config: the file does not read, is not a JSON object or its
+      model does not load; as `resolve` where the config's `model.*` give other parameters.
+  """
+  file = storage.path(path)
+  file = file / "config.json" if file.is_dir() else file
+  what = f"--model_config {path!r} (init_from {cfg.init_from!r})"
+  try:
+    values = json.loads(file.read_text(encoding="utf-8"))
+  except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    raise ConfigError(f"{what} expects init_from's config.json, or a directory holding it;"
+                      f" {file} does not read as JSON ({getattr(e, 'strerror', None) or e}).",
+                      keys=("init_from",)) from None
+  if not isinstance(values, dict):
+    raise ConfigError(f"{what} expects a JSON object of the model's fields, got a JSON"
+                      f" {type(values).__name__}.", keys=("init_from",))
+  try:
+    if isinstance(values.get("model"), dict):  # a run_dir's: the trainer's own keys
+      source, hf_source = from_dict(values).model, False
+    else:
+      source, hf_source = hf.config_from_hf(values, str(file)), True
+  except (ConfigError, hf.CheckpointError) as e:
+    raise ConfigError(f"{what}: {e}", keys=("init_from",)) from None
+  return _replace_model(cfg, _merge(cfg.model, source, what, not hf_source, set_keys))
 
 
 def _replace_model(cfg: TrainConfig, model: LlamaConfig) -> TrainConfig:

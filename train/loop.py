@@ -36,11 +36,13 @@ import numpy as np
 import optax
 from flax import nnx
 
+import flaxattn
 from models.llama import loss_fn
 from train import data, distributed, evaluation, init_from, metrics, storage, throughput
 from train import mesh as mesh_lib
 from train import run_dir as run_dir_lib
-from train.config import TrainConfig
+from train import state as state_lib
+from train.config import ConfigError, TrainConfig
 from train.data import tokenizers
 from train.state import Start, TrainState, restore_state
 from train.stop import Stopped, StopRequest
@@ -104,9 +106,34 @@ def _setup(cfg: TrainConfig, stop: StopRequest
   tokenizers.check_vocab(tok, cfg.model.vocab_size, cfg.data.tokenizer)
   distributed.start_backend(cfg.platform)
   parallel = mesh_lib.make(cfg)
+  _check_backend(cfg, parallel)
   run_data = data.make(cfg, tok, parallel.mesh, parallel.cp, stop.call)
   run_dir_lib.check_corpus(cfg, run_data.corpus)
   return parallel, run_data, tok
+
+
+def _check_backend(cfg: TrainConfig, parallel: mesh_lib.Parallelism) -> None:
+  """An explicit `model.attention_backend` must serve every attention call of the run on
+  these devices (a kernel of another platform, a length it cannot split): the model's loss
+  is traced on the run's shapes (no memory, nothing compiled), so that its refusal is a
+  config error here rather than a traceback at step 1. "auto" and the aliases ("fused")
+  fall back to a kernel that serves; they are not traced twice.
+
+  Raises:
+    ConfigError naming model.attention_backend: the kernel declines a call.
+  """
+  backend = cfg.model.attention_backend
+  if backend == "auto" or backend in flaxattn.registry.ALIASES:
+    return
+  with jax.set_mesh(parallel.mesh), nnx.logical_axis_rules(parallel.rules):
+    _, graphdef, abstract = state_lib.abstract_state(cfg, parallel.mesh, parallel.cp)
+    batch = data.abstract_batch(parallel.mesh, cfg.batch_size, cfg.seq_len)
+    try:
+      jax.eval_shape(lambda s, b: loss_fn(nnx.merge(graphdef, s).model, b), abstract, batch)
+    except flaxattn.registry.BackendError as e:
+      raise ConfigError(f"config key 'model.attention_backend' ({backend!r}) on"
+                        f" {jax.devices()[0].platform} with this config: {e}",
+                        ("model.attention_backend",)) from None
 
 
 @dataclasses.dataclass

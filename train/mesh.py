@@ -43,10 +43,10 @@ def make(cfg: TrainConfig, devices=None) -> Parallelism:
   inside Ulysses over `context` when `context_ring` > 1.
 
   Raises:
-    ConfigError: sizes that do not multiply to the device count; `batch_size` not a
-      multiple of data x fsdp; a `seq_len` or heads that the context parallelism cannot
-      split (`flaxattn.ContextParallel.check_shapes`: the sequence over the context axes,
-      under Ulysses the heads over its axis).
+    ConfigError (its `keys` name the keys at fault): sizes that do not multiply to the
+      device count (`mesh`); `batch_size` not a multiple of data x fsdp; a `seq_len` that
+      is not a multiple of `seq_multiple`; heads that Ulysses cannot split over its axis
+      (`model.n_heads`, `model.n_kv_heads`: `flaxattn.ContextParallel.check_shapes`).
   """
   devices = jax.devices() if devices is None else devices
   shape = _shape(cfg.mesh, len(devices))
@@ -54,24 +54,65 @@ def make(cfg: TrainConfig, devices=None) -> Parallelism:
   batch_parts = sizes["data"] * sizes["fsdp"]
   if cfg.batch_size % batch_parts:
     raise ConfigError(f"batch_size ({cfg.batch_size}) expects a multiple of mesh data x fsdp"
-                      f" ({batch_parts}).")
+                      f" ({batch_parts}).", keys=("batch_size",))
   mesh = _device_mesh(shape, devices)
-  cp = None
-  if sizes["context_ring"] * sizes["context"] > 1:
-    cp = context_parallel(cfg.context_parallel.strategy, cfg.data.balance,
-                          ring=sizes["context_ring"] > 1)
+  cp = _context_parallel(cfg, sizes)
+  if cp is not None:
+    where = (f"over mesh {dict(mesh.shape)} with context_parallel.strategy="
+             f"{cfg.context_parallel.strategy!r} and data.balance={cfg.data.balance}")
+    multiple = _seq_multiple(cfg, cp, mesh)
+    if cfg.seq_len % multiple:
+      lower = cfg.seq_len // multiple * multiple
+      shards = math.prod(mesh.shape[a] for a in cp.seq_axes)
+      why = (f"{shards} sequence shards" if multiple == shards else
+             f"{shards} sequence shards, each holding 2 chunks under load balancing")
+      raise ConfigError(f"seq_len ({cfg.seq_len}) expects a multiple of {multiple} ({why}) {where};"
+                        f" set seq_len={lower + multiple}" + (f" or {lower}" if lower else "")
+                        + ".", keys=("seq_len",))
     m = cfg.model
     try:
       cp.check_shapes((cfg.batch_size, cfg.seq_len, m.n_heads, m.attn_head_dim),
                       (cfg.batch_size, cfg.seq_len, m.n_kv_heads, m.attn_head_dim), mesh)
     except ValueError as e:
-      raise ConfigError(f"seq_len ({cfg.seq_len}), model.n_heads ({m.n_heads}) and"
-                        f" model.n_kv_heads ({m.n_kv_heads}) do not split over mesh"
-                        f" {dict(mesh.shape)} with context_parallel.strategy="
-                        f"{cfg.context_parallel.strategy!r} and data.balance={cfg.data.balance}:"
-                        f" {e}") from None
+      raise ConfigError(f"model.n_heads ({m.n_heads}) and model.n_kv_heads ({m.n_kv_heads}) do"
+                        f" not split {where}: {e}",
+                        keys=("model.n_heads", "model.n_kv_heads")) from None
   log.info("mesh %s; physical axes %s", dict(mesh.shape), describe_axes(mesh))
   return Parallelism(mesh, rules(mesh, cfg.model), cp)
+
+
+def seq_multiple(cfg: TrainConfig, num_devices: int) -> int:
+  """What `cfg.seq_len` must be a multiple of on `cfg.mesh` over `num_devices` devices: 1
+  without context parallelism; else the sequence shards, and twice the load-balanced ones
+  under data.balance "row" or "document" (`make` refuses other lengths).
+
+  Raises:
+    ConfigError: mesh sizes that do not multiply to `num_devices`.
+  """
+  shape = _shape(cfg.mesh, num_devices)
+  cp = _context_parallel(cfg, dict(zip(MESH_AXES, shape, strict=True)))
+  return _seq_multiple(cfg, cp, jax.sharding.AbstractMesh(shape, MESH_AXES))
+
+
+def _context_parallel(cfg: TrainConfig, sizes: dict) -> flaxattn.ContextParallel | None:
+  """The run's context parallelism over mesh axes of `sizes`; None when they do not shard
+  the sequence."""
+  if sizes["context_ring"] * sizes["context"] == 1:
+    return None
+  return context_parallel(cfg.context_parallel.strategy, cfg.data.balance,
+                          ring=sizes["context_ring"] > 1)
+
+
+def _seq_multiple(cfg: TrainConfig, cp: flaxattn.ContextParallel | None, mesh) -> int:
+  if cp is None:
+    return 1
+  multiple = cp.length_multiple(mesh)
+  if cfg.data.balance == "document":
+    # The model's layers index the tokens by the dual chunk in any balanced order
+    # (`flaxattn.layout.Layout.index`: RoPE's positions, splash's exactness check), which
+    # needs two chunks a shard as the row order does.
+    multiple = math.lcm(multiple, 2 * cp.balanced_shards(mesh))
+  return multiple
 
 
 def _device_mesh(shape: tuple[int, ...], devices) -> jax.sharding.Mesh:
@@ -97,7 +138,12 @@ def physical_axes(mesh: jax.sharding.Mesh) -> dict[str, tuple[str, ...]]:
     coords = [(*d.coords, getattr(d, "core_on_chip", 0)) for d in flat]
   else:
     names = ("host", "device")
-    coords = [(d.process_index, d.id) for d in flat]
+    # A device's place within its host: the same place on two hosts is no step along
+    # "device" (ids are global: they differ across hosts).
+    place = {d.id: i for host in {d.process_index for d in flat}
+             for i, d in enumerate(sorted((d for d in flat if d.process_index == host),
+                                          key=lambda d: d.id))}
+    coords = [(d.process_index, place[d.id]) for d in flat]
   grid = np.asarray(coords).reshape(*mesh.devices.shape, len(names))
   spans = {}
   for i, axis in enumerate(mesh.axis_names):
@@ -124,18 +170,19 @@ def _shape(sizes: MeshConfig, num_devices: int) -> tuple[int, ...]:
     ConfigError: more than one -1, a size < 1, or a product that is not `num_devices`.
   """
   shape = [getattr(sizes, a) for a in MESH_AXES]
+  keys = tuple(f"mesh.{a}" for a in MESH_AXES)
   if sum(s == -1 for s in shape) > 1 or any(s < 1 and s != -1 for s in shape):
-    raise ConfigError(f"mesh expects positive sizes with at most one -1, got {sizes}.")
+    raise ConfigError(f"mesh expects positive sizes with at most one -1, got {sizes}.", keys)
   known = math.prod(s for s in shape if s != -1)
   if -1 in shape:
     if num_devices % known:
       raise ConfigError(f"mesh {sizes} cannot fill -1: {num_devices} devices are not a"
-                        f" multiple of the other axes' product {known}.")
+                        f" multiple of the other axes' product {known}.", keys)
     shape[shape.index(-1)] = num_devices // known
   if math.prod(shape) != num_devices:
     named = dict(zip(MESH_AXES, shape, strict=True))
     raise ConfigError(f"mesh {named} has {math.prod(shape)} devices, but there are"
-                      f" {num_devices}; set one axis to -1 or fix the sizes.")
+                      f" {num_devices}; set one axis to -1 or fix the sizes.", keys)
   return tuple(shape)
 
 

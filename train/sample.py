@@ -89,20 +89,44 @@ def _sharded_prompt(cp, prompt, t: int):
   return tokens, (seg, pos), int(np.argmax(order[0] == prompt.size - 1))
 
 
-def check_sampling(max_new_tokens: int, temperature: float, top_p: float) -> None:
+# jax.random.key takes a seed that fits a signed 64-bit int.
+SEED_RANGE = (-2**63, 2**63 - 1)
+
+
+def check_sampling(max_new_tokens: int, temperature: float, top_p: float, seed: int = 0) -> None:
   """Checks the arguments of `generate` that need no model.
 
   Raises:
-    ValueError: `max_new_tokens` < 1, `temperature` not finite or < 0, or `top_p` outside
-      (0, 1].
+    ValueError: `max_new_tokens` < 1, `temperature` not finite or < 0, `top_p` outside
+      (0, 1], or `seed` not an int in `SEED_RANGE`.
   """
   if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
     raise ValueError(f"--max_new_tokens expects a positive int, got {max_new_tokens!r}.")
+  if isinstance(seed, bool) or not isinstance(seed, int) or not (
+      SEED_RANGE[0] <= seed <= SEED_RANGE[1]):
+    raise ValueError(f"--seed expects an int in [-2**63, 2**63 - 1] (a 64-bit PRNG seed), got"
+                     f" {seed!r}.")
   if not (math.isfinite(temperature) and temperature >= 0):
     raise ValueError(f"--temperature expects a finite number >= 0 (0 = greedy), got"
                      f" {temperature!r}.")
   if not 0 < top_p <= 1:
     raise ValueError(f"--top_p expects a number in (0, 1], got {top_p!r}.")
+
+
+def check_prompt(text: str) -> None:
+  """Refuses a prompt that is not text: a command line's bytes that are not UTF-8 reach
+  Python as lone surrogates (`\\udcff` for byte 0xff), which no tokenizer encodes.
+
+  Raises:
+    ValueError naming --prompt, the byte and its place.
+  """
+  try:
+    text.encode("utf-8")
+  except UnicodeEncodeError as e:
+    char = text[e.start]
+    byte = f"byte 0x{ord(char) - 0xDC00:02x}" if 0xDC80 <= ord(char) <= 0xDCFF else repr(char)
+    raise ValueError(f"--prompt expects UTF-8 text, got {byte} at character {e.start}, which is"
+                     " not UTF-8; pass the prompt in UTF-8.") from None
 
 
 def _cache_length(cp, prompt_tokens: int, max_new_tokens: int) -> tuple[int, int]:
@@ -139,9 +163,9 @@ def generate(model: Llama, prompt, max_new_tokens: int, *, temperature: float = 
 
   Raises:
     ValueError: a prompt not `[P]` or empty, `max_new_tokens` < 1, `temperature` not
-      finite or < 0, `top_p` outside (0, 1], or a KV cache (prompt and new tokens, padded
-      under context parallelism) longer than the model's max_seq_len; before anything is
-      allocated or compiled.
+      finite or < 0, `top_p` outside (0, 1], a `seed` out of `SEED_RANGE`, or a KV cache
+      (prompt and new tokens, padded under context parallelism) longer than the model's
+      max_seq_len; before anything is allocated or compiled.
   """
   prompt = np.asarray(prompt, np.int32)
   limit = model.config.max_seq_len
@@ -153,7 +177,7 @@ def generate(model: Llama, prompt, max_new_tokens: int, *, temperature: float = 
   if prompt.size > limit:
     raise ValueError(f"--prompt expects at most the model's max_seq_len={limit} tokens, got"
                      f" {prompt.size}; shorten the prompt.")
-  check_sampling(max_new_tokens, temperature, top_p)
+  check_sampling(max_new_tokens, temperature, top_p, seed)
   cp = context_parallel or model.context_parallel
   prefill, slots = _cache_length(cp, prompt.size, max_new_tokens)
   if slots > limit:
@@ -286,7 +310,8 @@ def main(argv: list[str]) -> int:
     logging.getLogger(noisy).setLevel(logging.WARNING)
   logging.getLogger("absl").setLevel(logging.ERROR)  # orbax notes that it reads read-only
   try:
-    check_sampling(args.max_new_tokens, args.temperature, args.top_p)
+    check_sampling(args.max_new_tokens, args.temperature, args.top_p, args.seed)
+    check_prompt(args.prompt)
     model, tok, _ = load(args.run_dir)
     with on_mesh(model, args.run_dir, args.context_parallel) as cp:
       new = generate(model, tok.document(args.prompt, end=False), args.max_new_tokens,
