@@ -42,6 +42,7 @@ ALIASES = {"fused": ("cudnn", "pallas_gpu", "blockwise")}
 _BUILTIN = {
     "blockwise": "flaxattn.blockwise:Blockwise",
     "cudnn": "flaxattn.cudnn:Cudnn",
+    "mosaic_gpu": "flaxattn.mosaic_gpu:MosaicGpu",  # Hopper; in no order until measured
     "pallas_gpu": "flaxattn.pallas_gpu:PallasGpu",
     "reference": "flaxattn.reference:Reference",
     "splash": "flaxattn.splash:Splash",
