@@ -512,7 +512,7 @@ class MosaicGpu(RowKernel):
   interpreter = "GPU interpret mode"
   ring: bool = True
   soft_cap: bool = True
-  outside_order = ("registered, in no platform's order until a GPU measures it ahead of cudnn"
+  outside_order = ("in no platform's order until a GPU measures it ahead of cudnn"
                    " and pallas_gpu (python -m bench.gpu); backend='mosaic_gpu' runs it")
 
   def __post_init__(self):
