@@ -27,18 +27,11 @@ import re
 import subprocess
 import sys
 
+from bench.gpu import MOSAIC_TILINGS
+from bench.triton_compile import Case
+
 SMEM_LIMIT = 232448  # an sm_90 thread block's dynamic shared memory (227 KiB)
 KERNELS = ("mosaic_forward", "mosaic_dq", "mosaic_dkv")
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-  name: str
-  dtype: str
-  d: int
-  dv: int
-  mask: str  # "causal", "full" or "chunked-local"
-  soft_cap: float | None = None
 
 
 CASES = (
@@ -46,10 +39,9 @@ CASES = (
     Case("chunked&local f16 D=64 Dv=128 cap", "float16", 64, 128, "chunked-local", 30.0),
     Case("full bf16 D=128 Dv=64", "bfloat16", 128, 64, "full"),
 )
-# `--tilings`: (block_kv, block_kv_dq, block_q_dkv, stages) of `MosaicGpu`; the first is
-# the default.
-TILINGS = ((128, 64, 64, 2), (64, 64, 64, 2), (128, 128, 64, 2), (64, 64, 128, 2),
-           (128, 64, 64, 3), (64, 64, 64, 4))
+# `--tilings`: (block_kv, block_kv_dq, block_q_dkv, stages) of `MosaicGpu`: those
+# `bench.gpu --tilings` times (the first is the default), then two that do not fit.
+TILINGS = (*MOSAIC_TILINGS, (64, 64, 128, 2), (128, 64, 64, 3))
 _PTXAS_KERNEL = re.compile(r"Compiling entry function '(\w+?)_mosaic_gpu_kernel'")
 _PTXAS_SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 _PTXAS_REGS = re.compile(r"Used (\d+) registers")
@@ -98,8 +90,7 @@ def _child(case: dict, t: int, tiling: list[int]) -> None:
   from flaxattn import aot
   from flaxattn.mosaic_gpu import MosaicGpu
   c = Case(**case)
-  mask = {"causal": flaxattn.Causal(), "full": flaxattn.Full(),
-          "chunked-local": flaxattn.Chunked(1024) & flaxattn.Local(300)}[c.mask]
+  mask = c.attention_mask()
   dtype = jnp.dtype(c.dtype)
   q = jax.ShapeDtypeStruct((1, t, 16, c.d), dtype)
   k = jax.ShapeDtypeStruct((1, t, 8, c.d), dtype)

@@ -23,6 +23,7 @@ import dataclasses
 import functools
 import inspect
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -153,31 +154,60 @@ def _allowed(mask: Mask, q_seg, q_pos, kv_seg, kv_pos, shape, q_axis: int):
                                               _spread(kv_pos, shape, 1 - q_axis))
 
 
-def _position():
-  """(tile, KV head, batch row, warpgroup) of the running thread."""
-  return (lax.axis_index("tile"), lax.axis_index("head"), lax.axis_index("batch"),
-          lax.axis_index("wg"))
+@dataclasses.dataclass(frozen=True)
+class _Tile:
+  """Where the running thread is (tile, KV head, batch row, warpgroup) and its tile's row
+  of the schedule: `n` blocks listed, the first `full` of them FULL."""
 
+  tile: Any
+  head: Any
+  batch: Any
+  wg: Any
+  full: Any
+  n: Any
+  order_ref: Any
 
-def _produce(n, order_at, stages: int, copies, free):
-  """The producer: the i-th block the schedule lists (block `order_at(i)`, i < n) copied
-  by each of `copies` (source of block j, destination slots, their barriers) into slot
-  i mod stages, once both consumers have freed its previous block (`free`)."""
-  plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+  @classmethod
+  def here(cls, order_ref, full_ref, partial_ref) -> _Tile:
+    tile, head, batch, wg = (lax.axis_index(a) for a in ("tile", "head", "batch", "wg"))
+    full = full_ref[batch, tile]
+    return cls(tile, head, batch, wg, full, full + partial_ref[batch, tile], order_ref)
 
-  def load(i):
-    slot = lax.rem(i, stages)
-    j = order_at(i)
-    for source, slots, loaded in copies:
-      plgpu.copy_gmem_to_smem(source(j), slots.at[slot], loaded.at[slot])
-  for i in range(stages):
-    pl.when(i < n)(functools.partial(load, jnp.int32(i)))
+  def block(self, i):
+    """The index of the i-th block listed."""
+    return self.order_ref[self.batch, self.tile, i]
 
-  def refill(i, carry):
-    plgpu.barrier_wait(free.at[lax.rem(i, stages)])
-    load(i)
-    return carry
-  lax.fori_loop(jnp.int32(stages), n, refill, None)
+  def own(self):
+    """The running consumer's 64 rows (keys, in dK/dV)."""
+    return pl.ds((self.tile * CONSUMERS + self.wg) * ROWS, ROWS)
+
+  def run(self, size: int, stages: int, copies, free, consumer) -> None:
+    """The producer copies the i-th block listed (of `size` rows: `ref.at[b, h, j * size:
+    (j + 1) * size]` for block j) from each of `copies` (global ref `[B, K, L, ...]`, its
+    slots, their barriers) into slot i mod stages, once both consumers have freed the
+    slot's previous block (`free`); the consumers run `consumer()`."""
+    @pl.when(self.wg == CONSUMERS)
+    def _producer():
+      plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+
+      def load(i):
+        slot, rows = lax.rem(i, stages), pl.ds(self.block(i) * size, size)
+        for ref, slots, loaded in copies:
+          plgpu.copy_gmem_to_smem(ref.at[self.batch, self.head, rows], slots.at[slot],
+                                  loaded.at[slot])
+      for i in range(stages):
+        pl.when(i < self.n)(functools.partial(load, jnp.int32(i)))
+
+      def refill(i, carry):
+        plgpu.barrier_wait(free.at[lax.rem(i, stages)])
+        load(i)
+        return carry
+      lax.fori_loop(jnp.int32(stages), self.n, refill, None)
+
+    @pl.when(self.wg < CONSUMERS)
+    def _consumer():
+      plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+      consumer()
 
 
 def _masked(partial, allowed, s):
@@ -208,24 +238,12 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, q_pos_ref, kv_seg_ref, kv_po
                     full_ref, partial_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, p_smem,
                     o_smem, lse_smem, q_loaded, k_loaded, v_loaded, free, turn, *, mask, scale,
                     soft_cap, tiling):
-  tile, h, b, wg = _position()
+  at = _Tile.here(order_ref, full_ref, partial_ref)
+  b, h, wg = at.batch, at.head, at.wg
   keys, stages = tiling.keys, tiling.stages
-  full, n = full_ref[b, tile], full_ref[b, tile] + partial_ref[b, tile]
 
-  def order_at(i):
-    return order_ref[b, tile, i]
-
-  @pl.when(wg == CONSUMERS)
-  def _producer():
-    def block(ref):
-      return lambda j: ref.at[b, h, pl.ds(j * keys, keys)]
-    _produce(n, order_at, stages, [(block(k_ref), k_smem, k_loaded),
-                                   (block(v_ref), v_smem, v_loaded)], free)
-
-  @pl.when(wg < CONSUMERS)
-  def _consumer():
-    plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
-    rows = pl.ds((tile * CONSUMERS + wg) * ROWS, ROWS)
+  def consumer():
+    rows = at.own()
     q = q_smem.at[wg]
     plgpu.copy_gmem_to_smem(q_ref.at[b, h, rows], q, q_loaded.at[wg])
     q_seg, q_pos = _load(q_seg_ref.at[b, rows], _ROW), _load(q_pos_ref.at[b, rows], _ROW)
@@ -243,10 +261,10 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, q_pos_ref, kv_seg_ref, kv_po
       s, _ = _scores(_matmul(q, k_smem.at[slot].T, (ROWS, keys), take_turn), scale, soft_cap)
 
       def allowed():
-        cols = pl.ds(order_at(i) * keys, keys)
+        cols = pl.ds(at.block(i) * keys, keys)
         return _allowed(mask, q_seg, q_pos, _load(kv_seg_ref.at[b, cols], _COL),
                         _load(kv_pos_ref.at[b, cols], _COL), s.shape, 0)
-      s = _masked(i >= full, allowed, s)
+      s = _masked(i >= at.full, allowed, s)
       m_new = jnp.maximum(m, s.max(axis=1))
       # A row that has seen no allowed key keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
       m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -265,7 +283,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, q_pos_ref, kv_seg_ref, kv_po
             plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), _ROW),
             plgpu.layout_cast(jnp.zeros((ROWS, dv), jnp.float32), _WGMMA))
     pl.when(wg == 1)(take_turn)  # consumer 0 multiplies first
-    m, denom, acc = lax.fori_loop(0, n, step, init)
+    m, denom, acc = lax.fori_loop(0, at.n, step, init)
     pl.when(wg == 0)(take_turn)
     empty = denom == 0.0
     safe = jnp.where(empty, 1.0, denom)
@@ -274,29 +292,19 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, q_pos_ref, kv_seg_ref, kv_po
     _store([(out, q if o_smem is None else o_smem.at[wg], out_ref.at[b, h, rows]),
             (lse, lse_smem.at[wg], lse_ref.at[b, h, rows])])
 
+  at.run(keys, stages, [(k_ref, k_smem, k_loaded), (v_ref, v_smem, v_loaded)], free, consumer)
+
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, q_pos_ref,
                kv_seg_ref, kv_pos_ref, order_ref, full_ref, partial_ref, dq_ref, q_smem, do_smem,
                k_smem, v_smem, ds_smem, q_loaded, k_loaded, v_loaded, free, *, mask, scale,
                soft_cap, tiling):
-  tile, h, b, wg = _position()
+  at = _Tile.here(order_ref, full_ref, partial_ref)
+  b, h, wg = at.batch, at.head, at.wg
   keys, stages = tiling.dq_keys, tiling.stages
-  full, n = full_ref[b, tile], full_ref[b, tile] + partial_ref[b, tile]
 
-  def order_at(i):
-    return order_ref[b, tile, i]
-
-  @pl.when(wg == CONSUMERS)
-  def _producer():
-    def block(ref):
-      return lambda j: ref.at[b, h, pl.ds(j * keys, keys)]
-    _produce(n, order_at, stages, [(block(k_ref), k_smem, k_loaded),
-                                   (block(v_ref), v_smem, v_loaded)], free)
-
-  @pl.when(wg < CONSUMERS)
-  def _consumer():
-    plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
-    rows = pl.ds((tile * CONSUMERS + wg) * ROWS, ROWS)
+  def consumer():
+    rows = at.own()
     q, do = q_smem.at[wg], do_smem.at[wg]
     plgpu.copy_gmem_to_smem(q_ref.at[b, h, rows], q, q_loaded.at[2 * wg])
     plgpu.copy_gmem_to_smem(do_ref.at[b, h, rows], do, q_loaded.at[2 * wg + 1])
@@ -316,10 +324,10 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, q_pos
       s, tanh = _scores(s, scale, soft_cap)
 
       def allowed():
-        cols = pl.ds(order_at(i) * keys, keys)
+        cols = pl.ds(at.block(i) * keys, keys)
         return _allowed(mask, q_seg, q_pos, _load(kv_seg_ref.at[b, cols], _COL),
                         _load(kv_pos_ref.at[b, cols], _COL), s.shape, 0)
-      s = _masked(i >= full, allowed, s)
+      s = _masked(i >= at.full, allowed, s)
       p = jnp.exp2(s - _spread(lse, s.shape, 0))
       ds = p * (dprob - _spread(delta, s.shape, 0))
       if tanh is not None:  # d(cap * tanh(x / cap)) / dx = 1 - tanh^2
@@ -331,9 +339,11 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, q_pos
       plgpu.barrier_arrive(free.at[slot])
       return carry
 
-    dq = _accumulated(lambda dq: lax.fori_loop(0, n, functools.partial(step, dq), None),
+    dq = _accumulated(lambda dq: lax.fori_loop(0, at.n, functools.partial(step, dq), None),
                       (ROWS, dp))
     _store([(dq * scale, q, dq_ref.at[b, h, rows])])
+
+  at.run(keys, stages, [(k_ref, k_smem, k_loaded), (v_ref, v_smem, v_loaded)], free, consumer)
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, q_pos_ref,
@@ -341,29 +351,12 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, q_po
                 v_smem, q_smem, do_smem, lse_smem, delta_smem, p_smem, ds_smem, kv_loaded,
                 q_loaded, do_loaded, lse_loaded, delta_loaded, free, *, mask, scale, soft_cap,
                 tiling):
-  tile, h, b, wg = _position()
+  at = _Tile.here(order_ref, full_ref, partial_ref)
+  b, h, wg = at.batch, at.head, at.wg
   block, stages = tiling.dkv_rows, tiling.stages
-  full, n = full_ref[b, tile], full_ref[b, tile] + partial_ref[b, tile]
 
-  def order_at(i):
-    return order_ref[b, tile, i]
-
-  def rows_of(j):
-    return pl.ds(j * block, block)
-
-  @pl.when(wg == CONSUMERS)
-  def _producer():
-    def rows(ref):
-      return lambda j: ref.at[b, h, rows_of(j)]
-    _produce(n, order_at, stages, [(rows(q_ref), q_smem, q_loaded),
-                                   (rows(do_ref), do_smem, do_loaded),
-                                   (rows(lse_ref), lse_smem, lse_loaded),
-                                   (rows(delta_ref), delta_smem, delta_loaded)], free)
-
-  @pl.when(wg < CONSUMERS)
-  def _consumer():
-    plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
-    keys = pl.ds((tile * CONSUMERS + wg) * ROWS, ROWS)
+  def consumer():
+    keys = at.own()
     k, v = k_smem.at[wg], v_smem.at[wg]
     plgpu.copy_gmem_to_smem(k_ref.at[b, h, keys], k, kv_loaded.at[2 * wg])
     plgpu.copy_gmem_to_smem(v_ref.at[b, h, keys], v, kv_loaded.at[2 * wg + 1])
@@ -379,10 +372,10 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, q_po
       s, tanh = _scores(_matmul(k, q_smem.at[slot].T, shape), scale, soft_cap)
 
       def allowed():
-        cols = rows_of(order_at(i))
+        cols = pl.ds(at.block(i) * block, block)
         return _allowed(mask, _load(q_seg_ref.at[b, cols], _COL),
                         _load(q_pos_ref.at[b, cols], _COL), kv_seg, kv_pos, shape, 1)
-      s = _masked(i >= full, allowed, s)
+      s = _masked(i >= at.full, allowed, s)
       plgpu.barrier_wait(lse_loaded.at[slot])
       p = jnp.exp2(s - _spread(_load(lse_smem.at[slot], _COL) * _LOG2E, shape, 1))
       p_smem.at[wg][...] = p.astype(p_smem.dtype)
@@ -401,10 +394,14 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, q_po
       plgpu.barrier_arrive(free.at[slot])
       return carry
 
-    dk, dv = _accumulated(lambda dk, dv: lax.fori_loop(0, n, functools.partial(step, dk, dv),
-                                                           None),
-                          (ROWS, dp), (ROWS, dvp))
+    def loop(dk, dv):
+      lax.fori_loop(0, at.n, functools.partial(step, dk, dv), None)
+    dk, dv = _accumulated(loop, (ROWS, dp), (ROWS, dvp))
     _store([(dk * scale, k, dk_ref.at[b, h, keys]), (dv, v, dv_ref.at[b, h, keys])])
+
+  at.run(block, stages, [(q_ref, q_smem, q_loaded), (do_ref, do_smem, do_loaded),
+                         (lse_ref, lse_smem, lse_loaded), (delta_ref, delta_smem, delta_loaded)],
+         free, consumer)
 
 
 # The calls.
