@@ -154,7 +154,8 @@ def attention(q, k, v, *, mask: Mask = Causal(), segment_ids=None, positions=Non
     scale: score scale, a positive finite number; None: `D ** -0.5`.
     backend: "auto", a kernel name ("blockwise", "cudnn", "pallas_gpu", "mosaic_gpu",
       "splash", "split_k", "reference"), "fused" (the first of cudnn, pallas_gpu,
-      blockwise that serves the call; see `flaxattn.explain`), or a kernel object carrying options, e.g. `flaxattn.splash.Splash(block_q=256)`.
+      blockwise that serves the call; see `flaxattn.explain`), or a kernel object
+      carrying options, e.g. `flaxattn.splash.Splash(block_q=256)`.
     context_parallel: a `flaxattn.ContextParallel` to run with the sequence axis sharded.
     return_lse: also return the log-sum-exp of each query row, `[B, T, H]` float32 (with
       `sinks`, the sink's term included).
