@@ -59,18 +59,19 @@ def home(name: str) -> str:
   return next((p for p in registry.PLATFORMS if name in registry.order(p)), "cpu")
 
 
-def _data(case: Case):
-  q, k, v = qkv(3, 2, T, T, 4, case.hkv, 16, case.dtype)
+def _data(case: Case, batch: int = 2):
+  q, k, v = qkv(3, batch, T, T, 4, case.hkv, 16, case.dtype)
   if case.dv != 16:
-    v = normal((2, T, case.hkv, case.dv), 4, case.dtype)
-  seg, pos = random_packing(5, 2, T, max_docs=5, pad_tail=7) if case.packed else (None, None)
+    v = normal((batch, T, case.hkv, case.dv), 4, case.dtype)
+  seg, pos = (random_packing(5, batch, T, max_docs=5, pad_tail=7) if case.packed
+              else (None, None))
   if case.empty_row:
     seg = np.ones((2, T), np.int32) if seg is None else seg.copy()
     seg[1] = 0
   if case.query_slots is not None:
     assert seg is not None and pos is not None  # decode cases are packed
     slots = list(case.query_slots)
-    q = normal((2, len(slots), 4, 16), 7, case.dtype)
+    q = normal((batch, len(slots), 4, 16), 7, case.dtype)
     return q, k, v, normal((4,), 6), as_layout(seg[:, slots], pos[:, slots], seg, pos)
   return q, k, v, normal((4,), 6), as_layout(seg, pos)
 
@@ -84,22 +85,24 @@ def test_kernel_conforms(name, case, fake_cudnn):
 class KernelConformance:
   """The other cases in the one dtype a kernel takes: a kernel's test file subclasses this
   as `Test...`, setting `name` and `dtype` (`test_kernel_conforms` runs the cases already
-  in it)."""
+  in it), and `batch` rows (1 where a row costs much, as in an interpreter)."""
 
   name: str = ""
   dtype: object = jnp.bfloat16
+  batch: int = 2
 
   def pytest_generate_tests(self, metafunc):
     cases = [dataclasses.replace(c, dtype=self.dtype) for c in CASES if c.dtype != self.dtype]
     metafunc.parametrize("case", cases, ids=lambda c: c.name)
 
   def test_conforms_in_its_dtype(self, case, fake_cudnn):
-    check_conforms(self.name, case)
+    check_conforms(self.name, case, 2 if case.empty_row else self.batch)  # it pads row 1
 
 
-def check_conforms(name: str, case: Case):
-  """Kernel `name` on `case` against `dense_oracle` on its home platform, or its reason."""
-  q, k, v, sinks, layout = _data(case)
+def check_conforms(name: str, case: Case, batch: int = 2):
+  """Kernel `name` on `case` (`batch` rows) against `dense_oracle` on its home platform,
+  or its reason."""
+  q, k, v, sinks, layout = _data(case, batch)
   call = dataclasses.replace(
       registry.Call.of(q, k, v, case.mask, layout, True, has_sinks=case.sinks,
                        soft_cap=case.soft_cap), platform=home(name))

@@ -31,6 +31,7 @@ interprets = pytest.mark.skipif(
 class TestConformance(KernelConformance):
   name = "mosaic_gpu"
   dtype = jnp.bfloat16
+  batch = 1  # interpreted, a batch row costs ~15 s
 
 
 def _compare(got, want, names):
@@ -99,16 +100,21 @@ def test_pipeline_has_no_data_race(monkeypatch):
 
 
 @interprets
-def test_ring_step_merges_to_the_whole_call():
-  """As the ring's per-device step on one device: the keys in two shards (two steps),
-  outputs merged by lse (`ring.merge_partials`), each step's backward given the merged
-  out and lse (which cover the other shard's keys too) and their cotangents; with sinks, a
-  soft cap and Dv != D. Equals the whole call, values and gradients."""
+def test_ring_step_in_document_order_merges_to_the_whole_call():
+  """As the ring's per-device step on one device, in a 2-way ring's document order
+  (`flaxattn.balance_plan`: documents cut into pieces whose positions are not the token
+  index): the keys in two shards (two steps), outputs merged by lse
+  (`ring.merge_partials`), each step's backward given the merged out and lse (which cover
+  the other shard's keys too) and their cotangents; with GQA, Chunked, sinks, a soft cap
+  and Dv != D. Equals the whole call, values and gradients."""
   b, t, h, hkv = 1, 128, 4, 2
   mask = flaxattn.Chunked(48)
   q, k, _ = qkv(8, b, t, t, h, hkv, 64, jnp.bfloat16)
   v = normal((b, t, hkv, 32), 9, jnp.bfloat16)
   seg, pos = random_packing(8, b, t, max_docs=3, pad_tail=5)
+  plan = flaxattn.balance_plan(seg, 2, block=16)
+  seg, pos = np.asarray(plan.segment_ids(seg)), np.asarray(plan.apply(pos))
+  assert np.any(np.diff(pos[0][seg[0] == 1]) < 0)  # a document's pieces out of order
   sinks = normal((h,), 7)
   step = registry.get("mosaic_gpu").on("cpu").ring_step(
       strategy="ring", mask=mask, scale=SCALE, shards=2, axis="context", load_balance=False,
@@ -128,13 +134,17 @@ def test_ring_step_merges_to_the_whole_call():
     return jax.grad(lambda o, s: jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(
         jnp.where(jnp.isfinite(s), s, 0)), (0, 1))(out, lse)
 
-  raw_out, raw_lse = merged(q)
-  (out, lse), pullback = jax.vjp(lambda o, s: apply_sinks(o, s, sinks), raw_out, raw_lse)
-  dout, dlse = pullback(loss_cotangents(out, lse))
-  grads = [step.backward(s, q, *part_of(p), raw_out, raw_lse, dout, dlse)
-           for s, p in enumerate(halves)]
-  dq = sum(g[0].astype(jnp.float32) for g in grads)
-  dk, dv = (jnp.concatenate([g[i] for g in grads], axis=1) for i in (1, 2))
+  @jax.jit
+  def ring(q):  # the ring's passes, as one program
+    raw_out, raw_lse = merged(q)
+    (out, lse), pullback = jax.vjp(lambda o, s: apply_sinks(o, s, sinks), raw_out, raw_lse)
+    dout, dlse = pullback(loss_cotangents(out, lse))
+    grads = [step.backward(s, q, *part_of(p), raw_out, raw_lse, dout, dlse)
+             for s, p in enumerate(halves)]
+    dq = sum(g[0].astype(jnp.float32) for g in grads)
+    dk, dv = (jnp.concatenate([g[i] for g in grads], axis=1) for i in (1, 2))
+    return out, lse, dq, dk, dv
+  out, lse, dq, dk, dv = ring(q)
   layout = as_layout(seg, pos)
 
   def oracle(q, k, v):
