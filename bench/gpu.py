@@ -126,8 +126,8 @@ TILINGS = ((128, 64, 8, 2), (64, 64, 8, 2), (128, 32, 8, 2), (128, 128, 8, 2), (
            (64, 64, 8, 3))
 # mosaic_gpu tilings for --tilings: (block_kv, block_kv_dq, block_q_dkv, stages); the first
 # is its default. Each compiles for sm_90 within shared memory (`bench.mosaic_compile
-# --tilings`, where 128 keys in dQ spill 8 bytes, and 128 query rows in dK/dV or 3 stages
-# at 128 keys would exceed shared memory).
+# --tilings`: 128 keys in dQ spill 8 bytes, 1 stage 52 and 168; 128 query rows in dK/dV or
+# 3 stages at 128 keys would exceed shared memory).
 MOSAIC_TILINGS = ((128, 64, 64, 2), (64, 64, 64, 2), (128, 128, 64, 2), (64, 64, 64, 4),
                   (128, 64, 64, 1))
 TILING_CASES, TILING_LENGTH = ("causal", "packed"), 32768
