@@ -11,10 +11,13 @@ consumers take turns on the tensor cores (a barrier both arrive at twice a block
 softmax runs beside the other's matmuls.
 
 Lowered for "gpu" it is a Mosaic GPU kernel for sm_90a (`mosaic_gpu_v2`); elsewhere it runs
-in JAX's GPU interpret mode, which simulates shared memory, barriers, TMA and WGMMA on the
-CPU. Both operands of every WGMMA are in shared memory (the forward's probabilities too):
-the interpreter reads no register operand and runs no `run_state` accumulator, so each
-block's product is added to the carried accumulator in registers.
+in JAX's GPU interpret mode (jax 0.12 on), which simulates shared memory, barriers, TMA and
+WGMMA on the CPU. The kernels are written in the form it runs: both operands of every WGMMA
+in shared memory (the forward's probabilities too: it reads no register operand), and the
+forward's rescaled output accumulator carried in registers, each block's product added to
+it (it runs no `run_state` accumulator); dQ and dK/dV accumulate in place. Non-finite keys
+or values of another document in a PARTIAL block are not kept apart (`masks.values_apart`,
+as blockwise and pallas_gpu do): a NaN there can reach rows that do not see it.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ MAX_BLOCK = 256  # WGMMA's largest N
 CONSUMER_REGISTERS, PRODUCER_REGISTERS = 240, 24
 _DTYPES = ("bfloat16", "float16")
 # GPU interpret mode runs these kernels from jax 0.12 on: jax 0.10.2's interpreter cannot
-# read a transposed shared-memory operand of WGMMA (q @ k.T), nor a `run_state` accumulator.
+# read a transposed shared-memory operand of WGMMA (q @ k.T).
 INTERPRET_JAX = (0, 12)
 _LOG2E = math.log2(math.e)
 _WGMMA = plgpu.Layout.WGMMA
