@@ -63,6 +63,11 @@ _LOAD_TAKES_INDEX = "idx" in inspect.signature(plgpu.load).parameters
 _ACC = plgpu.ACC  # pyright: ignore[reportPrivateImportUsage] (WGMMA's accumulator type)
 
 
+def _cpu_devices() -> int:
+  """This process's CPU devices, which interpret mode runs on."""
+  return len(jax.devices("cpu"))
+
+
 def _interpret_params():
   from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
   return InterpretGPUParams()
@@ -545,6 +550,11 @@ class MosaicGpu(RowKernel):
       return (f"GPU interpret mode of jax {jax.__version__} cannot run mosaic_gpu's kernels (a"
               f" transposed shared-memory operand of WGMMA); jax >="
               f" {'.'.join(map(str, INTERPRET_JAX))} runs them, or use 'pallas_gpu'.")
+    elif self.interpret is not False and _cpu_devices() < 2:
+      return ("GPU interpret mode on a single CPU device can deadlock a program that holds"
+              " several interpreted kernels (a forward and backward hung in 3 of 4 runs);"
+              " start JAX with XLA_FLAGS=--xla_force_host_platform_device_count=2 or more,"
+              " or use 'pallas_gpu'.")
     return None
 
   def tiling(self, q, k, v, chunk: int | None = None) -> Tiling:

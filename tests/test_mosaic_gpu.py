@@ -178,6 +178,10 @@ def test_declines_with_reasons_and_checks_its_options(monkeypatch):
         abstract_device=a100)):
       assert "Hopper's WGMMA (sm_90), which this GPU (sm_80) lacks" in (
           kernel.unsupported_reason(_gpu_call()))
+  monkeypatch.setattr(mosaic_gpu, "_cpu_devices", lambda: 1)
+  monkeypatch.setattr(mosaic_gpu, "INTERPRET_JAX", (0, 0))  # any jax's interpreter
+  assert "--xla_force_host_platform_device_count=2" in kernel.unsupported_reason(
+      _gpu_call(platform="cpu"))
   monkeypatch.setattr(mosaic_gpu, "INTERPRET_JAX", (99, 0))
   assert "GPU interpret mode of jax" in kernel.unsupported_reason(_gpu_call(platform="cpu"))
   assert kernel.on("gpu").interpret is False and kernel.on("cpu").interpret is True
