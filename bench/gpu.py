@@ -25,6 +25,7 @@ Attention: B=1, 16 query heads on 8 KV heads, D=128, bfloat16 (`bench.measure`),
             that order, documents whole.)
 Rows:
   pallas_gpu      flaxattn.pallas_gpu.PallasGpu();
+  mosaic_gpu      flaxattn.mosaic_gpu.MosaicGpu() (Hopper: declines other GPUs, saying why);
   cudnn           flaxattn.cudnn.Cudnn(), with its default THD memory budget;
   cudnn_thd16/32  Cudnn(max_segments=16 / 32, thd_budget=2**50): packed rows through cuDNN's
                   THD layout whatever their temporaries;
@@ -55,9 +56,10 @@ steps, and model TFLOP/s from the batch's documents (`train.throughput.Flops`) b
 upper bound of rows counted as one causal document each (`models.llama.flops_per_token`).
 
 --tilings: pallas_gpu under each tiling of `TILINGS` (block_q x block_kv, warps, pipeline
-stages; the first is its default for D=128 bf16) on the causal and packed cases at 32K,
-forward and forward+backward TFLOP/s as above, in a table of its own and the JSON's
-"tilings" (cells with a "tiling" field).
+stages) and mosaic_gpu under each of `MOSAIC_TILINGS` (keys per block of the forward and of
+dQ, query rows per block of dK/dV, shared-memory stages), the first of each its default for
+D=128 bf16, on the causal and packed cases at 32K, forward and forward+backward TFLOP/s as
+above, in a table per kernel and the JSON's "tilings" (cells with a "tiling" field).
 
 JSON: {"device", "jax", "command", "shapes", "matmul_tflops", "lengths", "cells": [{"kernel",
 "case", "length", "status", "reason", "runs", "same_as", "pairs", "fwd_tflops", "fb_tflops",
@@ -86,6 +88,7 @@ from flaxattn import cudnn, registry
 from flaxattn.cudnn import Cudnn
 from flaxattn.layout import resolve
 from flaxattn.masks import Mask, band
+from flaxattn.mosaic_gpu import MosaicGpu
 from flaxattn.pallas_gpu import PallasGpu
 
 CASES = {  # name: what it is
@@ -104,6 +107,7 @@ NO_BUDGET = 1 << 50
 WARMUP, BUDGET_S = 1, 0.5
 ROWS = {  # name: label in the tables
     "pallas_gpu": "flaxattn pallas_gpu (Triton)",
+    "mosaic_gpu": "flaxattn mosaic_gpu (Mosaic GPU, Hopper)",
     "cudnn": "flaxattn cuDNN (default budget)",
     "cudnn_thd16": "flaxattn cuDNN THD, 16 slots",
     "cudnn_thd32": "flaxattn cuDNN THD, 32 slots",
@@ -120,6 +124,12 @@ ROWS = {  # name: label in the tables
 # Triton when it runs: a tiling over the GPU's shared memory is reported as an error.
 TILINGS = ((128, 64, 8, 2), (64, 64, 8, 2), (128, 32, 8, 2), (128, 128, 8, 2), (128, 64, 4, 2),
            (64, 64, 8, 3))
+# mosaic_gpu tilings for --tilings: (block_kv, block_kv_dq, block_q_dkv, stages); the first
+# is its default. Each compiles for sm_90 within shared memory (`bench.mosaic_compile
+# --tilings`: 128 keys in dQ spill 8 bytes, 1 stage 52 and 168; 128 query rows in dK/dV or
+# 3 stages at 128 keys would exceed shared memory).
+MOSAIC_TILINGS = ((128, 64, 64, 2), (64, 64, 64, 2), (128, 128, 64, 2), (64, 64, 64, 4),
+                  (128, 64, 64, 1))
 TILING_CASES, TILING_LENGTH = ("causal", "packed"), 32768
 PEER_LIBRARIES = {"tokamax_mosaic": "tokamax", "tokamax_triton": "tokamax", "torch_sdpa": "torch"}
 DEMO_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -131,7 +141,7 @@ TRAINER_OVERRIDES = ("platform=", "num_devices=0", "mesh.context=1", "model.dtyp
 def flaxattn_kernels() -> dict[str, registry.Kernel]:
   """flaxattn's rows (all but auto) and their kernels."""
   thd = {f"cudnn_thd{m}": Cudnn(max_segments=m, thd_budget=NO_BUDGET) for m in (16, 32)}
-  return {"pallas_gpu": PallasGpu(), "cudnn": Cudnn(), **thd,
+  return {"pallas_gpu": PallasGpu(), "mosaic_gpu": MosaicGpu(), "cudnn": Cudnn(), **thd,
           "blockwise": registry.get("blockwise")}
 
 
@@ -390,21 +400,29 @@ def run_cells(lengths, repeats: int, matmul: float, missing: dict[str, str | Non
   return list(cells.values())
 
 
+def tiled_kernels() -> list[tuple[str, str, registry.Kernel]]:
+  """(kernel name, tiling label, kernel) for --tilings: `TILINGS`, then `MOSAIC_TILINGS`."""
+  tiled: list[tuple[str, str, registry.Kernel]] = [
+      ("pallas_gpu", f"{bq}x{bkv} w{warps} s{stages}",
+       PallasGpu(block_q=bq, block_kv=bkv, num_warps=warps, num_stages=stages))
+      for bq, bkv, warps, stages in TILINGS]
+  return tiled + [("mosaic_gpu", f"kv{kv} dq{dq} dkv{dkv} s{stages}",
+                   MosaicGpu(block_kv=kv, block_kv_dq=dq, block_q_dkv=dkv, stages=stages))
+                  for kv, dq, dkv, stages in MOSAIC_TILINGS]
+
+
 def run_tilings(repeats: int, matmul: float) -> list[dict]:
-  """pallas_gpu under each of `TILINGS` on `TILING_CASES` at `TILING_LENGTH`, printed as it
-  goes."""
+  """pallas_gpu and mosaic_gpu under each of their tilings (`tiled_kernels`) on
+  `TILING_CASES` at `TILING_LENGTH`, printed as it goes."""
   qkv = measure.inputs(TILING_LENGTH)
   cells = []
   for case in (make_case(name, TILING_LENGTH) for name in TILING_CASES):
-    for block_q, block_kv, warps, stages in TILINGS:
-      kernel = PallasGpu(block_q=block_q, block_kv=block_kv, num_warps=warps,
-                         num_stages=stages)
-      tiling = f"{block_q}x{block_kv} w{warps} s{stages}"
+    for name, tiling, kernel in tiled_kernels():
       start = time.perf_counter()
-      cell = dict(kernel="pallas_gpu", tiling=tiling, case=case.name, length=TILING_LENGTH,
-                  status="ok", **_run_jax("pallas_gpu", case, qkv, matmul, repeats, kernel))
+      cell = dict(kernel=name, tiling=tiling, case=case.name, length=TILING_LENGTH,
+                  status="ok", **_run_jax(name, case, qkv, matmul, repeats, kernel))
       cells.append(cell)
-      print(f"  {_length(TILING_LENGTH):>5} {case.name:9} pallas_gpu {tiling:15} "
+      print(f"  {_length(TILING_LENGTH):>5} {case.name:9} {name} {tiling:18} "
             f"{cell['status']:6} {_number(cell.get('fwd_tflops')):>6}"
             f" {_number(cell.get('fb_tflops')):>6} TFLOP/s  {time.perf_counter() - start:6.1f} s",
             flush=True)
@@ -414,16 +432,21 @@ def run_tilings(repeats: int, matmul: float) -> list[dict]:
 
 
 def tiling_table(cells: list[dict]) -> list[str]:
-  """One markdown row per tiling: forward and forward+backward TFLOP/s in each case."""
-  by = {(c["tiling"], c["case"]): c for c in cells}
+  """Per kernel, one markdown row per tiling: forward and forward+backward TFLOP/s in each
+  case."""
+  by = {(c["kernel"], c["tiling"], c["case"]): c for c in cells}
   heads = [f"{case} {part}" for case in TILING_CASES for part in ("fwd", "f+b")]
-  lines = ["", f"### pallas_gpu tilings at {_length(TILING_LENGTH)}: TFLOP/s of useful work", "",
-           "| block_q x block_kv, warps, stages | " + " | ".join(heads) + " |",
-           "|---|" + "---:|" * len(heads)]
-  for tiling in dict.fromkeys(c["tiling"] for c in cells):
-    values = [_cell_text(by.get((tiling, case)), key) for case in TILING_CASES
-              for key in ("fwd_tflops", "fb_tflops")]
-    lines.append(f"| {tiling} | " + " | ".join(values) + " |")
+  what = {"pallas_gpu": "block_q x block_kv, warps, stages",
+          "mosaic_gpu": "keys fwd, keys dQ, rows dK/dV, stages"}
+  lines = []
+  for kernel in dict.fromkeys(c["kernel"] for c in cells):
+    lines += ["", f"### {kernel} tilings at {_length(TILING_LENGTH)}: TFLOP/s of useful work",
+              "", f"| {what[kernel]} | " + " | ".join(heads) + " |",
+              "|---|" + "---:|" * len(heads)]
+    for tiling in dict.fromkeys(c["tiling"] for c in cells if c["kernel"] == kernel):
+      values = [_cell_text(by.get((kernel, tiling, case)), key) for case in TILING_CASES
+                for key in ("fwd_tflops", "fb_tflops")]
+      lines.append(f"| {tiling} | " + " | ".join(values) + " |")
   return lines
 
 
@@ -545,7 +568,8 @@ def main(argv=None) -> int:
   parser.add_argument("--cases", nargs="+", choices=tuple(CASES), default=tuple(CASES),
                       help="the cases to run (default all)")
   parser.add_argument("--tilings", action="store_true",
-                      help="also pallas_gpu under each of TILINGS at 32K")
+                      help="also pallas_gpu under each of TILINGS and mosaic_gpu under each of"
+                      " MOSAIC_TILINGS at 32K")
   parser.add_argument("--trainer-steps", type=int, default=10,
                       help="timed trainer steps (0: no trainer step)")
   args = parser.parse_args(argv)
@@ -585,7 +609,7 @@ def main(argv=None) -> int:
   print("\n".join(lines))
   tilings = []
   if args.tilings:
-    print(f"\npallas_gpu tilings at {_length(TILING_LENGTH)}", flush=True)
+    print(f"\npallas_gpu and mosaic_gpu tilings at {_length(TILING_LENGTH)}", flush=True)
     tilings = run_tilings(args.repeats, matmul)
     lines += tiling_table(tilings)
     print("\n".join(tiling_table(tilings)))

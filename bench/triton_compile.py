@@ -54,6 +54,12 @@ class Case:
   mask: str  # "causal", "full" or "chunked-local"
   soft_cap: float | None = None
 
+  def attention_mask(self):
+    """The flaxattn mask `mask` names."""
+    import flaxattn
+    return {"causal": flaxattn.Causal(), "full": flaxattn.Full(),
+            "chunked-local": flaxattn.Chunked(1024) & flaxattn.Local(300)}[self.mask]
+
 
 CASES = (
     Case("causal bf16 D=64", "bfloat16", 64, 64, "causal"),
@@ -114,8 +120,7 @@ def case_kernels(case: Case, t: int = 8192,
 
   import flaxattn
   from flaxattn.pallas_gpu import PallasGpu
-  mask = {"causal": flaxattn.Causal(), "full": flaxattn.Full(),
-          "chunked-local": flaxattn.Chunked(1024) & flaxattn.Local(300)}[case.mask]
+  mask = case.attention_mask()
   dtype = jnp.dtype(case.dtype)
   q = jax.ShapeDtypeStruct((1, t, 8, case.d), dtype)
   k = jax.ShapeDtypeStruct((1, t, 2, case.d), dtype)

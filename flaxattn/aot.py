@@ -417,17 +417,19 @@ def memory(compiled) -> Memory:
 
 # Kernels as a compiled program names them: Pallas TPU calls carry the kernel's name as the
 # instruction's (`%splash_mqa_fwd.1 = ... custom_call_target="tpu_custom_call"`), Triton
-# calls in their backend config (`name = "flash_forward"`), cuDNN calls in their target.
+# calls in their backend config (`name = "flash_forward"`), Mosaic GPU calls in the symbol
+# of the module serialized there (`mosaic_forward_mosaic_gpu`), cuDNN calls in their target.
 _CUSTOM_CALL = re.compile(r"%([\w.-]+) = [^\n]*?custom_call_target=\"([^\"]+)\"([^\n]*)")
 _TRITON_NAME = re.compile(r'\bname = "([^"]+)"')
+_MOSAIC_GPU_NAME = re.compile(r"\\00([\w.-]+)_mosaic_gpu\\00")
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 _COLLECTIVE = re.compile(r"= [^\n=]*? (" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
 
 
 def kernels(hlo_text: str) -> dict[str, int]:
   """Each kernel's name in a compiled program's text (`compiled.as_text()`) and how many
-  calls to it the program holds: Pallas TPU and Triton kernels by their names, cuDNN calls
-  by their custom-call target (`__cudnn$fmha...`)."""
+  calls to it the program holds: Pallas TPU, Triton and Mosaic GPU kernels by their names,
+  cuDNN calls by their custom-call target (`__cudnn$fmha...`)."""
   found: dict[str, int] = {}
   for instruction, call_target, rest in _CUSTOM_CALL.findall(hlo_text):
     if call_target == "tpu_custom_call":
@@ -435,6 +437,9 @@ def kernels(hlo_text: str) -> dict[str, int]:
     elif "triton" in call_target:
       named = _TRITON_NAME.search(rest)
       name = named.group(1) if named else call_target
+    elif call_target.startswith("mosaic_gpu"):
+      # The kernel's symbol comes last, after the module's `stable_mosaic_gpu` version.
+      name = ([call_target] + _MOSAIC_GPU_NAME.findall(rest))[-1]
     elif call_target.startswith("__cudnn$fmha"):
       name = call_target
     else:

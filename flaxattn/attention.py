@@ -152,10 +152,10 @@ def attention(q, k, v, *, mask: Mask = Causal(), segment_ids=None, positions=Non
     positions: `[B, T]` int, position of each token inside its document; None = token index.
     kv_segment_ids, kv_positions: `[B, S]` for keys; default to the query ones when S == T.
     scale: score scale, a positive finite number; None: `D ** -0.5`.
-    backend: "auto", a kernel name ("blockwise", "cudnn", "pallas_gpu", "splash",
-      "reference"), "fused" (the first of cudnn, pallas_gpu, blockwise that serves the
-      call; see `flaxattn.explain`),
-      or a kernel object carrying options, e.g. `flaxattn.splash.Splash(block_q=256)`.
+    backend: "auto", a kernel name ("blockwise", "cudnn", "pallas_gpu", "mosaic_gpu",
+      "splash", "split_k", "reference"), "fused" (the first of cudnn, pallas_gpu,
+      blockwise that serves the call; see `flaxattn.explain`), or a kernel object
+      carrying options, e.g. `flaxattn.splash.Splash(block_q=256)`.
     context_parallel: a `flaxattn.ContextParallel` to run with the sequence axis sharded.
     return_lse: also return the log-sum-exp of each query row, `[B, T, H]` float32 (with
       `sinks`, the sink's term included).

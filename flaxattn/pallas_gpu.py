@@ -23,11 +23,10 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from flaxattn import aot, checks, registry, sharding
+from flaxattn import aot, checks, registry
 from flaxattn.blocks import block_schedule, round_up, visit_order
-from flaxattn.layout import Layout
 from flaxattn.masks import Mask, values_apart
-from flaxattn.ring import RingStep
+from flaxattn.rows import RowKernel, Rows
 
 # Triton's dots take operands of at least 16 x 16, and its tensors have power-of-two sizes.
 MIN_BLOCK = 16
@@ -76,6 +75,18 @@ class Tiling:
   num_stages: int = 2
   interpret: bool = False
   float32_dots: str | None = None  # a `jax.default_matmul_precision` for the kernels' dots
+
+  # `rows.RowTiling`: whole blocks, head dims padded to a power of two (Triton's tensors).
+  def padding(self, rows: int, keys: int, d: int, dv: int) -> tuple[int, int, int, int]:
+    return round_up(rows, self.rows), round_up(keys, self.keys), _pow2(d), _pow2(dv)
+
+  def forward(self, rows: Rows, *, mask: Mask, scale: float, soft_cap: float | None):
+    return _forward_rows(rows, self, mask=mask, scale=scale, soft_cap=soft_cap)
+
+  def backward(self, rows: Rows, lse, dout, delta, *, mask: Mask, scale: float,
+               soft_cap: float | None):
+    return _backward_rows(rows, self, lse, dout, delta, mask=mask, scale=scale,
+                          soft_cap=soft_cap)
 
 
 # The kernels. Their refs hold one (batch, KV head)'s rows `[R, Dp]` or one block of them,
@@ -207,67 +218,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, q_po
   dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-# The wrapper: rows, padding, the schedule and the three calls.
-
-
-@dataclasses.dataclass(frozen=True)
-class _Operands:
-  """A call in the kernels' layout: q `[B, K, Rp, Dp]` (rows (token, group) of each KV head,
-  padded to whole blocks, head dim padded to a power of two), k `[B, K, Sp, Dp]`, v
-  `[B, K, Sp, Dvp]`, ids per row and per key `[B, Rp]` / `[B, Sp]`, the block schedule
-  `[B, nq, nk]` int8 and the tiling."""
-
-  q_BKRD: jax.Array
-  k_BKSD: jax.Array
-  v_BKSD: jax.Array
-  ids: tuple  # q_seg_BR, q_pos_BR, kv_seg_BS, kv_pos_BS
-  kinds: jax.Array
-  tiling: Tiling
-
-
-def _ids(layout: Layout, b: int, t: int, s: int, g: int, rows_pad: int, s_pad: int):
-  """(q_seg, q_pos, kv_seg, kv_pos): ids per row `[B, Rp]` (each token's, repeated for its
-  G rows) and per key `[B, Sp]`, padding as segment 0. Always computed in the program, the
-  default layout too: the schedule built from them then costs the program O(T) to build,
-  where one known at trace time would be an O(T^2 / 4096) constant inside it (a cuda
-  export of a causal T = 512K forward and backward: 518 MiB serialized, now 0.03 MiB)."""
-  full = layout.materialize(b, t, s)
-
-  def pad(x, length):
-    return jnp.pad(x, ((0, 0), (0, length - x.shape[1])))
-
-  def rows(x):
-    return pad(jnp.repeat(x, g, axis=1), rows_pad)
-  return (rows(full.q_segment_ids), rows(full.q_positions), pad(full.kv_segment_ids, s_pad),
-          pad(full.kv_positions, s_pad))
-
-
-def _to_rows(x, hkv: int, length: int, dim: int):
-  """`[B, L, H, D]` -> `[B, K, length, dim]`: the rows (token, group) of each KV head, zero
-  padded to `length` rows and `dim` features (for k and v, H = K: a row per token)."""
-  b, n, h, d = x.shape
-  x = jnp.moveaxis(x.reshape(b, n, hkv, h // hkv, d), 2, 1).reshape(b, hkv, n * (h // hkv), d)
-  return jnp.pad(x, ((0, 0), (0, 0), (0, length - x.shape[2]), (0, dim - d)))
-
-
-def _from_rows(x, n: int, h: int, d: int):
-  """`[B, K, Rp, Dp]` -> `[B, n, h, d]`, the padding dropped."""
-  b, hkv = x.shape[:2]
-  x = x[:, :, :n * (h // hkv), :d].reshape(b, hkv, n, h // hkv, d)
-  return jnp.moveaxis(x, 1, 2).reshape(b, n, h, d)
-
-
-def _prepare(q, k, v, layout: Layout, mask: Mask, tiling: Tiling) -> _Operands:
-  b, t, h, d = q.shape
-  s, hkv = k.shape[1], k.shape[2]
-  rows_pad, s_pad = round_up(t * (h // hkv), tiling.rows), round_up(s, tiling.keys)
-  q_seg, q_pos, kv_seg, kv_pos = _ids(layout, b, t, s, h // hkv, rows_pad, s_pad)
-  # int8: the schedule has (T x G / block_q) x (S / block_kv) entries per batch row.
-  kinds = block_schedule(jnp, mask, q_seg, kv_seg, q_pos, kv_pos, tiling.rows,
-                         tiling.keys).astype(np.int8)
-  return _Operands(_to_rows(q, hkv, rows_pad, _pow2(d)), _to_rows(k, hkv, s_pad, _pow2(d)),
-                   _to_rows(v, hkv, s_pad, _pow2(v.shape[-1])), (q_seg, q_pos, kv_seg, kv_pos),
-                   kinds, tiling)
+# The three calls on rows (`flaxattn.rows`).
 
 
 def _spec(x, block: int | None) -> pl.BlockSpec:
@@ -289,11 +240,10 @@ def _schedule_operands(kinds, axis: int):
   return order.reshape(order.shape[0], -1), full, partial
 
 
-def _pass(kernel, ops: _Operands, name: str, blocks: int, inputs, outputs):
+def _pass(kernel, ops: Rows, tiling: Tiling, name: str, blocks: int, inputs, outputs):
   """One `pallas_call` on the grid (batch, KV head, `blocks`); `inputs` and `outputs` are
   (array or ShapeDtypeStruct, block size or None) pairs (see `_spec`)."""
   b, hkv = ops.q_BKRD.shape[:2]
-  tiling = ops.tiling
   call = pl.pallas_call(
       kernel, grid=(b, hkv, blocks), in_specs=[_spec(x, n) for x, n in inputs],
       out_specs=[_spec(x, n) for x, n in outputs],
@@ -306,34 +256,42 @@ def _pass(kernel, ops: _Operands, name: str, blocks: int, inputs, outputs):
     return call(*[x for x, _ in inputs])
 
 
-def _forward_rows(ops: _Operands, *, mask: Mask, scale: float, soft_cap: float | None):
+def _schedule(ops: Rows, mask: Mask, tiling: Tiling):
+  """The block schedule `[B, nq, nk]` int8 (`blocks.block_schedule`): (T x G / block_q) x
+  (S / block_kv) entries per batch row."""
+  q_seg, q_pos, kv_seg, kv_pos = ops.ids
+  return block_schedule(jnp, mask, q_seg, kv_seg, q_pos, kv_pos, tiling.rows,
+                        tiling.keys).astype(np.int8)
+
+
+def _forward_rows(ops: Rows, tiling: Tiling, *, mask: Mask, scale: float,
+                  soft_cap: float | None):
   """out `[B, K, Rp, Dvp]` (q's dtype) and lse `[B, K, Rp]` float32: a grid over query
   blocks, each looping over its key-block range."""
   b, hkv, rows_pad, _ = ops.q_BKRD.shape
-  rows, keys, nk = ops.tiling.rows, ops.tiling.keys, ops.kinds.shape[2]
+  rows, keys = tiling.rows, tiling.keys
+  kinds = _schedule(ops, mask, tiling)
+  nk = kinds.shape[2]
   q_seg, q_pos, kv_seg, kv_pos = ops.ids
-  order, full, partial = _schedule_operands(ops.kinds, axis=2)
+  order, full, partial = _schedule_operands(kinds, axis=2)
   out = jax.ShapeDtypeStruct((b, hkv, rows_pad, ops.v_BKSD.shape[-1]), ops.q_BKRD.dtype)
   lse = jax.ShapeDtypeStruct((b, hkv, rows_pad), jnp.float32)
   kernel = functools.partial(_forward_kernel, mask=mask, scale=scale, soft_cap=soft_cap,
                              keys=keys)
-  return _pass(kernel, ops, "flash_forward", rows_pad // rows,
+  return _pass(kernel, ops, tiling, "flash_forward", rows_pad // rows,
                [(ops.q_BKRD, rows), (ops.k_BKSD, None), (ops.v_BKSD, None), (q_seg, rows),
                 (q_pos, rows), (kv_seg, None), (kv_pos, None), (order, nk), (full, 1),
                 (partial, 1)],
                [(out, rows), (lse, rows)])
 
 
-def _backward_rows(ops: _Operands, out, lse, dout, dlse, *, mask: Mask, scale: float,
+def _backward_rows(ops: Rows, tiling: Tiling, lse, dout, delta, *, mask: Mask, scale: float,
                    soft_cap: float | None):
-  """dq `[B, K, Rp, Dp]`, dk `[B, K, Sp, Dp]`, dv `[B, K, Sp, Dvp]` given out, lse, dout and
-  dlse as rows (`[B, K, Rp, Dvp]`, `[B, K, Rp]`)."""
-  rows, keys = ops.tiling.rows, ops.tiling.keys
-  nq, nk = ops.kinds.shape[1:]
+  """dq `[B, K, Rp, Dp]`, dk `[B, K, Sp, Dp]`, dv `[B, K, Sp, Dvp]` (`RowTiling.backward`)."""
+  rows, keys = tiling.rows, tiling.keys
+  kinds = _schedule(ops, mask, tiling)
+  nq, nk = kinds.shape[1:]
   q_seg, q_pos, kv_seg, kv_pos = ops.ids
-  # d lse / d s = p, so an lse cotangent shifts the softmax-Jacobian term row by row.
-  delta = jnp.einsum("bkrd,bkrd->bkr", dout.astype(jnp.float32), out.astype(jnp.float32)) - dlse
-  lse = jnp.where(jnp.isfinite(lse), lse, 0.0)  # rows with no key: every p is exp(-inf) = 0
   options = dict(mask=mask, scale=scale, soft_cap=soft_cap)
 
   def inputs(q_block, kv_block, visits):  # the operands of both passes, with their blocks
@@ -343,66 +301,13 @@ def _backward_rows(ops: _Operands, out, lse, dout, dlse, *, mask: Mask, scale: f
             (visits[0], nk if q_block else nq), (visits[1], 1), (visits[2], 1)]
 
   # dQ: a grid over query blocks, each looping over its key-block range.
-  dq = _pass(functools.partial(_dq_kernel, keys=keys, **options), ops, "flash_dq", nq,
-             inputs(rows, None, _schedule_operands(ops.kinds, axis=2)), [(ops.q_BKRD, rows)])[0]
+  dq = _pass(functools.partial(_dq_kernel, keys=keys, **options), ops, tiling, "flash_dq", nq,
+             inputs(rows, None, _schedule_operands(kinds, axis=2)), [(ops.q_BKRD, rows)])[0]
   # dK/dV: a grid over key blocks, each looping over its query-block range.
-  dk, dv = _pass(functools.partial(_dkv_kernel, rows=rows, **options), ops, "flash_dkv", nk,
-                 inputs(None, keys, _schedule_operands(ops.kinds, axis=1)),
+  dk, dv = _pass(functools.partial(_dkv_kernel, rows=rows, **options), ops, tiling, "flash_dkv",
+                 nk, inputs(None, keys, _schedule_operands(kinds, axis=1)),
                  [(ops.k_BKSD, keys), (ops.v_BKSD, keys)])
   return dq, dk, dv
-
-
-def forward(q, k, v, layout: Layout, *, mask: Mask, scale: float, tiling: Tiling,
-            soft_cap: float | None = None):
-  """Forward pass without autodiff rules: out `[B, T, H, Dv]` (q dtype), lse `[B, T, H]` f32."""
-  ops = _prepare(q, k, v, layout, mask, tiling)
-  out, lse = _forward_rows(ops, mask=mask, scale=scale, soft_cap=soft_cap)
-  t, h = q.shape[1:3]
-  return _from_rows(out, t, h, v.shape[-1]), _from_rows(lse[..., None], t, h, 1)[..., 0]
-
-
-def backward(q, k, v, layout: Layout, out, lse, dout, dlse, *, mask: Mask, scale: float,
-             tiling: Tiling, soft_cap: float | None = None):
-  """Gradients (dq, dk, dv) of the attention of q against k/v, given the rows' output `out`
-  and log-sum-exp `lse` (which may cover more keys than k/v: the ring passes the merged
-  result of every step) and their cotangents `dout`, `dlse` (float32 `[B, T, H]`)."""
-  ops = _prepare(q, k, v, layout, mask, tiling)
-  hkv, rows_pad = k.shape[2], ops.q_BKRD.shape[2]
-  dvp = ops.v_BKSD.shape[-1]
-  def rows(x, dim):
-    return _to_rows(x, hkv, rows_pad, dim)
-  dq, dk, dv = _backward_rows(
-      ops, rows(out, dvp), rows(lse[..., None], 1)[..., 0], rows(dout, dvp),
-      rows(dlse.astype(jnp.float32)[..., None], 1)[..., 0], mask=mask, scale=scale,
-      soft_cap=soft_cap)
-  t, h, d = q.shape[1:]
-  s = k.shape[1]
-  return (_from_rows(dq, t, h, d), _from_rows(dk, s, hkv, d),
-          _from_rows(dv, s, hkv, v.shape[-1]))
-
-
-def _primal(q, k, v, layout, mask, scale, tiling, soft_cap) -> tuple[jax.Array, jax.Array]:
-  return forward(q, k, v, layout, mask=mask, scale=scale, tiling=tiling, soft_cap=soft_cap)
-
-
-# Applied as a call, not a decorator through functools.partial, so the result stays typed.
-_attention = jax.custom_vjp(_primal, nondiff_argnums=(4, 5, 6, 7))
-
-
-def _attention_fwd(q, k, v, layout, mask, scale, tiling, soft_cap):
-  out, lse = _primal(q, k, v, layout, mask, scale, tiling, soft_cap)
-  return (out, lse), (q, k, v, layout, out, lse)
-
-
-def _attention_bwd(mask, scale, tiling, soft_cap, residuals, cotangents):
-  q, k, v, layout, out, lse = residuals
-  dout, dlse = cotangents
-  dq, dk, dv = backward(q, k, v, layout, out, lse, dout, dlse, mask=mask, scale=scale,
-                        tiling=tiling, soft_cap=soft_cap)
-  return dq, dk, dv, None
-
-
-_attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def choose_tiling(q_shape, kv_shape, dv: int, *, itemsize: int = 2, block_q: int | None = None,
@@ -438,79 +343,8 @@ def choose_tiling(q_shape, kv_shape, dv: int, *, itemsize: int = 2, block_q: int
                 else None)
 
 
-def pallas_gpu_attention(q, k, v, layout: Layout, *, mask: Mask, scale: float, return_lse: bool,
-                         tiling: Tiling, soft_cap: float | None = None):
-  """Flash attention with block skipping, as Pallas Triton kernels.
-
-  Args:
-    q: `[B, T, H, D]`; k: `[B, S, Hkv, D]`, v: `[B, S, Hkv, Dv]` (H a multiple of Hkv),
-      float32, bfloat16 or float16; scores, softmax and accumulation are float32.
-    layout: segment ids / positions (None fields are defaults; all-None gives a static
-      schedule).
-    tiling: block sizes and Triton options (`choose_tiling`); T and S need not divide.
-    soft_cap: scores become `soft_cap * tanh(scores / soft_cap)` (after the scale), or None.
-  Returns:
-    `[B, T, H, Dv]` in q's dtype; with `return_lse` also lse `[B, T, H]` float32
-    (-inf where a query has nothing to attend to; its output and gradients are zero).
-  """
-  def attend(q, k, v, layout):
-    return _attention(q, k, v, layout, mask, float(scale), tiling, soft_cap)
-  attend = sharding.per_batch_and_head(attend, q.shape, k.shape[2], layout)
-  out, lse = attend(q, k, v, layout)
-  return (out, lse) if return_lse else out
-
-
-@functools.partial(jax.tree_util.register_dataclass, data_fields=[],
-                   meta_fields=["kernel", "mask", "scale", "chunk", "soft_cap"])
 @dataclasses.dataclass(frozen=True)
-class PallasGpuStep(RingStep):
-  """The Pallas GPU passes as the ring's per-device step: the same kernels at every step (so
-  the ring runs a `lax.scan`), the block schedule from the visiting keys' ids, blocks fitted
-  to the load-balanced chunks of `chunk` tokens (None: not load balanced)."""
-
-  kernel: PallasGpu
-  mask: Mask
-  scale: float
-  chunk: int | None = None
-  soft_cap: float | None = None
-
-  def _tiling(self, q, k, v) -> Tiling:
-    return self.kernel.tiling(q, k, v, self.chunk)
-
-  def forward(self, step, q, k, v, layout):
-    return forward(q, k, v, layout, mask=self.mask, scale=self.scale,
-                   tiling=self._tiling(q, k, v), soft_cap=self.soft_cap)
-
-  def backward(self, step, q, k, v, layout, out, lse, dout, dlse):
-    return backward(q, k, v, layout, out, lse, dout, dlse, mask=self.mask, scale=self.scale,
-                    tiling=self._tiling(q, k, v), soft_cap=self.soft_cap)
-
-
-@dataclasses.dataclass(frozen=True)
-class Passes:
-  """The Pallas GPU passes as `checked.Passes` (`operands` unused; no lse cotangent is a
-  zero one): what cuDNN falls back on for a batch it cannot serve exactly, on a GPU."""
-
-  kernel: PallasGpu
-  mask: Mask
-  scale: float
-  soft_cap: float | None = None
-
-  def forward(self, operands, q, k, v, layout: Layout):
-    return forward(q, k, v, layout, mask=self.mask, scale=self.scale,
-                   tiling=self.kernel.tiling(q, k, v),
-                   soft_cap=self.soft_cap)
-
-  def backward(self, operands, q, k, v, layout: Layout, out, lse, dout, dlse):
-    dlse = jnp.zeros(lse.shape, jnp.float32) if dlse is None else dlse
-    dq, dk, dv = backward(q, k, v, layout, out, lse, dout, dlse, mask=self.mask,
-                          scale=self.scale, tiling=self.kernel.tiling(q, k, v),
-                          soft_cap=self.soft_cap)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
-
-
-@dataclasses.dataclass(frozen=True)
-class PallasGpu(registry.Kernel):
+class PallasGpu(RowKernel):
   """`backend="pallas_gpu"`: flash attention in Pallas, compiled by Triton on NVIDIA GPUs
   (interpret mode elsewhere); every mask, packed rows, GQA, soft cap, Dv != D and the ring.
 
@@ -533,6 +367,7 @@ class PallasGpu(registry.Kernel):
   num_stages: int = 2
   interpret: bool | None = None
   name: str = "pallas_gpu"
+  interpreter = "Pallas interpret mode"
   ring: bool = True
   soft_cap: bool = True
 
@@ -552,10 +387,6 @@ class PallasGpu(registry.Kernel):
       checks.boolean("PallasGpu(interpret=...)", self.interpret,
                      "None decides by the platform")
 
-  def on(self, platform: str) -> PallasGpu:
-    # Interpret mode off its platform; on it, as asked (None: compiled).
-    return dataclasses.replace(self, interpret=platform != "gpu" or self.interpret is True)
-
   def reason(self, call: registry.Call) -> str | None:
     if call.dtype not in _DTYPES:
       return (f"pallas_gpu takes {', '.join(_DTYPES)} (Triton's dots), got {call.dtype}; cast"
@@ -566,19 +397,9 @@ class PallasGpu(registry.Kernel):
               f" Dv={call.dv}; the blockwise kernel serves wider heads.")
     return None
 
-  def for_tests_on(self, platform: str) -> str | None:
-    if platform != "gpu" and self.interpret is not False:
-      return "Pallas interpret mode off GPU: for tests, not speed"
-    if self.interpret is True:  # kept on its own platform (`on`)
-      return "Pallas interpret mode (interpret=True): for tests, not speed"
-    return None
-
-  def describe(self, call: registry.Call) -> str | None:
-    return self.for_tests_on(call.platform)
-
   def tiling(self, q, k, v, chunk: int | None = None) -> Tiling:
     """This kernel's `Tiling` for these operands (`choose_tiling`)."""
-    interpret = jax.default_backend() != "gpu" if self.interpret is None else self.interpret
+    interpret = self.interpreted()
     capability = None if interpret else aot.traced_gpu_capability()
     precision = jax.config.jax_default_matmul_precision  # pyright: ignore[reportAttributeAccessIssue]
     return choose_tiling(q.shape, k.shape, v.shape[-1], itemsize=jnp.dtype(q.dtype).itemsize,
@@ -586,22 +407,3 @@ class PallasGpu(registry.Kernel):
                          num_warps=self.num_warps, num_stages=self.num_stages,
                          interpret=interpret, chunk=chunk, capability=capability,
                          precision=precision)
-
-  def __call__(self, q, k, v, layout: Layout, *, mask: Mask, scale: float, return_lse: bool,
-               soft_cap: float | None = None):
-    return pallas_gpu_attention(q, k, v, layout, mask=mask, scale=scale, return_lse=return_lse,
-                                tiling=self.tiling(q, k, v),
-                                soft_cap=soft_cap)
-
-  def passes(self, mask: Mask, scale: float, soft_cap: float | None = None) -> Passes:
-    return Passes(self, mask, float(scale), soft_cap)
-
-  def ring_step(self, *, strategy: str, mask: Mask, scale: float, shards: int, axis: str,
-                load_balance: bool, q_shape, kv_shape, layout: Layout,
-                soft_cap: float | None = None) -> RingStep:
-    if strategy != "ring":
-      return super().ring_step(strategy=strategy, mask=mask, scale=scale, shards=shards,
-                               axis=axis, load_balance=load_balance, q_shape=q_shape,
-                               kv_shape=kv_shape, layout=layout, soft_cap=soft_cap)
-    chunk = q_shape[1] // shards // 2 if load_balance else None
-    return PallasGpuStep(self, mask, float(scale), chunk, soft_cap)

@@ -42,6 +42,7 @@ ALIASES = {"fused": ("cudnn", "pallas_gpu", "blockwise")}
 _BUILTIN = {
     "blockwise": "flaxattn.blockwise:Blockwise",
     "cudnn": "flaxattn.cudnn:Cudnn",
+    "mosaic_gpu": "flaxattn.mosaic_gpu:MosaicGpu",  # Hopper; in no order until measured
     "pallas_gpu": "flaxattn.pallas_gpu:PallasGpu",
     "reference": "flaxattn.reference:Reference",
     "splash": "flaxattn.splash:Splash",
@@ -167,6 +168,8 @@ class Kernel:
   # False: tracing needs the platform's own libraries (cuDNN), so a program traced on
   # another platform's host cannot hold this kernel for it.
   traces_anywhere: bool = True
+  # Why a kernel in no platform's row of `BACKENDS` is there ("" for none): `explain` says it.
+  outside_order: str = ""
 
   def unsupported_reason(self, call: Call) -> str | None:
     """None if the kernel serves `call` (with its context parallelism), else why not.
@@ -386,8 +389,11 @@ def lowering_name(platform: str) -> str:
   return {v: k for k, v in LOWERING.items()}[platform]
 
 
-def _format_reasons(answers: dict[str, str | None]) -> str:
-  return "\n".join(f"  {n}: {'accepts' if r is None else 'declines: ' + r}"
+def _format_reasons(answers: dict[str, str | None], platform: str) -> str:
+  def accepts(name):  # and why "auto" still passes it by, for a kernel in no order
+    why = get(name).outside_order
+    return f"accepts ({why})" if why and name not in order(platform) else "accepts"
+  return "\n".join(f"  {n}: {accepts(n) if r is None else 'declines: ' + r}"
                    for n, r in answers.items())
 
 
@@ -418,7 +424,7 @@ def describe(backend, call: Call) -> str:
            f" mask {call.mask}; segment_ids: {call.has_segment_ids};"
            f" positions: {call.has_positions}{cp}{extras}",
            f"order on {call.platform}: {order(call.platform)}",
-           _format_reasons(reasons(call)),
+           _format_reasons(reasons(call), call.platform),
            f"backend={backend!r} -> {_resolve(backend, call)}",
            f"per platform, backend={backend!r}:"]
   lines += [f"  {p}: {_resolve(backend, dataclasses.replace(call, platform=p))}" for p in PLATFORMS]

@@ -117,9 +117,10 @@ def test_every_cell_on_a_gpu(monkeypatch):
   assert sum(line.startswith("| flaxattn auto |") for line in lines) == len(gpu.CASES)
 
 
-def test_tilings_run_pallas_gpu_under_each_tiling(monkeypatch):
-  """--tilings: each of TILINGS on each tiling case is measured once, with a PallasGpu of
-  that tiling, and tabled one row per tiling (measurements stubbed)."""
+def test_tilings_run_each_kernel_under_each_tiling(monkeypatch):
+  """--tilings: each of TILINGS (pallas_gpu) and MOSAIC_TILINGS (mosaic_gpu) on each tiling
+  case is measured once, with a kernel of that tiling, and tabled one row per tiling in a
+  table per kernel (measurements stubbed)."""
   measured = []
 
   def fake(name, case, qkv, matmul, repeats, kernel=None):
@@ -128,19 +129,25 @@ def test_tilings_run_pallas_gpu_under_each_tiling(monkeypatch):
   monkeypatch.setattr(gpu, "_run_jax", fake)
   monkeypatch.setattr(measure, "inputs", lambda t: None)
   cells = gpu.run_tilings(repeats=1, matmul=100.0)
-  assert len(cells) == len(measured) == len(gpu.TILINGS) * len(gpu.TILING_CASES)
+  tilings = len(gpu.TILINGS) + len(gpu.MOSAIC_TILINGS)
+  assert len(cells) == len(measured) == tilings * len(gpu.TILING_CASES)
   for (name, case, kernel), cell in zip(measured, cells, strict=True):
-    assert name == "pallas_gpu" and cell["case"] == case
-    assert cell["tiling"] == (f"{kernel.block_q}x{kernel.block_kv} w{kernel.num_warps}"
-                              f" s{kernel.num_stages}")
-  assert {(k.block_q, k.block_kv, k.num_warps, k.num_stages) for _, _, k in measured} == set(
-      gpu.TILINGS)
+    assert name == cell["kernel"] == kernel.name and cell["case"] == case
+  pallas = [k for name, _, k in measured if name == "pallas_gpu"]
+  mosaic = [k for name, _, k in measured if name == "mosaic_gpu"]
+  assert {(k.block_q, k.block_kv, k.num_warps, k.num_stages) for k in pallas} == set(gpu.TILINGS)
+  assert {(k.block_kv, k.block_kv_dq, k.block_q_dkv, k.stages) for k in mosaic} == set(
+      gpu.MOSAIC_TILINGS)
   lines = gpu.tiling_table(cells)
+  assert [line for line in lines if line.startswith("### ")] == [
+      "### pallas_gpu tilings at 32K: TFLOP/s of useful work",
+      "### mosaic_gpu tilings at 32K: TFLOP/s of useful work"]
   rows = [line for line in lines if line.startswith("| ") and "x" in line.split("|")[1]
           and "block_q" not in line]
   assert len(rows) == len(gpu.TILINGS)
-  n = len(gpu.TILINGS)  # the first tiling: measured first in each of the two cases
-  assert rows[0] == f"| 128x64 w8 s2 | 1.0 | 2.0 | {n + 1}.0 | 2.0 |"
+  assert sum(line.startswith("| kv") for line in lines) == len(gpu.MOSAIC_TILINGS)
+  n = tilings  # the first tiling: measured first in each of the two cases
+  assert rows[0] == f"| 128x64 w8 s2 | 1.0 | 2.0 | {gpu._number(n + 1.0)} | 2.0 |"
 
 
 def test_goals_skip_without_a_gpu(tmp_path):

@@ -32,8 +32,8 @@ K = jnp.zeros((2, 16, 2, 8))
     (dict(kv_positions=jnp.ones((2, 8), jnp.int32)), r"kv_positions expects .*\(2, 16\)"),
     (dict(kv_segment_ids=jnp.ones((2, 16), jnp.int32)), r"segment_ids is required"),
     (dict(backend="nope"),
-     r"backend expects one of \['auto', 'fused', 'blockwise', 'cudnn', 'pallas_gpu', 'reference',"
-     r" 'splash', 'split_k'\]"),
+     r"backend expects one of \['auto', 'fused', 'blockwise', 'cudnn', 'mosaic_gpu', 'pallas_gpu',"
+     r" 'reference', 'splash', 'split_k'\]"),
 ])
 def test_bad_input_names_the_argument(kwargs, match):
   args = dict(q=Q, k=K, v=K)

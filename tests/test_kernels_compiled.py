@@ -1,8 +1,9 @@
 """The kernels compiled, not only lowered: splash for TPU v5e, v5p and v6e by libtpu (Mosaic
 included), pallas_gpu for H100 (sm_90) and A100 (sm_80) by XLA's GPU compiler (its Triton and
-ptxas), split_k's decode step for both, each on one compile-only device of the target
-(`helpers.compile_for`). Each test finds its kernels in the compiled program. Skipped,
-naming the package, without libtpu / the CUDA plugin (`pip install "flaxattn[aot]"`)."""
+ptxas), mosaic_gpu for H100 (Mosaic GPU and ptxas), split_k's decode step for both, each on
+one compile-only device of the target (`helpers.compile_for`). Each test finds its kernels in
+the compiled program. Skipped, naming the package, without libtpu / the CUDA plugin (`pip
+install "flaxattn[aot]"`)."""
 
 import re
 
@@ -13,6 +14,7 @@ import pytest
 from flax import nnx
 
 import flaxattn
+from bench import mosaic_compile
 from flaxattn import aot, cudnn
 from flaxattn.cudnn import Cudnn
 from flaxattn.layer import MultiHeadAttention
@@ -92,6 +94,24 @@ def test_pallas_gpu_32k_packed_on_one_h100_plans_under_1_gib():
                                         backend="pallas_gpu"), q, kv, kv)
   assert set(aot.kernels(compiled.as_text())) == {"flash_forward", "flash_dq", "flash_dkv"}
   assert aot.memory(compiled).temporaries <= aot.GIB
+
+
+@pytest.mark.parametrize("case", mosaic_compile.CASES[:2], ids=lambda case: case.name)
+def test_mosaic_gpu_compiles_for_sm90_within_registers_and_shared_memory(case):
+  """16 documents in T = 32768, H = 16 on 8 KV heads, forward and backward, compiled for an
+  H100 (`bench.mosaic_compile`, whose child process reads ptxas's report and the launch;
+  the second case: a soft cap, Chunked & Local, float16, Dv != D):
+  the forward, dQ and dK/dV kernels, no register spilled, shared memory within an sm_90
+  block's, and the temporaries O(T) (at most 1 GiB; a [T, T] score matrix alone would be
+  32 GiB)."""
+  target_devices("h100")  # skipped without the CUDA plugin
+  result = mosaic_compile.compile_case(case, t=32768)
+  assert result["found"] == {name: 1 for name in mosaic_compile.KERNELS}, result
+  assert sorted(row["kernel"] for row in result["kernels"]) == sorted(mosaic_compile.KERNELS)
+  for row in result["kernels"]:
+    assert row["spill_stores"] == row["spill_loads"] == 0, row
+    assert 0 < row["smem"] <= mosaic_compile.SMEM_LIMIT, row
+  assert result["temporaries"] <= aot.GIB, result
 
 
 @pytest.mark.parametrize("target", ["v5p-8", "h100"])

@@ -1,0 +1,247 @@
+"""The `mosaic_gpu` kernel in GPU interpret mode on this CPU host (jax 0.12 and later: the
+interpreter simulates its shared memory, barriers, TMA copies and WGMMA) against attention
+written out from the definitions: every conformance case in bfloat16, blocks the schedule
+skips never loaded, the warp-specialized pipeline free of data races, the ring's step;
+its declines and options; programs lowered for CUDA that hold its kernels. Compiled for
+sm_90: tests/test_kernels_compiled.py."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType
+
+import flaxattn
+from bench import triton_compile
+from flaxattn import mosaic_gpu, registry
+from flaxattn.attention import apply_sinks
+from flaxattn.ring import merge_partials
+from helpers import TOL, as_layout, dense_oracle, devices, grads_of, normal, qkv, random_packing
+from test_conformance import KernelConformance
+
+SCALE = 0.3
+interprets = pytest.mark.skipif(
+    jax.__version_info__ < mosaic_gpu.INTERPRET_JAX,
+    reason=f"GPU interpret mode of jax {jax.__version__} cannot run mosaic_gpu's kernels (a"
+           " transposed shared-memory operand of WGMMA); jax >= 0.12 runs them")
+
+
+class TestConformance(KernelConformance):
+  name = "mosaic_gpu"
+  dtype = jnp.bfloat16
+  batch = 1  # interpreted, a batch row costs ~15 s
+
+
+def _compare(got, want, names):
+  for name, g, w in zip(names, got, want, strict=True):
+    g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+    finite = np.isfinite(w)
+    np.testing.assert_array_equal(np.isfinite(g), finite, err_msg=name)
+    scale = max(1.0, float(np.abs(w[finite]).max()))
+    np.testing.assert_allclose(np.where(finite, g, 0) / scale, np.where(finite, w, 0) / scale,
+                               err_msg=name, **TOL[jnp.bfloat16])
+
+
+@interprets
+def test_skipped_blocks_are_never_loaded():
+  """Keys 128..255 belong to a document no query is in, and their keys and values are NaN:
+  a visit (masked or not: 0 x NaN is NaN) would poison the output and the gradients. The
+  forward and dQ loops never load them; dK/dV has no query block for their tile."""
+  b, t, s = 1, 64, 384
+  q, k, v = qkv(6, b, t, s, 2, 1, 64, jnp.bfloat16)
+  kv_seg = np.ones((b, s), np.int32)
+  kv_seg[:, 128:256] = 9
+  layout = as_layout(np.ones((b, t), np.int32), None, kv_seg, None)
+  poisoned = [jnp.where((kv_seg == 9)[..., None, None], jnp.nan, x) for x in (k, v)]
+
+  def attend(q, k, v, _):
+    return flaxattn.attention(q, k, v, mask=flaxattn.Full(), layout=layout, scale=SCALE,
+                              backend="mosaic_gpu", return_lse=True)
+
+  def oracle(q, k, v, _):
+    return dense_oracle(q, k, v, layout, flaxattn.Full(), SCALE)
+  got_g, got = grads_of(attend, 3)(q, *poisoned, None)
+  want_g, want = grads_of(oracle, 3)(q, k, v, None)
+  dk, dv = (np.where((kv_seg == 9)[..., None, None], 0, x) for x in got_g[1:])
+  _compare([*got, got_g[0], dk, dv], [*want, *want_g], ["out", "lse", "dq", "dk", "dv"])
+
+
+@interprets
+def test_pipeline_has_no_data_race(monkeypatch):
+  """The interpreter's race detector (vector clocks over the producer's TMA copies, the
+  consumers' reads and writes and the barriers between them) finds no race in the forward,
+  dQ and dK/dV of a packed causal call whose tiles visit more key blocks than there are
+  shared-memory slots, so the producer refills slots the consumers free, FULL blocks and
+  PARTIAL ones both; and the result is right."""
+  from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as interpreter
+  from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+  monkeypatch.setattr(mosaic_gpu, "_interpret_params",
+                      lambda: InterpretGPUParams(detect_races=True))
+  interpreter.reset_gpu_interpret_mode_state()
+  t = 256
+  q, k, v = qkv(7, 1, t, t, 2, 2, 64, jnp.bfloat16)
+  seg = np.repeat(np.array([[1, 2]], np.int32), [200, 56], axis=1)
+  pos = np.concatenate([np.arange(200), np.arange(56)])[None].astype(np.int32)
+  layout = as_layout(seg, pos)
+  kernel = mosaic_gpu.MosaicGpu(block_kv=64, block_kv_dq=64, block_q_dkv=64)
+
+  def attend(q, k, v, _):
+    return flaxattn.attention(q, k, v, layout=layout, scale=SCALE, backend=kernel,
+                              return_lse=True)
+
+  def oracle(q, k, v, _):
+    return dense_oracle(q, k, v, layout, flaxattn.Causal(), SCALE)
+  got_g, got = grads_of(attend, 3)(q, k, v, None)
+  assert not interpreter.get_races().races_found
+  want_g, want = grads_of(oracle, 3)(q, k, v, None)
+  _compare([*got, *got_g], [*want, *want_g], ["out", "lse", "dq", "dk", "dv"])
+
+
+@interprets
+def test_ring_step_in_document_order_merges_to_the_whole_call():
+  """As the ring's per-device step on one device, in a 2-way ring's document order
+  (`flaxattn.balance_plan`: documents cut into pieces whose positions are not the token
+  index): the keys in two shards (two steps), outputs merged by lse
+  (`ring.merge_partials`), each step's backward given the merged out and lse (which cover
+  the other shard's keys too) and their cotangents; with GQA, Chunked, sinks, a soft cap
+  and Dv != D. Equals the whole call, values and gradients."""
+  b, t, h, hkv = 1, 128, 4, 2
+  mask = flaxattn.Chunked(48)
+  q, k, _ = qkv(8, b, t, t, h, hkv, 64, jnp.bfloat16)
+  v = normal((b, t, hkv, 32), 9, jnp.bfloat16)
+  seg, pos = random_packing(8, b, t, max_docs=3, pad_tail=5)
+  plan = flaxattn.balance_plan(seg, 2, block=16)
+  seg, pos = np.asarray(plan.segment_ids(seg)), np.asarray(plan.apply(pos))
+  assert np.any(np.diff(pos[0][seg[0] == 1]) < 0)  # a document's pieces out of order
+  sinks = normal((h,), 7)
+  step = registry.get("mosaic_gpu").on("cpu").ring_step(
+      strategy="ring", mask=mask, scale=SCALE, shards=2, axis="context", load_balance=False,
+      q_shape=q.shape, kv_shape=k.shape, layout=as_layout(seg, pos), soft_cap=2.0)
+  halves = [slice(0, t // 2), slice(t // 2, t)]
+
+  def part_of(p):  # step p's keys, values and layout
+    return k[:, p], v[:, p], as_layout(seg, pos, seg[:, p], pos[:, p])
+
+  def merged(q):  # the ring's forward: each step, merged by lse
+    out, lse = step.forward(0, q, *part_of(halves[0]))
+    out, lse = merge_partials(out.astype(jnp.float32), lse,
+                              *step.forward(1, q, *part_of(halves[1])))
+    return out.astype(q.dtype), lse
+
+  def loss_cotangents(out, lse):
+    return jax.grad(lambda o, s: jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(
+        jnp.where(jnp.isfinite(s), s, 0)), (0, 1))(out, lse)
+
+  @jax.jit
+  def ring(q):  # the ring's passes, as one program
+    raw_out, raw_lse = merged(q)
+    (out, lse), pullback = jax.vjp(lambda o, s: apply_sinks(o, s, sinks), raw_out, raw_lse)
+    dout, dlse = pullback(loss_cotangents(out, lse))
+    grads = [step.backward(s, q, *part_of(p), raw_out, raw_lse, dout, dlse)
+             for s, p in enumerate(halves)]
+    dq = sum(g[0].astype(jnp.float32) for g in grads)
+    dk, dv = (jnp.concatenate([g[i] for g in grads], axis=1) for i in (1, 2))
+    return out, lse, dq, dk, dv
+  out, lse, dq, dk, dv = ring(q)
+  layout = as_layout(seg, pos)
+
+  def oracle(q, k, v):
+    return dense_oracle(q, k, v, layout, mask, SCALE, sinks, 2.0)
+  (want_out, want_lse), pullback = jax.vjp(oracle, q, k, v)
+  want_g = pullback(loss_cotangents(want_out, want_lse))
+  _compare([out, lse, dq, dk, dv], [want_out, want_lse, *want_g],
+           ["out", "lse", "dq", "dk", "dv"])
+
+
+def _gpu_call(**kw):
+  shape = (1, 256, 4, 128)
+  fields = dict(platform="gpu", q_shape=shape, kv_shape=shape, dtype="bfloat16",
+                mask=flaxattn.Causal(), has_segment_ids=True, has_positions=True,
+                return_lse=True)
+  return registry.Call(**{**fields, **kw})
+
+
+def test_declines_with_reasons_and_checks_its_options(monkeypatch):
+  kernel = registry.get("mosaic_gpu")
+  assert kernel.unsupported_reason(_gpu_call(soft_cap=30.0, v_head_dim=64, cp_size=4,
+                                             cp_strategy="ring")) is None
+  assert "takes bfloat16 or float16 (WGMMA's 16-bit operands), got float32" in (
+      kernel.unsupported_reason(_gpu_call(dtype="float32")))
+  assert "head dims up to 128, got D=256" in kernel.unsupported_reason(
+      _gpu_call(q_shape=(1, 256, 4, 256), kv_shape=(1, 256, 4, 256)))
+  a100 = jax.sharding.AbstractDevice(device_kind="NVIDIA A100-SXM4-80GB", num_cores=108,
+                                     platform="gpu")
+  if jax.default_backend() != "gpu":  # a GPU host's own GPU decides
+    with jax.sharding.use_abstract_mesh(jax.sharding.get_abstract_mesh().update(
+        abstract_device=a100)):
+      assert "Hopper's WGMMA (sm_90), which this GPU (sm_80) lacks" in (
+          kernel.unsupported_reason(_gpu_call()))
+  monkeypatch.setattr(mosaic_gpu, "_cpu_devices", lambda: 1)
+  monkeypatch.setattr(mosaic_gpu, "INTERPRET_JAX", (0, 0))  # any jax's interpreter
+  assert "--xla_force_host_platform_device_count=2" in kernel.unsupported_reason(
+      _gpu_call(platform="cpu"))
+  monkeypatch.setattr(mosaic_gpu, "INTERPRET_JAX", (99, 0))
+  assert "GPU interpret mode of jax" in kernel.unsupported_reason(_gpu_call(platform="cpu"))
+  assert kernel.on("gpu").interpret is False and kernel.on("cpu").interpret is True
+  asked = mosaic_gpu.MosaicGpu(interpret=True)
+  assert asked.on("gpu").interpret is True and "interpret=True" in asked.for_tests_on("gpu")
+  for arg, value in (("block_kv", 96), ("block_kv_dq", 512), ("block_q_dkv", 32)):
+    with pytest.raises(ValueError, match=rf"MosaicGpu\({arg}=...\) expects a multiple of 64"):
+      mosaic_gpu.MosaicGpu(**{arg: value})
+  with pytest.raises(ValueError, match=r"MosaicGpu\(stages=...\) expects an int from 1 to 4"):
+    mosaic_gpu.MosaicGpu(stages=0)
+
+
+def test_explain_says_auto_passes_it_by():
+  """In no platform's order (until a GPU measures it ahead): "auto" and "fused" keep
+  cudnn and pallas_gpu on GPU, blockwise on CPU, and `explain` says why."""
+  q = jax.ShapeDtypeStruct((1, 512, 4, 64), jnp.bfloat16)
+  with flaxattn.lowering_for("gpu"):
+    text = flaxattn.explain(q, q, q, mask=flaxattn.Chunked(128), print_fn=None)
+  assert ("  mosaic_gpu: accepts (in no platform's order until a GPU measures it ahead of"
+          " cudnn and pallas_gpu") in text
+  assert all("mosaic_gpu" not in row for row in registry.BACKENDS.values())
+  assert "mosaic_gpu" not in registry.ALIASES["fused"]
+  assert "  gpu: pallas_gpu (" in text and "  cpu: blockwise (" in text
+
+
+def _cuda_calls(fn, *args) -> int:
+  return triton_compile.cuda_export(fn, *args).mlir_module().count("mosaic_gpu_v2")
+
+
+def _loss(**kwargs):
+  def loss(q, k, v):
+    out, lse = flaxattn.attention(q, k, v, backend="mosaic_gpu", return_lse=True, **kwargs)
+    return jnp.sum(out.astype(jnp.float32) ** 2) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0))
+  return loss
+
+
+@pytest.mark.parametrize("strategy,kernels", [(None, 3), ("ring", 6), ("all_gather", 3),
+                                              ("ulysses", 3)])
+def test_lowers_mosaic_kernels_for_cuda(strategy, kernels):
+  """Forward and backward lowered for CUDA from this host hold the three Mosaic GPU kernels,
+  not their interpreter; the ring holds the forward twice (its scanned steps and the last
+  one) and dQ, dK/dV twice; all-gather and Ulysses call each once."""
+  if strategy is None:
+    q = jax.ShapeDtypeStruct((1, 1024, 8, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 1024, 2, 128), jnp.bfloat16)
+    assert _cuda_calls(jax.grad(_loss(), (0, 1, 2)), q, kv, kv) == kernels
+    return
+  mesh = jax.sharding.Mesh(np.array(devices(2)), ("context",), axis_types=(AxisType.Auto,))
+  spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "context"))
+  q = jax.ShapeDtypeStruct((1, 4096, 8, 128), jnp.bfloat16, sharding=spec)
+  k = jax.ShapeDtypeStruct((1, 4096, 2, 128), jnp.bfloat16, sharding=spec)
+  v = jax.ShapeDtypeStruct((1, 4096, 2, 64), jnp.bfloat16, sharding=spec)  # Dv != D
+  cp = flaxattn.ContextParallel(strategy=strategy)
+  with jax.set_mesh(mesh):
+    assert _cuda_calls(jax.grad(_loss(context_parallel=cp), (0, 1, 2)), q, k, v) == kernels
+
+
+def test_default_tiling_pads_to_its_blocks():
+  """Rows pad to whole tiles of 128 (two consumers of 64), keys to the forward's and dQ's
+  blocks and dK/dV's tiles, head dims to multiples of 64 (a 128-byte swizzled row)."""
+  tiling = mosaic_gpu.MosaicGpu(interpret=False).tiling(*(jnp.zeros((1, 8, 1, 8)),) * 3)
+  assert dataclasses.astuple(tiling) == (128, 64, 64, 2, False)
+  assert tiling.padding(300, 200, 80, 16) == (384, 256, 128, 64)
