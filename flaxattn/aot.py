@@ -292,8 +292,6 @@ def memory(compiled) -> Memory:
 # calls in their backend config (`name = "flash_forward"`), cuDNN calls in their target.
 _CUSTOM_CALL = re.compile(r"%([\w.-]+) = [^\n]*?custom_call_target=\"([^\"]+)\"([^\n]*)")
 _TRITON_NAME = re.compile(r'\bname = "([^"]+)"')
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
-_COLLECTIVE = re.compile(r"= [^\n=]*? (" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
 
 
 def kernels(hlo_text: str) -> dict[str, int]:
@@ -315,10 +313,235 @@ def kernels(hlo_text: str) -> dict[str, int]:
   return found
 
 
-def collectives(hlo_text: str) -> dict[str, int]:
-  """How many collectives of each kind (`COLLECTIVES`) a compiled program's text holds (an
-  asynchronous one counts once, at its start)."""
-  found: dict[str, int] = {}
-  for kind in _COLLECTIVE.findall(hlo_text):
-    found[kind] = found.get(kind, 0) + 1
+# The scheduled program ---------------------------------------------------------------------
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
+# Bytes per element of the element types a collective moves (s4/u4 round up: a transfer
+# moves whole bytes).
+ITEMSIZE = {"pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "s32": 4,
+            "u32": 4, "s64": 8, "u64": 8, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2,
+            "f32": 4, "f64": 8, "c64": 8, "c128": 16}
+_ARRAY = re.compile(r"\b([a-z]+[0-9]*(?:e[0-9]m[0-9]\w*)?)\[([0-9,]*)\]")
+_HEADER = re.compile(r"^(ENTRY )?%?([\w.\-]+) \(.*\) -> .*\{$")
+_LINE = re.compile(r"^\s+(?:ROOT )?%?([\w.\-]+) = (.*)$")
+_CALLED = re.compile(r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)"
+                     r"=%?([\w.\-]+)|\b(?:branch_computations|called_computations)=\{([^}]*)\}")
+_TRIPS = re.compile(r'known_trip_count"?\s*[:=]\s*\{\s*"?n"?\s*[:=]\s*"?(\d+)')
+# Custom calls that compute nothing: buffer bookkeeping and placement annotations.
+_NOT_KERNELS = ("AllocateBuffer", "MoveToHost", "MoveToDevice", "annotate_device_placement",
+                "Sharding", "SPMDFullToShardShape", "SPMDShardToFullShape")
+# The asynchronous forms: X-start ... X-done of a collective, async-start/-update/-done around
+# a computation that holds one, recv ... recv-done (a collective-permute split into send and
+# receive, counted on the receiving side).
+_STARTS = {f"{kind}-start": kind for kind in COLLECTIVES}
+_DONES = {*(f"{kind}-done" for kind in COLLECTIVES), "async-done", "recv-done"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+  """One collective in a compiled program's schedule (`collectives_in`), per device.
+
+  kind: one of `COLLECTIVES`. bytes: its result's bytes, per execution. times: executions per
+  run of the program (the trip counts of the loops around it). exposed: nothing that
+  computes (a fusion, a kernel, a dot, or a loop, conditional or call holding one) is
+  scheduled between its start and its done, so nothing can hide the transfer; a synchronous
+  collective is exposed. kernels: the kernels (custom calls, or control flow holding one,
+  each counted once) scheduled between its start and its done. name: its start's name;
+  computation: the computation whose schedule holds it.
+  """
+
+  kind: str
+  bytes: int
+  exposed: bool
+  kernels: int
+  times: int
+  name: str
+  computation: str
+
+
+@dataclasses.dataclass(frozen=True)
+class _Instruction:
+  name: str
+  shape: str
+  opcode: str
+  operands: tuple[str, ...]
+  attributes: str
+
+  @property
+  def called(self) -> list[str]:
+    found = []
+    for one, many in _CALLED.findall(self.attributes):
+      found += [one] if one else [c.strip().lstrip("%") for c in many.split(",") if c.strip()]
+    return found
+
+
+def _closing(text: str, start: int) -> int:
+  """The index of the parenthesis that closes the one at `start`."""
+  depth = 0
+  for i in range(start, len(text)):
+    depth += {"(": 1, ")": -1}.get(text[i], 0)
+    if depth == 0:
+      return i
+  return len(text)
+
+
+def _parse(rest: str, name: str) -> _Instruction:
+  if rest.startswith("("):  # a tuple shape
+    end = _closing(rest, 0) + 1
+    shape, tail = rest[:end], rest[end:].lstrip()
+  else:
+    shape, _, tail = rest.partition(" ")
+  opcode, paren, _ = tail.partition("(")
+  if not paren:
+    return _Instruction(name, shape, opcode.strip(), (), "")
+  close = _closing(tail, len(opcode))
+  operands = tuple(re.findall(r"%([\w.\-]+)", tail[len(opcode):close]))
+  return _Instruction(name, shape, opcode.strip(), operands, tail[close + 1:])
+
+
+def _computations(hlo_text: str) -> tuple[dict[str, list[_Instruction]], str | None]:
+  """Each computation's instructions in schedule order (a scheduled module's text lists
+  them in the order they run), and the entry's name."""
+  found: dict[str, list[_Instruction]] = {}
+  current, entry = None, None
+  for line in hlo_text.splitlines():
+    header = _HEADER.match(line)
+    if header:
+      current = found.setdefault(header.group(2), [])
+      entry = header.group(2) if header.group(1) else entry
+      continue
+    instruction = _LINE.match(line)
+    if instruction and current is not None:
+      current.append(_parse(instruction.group(2), instruction.group(1)))
+  return found, entry
+
+
+def _array_bytes(shape: str) -> int:
+  return sum(ITEMSIZE[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+             for dtype, dims in _ARRAY.findall(shape) if dtype in ITEMSIZE)
+
+
+def collectives_in(hlo_text: str) -> list[Collective]:
+  """Every collective of a compiled program's scheduled text (`compiled.as_text()`) that
+  runs, with its bytes and whether compute hides it (`Collective`), in schedule order;
+  loops' bodies are read in their own schedules. Of a conditional's branches, the one that
+  moves the most bytes counts (the others run instead of it).
+
+  A start is paired with its done by operand, or across a loop's back edge (started at the
+  end of one iteration, done in the next) in order; then what runs between is the rest of
+  the iteration after the start and the part of the next before the done."""
+  computations, entry = _computations(hlo_text)
+  compute_memo: dict[str, tuple[int, bool]] = {}
+
+  def compute(name: str) -> tuple[int, bool]:
+    """(kernels, anything computed) of running computation `name`."""
+    if name not in compute_memo:
+      compute_memo[name] = (0, False)
+      kernels, computes = 0, False
+      for instruction in computations.get(name, []):
+        k, c = _computes(instruction)
+        kernels, computes = kernels + k, computes or c
+      compute_memo[name] = (kernels, computes)
+    return compute_memo[name]
+
+  def _computes(instruction: _Instruction) -> tuple[int, bool]:
+    op = instruction.opcode
+    if op == "custom-call":
+      target = re.search(r'custom_call_target="([^"]+)"', instruction.attributes)
+      kernel = not target or target.group(1) not in _NOT_KERNELS
+      return int(kernel), kernel
+    if op in ("fusion", "dot", "convolution"):
+      # A fusion's own computation may hold a kernel call (XLA's GPU emitters): count it.
+      return (compute(instruction.called[0])[0] if instruction.called else 0), True
+    if op in ("while", "conditional", "call") or (op == "async-start"
+                                                  and not _collective_kind(instruction)):
+      parts = [compute(c) for c in instruction.called]
+      kernels = sum(k for k, _ in parts)
+      return int(kernels > 0), any(c for _, c in parts)
+    return 0, False
+
+  def _collective_kind(instruction: _Instruction) -> str | None:
+    op = instruction.opcode
+    if op in _STARTS:
+      return _STARTS[op]
+    if op in COLLECTIVES or op == "recv":
+      return "collective-permute" if op == "recv" else op
+    if op in ("async-start", "fusion"):  # a collective wrapped in a computation
+      for called in instruction.called:
+        for inner in computations.get(called, []):
+          kind = _collective_kind(inner)
+          if kind:
+            return kind
+    return None
+
+  def walk(name: str, times: int, seen: tuple[str, ...]) -> list[Collective]:
+    if name in seen:
+      return []
+    schedule = computations.get(name, [])
+    by_name = {instruction.name: i for i, instruction in enumerate(schedule)}
+    found: list[Collective] = []
+    starts: list[int] = []
+    done_of: dict[int, int] = {}
+    carried: list[int] = []  # dones whose start is in the previous iteration
+    for i, instruction in enumerate(schedule):
+      op = instruction.opcode
+      if op in _STARTS or op == "recv" or (op == "async-start" and _collective_kind(instruction)):
+        starts.append(i)
+      elif op in _DONES:
+        j = by_name.get(instruction.operands[0]) if instruction.operands else None
+        while j is not None and schedule[j].opcode == "async-update":
+          j = by_name.get(schedule[j].operands[0])
+        if j is not None and j in starts:
+          done_of[j] = i
+        elif op != "async-done" or _collective_kind(instruction) is not None:
+          carried.append(i)
+      elif op == "while":
+        trips = _TRIPS.search(instruction.attributes)
+        body = re.search(r"\bbody=%?([\w.\-]+)", instruction.attributes)
+        if body:
+          found += walk(body.group(1), times * (int(trips.group(1)) if trips else 1),
+                        (*seen, name))
+      elif op == "conditional":
+        branches = [walk(b, times, (*seen, name)) for b in instruction.called]
+        if branches:
+          found += max(branches, key=lambda b: sum(c.bytes * c.times for c in b))
+      elif op in COLLECTIVES or (op == "fusion" and _collective_kind(instruction)):
+        found.append(Collective(_collective_kind(instruction) or op,
+                                _array_bytes(instruction.shape), True, 0, times,
+                                instruction.name, name))
+      elif op in ("call", "async-start"):
+        for called in instruction.called:
+          found += walk(called, times, (*seen, name))
+    unpaired = [s for s in starts if s not in done_of]
+    for s, d in zip(unpaired, carried, strict=False):
+      done_of[s] = d
+    for s in starts:
+      d = done_of.get(s)
+      if d is None:  # done outside this computation: what follows the start here runs
+        between, done = schedule[s + 1:], schedule[s]
+      elif d > s:
+        between, done = schedule[s + 1:d], schedule[d]
+      else:  # across the loop's back edge
+        between, done = schedule[s + 1:] + schedule[:d], schedule[d]
+      parts = [_computes(instruction) for instruction in between]
+      kernels = sum(k for k, _ in parts)
+      start = schedule[s]
+      kind = _collective_kind(start) or start.opcode
+      found.append(Collective(kind, _array_bytes(done.shape if d is not None else start.shape),
+                              not any(c for _, c in parts), kernels, times, start.name, name))
+    return found
+
+  return walk(entry, 1, ()) if entry else []
+
+
+def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
+  """`{kind: {"count", "bytes", "exposed_bytes"}}` of a compiled program's collectives
+  (`collectives_in`), per device and per run: executions, result bytes moved, and the bytes
+  of those that nothing computed beside (`Collective.exposed`)."""
+  found: dict[str, dict[str, int]] = {}
+  for c in collectives_in(hlo_text):
+    row = found.setdefault(c.kind, {"count": 0, "bytes": 0, "exposed_bytes": 0})
+    row["count"] += c.times
+    row["bytes"] += c.bytes * c.times
+    row["exposed_bytes"] += c.bytes * c.times if c.exposed else 0
   return found
