@@ -4,6 +4,7 @@ are skipped, naming them, without."""
 
 import importlib.util
 import json
+import os
 
 import pytest
 
@@ -11,9 +12,23 @@ from bench import aot as aot_bench
 from flaxattn import aot
 from helpers import target_devices, target_precision
 from train import compile as train_compile
+from train import xla_flags
 
 # The GPU demo's model cut to one layer and 4K tokens: seconds to compile.
 SMALL = ["model.n_layers=1", "seq_len=4096", "model.max_seq_len=4096"]
+
+
+@pytest.fixture(autouse=True)
+def _environment_restored():
+  """`main` adds the overlap flags to the process's environment (`train.xla_flags`), as a
+  run's process needs them; each test here gets the environment it started with back."""
+  saved = {variable: os.environ.get(variable) for variable, _ in xla_flags.TABLE.values()}
+  yield
+  for variable, value in saved.items():
+    if value is None:
+      os.environ.pop(variable, None)
+    else:
+      os.environ[variable] = value
 
 
 def run(capsys, *argv) -> tuple[int, str, str]:
@@ -72,7 +87,9 @@ def test_v5p_slice_compiles_splash_and_the_ring(capsys):
   assert status == 0 and r["fits"] and r["devices"] == 4
   assert r["mesh"]["fsdp"] == 2 and r["mesh"]["context"] == 2
   assert any(k.startswith("splash") for k in r["kernels"])
-  assert r["collectives"].get("collective-permute", 0) > 0  # the ring
+  permutes = r["collectives"]["collective-permute"]  # the ring
+  assert permutes["count"] > 0 and 0 <= permutes["exposed_bytes"] <= permutes["bytes"]
+  assert "--xla_tpu_enable_async_collective_fusion=true" in r["xla_flags"].split()
   assert r["hbm_bytes"] == int(95.74 * aot.GIB)
 
 

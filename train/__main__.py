@@ -33,7 +33,14 @@ def _main(argv: list[str]) -> int:
   if not argv or argv[0] in ("-h", "--help"):
     print((__doc__ or "") + "\nKeys:\n  " + "\n  ".join(config.valid_keys()))
     return 0 if argv else 2
-  from train import checkpoint, distributed, init_from, loop, run_dir  # start no jax backend
+  from train import (  # start no jax backend
+    checkpoint,
+    distributed,
+    init_from,
+    loop,
+    run_dir,
+    xla_flags,
+  )
 
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                       force=True)  # importing grain installed a root handler of its own
@@ -43,6 +50,8 @@ def _main(argv: list[str]) -> int:
   try:
     cfg = init_from.resolve(config.load(path, overrides), config.set_keys(path, overrides))
     run_dir.check(cfg)
+    if cfg.overlap_flags:  # XLA reads them once, when its backend starts
+      xla_flags.apply(xla_flags.platforms_of(cfg.platform))
     distributed.setup(cfg)  # before anything starts a jax backend
     _, stopped = loop.run(cfg)
   except config.ConfigError as e:

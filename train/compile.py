@@ -28,8 +28,15 @@ Reported (a table, or one JSON line with --json):
   hbm_bytes         what a program may use: on TPU the HBM less the runtime's reserve, on
                     GPU JAX's preallocated fraction (0.75, or XLA_PYTHON_CLIENT_MEM_FRACTION);
   fits              total + MARGIN x hbm_bytes <= hbm_bytes;
-  kernels, collectives, the mesh and the physical axes each mesh axis spans, compile_s,
-  warnings (the partitioner's rematerializations; cuDNN workspaces, which the plan omits).
+  kernels, the mesh and the physical axes each mesh axis spans, compile_s, warnings (the
+  partitioner's rematerializations; cuDNN workspaces, which the plan omits);
+  collectives       {kind: {count, bytes, exposed_bytes}} per device and step, read from
+                    the compiler's schedule (`flaxattn.aot.collectives`): executions,
+                    result bytes, and the bytes of those with nothing computed between
+                    their start and their done;
+  xla_flags         the compiler flags it compiled with: the platform's overlap flags
+                    (`train.xla_flags`, as `python -m train` sets them; config key
+                    overlap_flags) added to the environment's.
 
 Exit status: 0 fits; 1 does not fit (one line: total, HBM, the largest arrays; the
 compiler's own out-of-memory refusal counts); 2 bad input (config, target, a mesh the target
@@ -85,6 +92,7 @@ class Result:
   fits: bool
   kernels: dict
   collectives: dict
+  xla_flags: str
   compile_s: float
   warnings: list
   largest: list
@@ -112,7 +120,7 @@ def compile_step(cfg, target) -> Result:
   from flax import nnx
 
   from flaxattn import aot, cudnn
-  from train import data, loop, state
+  from train import data, loop, state, xla_flags
   from train import mesh as mesh_lib
   from train.config import ConfigError
 
@@ -164,7 +172,9 @@ def compile_step(cfg, target) -> Result:
   return Result(target=target.name, devices=target.devices, mesh=dict(mesh.shape),
                 physical_axes=mesh_lib.describe_axes(mesh), seq_len=cfg.seq_len,
                 per_device_bytes=plan, hbm_bytes=hbm, fits=fits, kernels=kernels,
-                collectives=aot.collectives(text), compile_s=seconds, warnings=warnings,
+                collectives=aot.collectives(text),
+                xla_flags=os.environ.get(xla_flags.TABLE[target.platform][0], ""),
+                compile_s=seconds, warnings=warnings,
                 largest=largest,
                 error=refusal and refusal[refusal.find("RESOURCE_EXHAUSTED"):].rstrip("."))
 
@@ -235,10 +245,23 @@ def _table(r: Result) -> str:
   rows += [("usable HBM", f"{r.hbm_bytes / GIB:.2f} GiB per device; margin {MARGIN:.0%}"),
            ("fits", "yes" if r.fits else "no" + (f" ({r.error})" if r.error else "")),
            ("kernels", ", ".join(f"{k} x{v}" for k, v in r.kernels.items()) or "none"),
-           ("collectives", ", ".join(f"{k} x{v}" for k, v in r.collectives.items()) or "none"),
+           ("collectives", ", ".join(f"{k} x{v['count']} {v['bytes'] / GIB:.2f} GiB"
+                                     for k, v in r.collectives.items()) or "none"),
+           ("exposed", _exposed(r.collectives)),
+           ("xla flags", r.xla_flags or "none"),
            ("compile", f"{r.compile_s:.1f} s")]
   rows += [("warning", w) for w in r.warnings]
   return "\n".join(f"{k:12s} {v}" for k, v in rows)
+
+
+def _exposed(collectives: dict) -> str:
+  """The collective bytes nothing computed beside, of all, per device and step."""
+  moved = sum(v["bytes"] for v in collectives.values())
+  exposed = sum(v["exposed_bytes"] for v in collectives.values())
+  if not moved:
+    return "none"
+  return (f"{exposed / GIB:.2f} of {moved / GIB:.2f} GiB of collectives with no compute beside"
+          f" them ({1 - exposed / moved:.1%} overlapped)")
 
 
 def _load(path, overrides):
@@ -308,6 +331,9 @@ def main(argv: list[str]) -> int:
   from train.config import ConfigError
   try:
     target = aot.target(args.target, args.hosts)
+    if _load(path, overrides).overlap_flags:  # before the compiler starts: read once
+      from train import xla_flags
+      xla_flags.apply([target.platform])
     if args.fit:
       def report(r: Result):
         print(json.dumps(dataclasses.asdict(r)) if args.json else r.summary()
