@@ -327,9 +327,18 @@ _LINE = re.compile(r"^\s+(?:ROOT )?%?([\w.\-]+) = (.*)$")
 _CALLED = re.compile(r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)"
                      r"=%?([\w.\-]+)|\b(?:branch_computations|called_computations)=\{([^}]*)\}")
 _TRIPS = re.compile(r'known_trip_count"?\s*[:=]\s*\{\s*"?n"?\s*[:=]\s*"?(\d+)')
-# Custom calls that compute nothing: buffer bookkeeping and placement annotations.
+# Custom calls that compute nothing: buffer bookkeeping, placement annotations, and the ends
+# of TPU's asynchronous collective fusions (a fusion that holds AsyncCollectiveStart starts
+# a collective, one with AsyncCollectiveDone finishes it, fusions in between hold the
+# collective's steps beside other work).
+_MARKERS = {"AsyncCollectiveStart": "start", "AsyncCollectiveDone": "done"}
 _NOT_KERNELS = ("AllocateBuffer", "MoveToHost", "MoveToDevice", "annotate_device_placement",
-                "Sharding", "SPMDFullToShardShape", "SPMDShardToFullShape")
+                "Sharding", "SPMDFullToShardShape", "SPMDShardToFullShape", *_MARKERS)
+_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+_CHANNEL = re.compile(r"\bchannel_id=(\d+)")
+# Instructions that pass values on without computing.
+_PLUMBING = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast",
+             "optimization-barrier", "after-all"}
 # The asynchronous forms: X-start ... X-done of a collective, async-start/-update/-done around
 # a computation that holds one, recv ... recv-done (a collective-permute split into send and
 # receive, counted on the receiving side).
@@ -366,6 +375,7 @@ class _Instruction:
   opcode: str
   operands: tuple[str, ...]
   attributes: str
+  arguments: str = ""  # the text between the opcode's parentheses (a constant's value)
 
   @property
   def called(self) -> list[str]:
@@ -395,8 +405,9 @@ def _parse(rest: str, name: str) -> _Instruction:
   if not paren:
     return _Instruction(name, shape, opcode.strip(), (), "")
   close = _closing(tail, len(opcode))
-  operands = tuple(re.findall(r"%([\w.\-]+)", tail[len(opcode):close]))
-  return _Instruction(name, shape, opcode.strip(), operands, tail[close + 1:])
+  arguments = tail[len(opcode) + 1:close]
+  operands = tuple(re.findall(r"%([\w.\-]+)", arguments))
+  return _Instruction(name, shape, opcode.strip(), operands, tail[close + 1:], arguments)
 
 
 def _computations(hlo_text: str) -> tuple[dict[str, list[_Instruction]], str | None]:
@@ -416,6 +427,12 @@ def _computations(hlo_text: str) -> tuple[dict[str, list[_Instruction]], str | N
   return found, entry
 
 
+def _scalar(constant: _Instruction) -> int | None:
+  """The integer a scalar constant instruction holds, or None."""
+  value = re.fullmatch(r"-?\d+", constant.arguments.strip())
+  return int(value.group(0)) if constant.opcode == "constant" and value else None
+
+
 def _array_bytes(shape: str) -> int:
   return sum(ITEMSIZE[dtype] * math.prod(int(d) for d in dims.split(",") if d)
              for dtype, dims in _ARRAY.findall(shape) if dtype in ITEMSIZE)
@@ -423,115 +440,205 @@ def _array_bytes(shape: str) -> int:
 
 def collectives_in(hlo_text: str) -> list[Collective]:
   """Every collective of a compiled program's scheduled text (`compiled.as_text()`) that
-  runs, with its bytes and whether compute hides it (`Collective`), in schedule order;
-  loops' bodies are read in their own schedules. Of a conditional's branches, the one that
-  moves the most bytes counts (the others run instead of it).
+  runs, with its bytes and whether compute hides it (`Collective`); loops' bodies are read
+  in their own schedules. Of a conditional's branches, the one that moves the most bytes
+  counts (the others run instead of it).
 
-  A start is paired with its done by operand, or across a loop's back edge (started at the
-  end of one iteration, done in the next) in order; then what runs between is the rest of
-  the iteration after the start and the part of the next before the done."""
-  computations, entry = _computations(hlo_text)
-  compute_memo: dict[str, tuple[int, bool]] = {}
+  A done is paired with its start through its operands (the start itself, or the steps of
+  an asynchronous collective fusion in between), else across a loop's back edge (started
+  at the end of one iteration, done in the next), in order; then what runs between is the
+  rest of the iteration after the start and the part of the next before the done."""
+  return _Schedule(hlo_text).collectives()
 
-  def compute(name: str) -> tuple[int, bool]:
-    """(kernels, anything computed) of running computation `name`."""
-    if name not in compute_memo:
-      compute_memo[name] = (0, False)
-      kernels, computes = 0, False
-      for instruction in computations.get(name, []):
-        k, c = _computes(instruction)
-        kernels, computes = kernels + k, computes or c
-      compute_memo[name] = (kernels, computes)
-    return compute_memo[name]
 
-  def _computes(instruction: _Instruction) -> tuple[int, bool]:
-    op = instruction.opcode
-    if op == "custom-call":
-      target = re.search(r'custom_call_target="([^"]+)"', instruction.attributes)
-      kernel = not target or target.group(1) not in _NOT_KERNELS
-      return int(kernel), kernel
-    if op in ("fusion", "dot", "convolution"):
-      # A fusion's own computation may hold a kernel call (XLA's GPU emitters): count it.
-      return (compute(instruction.called[0])[0] if instruction.called else 0), True
-    if op in ("while", "conditional", "call") or (op == "async-start"
-                                                  and not _collective_kind(instruction)):
-      parts = [compute(c) for c in instruction.called]
-      kernels = sum(k for k, _ in parts)
-      return int(kernels > 0), any(c for _, c in parts)
-    return 0, False
+class _Schedule:
+  """A compiled program's computations, read for `collectives_in`."""
 
-  def _collective_kind(instruction: _Instruction) -> str | None:
+  def __init__(self, hlo_text: str):
+    self.computations, self.entry = _computations(hlo_text)
+    self._computes: dict[str, tuple[int, bool]] = {}
+
+  def collectives(self) -> list[Collective]:
+    return self._walk(self.entry, 1, ()) if self.entry else []
+
+  def _targets(self, instruction: _Instruction) -> list[str]:
+    """The custom-call targets `instruction` is or its fusion holds."""
+    if instruction.opcode == "custom-call":
+      return _TARGET.findall(instruction.attributes)
+    if instruction.opcode != "fusion":
+      return []
+    return [t for c in instruction.called for inner in self.computations.get(c, [])
+            if inner.opcode == "custom-call" for t in _TARGET.findall(inner.attributes)]
+
+  def _marker(self, instruction: _Instruction) -> str | None:
+    return next((_MARKERS[t] for t in self._targets(instruction) if t in _MARKERS), None)
+
+  def kind(self, instruction: _Instruction) -> str | None:
+    """The collective `instruction` is, starts or wraps, or None."""
     op = instruction.opcode
     if op in _STARTS:
       return _STARTS[op]
     if op in COLLECTIVES or op == "recv":
       return "collective-permute" if op == "recv" else op
-    if op in ("async-start", "fusion"):  # a collective wrapped in a computation
-      for called in instruction.called:
-        for inner in computations.get(called, []):
-          kind = _collective_kind(inner)
-          if kind:
-            return kind
+    if op in ("async-start", "async-done", "fusion"):  # a collective wrapped in a computation
+      return next((k for c in instruction.called for inner in self.computations.get(c, [])
+                   for k in [self.kind(inner)] if k), None)
     return None
 
-  def walk(name: str, times: int, seen: tuple[str, ...]) -> list[Collective]:
-    if name in seen:
-      return []
-    schedule = computations.get(name, [])
+  def computes(self, instruction: _Instruction) -> tuple[int, bool]:
+    """(kernels, whether anything is computed) of running `instruction`."""
+    op = instruction.opcode
+    if op == "custom-call":
+      kernel = not set(self._targets(instruction)) & set(_NOT_KERNELS)
+      return int(kernel), kernel
+    if op in ("dot", "convolution"):
+      return 0, True
+    if op in ("fusion", "while", "conditional", "call") or (op == "async-start"
+                                                          and not self.kind(instruction)):
+      parts = [self._computation_computes(c) for c in instruction.called]
+      kernels = sum(k for k, _ in parts)
+      # A loop or branch that holds kernels counts as one beside a transfer.
+      return (kernels if op == "fusion" else int(kernels > 0)), any(c for _, c in parts)
+    return 0, False
+
+  def _computation_computes(self, name: str) -> tuple[int, bool]:
+    if name not in self._computes:
+      self._computes[name] = (0, False)  # a computation that calls itself computes nothing more
+      kernels, computes = 0, False
+      for instruction in self.computations.get(name, []):
+        if instruction.opcode in _PLUMBING or self.kind(instruction):
+          continue
+        k, c = self.computes(instruction)
+        kernels, computes = kernels + k, computes or c or instruction.opcode not in (
+            "while", "conditional", "call", "async-start", "async-done", "async-update",
+            "custom-call")
+      self._computes[name] = (kernels, computes)
+    return self._computes[name]
+
+  def _is_start(self, instruction: _Instruction) -> bool:
+    op = instruction.opcode
+    return (op in _STARTS or op == "recv" or self._marker(instruction) == "start"
+            or (op == "async-start" and self.kind(instruction) is not None))
+
+  def _is_done(self, instruction: _Instruction) -> bool:
+    return ((instruction.opcode in _DONES and (instruction.opcode != "async-done"
+                                               or self.kind(instruction) is not None))
+            or self._marker(instruction) == "done")
+
+  def _channel(self, instruction: _Instruction) -> str | None:
+    """The channel of the collective a fusion holds: every step of one asynchronous
+    collective fusion holds the same collective, with the same channel id."""
+    return next((m.group(1) for c in instruction.called for inner in self.computations.get(c, [])
+                 if self.kind(inner) for m in [_CHANNEL.search(inner.attributes)] if m), None)
+
+  def _pairs(self, schedule) -> tuple[dict[int, int], set[int], list[int]]:
+    """({start: done}, the steps between an asynchronous collective fusion's start and done,
+    the dones whose start is not in this computation)."""
     by_name = {instruction.name: i for i, instruction in enumerate(schedule)}
-    found: list[Collective] = []
-    starts: list[int] = []
     done_of: dict[int, int] = {}
-    carried: list[int] = []  # dones whose start is in the previous iteration
+    steps: set[int] = set()
+    carried: list[int] = []
+    open_fusions: dict[str | None, list[int]] = {}  # started, by channel
     for i, instruction in enumerate(schedule):
-      op = instruction.opcode
-      if op in _STARTS or op == "recv" or (op == "async-start" and _collective_kind(instruction)):
-        starts.append(i)
-      elif op in _DONES:
+      marker = self._marker(instruction)
+      if marker == "start":
+        open_fusions.setdefault(self._channel(instruction), []).append(i)
+      elif marker == "done":
+        started = open_fusions.get(self._channel(instruction))
+        if started:
+          done_of[started.pop(0)] = i
+        else:
+          carried.append(i)
+      elif (instruction.opcode == "fusion" and self.kind(instruction)
+            and open_fusions.get(self._channel(instruction))):
+        steps.add(i)
+      # An async-done names no collective: its start does.
+      elif self._is_done(instruction) or instruction.opcode == "async-done":
         j = by_name.get(instruction.operands[0]) if instruction.operands else None
         while j is not None and schedule[j].opcode == "async-update":
           j = by_name.get(schedule[j].operands[0])
-        if j is not None and j in starts:
+        if j is not None and self._is_start(schedule[j]):
           done_of[j] = i
-        elif op != "async-done" or _collective_kind(instruction) is not None:
+        elif self._is_done(instruction):
           carried.append(i)
+    return done_of, steps, carried
+
+  def _walk(self, name: str, times: int, seen: tuple[str, ...]) -> list[Collective]:
+    if name in seen:
+      return []
+    schedule = self.computations.get(name, [])
+    starts = [i for i, instruction in enumerate(schedule) if self._is_start(instruction)]
+    done_of, steps, carried = self._pairs(schedule)
+    # The rest started at the end of the previous iteration.
+    for s, d in zip([s for s in starts if s not in done_of], carried, strict=False):
+      done_of[s] = d
+    found: list[Collective] = []
+    for i, instruction in enumerate(schedule):
+      op = instruction.opcode
+      if i in starts:
+        found.append(self._async(name, schedule, i, done_of.get(i), times))
       elif op == "while":
-        trips = _TRIPS.search(instruction.attributes)
         body = re.search(r"\bbody=%?([\w.\-]+)", instruction.attributes)
         if body:
-          found += walk(body.group(1), times * (int(trips.group(1)) if trips else 1),
-                        (*seen, name))
+          found += self._walk(body.group(1), times * self._trips(instruction, schedule),
+                              (*seen, name))
       elif op == "conditional":
-        branches = [walk(b, times, (*seen, name)) for b in instruction.called]
+        branches = [self._walk(b, times, (*seen, name)) for b in instruction.called]
         if branches:
           found += max(branches, key=lambda b: sum(c.bytes * c.times for c in b))
-      elif op in COLLECTIVES or (op == "fusion" and _collective_kind(instruction)):
-        found.append(Collective(_collective_kind(instruction) or op,
-                                _array_bytes(instruction.shape), True, 0, times,
-                                instruction.name, name))
+      elif i not in steps and not self._is_done(instruction) and (
+          op in COLLECTIVES or (op == "fusion" and self.kind(instruction))):
+        found.append(Collective(self.kind(instruction) or op, _array_bytes(instruction.shape),
+                                True, 0, times, instruction.name, name))
       elif op in ("call", "async-start"):
         for called in instruction.called:
-          found += walk(called, times, (*seen, name))
-    unpaired = [s for s in starts if s not in done_of]
-    for s, d in zip(unpaired, carried, strict=False):
-      done_of[s] = d
-    for s in starts:
-      d = done_of.get(s)
-      if d is None:  # done outside this computation: what follows the start here runs
-        between, done = schedule[s + 1:], schedule[s]
-      elif d > s:
-        between, done = schedule[s + 1:d], schedule[d]
-      else:  # across the loop's back edge
-        between, done = schedule[s + 1:] + schedule[:d], schedule[d]
-      parts = [_computes(instruction) for instruction in between]
-      kernels = sum(k for k, _ in parts)
-      start = schedule[s]
-      kind = _collective_kind(start) or start.opcode
-      found.append(Collective(kind, _array_bytes(done.shape if d is not None else start.shape),
-                              not any(c for _, c in parts), kernels, times, start.name, name))
+          found += self._walk(called, times, (*seen, name))
     return found
 
-  return walk(entry, 1, ()) if entry else []
+  def _trips(self, loop: _Instruction, schedule) -> int:
+    """How many times `loop` runs its body: XLA's known trip count where the program says
+    it; else read from its condition, `i < N` on a counter that starts at a constant (what
+    libtpu prints for a scan); else 1."""
+    known = _TRIPS.search(loop.attributes)
+    if known:
+      return int(known.group(1))
+    condition = re.search(r"\bcondition=%?([\w.\-]+)", loop.attributes)
+    instructions = self.computations.get(condition.group(1), []) if condition else []
+    by_name = {i.name: i for i in instructions}
+    test = next((i for i in instructions if i.opcode == "compare"
+                 and "direction=LT" in i.attributes and len(i.operands) == 2), None)
+    if test is None:
+      return 1
+    counter, bound = (by_name.get(o) for o in test.operands)
+    index = re.search(r"index=(\d+)", counter.attributes) if counter else None
+    if (bound is None or bound.opcode != "constant" or counter is None
+        or counter.opcode != "get-tuple-element" or not index):
+      return 1
+    # The counter's start: that element of the tuple the loop starts from.
+    callers = {i.name: i for i in schedule}
+    state = callers.get(loop.operands[0]) if loop.operands else None
+    start = (callers.get(state.operands[int(index.group(1))])
+             if state is not None and state.opcode == "tuple" else None)
+    while start is not None and start.opcode in ("copy", "bitcast") and start.operands:
+      start = callers.get(start.operands[0])
+    end, begin = _scalar(bound), None if start is None else _scalar(start)
+    if end is None or begin is None:
+      return 1
+    return max(end - begin, 0)
+
+  def _async(self, name, schedule, s: int, d: int | None, times: int) -> Collective:
+    """The collective started at `s` and done at `d` (None: not in this computation)."""
+    if d is None:  # done outside this computation: what follows the start here runs
+      between, done = schedule[s + 1:], schedule[s]
+    elif d > s:
+      between, done = schedule[s + 1:d], schedule[d]
+    else:  # across the loop's back edge
+      between, done = schedule[s + 1:] + schedule[:d], schedule[d]
+    parts = [self.computes(instruction) for instruction in between]
+    start = schedule[s]
+    return Collective(self.kind(start) or start.opcode, _array_bytes(done.shape),
+                      not any(c for _, c in parts), sum(k for k, _ in parts), times,
+                      start.name, name)
 
 
 def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
