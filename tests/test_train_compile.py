@@ -96,7 +96,9 @@ def test_v5p_slice_compiles_splash_and_the_ring(capsys):
 def test_offload_keeps_the_layer_inputs_in_host_memory(capsys):
   """remat "offload" (the 8B example's): each scanned layer's input goes to the host's
   memory, which the plan reports apart (host_temporaries, arrays marked "(host)"), and the
-  device's temporaries drop below "full"'s by about that much."""
+  device's temporaries drop below "full"'s. By how much depends on what else is live at the
+  plan's peak: 19.2 MB with the ring that received every block, 7.3 MB since it holds two
+  (whose "full" plan is 39 MB smaller; bench/README.md, "The ring compiled")."""
   target_devices("v5p-8")
   plans = {}
   for remat in ("full", "offload"):
@@ -111,7 +113,7 @@ def test_offload_keeps_the_layer_inputs_in_host_memory(capsys):
   inputs = 4 * 4096 * 512 * 2
   assert plans["full"]["host_temporaries"] == 0
   assert plans["offload"]["host_temporaries"] >= inputs
-  assert plans["full"]["temporaries"] - plans["offload"]["temporaries"] >= inputs // 2
+  assert plans["full"]["temporaries"] - plans["offload"]["temporaries"] >= inputs // 4
 
 
 def test_the_compilers_refusal_is_exit_1_in_one_line(capsys):
