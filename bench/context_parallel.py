@@ -43,9 +43,10 @@ random, so permuting them would change nothing measured: no permutation of data 
   6. every strategy (ring, all_gather, ulysses, and Ulysses 4 x ring 2 on a 2-D mesh) at
      each `--strategy-lengths` T on 8 devices, causal and Local(4096) (`--strategy-masks`),
      B=1, H=Hkv=8, D=64, float32, load balanced: bytes the compiled per-device program
-     moves in collectives (`bench/hlo.py`, loops counted by their trip counts), per-device
-     temp memory, model FLOPs per device, wall time; the strategy `strategy="auto"` picks
-     (cost_model="cpu") and its time over the measured best. `--parts 6` runs just this part.
+     moves in collectives (`flaxattn.aot.collectives`, loops counted by their trip counts),
+     per-device temp memory, model FLOPs per device, wall time; the strategy
+     `strategy="auto"` picks (cost_model="cpu") and its time over the measured best.
+     `--parts 6` runs just this part.
   7. the local kernel's rate against its call length, on one device: causal, forward+backward,
      float32, D=64, at each `--strategy-lengths` T, the call Ulysses makes on 8 devices
      (all T tokens, H/8 = 1 head) and the blockwise kernel on T/8 tokens with all 8 heads
@@ -74,7 +75,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import flaxattn  # noqa: E402
 from bench import devices  # noqa: E402
 from bench.attention import B, D, H, best_time, causal_pairs, qkv, useful_gflops  # noqa: E402
-from flaxattn import blocks, blockwise, cudnn, cudnn_ring  # noqa: E402
+from flaxattn import aot, blocks, blockwise, cudnn, cudnn_ring  # noqa: E402
 from flaxattn.blockwise import ring_block  # noqa: E402
 from flaxattn.layout import Layout, index_check, resolve  # noqa: E402
 
@@ -333,7 +334,6 @@ STRATEGY_H, STRATEGY_D = 8, 64
 
 def bench_every_strategy(t: int, mask, repeats: int) -> list[dict]:
   """Part 6 for one T and mask: a row per strategy, and auto's pick."""
-  from bench.hlo import collectives
   from flaxattn import planner
   from flaxattn.context_parallel import choose
 
@@ -357,7 +357,7 @@ def bench_every_strategy(t: int, mask, repeats: int) -> list[dict]:
       sharding = NamedSharding(mesh, P(None, cp.seq_axes))
       args = tuple(jax.device_put(x, sharding) for x in host)
       compiled = fn.lower(*args).compile()
-      moved = collectives(compiled.as_text())
+      moved = aot.collectives(compiled.as_text())
       seconds = best_time(fn, args, repeats)
     rows.append(dict(t=t, mask=repr(mask), strategy=name, seconds=seconds,
                      bytes_moved=sum(c["bytes"] for c in moved.values()), collectives=moved,

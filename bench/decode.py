@@ -18,7 +18,7 @@ cp = 1. For each cache length S and cp:
      median. The cp devices share this host's CPU cores (and the host is shared with other
      work), so wall time compares total work, not parallel speed-up;
   3. bytes one decode step moves between devices: the collectives of the compiled step
-     (`bench/hlo.py`: each collective's result bytes, per device), at every S.
+     (`flaxattn.aot.collectives`: each collective's result bytes, per device), at every S.
 And, compile only, what a ring prefill of `--prefill` tokens moves (cp = 4): collective
 permutes of its ring, and an all-gather only of the queries (for the merge with an
 already filled cache, skipped at run time while the cache is empty).
@@ -47,8 +47,8 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import AxisType  # noqa: E402
 
-from bench import devices, hlo  # noqa: E402
-from flaxattn import Causal, ContextParallel, MultiHeadAttention  # noqa: E402
+from bench import devices  # noqa: E402
+from flaxattn import Causal, ContextParallel, MultiHeadAttention, aot  # noqa: E402
 
 E, H, HKV, D, B = 512, 8, 2, 64, 1
 MIB = 2**20
@@ -104,7 +104,7 @@ def decode_case(length: int, n: int, steps: int) -> dict:
       jax.block_until_ready(_step(m, x))
       times.append(time.perf_counter() - start)
     cache = _cache_bytes(m)
-  moved = hlo.collectives(text)
+  moved = aot.collectives(text)
   return dict(length=length, cp=n, cache_bytes_per_device=cache,
               step_seconds=float(np.median(times)),
               collectives={k: v for k, v in moved.items()},
@@ -157,7 +157,7 @@ def prefill_collectives(t: int, n: int) -> dict:
     x = jax.ShapeDtypeStruct((B, t, E), jnp.float32)
     text = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x, decode=True)).lower(
         state, x).compile().as_text()
-  return hlo.collectives(text)
+  return aot.collectives(text)
 
 
 def sharded(args):

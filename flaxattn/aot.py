@@ -308,6 +308,8 @@ def devices(t: Target) -> list:
 
 # Platforms whose compile-only topology this process has made: their native code started.
 _started: set[str] = set()
+# Platforms whose environment's native flags `check_native_flags` has passed.
+_flags_checked: set[str] = set()
 
 
 @functools.cache
@@ -348,11 +350,16 @@ def check_native_flags(t: Target) -> None:
   that code has not started in this process, it starts in a child process first, and its
   first error line becomes the error. Costs a second start of JAX (and libtpu) only then.
 
+  Once per platform and process: flags added after a check (`train.xla_flags`, a table
+  checked against the installed compilers in the tests) are not tried again.
+
   Raises:
     ValueError: one line naming the variables, their values and the compiler's refusal.
   """
   import jax._src.xla_bridge as xla_bridge  # whether XLA read XLA_FLAGS in this process
 
+  if t.platform in _flags_checked:
+    return
   names = []
   if not xla_bridge.backends_are_initialized():
     names += _NATIVE_FLAGS[""]
@@ -361,6 +368,7 @@ def check_native_flags(t: Target) -> None:
   found = {k: v for k, v in os.environ.items() if v and k not in _SET_BY_JAX
            and any(k == n or n.endswith("_") and k.startswith(n) for n in names)}
   if not found:
+    _flags_checked.add(t.platform)
     return
   code = ("import jax; jax.devices(); from flaxattn import aot;"
           f" aot._devices({t.platform!r}, {t.topology!r}, {t.chip.config!r})")
@@ -368,6 +376,7 @@ def check_native_flags(t: Target) -> None:
   child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": path}, check=False)
   if child.returncode == 0:
+    _flags_checked.add(t.platform)
     return
   lines = [line for line in child.stderr.splitlines() if line.strip()]
   # The first error is the cause (a "Check failed" and a usage text may follow); libtpu's
@@ -422,8 +431,6 @@ def memory(compiled) -> Memory:
 _CUSTOM_CALL = re.compile(r"%([\w.-]+) = [^\n]*?custom_call_target=\"([^\"]+)\"([^\n]*)")
 _TRITON_NAME = re.compile(r'\bname = "([^"]+)"')
 _MOSAIC_GPU_NAME = re.compile(r"\\00([\w.-]+)_mosaic_gpu\\00")
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
-_COLLECTIVE = re.compile(r"= [^\n=]*? (" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
 
 
 def kernels(hlo_text: str) -> dict[str, int]:
@@ -448,10 +455,342 @@ def kernels(hlo_text: str) -> dict[str, int]:
   return found
 
 
-def collectives(hlo_text: str) -> dict[str, int]:
-  """How many collectives of each kind (`COLLECTIVES`) a compiled program's text holds (an
-  asynchronous one counts once, at its start)."""
-  found: dict[str, int] = {}
-  for kind in _COLLECTIVE.findall(hlo_text):
-    found[kind] = found.get(kind, 0) + 1
+# The scheduled program ---------------------------------------------------------------------
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
+# Bytes per element of the element types a collective moves (s4/u4 round up: a transfer
+# moves whole bytes).
+ITEMSIZE = {"pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "s32": 4,
+            "u32": 4, "s64": 8, "u64": 8, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2,
+            "f32": 4, "f64": 8, "c64": 8, "c128": 16}
+_ARRAY = re.compile(r"\b([a-z]+[0-9]*(?:e[0-9]m[0-9]\w*)?)\[([0-9,]*)\]")
+_HEADER = re.compile(r"^(ENTRY )?%?([\w.\-]+) \(.*\) -> .*\{$")
+_LINE = re.compile(r"^\s+(?:ROOT )?%?([\w.\-]+) = (.*)$")
+_CALLED = re.compile(r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)"
+                     r"=%?([\w.\-]+)|\b(?:branch_computations|called_computations)=\{([^}]*)\}")
+_TRIPS = re.compile(r'known_trip_count"?\s*[:=]\s*\{\s*"?n"?\s*[:=]\s*"?(\d+)')
+# Custom calls that compute nothing: buffer bookkeeping, placement annotations, and the ends
+# of TPU's asynchronous collective fusions (a fusion that holds AsyncCollectiveStart starts
+# a collective, one with AsyncCollectiveDone finishes it, fusions in between hold the
+# collective's steps beside other work).
+_MARKERS = {"AsyncCollectiveStart": "start", "AsyncCollectiveDone": "done"}
+_NOT_KERNELS = ("AllocateBuffer", "MoveToHost", "MoveToDevice", "annotate_device_placement",
+                "Sharding", "SPMDFullToShardShape", "SPMDShardToFullShape", *_MARKERS)
+_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+_CHANNEL = re.compile(r"\bchannel_id=(\d+)")
+# Instructions that pass values on without computing.
+_PLUMBING = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast",
+             "optimization-barrier", "after-all"}
+# The asynchronous forms: X-start ... X-done of a collective, async-start/-update/-done around
+# a computation that holds one, recv ... recv-done (a collective-permute split into send and
+# receive, counted on the receiving side).
+_STARTS = {f"{kind}-start": kind for kind in COLLECTIVES}
+_DONES = {*(f"{kind}-done" for kind in COLLECTIVES), "async-done", "recv-done"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+  """One collective in a compiled program's schedule (`collectives_in`), per device.
+
+  kind: one of `COLLECTIVES`. bytes: its result's bytes, per execution. times: executions per
+  run of the program (the trip counts of the loops around it). exposed: nothing that
+  computes (a fusion, a kernel, a dot, or a loop, conditional or call holding one) is
+  scheduled between its start and its done, so nothing can hide the transfer; a synchronous
+  collective is exposed. kernels: the kernels (custom calls, or control flow holding one,
+  each counted once) scheduled between its start and its done. name: its start's name;
+  computation: the computation whose schedule holds it.
+  """
+
+  kind: str
+  bytes: int
+  exposed: bool
+  kernels: int
+  times: int
+  name: str
+  computation: str
+
+
+@dataclasses.dataclass(frozen=True)
+class _Instruction:
+  name: str
+  shape: str
+  opcode: str
+  operands: tuple[str, ...]
+  attributes: str
+  arguments: str = ""  # the text between the opcode's parentheses (a constant's value)
+
+  @property
+  def called(self) -> list[str]:
+    found = []
+    for one, many in _CALLED.findall(self.attributes):
+      found += [one] if one else [c.strip().lstrip("%") for c in many.split(",") if c.strip()]
+    return found
+
+
+def _closing(text: str, start: int) -> int:
+  """The index of the parenthesis that closes the one at `start`."""
+  depth = 0
+  for i in range(start, len(text)):
+    depth += {"(": 1, ")": -1}.get(text[i], 0)
+    if depth == 0:
+      return i
+  return len(text)
+
+
+def _parse(rest: str, name: str) -> _Instruction:
+  if rest.startswith("("):  # a tuple shape
+    end = _closing(rest, 0) + 1
+    shape, tail = rest[:end], rest[end:].lstrip()
+  else:
+    shape, _, tail = rest.partition(" ")
+  opcode, paren, _ = tail.partition("(")
+  if not paren:
+    return _Instruction(name, shape, opcode.strip(), (), "")
+  close = _closing(tail, len(opcode))
+  arguments = tail[len(opcode) + 1:close]
+  operands = tuple(re.findall(r"%([\w.\-]+)", arguments))
+  return _Instruction(name, shape, opcode.strip(), operands, tail[close + 1:], arguments)
+
+
+def _computations(hlo_text: str) -> tuple[dict[str, list[_Instruction]], str | None]:
+  """Each computation's instructions in schedule order (a scheduled module's text lists
+  them in the order they run), and the entry's name."""
+  found: dict[str, list[_Instruction]] = {}
+  current, entry = None, None
+  for line in hlo_text.splitlines():
+    header = _HEADER.match(line)
+    if header:
+      current = found.setdefault(header.group(2), [])
+      entry = header.group(2) if header.group(1) else entry
+      continue
+    instruction = _LINE.match(line)
+    if instruction and current is not None:
+      current.append(_parse(instruction.group(2), instruction.group(1)))
+  return found, entry
+
+
+def _scalar(constant: _Instruction) -> int | None:
+  """The integer a scalar constant instruction holds, or None."""
+  value = re.fullmatch(r"-?\d+", constant.arguments.strip())
+  return int(value.group(0)) if constant.opcode == "constant" and value else None
+
+
+def _array_bytes(shape: str) -> int:
+  return sum(ITEMSIZE[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+             for dtype, dims in _ARRAY.findall(shape) if dtype in ITEMSIZE)
+
+
+def collectives_in(hlo_text: str) -> list[Collective]:
+  """Every collective of a compiled program's scheduled text (`compiled.as_text()`) that
+  runs, with its bytes and whether compute hides it (`Collective`); loops' bodies are read
+  in their own schedules. Of a conditional's branches, the one that moves the most bytes
+  counts (the others run instead of it).
+
+  A done is paired with its start through its operands (the start itself, or the steps of
+  an asynchronous collective fusion in between), else across a loop's back edge (started
+  at the end of one iteration, done in the next), in order; then what runs between is the
+  rest of the iteration after the start and the part of the next before the done."""
+  return _Schedule(hlo_text).collectives()
+
+
+class _Schedule:
+  """A compiled program's computations, read for `collectives_in`."""
+
+  def __init__(self, hlo_text: str):
+    self.computations, self.entry = _computations(hlo_text)
+    self._computes: dict[str, tuple[int, bool]] = {}
+
+  def collectives(self) -> list[Collective]:
+    return self._walk(self.entry, 1, ()) if self.entry else []
+
+  def _targets(self, instruction: _Instruction) -> list[str]:
+    """The custom-call targets `instruction` is or its fusion holds."""
+    if instruction.opcode == "custom-call":
+      return _TARGET.findall(instruction.attributes)
+    if instruction.opcode != "fusion":
+      return []
+    return [t for c in instruction.called for inner in self.computations.get(c, [])
+            if inner.opcode == "custom-call" for t in _TARGET.findall(inner.attributes)]
+
+  def _marker(self, instruction: _Instruction) -> str | None:
+    return next((_MARKERS[t] for t in self._targets(instruction) if t in _MARKERS), None)
+
+  def kind(self, instruction: _Instruction) -> str | None:
+    """The collective `instruction` is, starts or wraps, or None."""
+    op = instruction.opcode
+    if op in _STARTS:
+      return _STARTS[op]
+    if op in COLLECTIVES or op == "recv":
+      return "collective-permute" if op == "recv" else op
+    if op in ("async-start", "async-done", "fusion"):  # a collective wrapped in a computation
+      return next((k for c in instruction.called for inner in self.computations.get(c, [])
+                   for k in [self.kind(inner)] if k), None)
+    return None
+
+  def computes(self, instruction: _Instruction) -> tuple[int, bool]:
+    """(kernels, whether anything is computed) of running `instruction`."""
+    op = instruction.opcode
+    if op == "custom-call":
+      kernel = not set(self._targets(instruction)) & set(_NOT_KERNELS)
+      return int(kernel), kernel
+    if op in ("dot", "convolution"):
+      return 0, True
+    if op in ("fusion", "while", "conditional", "call") or (op == "async-start"
+                                                          and not self.kind(instruction)):
+      parts = [self._computation_computes(c) for c in instruction.called]
+      kernels = sum(k for k, _ in parts)
+      # A loop or branch that holds kernels counts as one beside a transfer.
+      return (kernels if op == "fusion" else int(kernels > 0)), any(c for _, c in parts)
+    return 0, False
+
+  def _computation_computes(self, name: str) -> tuple[int, bool]:
+    if name not in self._computes:
+      self._computes[name] = (0, False)  # a computation that calls itself computes nothing more
+      kernels, computes = 0, False
+      for instruction in self.computations.get(name, []):
+        if instruction.opcode in _PLUMBING or self.kind(instruction):
+          continue
+        k, c = self.computes(instruction)
+        kernels, computes = kernels + k, computes or c or instruction.opcode not in (
+            "while", "conditional", "call", "async-start", "async-done", "async-update",
+            "custom-call")
+      self._computes[name] = (kernels, computes)
+    return self._computes[name]
+
+  def _is_start(self, instruction: _Instruction) -> bool:
+    op = instruction.opcode
+    return (op in _STARTS or op == "recv" or self._marker(instruction) == "start"
+            or (op == "async-start" and self.kind(instruction) is not None))
+
+  def _is_done(self, instruction: _Instruction) -> bool:
+    return ((instruction.opcode in _DONES and (instruction.opcode != "async-done"
+                                               or self.kind(instruction) is not None))
+            or self._marker(instruction) == "done")
+
+  def _channel(self, instruction: _Instruction) -> str | None:
+    """The channel of the collective a fusion holds: every step of one asynchronous
+    collective fusion holds the same collective, with the same channel id."""
+    return next((m.group(1) for c in instruction.called for inner in self.computations.get(c, [])
+                 if self.kind(inner) for m in [_CHANNEL.search(inner.attributes)] if m), None)
+
+  def _pairs(self, schedule) -> tuple[dict[int, int], set[int], list[int]]:
+    """({start: done}, the steps between an asynchronous collective fusion's start and done,
+    the dones whose start is not in this computation)."""
+    by_name = {instruction.name: i for i, instruction in enumerate(schedule)}
+    done_of: dict[int, int] = {}
+    steps: set[int] = set()
+    carried: list[int] = []
+    open_fusions: dict[str | None, list[int]] = {}  # started, by channel
+    for i, instruction in enumerate(schedule):
+      marker = self._marker(instruction)
+      if marker == "start":
+        open_fusions.setdefault(self._channel(instruction), []).append(i)
+      elif marker == "done":
+        started = open_fusions.get(self._channel(instruction))
+        if started:
+          done_of[started.pop(0)] = i
+        else:
+          carried.append(i)
+      elif (instruction.opcode == "fusion" and self.kind(instruction)
+            and open_fusions.get(self._channel(instruction))):
+        steps.add(i)
+      # An async-done names no collective: its start does.
+      elif self._is_done(instruction) or instruction.opcode == "async-done":
+        j = by_name.get(instruction.operands[0]) if instruction.operands else None
+        while j is not None and schedule[j].opcode == "async-update":
+          j = by_name.get(schedule[j].operands[0])
+        if j is not None and self._is_start(schedule[j]):
+          done_of[j] = i
+        elif self._is_done(instruction):
+          carried.append(i)
+    return done_of, steps, carried
+
+  def _walk(self, name: str, times: int, seen: tuple[str, ...]) -> list[Collective]:
+    if name in seen:
+      return []
+    schedule = self.computations.get(name, [])
+    starts = [i for i, instruction in enumerate(schedule) if self._is_start(instruction)]
+    done_of, steps, carried = self._pairs(schedule)
+    # The rest started at the end of the previous iteration.
+    for s, d in zip([s for s in starts if s not in done_of], carried, strict=False):
+      done_of[s] = d
+    found: list[Collective] = []
+    for i, instruction in enumerate(schedule):
+      op = instruction.opcode
+      if i in starts:
+        found.append(self._async(name, schedule, i, done_of.get(i), times))
+      elif op == "while":
+        body = re.search(r"\bbody=%?([\w.\-]+)", instruction.attributes)
+        if body:
+          found += self._walk(body.group(1), times * self._trips(instruction, schedule),
+                              (*seen, name))
+      elif op == "conditional":
+        branches = [self._walk(b, times, (*seen, name)) for b in instruction.called]
+        if branches:
+          found += max(branches, key=lambda b: sum(c.bytes * c.times for c in b))
+      elif i not in steps and not self._is_done(instruction) and (
+          op in COLLECTIVES or (op == "fusion" and self.kind(instruction))):
+        found.append(Collective(self.kind(instruction) or op, _array_bytes(instruction.shape),
+                                True, 0, times, instruction.name, name))
+      elif op in ("call", "async-start"):
+        for called in instruction.called:
+          found += self._walk(called, times, (*seen, name))
+    return found
+
+  def _trips(self, loop: _Instruction, schedule) -> int:
+    """How many times `loop` runs its body: XLA's known trip count where the program says
+    it; else read from its condition, `i < N` on a counter that starts at a constant (what
+    libtpu prints for a scan); else 1."""
+    known = _TRIPS.search(loop.attributes)
+    if known:
+      return int(known.group(1))
+    condition = re.search(r"\bcondition=%?([\w.\-]+)", loop.attributes)
+    instructions = self.computations.get(condition.group(1), []) if condition else []
+    by_name = {i.name: i for i in instructions}
+    test = next((i for i in instructions if i.opcode == "compare"
+                 and "direction=LT" in i.attributes and len(i.operands) == 2), None)
+    if test is None:
+      return 1
+    counter, bound = (by_name.get(o) for o in test.operands)
+    index = re.search(r"index=(\d+)", counter.attributes) if counter else None
+    if (bound is None or bound.opcode != "constant" or counter is None
+        or counter.opcode != "get-tuple-element" or not index):
+      return 1
+    # The counter's start: that element of the tuple the loop starts from.
+    callers = {i.name: i for i in schedule}
+    state = callers.get(loop.operands[0]) if loop.operands else None
+    start = (callers.get(state.operands[int(index.group(1))])
+             if state is not None and state.opcode == "tuple" else None)
+    while start is not None and start.opcode in ("copy", "bitcast") and start.operands:
+      start = callers.get(start.operands[0])
+    end, begin = _scalar(bound), None if start is None else _scalar(start)
+    if end is None or begin is None:
+      return 1
+    return max(end - begin, 0)
+
+  def _async(self, name, schedule, s: int, d: int | None, times: int) -> Collective:
+    """The collective started at `s` and done at `d` (None: not in this computation)."""
+    if d is None:  # done outside this computation: what follows the start here runs
+      between, done = schedule[s + 1:], schedule[s]
+    elif d > s:
+      between, done = schedule[s + 1:d], schedule[d]
+    else:  # across the loop's back edge
+      between, done = schedule[s + 1:] + schedule[:d], schedule[d]
+    parts = [self.computes(instruction) for instruction in between]
+    start = schedule[s]
+    return Collective(self.kind(start) or start.opcode, _array_bytes(done.shape),
+                      not any(c for _, c in parts), sum(k for k, _ in parts), times,
+                      start.name, name)
+
+
+def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
+  """`{kind: {"count", "bytes", "exposed_bytes"}}` of a compiled program's collectives
+  (`collectives_in`), per device and per run: executions, result bytes moved, and the bytes
+  of those that nothing computed beside (`Collective.exposed`)."""
+  found: dict[str, dict[str, int]] = {}
+  for c in collectives_in(hlo_text):
+    row = found.setdefault(c.kind, {"count": 0, "bytes": 0, "exposed_bytes": 0})
+    row["count"] += c.times
+    row["bytes"] += c.bytes * c.times
+    row["exposed_bytes"] += c.bytes * c.times if c.exposed else 0
   return found

@@ -162,6 +162,12 @@ def _shift(x, axis: str, n: int):
   return jax.lax.ppermute(x, axis, [(i, (i + 1) % n) for i in range(n)])
 
 
+def _after(done, x):
+  """`x` as a value that exists only once `done` does (`optimization_barrier`), so that
+  nothing computed from it, a transfer included, starts earlier."""
+  return jax.lax.optimization_barrier((done, x))
+
+
 def _steps(step: RingStep, n: int, body, carry):
   """Runs `body(carry, i)` for ring steps 0 .. n-2: a scan, or unrolled when the step's
   computation differs per step (`i` is then a Python int)."""
@@ -190,24 +196,59 @@ def _ring_primal(axis, n, step, q, k, v, layout) -> tuple[jax.Array, jax.Array]:
 _ring = jax.custom_vjp(_ring_primal, nondiff_argnums=(0, 1))
 
 
-def _ring_fwd(axis, n, step, q, k, v, layout):
-  def compute(out, lse, kv, ids, i):
-    partial = step.forward(i, q, *kv, _visiting(layout, ids))
-    return (out, lse) if partial is None else merge_partials(out, lse, *partial)
+def _rotate(axis: str, n: int, step: RingStep, kernel, accumulate, zeros, kv, ids,
+            travel=None):
+  """The ring's n steps: at step i `kernel(i, kv, ids)` (a partial result or None) on the
+  visiting block kv (a pair) with its ids `[2, B, S]`, folded into an accumulator by
+  `accumulate(acc, partial)`. With `travel`, the accumulator belongs to the visiting block
+  and travels with it: `travel(acc)` sends the previous step's on, to the device that now
+  holds that block, while this step's kernel runs (it is needed only after it), and brings
+  this block's. Returns the final accumulator (with `travel`, the last block's, one device
+  short of home), or None when every step was skipped.
 
+  The accumulator of scanned steps starts as `zeros()`, float32; unrolled steps start from
+  None and keep the first partial result as the kernel made it, which the first fold then
+  reads exactly: until then it is held, and travels, in the kernel's dtype.
+
+  Each step sends its block on before its kernel and hands the arrived block to the next
+  step only after it, with the kernel's result and then the accumulator ordered in between
+  (`_after`): the transfer is in flight while the kernel runs, not only beside the merge (a
+  scheduler that sees cheap work there starts the transfer after the kernel), and the next
+  transfer cannot start before this kernel has finished, so a device holds two blocks, the
+  visiting one and the arriving one, never all of them."""
   def body(carry, i):
-    out, lse, kv, ids = carry
-    # Send the block on before computing with it, so the transfer overlaps the compute.
-    next_kv, next_ids = _shift(kv, axis, n), _shift(ids, axis, n)
-    out, lse = compute(out, lse, kv, ids, i)
-    return out, lse, next_kv, next_ids
+    acc, kv, ids = carry
+    arriving = _shift((kv, ids), axis, n)
+    # Step 0 visits the device's own block: its accumulator starts here. A scanned step
+    # cannot tell, and sends the zeros it starts with.
+    if travel is not None and acc is not None and not (isinstance(i, int) and i == 0):
+      acc = travel(acc)
+    partial, arriving = _after(kernel(i, kv, ids), arriving)
+    acc, arriving = _after(accumulate(acc, partial), arriving)
+    return acc, *arriving
 
-  kv = (k, v)  # a pair, not one stacked buffer: v may have its own head dim
+  acc, kv, ids = _steps(step, n, body, (None if step.unrolled else zeros(), kv, ids))
+  if travel is not None and acc is not None and n > 1:
+    acc = travel(acc)
+  return accumulate(acc, kernel(n - 1, kv, ids))  # the last block: nothing left to send
+
+
+def _ring_fwd(axis, n, step, q, k, v, layout):
+  def kernel(i, kv, ids):
+    return step.forward(i, q, *kv, _visiting(layout, ids))
+
+  def accumulate(acc, partial):
+    if partial is None or acc is None:
+      return acc if partial is None else partial
+    return merge_partials(*acc, *partial)
+
+  def zeros():
+    return (jnp.zeros(q.shape[:3] + v.shape[3:], jnp.float32),
+            jnp.full(q.shape[:3], -jnp.inf, jnp.float32))
+
   ids = jnp.stack([layout.kv_segment_ids, layout.kv_positions])
-  out = jnp.zeros(q.shape[:3] + v.shape[3:], jnp.float32)
-  lse = jnp.full(q.shape[:3], -jnp.inf, jnp.float32)
-  out, lse, kv, ids = _steps(step, n, body, (out, lse, kv, ids))
-  out, lse = compute(out, lse, kv, ids, n - 1)  # the last block: nothing left to send
+  # K/V a pair, not one stacked buffer: v may have its own head dim.
+  out, lse = _rotate(axis, n, step, kernel, accumulate, zeros, (k, v), ids) or zeros()
   out = out.astype(q.dtype)
   return (out, lse), (step, q, k, v, layout, out, lse)
 
@@ -216,28 +257,32 @@ def _ring_bwd(axis, n, residuals, cotangents):
   step, q, k, v, layout, out, lse = residuals
   dout, dlse = cotangents
 
-  def compute(dq, dkv, kv, ids, i):
-    grads = step.backward(i, q, *kv, _visiting(layout, ids), out, lse, dout, dlse)
+  def kernel(i, kv, ids):
+    return step.backward(i, q, *kv, _visiting(layout, ids), out, lse, dout, dlse)
+
+  def accumulate(acc, grads):
     if grads is None:
-      return dq, dkv
+      return acc
     dq_s, dk_s, dv_s = grads
-    return dq + dq_s.astype(jnp.float32), (dkv[0] + dk_s.astype(jnp.float32),
-                                           dkv[1] + dv_s.astype(jnp.float32))
+    dkv_s = jnp.concatenate([dk_s, dv_s], -1)  # one buffer: one transfer
+    if acc is None:
+      return dq_s, dkv_s
+    return tuple(a.astype(jnp.float32) + g.astype(jnp.float32)
+                 for a, g in zip(acc, (dq_s, dkv_s), strict=True))
 
-  def body(carry, i):
-    dq, dkv, kv, ids = carry
-    next_kv, next_ids = _shift(kv, axis, n), _shift(ids, axis, n)
-    dq, dkv = compute(dq, dkv, kv, ids, i)
-    # dK/dV of the visiting block travel with it; after n shifts they are home.
-    return dq, _shift(dkv, axis, n), next_kv, next_ids
+  def travel(acc):  # dK/dV travel; dQ stays
+    return acc[0], _shift(acc[1], axis, n)
 
-  kv = (k, v)
-  ids = jnp.stack([layout.kv_segment_ids, layout.kv_positions])
-  init = (_zeros_f32(q), (_zeros_f32(k), _zeros_f32(v)), kv, ids)
-  dq, dkv, kv, ids = _steps(step, n, body, init)
-  dq, dkv = compute(dq, dkv, kv, ids, n - 1)
-  dkv = _shift(dkv, axis, n)
-  return None, dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype), None
+  def zeros():
+    return (_zeros_f32(q), jnp.zeros(k.shape[:3] + (k.shape[3] + v.shape[3],), jnp.float32))
+
+  # The backward's own blocks, tied to the cotangent: XLA would otherwise reuse the blocks
+  # the forward received, keeping every one of them live from the forward on.
+  _, (kv, ids) = _after(dout, ((k, v), jnp.stack([layout.kv_segment_ids, layout.kv_positions])))
+  grads = _rotate(axis, n, step, kernel, accumulate, zeros, kv, ids, travel)
+  dq, dkv = zeros() if grads is None else travel(grads)
+  dk, dv = jnp.split(dkv, [k.shape[3]], -1)
+  return None, dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
@@ -253,14 +298,6 @@ def _move(x, axis: str, n: int, step: int, part, back: bool = False):
   got = jax.lax.ppermute(jnp.split(x, 2, axis=1)[part], axis, pairs)
   zeros = jnp.zeros_like(got)
   return jnp.concatenate([got, zeros] if part == 0 else [zeros, got], axis=1)
-
-
-def _visits(axis, n, fetches, k, v, layout):
-  """(step, k, v, layout) of step 0 and each fetch of `ring_fetches` (ids travel whole)."""
-  yield 0, k, v, _visiting(layout, (layout.kv_segment_ids, layout.kv_positions))
-  for i, part in fetches:
-    ids = _move(jnp.stack([layout.kv_segment_ids, layout.kv_positions]), axis, n, i, None)
-    yield i, _move(k, axis, n, i, part), _move(v, axis, n, i, part), _visiting(layout, ids)
 
 
 def _merged(step: RingStep, q, v, pieces):
@@ -283,24 +320,51 @@ _window_ring = jax.custom_vjp(_window_ring_primal, nondiff_argnums=(0, 1, 2))
 
 
 def _window_ring_fwd(axis, n, fetches, step, q, k, v, layout):
-  visits = list(_visits(axis, n, fetches, k, v, layout))
-  out, lse = _merged(step, q, v, visits)
-  return (out, lse), (step, q, [visit[1:] for visit in visits], out, lse)
+  # As in `_rotate`: each fetch is in flight while the previous visit's kernel runs, and the
+  # one after it starts only once that kernel has finished.
+  local = (k, v, jnp.stack([layout.kv_segment_ids, layout.kv_positions]))
+  visits = [local]
+  out = jnp.zeros(q.shape[:3] + v.shape[3:], jnp.float32)
+  lse = jnp.full(q.shape[:3], -jnp.inf, jnp.float32)
+  for j, i in enumerate((0, *(i for i, _ in fetches))):
+    arriving = None
+    if j < len(fetches):  # ids travel whole
+      i_next, part = fetches[j]
+      arriving = (*(_move(x, axis, n, i_next, part) for x in local[:2]),
+                  _move(local[2], axis, n, i_next, None))
+    k_s, v_s, ids = visits[j]
+    partial, arriving = _after(step.forward(i, q, k_s, v_s, _visiting(layout, ids)), arriving)
+    if partial is not None:
+      out, lse = merge_partials(out, lse, *partial)
+    (out, lse), local = _after((out, lse), local)
+    if arriving is not None:
+      visits.append(arriving)
+  out = out.astype(q.dtype)
+  return (out, lse), (step, q, layout, visits, out, lse)
 
 
 def _window_ring_bwd(axis, n, fetches, residuals, cotangents):
-  step, q, visits, out, lse = residuals
+  step, q, layout, visits, out, lse = residuals
   dout, dlse = cotangents
   k, v = visits[0][:2]
   dq, dk, dv = _zeros_f32(q), _zeros_f32(k), _zeros_f32(v)
-  for (k_s, v_s, lay), (i, part) in zip(visits, ((0, None), *fetches), strict=True):
-    grads = step.backward(i, q, k_s, v_s, lay, out, lse, dout, dlse)
+  home = None  # the previous visit's dK/dV on their way home, beside this visit's kernel
+  for (k_s, v_s, ids), (i, part) in zip(visits, ((0, None), *fetches), strict=True):
+    grads, home = _after(step.backward(i, q, k_s, v_s, _visiting(layout, ids), out, lse, dout,
+                                       dlse), home)
+    if home is not None:
+      dk, dv = dk + home[0].astype(jnp.float32), dv + home[1].astype(jnp.float32)
+      home = None
     if grads is None:
       continue
-    dq_s, dk_s, dv_s = (g.astype(jnp.float32) for g in grads)
-    if i:  # the visiting keys' gradients go home
-      dk_s, dv_s = (_move(g, axis, n, i, part, back=True) for g in (dk_s, dv_s))
-    dq, dk, dv = dq + dq_s, dk + dk_s, dv + dv_s
+    dq_s, dk_s, dv_s = grads
+    dq = dq + dq_s.astype(jnp.float32)
+    if i:  # partial gradients travel as the kernel made them; home adds them in float32
+      home = tuple(_move(g, axis, n, i, part, back=True) for g in (dk_s, dv_s))
+    else:
+      dk, dv = dk + dk_s.astype(jnp.float32), dv + dv_s.astype(jnp.float32)
+  if home is not None:  # the last visit's: nothing left to hide them behind
+    dk, dv = dk + home[0].astype(jnp.float32), dv + home[1].astype(jnp.float32)
   return None, dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
 

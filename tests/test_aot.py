@@ -104,12 +104,212 @@ def test_compiles_and_reads_the_memory_plan(name, kind):
   assert plan.peak >= max(plan.arguments, plan.outputs)  # the compiler's own figure
 
 
-def test_reads_kernels_and_collectives():
+def test_reads_kernels():
   text = ('%splash_mha_fwd.3 = f32[2] custom-call(%a), custom_call_target="tpu_custom_call"\n'
           '%pallas_call.1 = f32[2] custom-call(%a), custom_call_target="__gpu$xla.gpu.triton",'
           ' backend_config={name = "flash_dq"}\n'
           '%c = f32[2] custom-call(%a), custom_call_target="__cudnn$fmhaSoftmax"\n'
-          '%ag = f32[4] all-gather-start(%x), dimensions={0}\n'
-          '%ar.1 = f32[4] all-reduce(%x), to_apply=%add\n')
+          '%ag = f32[4] all-gather-start(%x), dimensions={0}\n')
   assert aot.kernels(text) == {"splash_mha_fwd": 1, "flash_dq": 1, "__cudnn$fmhaSoftmax": 1}
-  assert aot.collectives(text) == {"all-gather": 1, "all-reduce": 1}
+
+
+# A scheduled module as XLA prints it (shapes with TPU layouts, tuples, async pairs), small
+# enough to know every answer: in the entry, a K/V transfer beside a kernel, one beside a
+# fusion only, one with nothing between (exposed), a synchronous all-reduce, an async
+# reduce-scatter beside a conditional that holds a kernel, a loop of 3 iterations whose
+# body starts a transfer at its end that the next iteration finishes after its kernel (as
+# XLA's pipelining of loops leaves them), and an all-gather as libtpu's asynchronous
+# collective fusion makes it (fusions that start it, step it beside a matmul, finish it).
+SCHEDULED = """HloModule jit_f, is_scheduled=true
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %sum = f32[] add(%a, %b)
+}
+
+%fused_computation (p: bf16[8,128]) -> bf16[8,128] {
+  %p = bf16[8,128]{1,0} parameter(0)
+  ROOT %neg = bf16[8,128]{1,0} negate(%p)
+}
+
+%scatter (x: f32[64]) -> f32[16] {
+  %x = f32[64]{0} parameter(0)
+  ROOT %rs = f32[16]{0} reduce-scatter(%x), dimensions={0}, to_apply=%add
+}
+
+%kernel_branch (k: bf16[8,128]) -> bf16[8,128] {
+  %k = bf16[8,128]{1,0} parameter(0)
+  ROOT %splash.1 = bf16[8,128]{1,0} custom-call(%k), custom_call_target="tpu_custom_call"
+}
+
+%empty_branch (e: bf16[8,128]) -> bf16[8,128] {
+  ROOT %e = bf16[8,128]{1,0} parameter(0)
+}
+
+%ag_start (s: bf16[2,128]) -> (bf16[2,128], bf16[8,128]) {
+  %s = bf16[2,128]{1,0} parameter(0)
+  %ag.1 = bf16[8,128]{1,0} all-gather(%s), dimensions={0}
+  ROOT %acs = (bf16[2,128]{1,0}, bf16[8,128]{1,0}) custom-call(%s, %ag.1), \
+custom_call_target="AsyncCollectiveStart"
+}
+
+%ag_step (a: bf16[8,128], w: bf16[128,128]) -> (bf16[8,128], bf16[8,128]) {
+  %a = bf16[8,128]{1,0} parameter(0)
+  %w = bf16[128,128]{1,0} parameter(1)
+  %ag.2 = bf16[8,128]{1,0} all-gather(%a), dimensions={0}
+  %conv = bf16[8,128]{1,0} convolution(%a, %w), dim_labels=bf_io->bf
+  ROOT %both = (bf16[8,128]{1,0}, bf16[8,128]{1,0}) tuple(%ag.2, %conv)
+}
+
+%ag_done (d: bf16[8,128]) -> bf16[8,128] {
+  %d = bf16[8,128]{1,0} parameter(0)
+  %ag.3 = bf16[8,128]{1,0} all-gather(%d), dimensions={0}
+  ROOT %acd = bf16[8,128]{1,0} custom-call(%ag.3), custom_call_target="AsyncCollectiveDone"
+}
+
+%body (state: (bf16[8,128], bf16[8,128])) -> (bf16[8,128], bf16[8,128]) {
+  %state = (bf16[8,128]{1,0}, bf16[8,128]{1,0}) parameter(0)
+  %carried = bf16[8,128]{1,0} get-tuple-element(%state), index=0
+  %visiting = bf16[8,128]{1,0} get-tuple-element(%state), index=1
+  %splash.2 = bf16[8,128]{1,0} custom-call(%visiting), custom_call_target="tpu_custom_call"
+  %arrived = bf16[8,128]{1,0} collective-permute-done(%carried)
+  %sent = (bf16[8,128]{1,0:T(8,128)(2,1)}, bf16[8,128]{1,0:T(8,128)(2,1)}, u32[]{:S(2)}, \
+    u32[]{:S(2)}) collective-permute-start(%arrived), source_target_pairs={{0,1},{1,0}}
+  ROOT %next = (bf16[8,128]{1,0}, bf16[8,128]{1,0}) tuple(%sent, %splash.2)
+}
+
+%cond (c: (bf16[8,128], bf16[8,128])) -> pred[] {
+  %c = (bf16[8,128]{1,0}, bf16[8,128]{1,0}) parameter(0)
+  ROOT %t = pred[] constant(true)
+}
+
+ENTRY %main (x: bf16[8,128], f: f32[64], which: s32[]) -> bf16[8,128] {
+  %x = bf16[8,128]{1,0} parameter(0)
+  %f = f32[64]{0} parameter(1)
+  %which = s32[] parameter(2)
+  %cp-start.1 = (bf16[8,128], bf16[8,128], u32[], u32[]) collective-permute-start(%x)
+  %splash.3 = bf16[8,128]{1,0} custom-call(%x), custom_call_target="tpu_custom_call"
+  %cp-done.1 = bf16[8,128]{1,0} collective-permute-done(%cp-start.1)
+  %cp-start.2 = (bf16[8,128], bf16[8,128], u32[], u32[]) collective-permute-start(%cp-done.1)
+  %fusion.1 = bf16[8,128]{1,0} fusion(%splash.3), kind=kLoop, calls=%fused_computation
+  %cp-done.2 = bf16[8,128]{1,0} collective-permute-done(%cp-start.2)
+  %ag-start = (bf16[8,128]{1,0}, bf16[32,128]{1,0}) all-gather-start(%cp-done.2), dimensions={0}
+  %bitcast.1 = bf16[128,8]{0,1} bitcast(%fusion.1)
+  %ag-done = bf16[32,128]{1,0} all-gather-done(%ag-start)
+  %ar = f32[64]{0} all-reduce(%f), replica_groups={{0,1,2,3}}, to_apply=%add
+  %rs-start = ((f32[64]{0}), f32[16]{0}, u32[]) async-start(%ar), calls=%scatter
+  %chosen = bf16[8,128]{1,0} conditional(%which, %fusion.1, %fusion.1), \
+    branch_computations={%kernel_branch, %empty_branch}
+  %rs-update = ((f32[64]{0}), f32[16]{0}, u32[]) async-update(%rs-start)
+  %rs-done = f32[16]{0} async-done(%rs-update)
+  %init = (bf16[8,128]{1,0}, bf16[8,128]{1,0}) tuple(%chosen, %x)
+  %loop = (bf16[8,128]{1,0}, bf16[8,128]{1,0}) while(%init), condition=%cond, body=%body, \
+    backend_config={"known_trip_count":{"n":"3"}}
+  %w = bf16[128,128]{1,0} parameter(3)
+  %shard = bf16[2,128]{1,0} slice(%x), slice={[0:2], [0:128]}
+  %acf-start = (bf16[2,128]{1,0}, bf16[8,128]{1,0}) fusion(%shard), kind=kCustom, calls=%ag_start
+  %acf-part = bf16[8,128]{1,0} get-tuple-element(%acf-start), index=1
+  %acf-step = (bf16[8,128]{1,0}, bf16[8,128]{1,0}) fusion(%acf-part, %w), kind=kCustom, \
+calls=%ag_step
+  %acf-gathered = bf16[8,128]{1,0} get-tuple-element(%acf-step), index=0
+  %acf-done = bf16[8,128]{1,0} fusion(%acf-gathered), kind=kCustom, calls=%ag_done
+  ROOT %out = bf16[8,128]{1,0} get-tuple-element(%loop), index=0
+}
+"""
+
+
+def test_reads_each_collective_of_a_schedule():
+  found = {c.name: c for c in aot.collectives_in(SCHEDULED)}
+  kv = 8 * 128 * 2  # bf16[8,128]
+  assert found["cp-start.1"] == aot.Collective("collective-permute", kv, False, 1, 1,
+                                               "cp-start.1", "main")
+  assert (found["cp-start.2"].exposed, found["cp-start.2"].kernels) == (False, 0)  # a fusion
+  assert found["ag-start"] == aot.Collective("all-gather", 4 * kv, True, 0, 1, "ag-start", "main")
+  assert (found["ar"].kind, found["ar"].bytes, found["ar"].exposed) == ("all-reduce", 256, True)
+  assert found["rs-start"] == aot.Collective("reduce-scatter", 64, False, 1, 1, "rs-start", "main")
+  # Started at the end of one iteration, done in the next after its kernel; 3 iterations.
+  assert found["sent"] == aot.Collective("collective-permute", kv, False, 1, 3, "sent", "body")
+  assert found["acf-start"] == aot.Collective("all-gather", kv, False, 0, 1, "acf-start", "main")
+  assert len(found) == 7
+
+
+# A loop as libtpu prints a scan: no known trip count, a condition `i < 5` on a counter that
+# starts at 1 (through a copy), and an all-reduce in its body.
+COUNTED = """HloModule jit_g, is_scheduled=true
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %sum = f32[] add(%a, %b)
+}
+
+%step (s: (s32[], f32[64])) -> (s32[], f32[64]) {
+  %s = (s32[], f32[64]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%s), index=0
+  %x = f32[64]{0} get-tuple-element(%s), index=1
+  %summed = f32[64]{0} all-reduce(%x), to_apply=%add
+  ROOT %next = (s32[], f32[64]{0}) tuple(%i, %summed)
+}
+
+%below (c: (s32[], f32[64])) -> pred[] {
+  %c = (s32[], f32[64]{0}) parameter(0)
+  %limit = s32[]{:T(128)} constant(5)
+  %counter = s32[] get-tuple-element(%c), index=0
+  ROOT %lt = pred[] compare(%counter, %limit), direction=LT
+}
+
+ENTRY %main (x: f32[64]) -> (s32[], f32[64]) {
+  %x = f32[64]{0} parameter(0)
+  %one = s32[] constant(1)
+  %copy.1 = s32[] copy(%one)
+  %init = (s32[], f32[64]{0}) tuple(%copy.1, %x)
+  ROOT %loop = (s32[], f32[64]{0}) while(%init), condition=%below, body=%step
+}
+"""
+
+
+def test_reads_a_loops_trip_count_from_its_condition():
+  (summed,) = aot.collectives_in(COUNTED)
+  assert (summed.kind, summed.times, summed.bytes) == ("all-reduce", 4, 256)
+
+
+def test_sums_collectives_by_kind():
+  kv = 8 * 128 * 2
+  assert aot.collectives(SCHEDULED) == {
+      "collective-permute": {"count": 5, "bytes": 5 * kv, "exposed_bytes": 0},
+      "all-gather": {"count": 2, "bytes": 5 * kv, "exposed_bytes": 4 * kv},
+      "all-reduce": {"count": 1, "bytes": 256, "exposed_bytes": 256},
+      "reduce-scatter": {"count": 1, "bytes": 64, "exposed_bytes": 0}}
+
+
+def test_reads_a_compiled_ring():
+  """The reader on a real schedule (v5p, 2 devices): the ring's forward sends K and V, its
+  backward K, V, the dK/dV that travel with them (one buffer, first as the kernel made them,
+  bfloat16), then home (bfloat16 too: XLA casts to the result's dtype before the transfer);
+  a splash kernel runs beside some. (Whether each transfer runs beside a kernel depends on
+  the overlap flags: tests/test_ring_compiled.py.)"""
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  import flaxattn
+  from helpers import target_precision
+
+  devices = target_devices("v5p-8")[:2]
+  mesh = jax.make_mesh((2,), ("context",), axis_types=(jax.sharding.AxisType.Auto,),
+                       devices=devices)
+  context = flaxattn.ContextParallel(axis="context")
+
+  def loss(q, k, v):
+    return jnp.sum(flaxattn.attention(q, k, v, context_parallel=context).astype(jnp.float32))
+
+  with jax.set_mesh(mesh), target_precision():
+    x = jax.ShapeDtypeStruct((1, 2048, 2, 128), jnp.bfloat16,
+                             sharding=NamedSharding(mesh, P(None, "context")))
+    text = jax.jit(jax.grad(loss, (0, 1, 2))).lower(x, x, x).compile().as_text()
+  shard = 1024 * 2 * 128 * 2
+  moves = [c for c in aot.collectives_in(text) if c.kind == "collective-permute"]
+  big = sorted(c.bytes for c in moves if c.bytes >= shard)
+  # K and V forward and backward; dK/dV to the device of the last step's block, then home.
+  assert big == [shard] * 4 + [2 * shard] * 2, big
+  assert any(c.kernels > 0 and not c.exposed for c in moves if c.bytes == shard), moves

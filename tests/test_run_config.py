@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from train import config, distributed, init_from, run_dir
+from train import config, distributed, init_from, run_dir, xla_flags
 from train.config import ConfigError
 from trainer import ROOT, command, run
 
@@ -181,6 +181,27 @@ def test_platform_gives_jax_one_backend_each():
   for platform in config.PLATFORMS:
     name = distributed.jax_platforms(platform)
     assert xla_bridge.expand_platform_alias(name) == [name], (platform, name)
+
+
+def test_overlap_flags_are_added_where_the_environment_sets_none():
+  """Each platform's flags go to its own variable; a flag the user set keeps the user's
+  value; applying twice adds nothing more; CPU has none."""
+  environ = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"
+                          " --xla_gpu_enable_latency_hiding_scheduler=false"}
+  added = xla_flags.apply(["tpu", "gpu", "cpu"], environ)
+  tpu_variable, tpu_flags = xla_flags.TABLE["tpu"]
+  assert environ[tpu_variable].split() == [f"--{n}={v}" for n, v in tpu_flags]
+  gpu = environ["XLA_FLAGS"].split()
+  assert gpu[:2] == ["--xla_force_host_platform_device_count=4",
+                     "--xla_gpu_enable_latency_hiding_scheduler=false"]
+  assert "--xla_gpu_enable_latency_hiding_scheduler=true" not in gpu
+  assert "--xla_gpu_enable_pipelined_all_gather=true" in gpu
+  assert added["XLA_FLAGS"] == gpu[2:]
+  assert xla_flags.apply(["tpu", "gpu"], environ) == {}
+  assert xla_flags.platforms_of("cpu") == ("cpu",)
+  assert xla_flags.platforms_of("") == ("tpu", "gpu")
+  assert config.load(str(ROOT / "configs" / "tpu_v5p_8b.yaml"), []).overlap_flags
+  assert not config.load(None, ["overlap_flags=false"]).overlap_flags
 
 
 def test_readme_install_extras_pull_jax_in_the_supported_range():

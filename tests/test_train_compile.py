@@ -15,11 +15,24 @@ from bench import aot as aot_bench
 from flaxattn import aot
 from helpers import target_devices, target_precision
 from train import compile as train_compile
-from train import config
+from train import config, xla_flags
 from train import mesh as mesh_lib
 
 # The GPU demo's model cut to one layer and 4K tokens: seconds to compile.
 SMALL = ["model.n_layers=1", "seq_len=4096", "model.max_seq_len=4096"]
+
+
+@pytest.fixture(autouse=True)
+def _environment_restored():
+  """`main` adds the overlap flags to the process's environment (`train.xla_flags`), as a
+  run's process needs them; each test here gets the environment it started with back."""
+  saved = {variable: os.environ.get(variable) for variable, _ in xla_flags.TABLE.values()}
+  yield
+  for variable, value in saved.items():
+    if value is None:
+      os.environ.pop(variable, None)
+    else:
+      os.environ[variable] = value
 
 
 def run(capsys, *argv) -> tuple[int, str, str]:
@@ -80,14 +93,18 @@ def test_v5p_slice_compiles_splash_and_the_ring(capsys):
   assert status == 0 and r["fits"] and r["devices"] == 4
   assert r["mesh"]["fsdp"] == 2 and r["mesh"]["context"] == 2
   assert any(k.startswith("splash") for k in r["kernels"])
-  assert r["collectives"].get("collective-permute", 0) > 0  # the ring
+  permutes = r["collectives"]["collective-permute"]  # the ring
+  assert permutes["count"] > 0 and 0 <= permutes["exposed_bytes"] <= permutes["bytes"]
+  assert "--xla_tpu_enable_async_collective_fusion=true" in r["xla_flags"].split()
   assert r["hbm_bytes"] == int(95.74 * aot.GIB)
 
 
 def test_offload_keeps_the_layer_inputs_in_host_memory(capsys):
   """remat "offload" (the 8B example's): each scanned layer's input goes to the host's
   memory, which the plan reports apart (host_temporaries, arrays marked "(host)"), and the
-  device's temporaries drop below "full"'s by about that much."""
+  device's temporaries drop below "full"'s. By how much depends on what else is live at the
+  plan's peak: 19.2 MB with the ring that received every block, 7.3 MB since it holds two
+  (whose "full" plan is 39 MB smaller; bench/README.md, "The ring compiled")."""
   target_devices("v5p-8")
   plans = {}
   for remat in ("full", "offload"):
@@ -102,7 +119,7 @@ def test_offload_keeps_the_layer_inputs_in_host_memory(capsys):
   inputs = 4 * 4096 * 512 * 2
   assert plans["full"]["host_temporaries"] == 0
   assert plans["offload"]["host_temporaries"] >= inputs
-  assert plans["full"]["temporaries"] - plans["offload"]["temporaries"] >= inputs // 2
+  assert plans["full"]["temporaries"] - plans["offload"]["temporaries"] >= inputs // 4
 
 
 def test_the_compilers_refusal_is_exit_1_in_one_line(capsys):

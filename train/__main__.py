@@ -39,7 +39,7 @@ def _main(argv: list[str]) -> int:
     return 0 if argv else 2
   import jax  # imported, not started: loop, run_dir and storage start no jax backend
 
-  from train import checkpoint, distributed, init_from, loop, run_dir, storage
+  from train import checkpoint, distributed, init_from, loop, run_dir, storage, xla_flags
   from train.data import BadRecord
 
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -53,6 +53,8 @@ def _main(argv: list[str]) -> int:
       storage.check(str(config.get(cfg, key)), f"config key {key!r}")  # before any read
     cfg = init_from.resolve(cfg, config.set_keys(path, overrides))
     run_dir.check(cfg)
+    if cfg.overlap_flags:  # XLA reads them once, when its backend starts
+      xla_flags.apply(xla_flags.platforms_of(cfg.platform))
     distributed.setup(cfg)  # before anything starts a jax backend
     try:
       _, stopped = loop.run(cfg)

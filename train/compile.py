@@ -38,9 +38,15 @@ Reported (a table, or one JSON line with --json):
                     XLA_PYTHON_CLIENT_MEM_FRACTION in (0, 1]; all of it with
                     XLA_PYTHON_CLIENT_ALLOCATOR=platform: `flaxattn.aot.gpu_mem_fraction`);
   fits              total + MARGIN x hbm_bytes <= hbm_bytes;
-  model, kernels, collectives, the mesh and the physical axes each mesh axis spans,
-  compile_s, warnings (the partitioner's rematerializations; cuDNN workspaces, which the
-  plan omits).
+  model, kernels, the mesh and the physical axes each mesh axis spans, compile_s, warnings
+  (the partitioner's rematerializations; cuDNN workspaces, which the plan omits);
+  collectives       {kind: {count, bytes, exposed_bytes}} per device and step, read from
+                    the compiler's schedule (`flaxattn.aot.collectives`): executions,
+                    result bytes, and the bytes of those with nothing computed between
+                    their start and their done;
+  xla_flags         the compiler flags it compiled with: the platform's overlap flags
+                    (`train.xla_flags`, as `python -m train` sets them; config key
+                    overlap_flags) added to the environment's.
 
 The environment: JAX_PLATFORMS must be unset or cpu (it is set to cpu); JAX's GPU client
 variables (XLA_CLIENT_MEM_FRACTION, XLA_PYTHON_CLIENT_*) are checked as JAX would read them
@@ -110,6 +116,7 @@ class Result:
   fits: bool
   kernels: dict
   collectives: dict
+  xla_flags: str
   compile_s: float
   warnings: list
   largest: list
@@ -140,7 +147,7 @@ def compile_step(cfg, target, model: str = "the config's model.* keys") -> Resul
   from flax import nnx
 
   from flaxattn import aot, cudnn
-  from train import data, loop, state
+  from train import data, loop, state, xla_flags
   from train import mesh as mesh_lib
   from train.config import ConfigError
 
@@ -202,7 +209,9 @@ def compile_step(cfg, target, model: str = "the config's model.* keys") -> Resul
                 physical_axes=mesh_lib.describe_axes(mesh), seq_len=cfg.seq_len,
                 model=f"{_shape(cfg.model)}, from {model}",
                 per_device_bytes=plan, hbm_bytes=hbm, fits=fits, kernels=kernels,
-                collectives=aot.collectives(text), compile_s=seconds, warnings=warnings,
+                collectives=aot.collectives(text),
+                xla_flags=os.environ.get(xla_flags.TABLE[target.platform][0], ""),
+                compile_s=seconds, warnings=warnings,
                 largest=largest,
                 error=refusal and refusal[refusal.find("RESOURCE_EXHAUSTED"):].rstrip("."))
 
@@ -308,10 +317,23 @@ def _table(r: Result) -> str:
   rows += [("usable HBM", f"{r.hbm_bytes / GIB:.2f} GiB per device; margin {MARGIN:.0%}"),
            ("fits", "yes" if r.fits else "no" + (f" ({r.error})" if r.error else "")),
            ("kernels", ", ".join(f"{k} x{v}" for k, v in r.kernels.items()) or "none"),
-           ("collectives", ", ".join(f"{k} x{v}" for k, v in r.collectives.items()) or "none"),
+           ("collectives", ", ".join(f"{k} x{v['count']} {v['bytes'] / GIB:.2f} GiB"
+                                     for k, v in r.collectives.items()) or "none"),
+           ("exposed", _exposed(r.collectives)),
+           ("xla flags", r.xla_flags or "none"),
            ("compile", f"{r.compile_s:.1f} s")]
   rows += [("warning", w) for w in r.warnings]
   return "\n".join(f"{k:12s} {v}" for k, v in rows)
+
+
+def _exposed(collectives: dict) -> str:
+  """The collective bytes nothing computed beside, of all, per device and step."""
+  moved = sum(v["bytes"] for v in collectives.values())
+  exposed = sum(v["exposed_bytes"] for v in collectives.values())
+  if not moved:
+    return "none"
+  return (f"{exposed / GIB:.2f} of {moved / GIB:.2f} GiB of collectives with no compute beside"
+          f" them ({1 - exposed / moved:.1%} overlapped)")
 
 
 def load(path, overrides, model_config: str | None = None):
@@ -449,6 +471,12 @@ def main(argv: list[str]) -> int:
       raise BadInput(f"environment variable JAX_PLATFORMS expects cpu or nothing for"
                      f" train.compile (compile-only devices need no local backend), got"
                      f" {platforms!r}; unset it.")
+    cfg, model = load(path, overrides, args.model_config)
+    if cfg.overlap_flags:  # before the compiler starts: XLA reads them once
+      from train import xla_flags
+      if not aot.missing_package(target.platform):  # else devices() names the extra
+        aot.check_native_flags(target)  # the user's own flags, before the table's join them
+      xla_flags.apply([target.platform])
     if args.fit:
       def report(r: Result):
         print(json.dumps(dataclasses.asdict(r)) if args.json else r.summary()
@@ -458,7 +486,6 @@ def main(argv: list[str]) -> int:
       print(json.dumps(line) if args.json else f"longest seq_len that fits {target.name}:"
             f" {best if best else 'none of those tried'}")
       return 0 if best else 1
-    cfg, model = load(path, overrides, args.model_config)
     result = compile_step(cfg, target, model)
   except (ValueError, ConfigError, BadInput) as e:
     print(f"error: {e}", file=sys.stderr)

@@ -206,6 +206,10 @@ class TrainConfig:
     gs:// URL too). See `train.init_from`.
   peak_tflops_per_device: the dense peak TFLOP/s of one device in the compute dtype, for
     MFU; 0 = from `train.throughput.PEAK_TFLOPS` (or measured on CPU).
+  overlap_flags: true: the platform's compiler flags for hiding collectives behind compute
+    (`train.xla_flags`: LIBTPU_INIT_ARGS on TPU, XLA_FLAGS on GPU, as the published recipes
+    set them) are added where the environment does not set them, and logged at start;
+    `python -m train.compile` compiles with them too. false: none are added.
   """
 
   run_dir: str = "runs/default"
@@ -223,6 +227,7 @@ class TrainConfig:
   heartbeat_timeout_s: int = 100
   init_from: str = ""
   peak_tflops_per_device: float = 0.0
+  overlap_flags: bool = True
   model: LlamaConfig = dataclasses.field(default_factory=LlamaConfig)
   data: DataConfig = dataclasses.field(default_factory=DataConfig)
   optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
