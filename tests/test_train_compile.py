@@ -284,7 +284,7 @@ def test_fit_tries_the_lengths_the_mesh_splits(monkeypatch, target, overrides, t
     return train_compile.Result(
         target=t.name, devices=t.devices, mesh={}, physical_axes="", seq_len=cfg.seq_len,
         model=model, per_device_bytes={}, hbm_bytes=1, fits=cfg.seq_len <= 10000, kernels={},
-        collectives={}, compile_s=0.0, warnings=[], largest=[])
+        collectives={}, xla_flags="", compile_s=0.0, warnings=[], largest=[])
 
   monkeypatch.setattr(train_compile, "compile_step", compile_step)
   found = train_compile.fit_seq_len("configs/gpu_demo.yaml", overrides, aot.target(target),
