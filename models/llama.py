@@ -652,30 +652,36 @@ class _LossPlan:
     return cross_entropy(project(constrain(x_BLE, X_NAMES), head_EV, self.dtype), targets_BL)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _chunked_losses(head_EV, x_BTE, targets_BT, plan: _LossPlan):
+def _losses_and_head(head_EV, x_BTE, targets_BT, plan: _LossPlan):
+  """The chunked loop's losses `[B, T]`, and the head it gathered (whole on each device)."""
   def body(head_EV, x_BTE, targets_BT):
     head_EV = plan.gathered(head_EV)
     ce_NBL = jax.lax.map(lambda xs: plan.chunk_losses(head_EV, *xs),
                          (plan.chunks(x_BTE), plan.chunks(targets_BT)))
-    return plan.unchunked(ce_NBL)
+    return plan.unchunked(ce_NBL), head_EV
 
-  tokens = jax.sharding.PartitionSpec(*plan.x_spec[:2])
-  return plan.per_device(body, tokens, plan.head_spec, plan.x_spec, tokens)(
+  tokens, whole = jax.sharding.PartitionSpec(*plan.x_spec[:2]), jax.sharding.PartitionSpec()
+  return plan.per_device(body, (tokens, whole), plan.head_spec, plan.x_spec, tokens)(
       head_EV, x_BTE, targets_BT)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _chunked_losses(head_EV, x_BTE, targets_BT, plan: _LossPlan):
+  return _losses_and_head(head_EV, x_BTE, targets_BT, plan)[0]
+
+
 def _chunked_losses_fwd(head_EV, x_BTE, targets_BT, plan: _LossPlan):
-  return _chunked_losses(head_EV, x_BTE, targets_BT, plan), (head_EV, x_BTE, targets_BT)
+  # The gathered head is kept for the backward: the loss's backward runs right after its
+  # forward, so holding it costs no more than gathering it again, which nothing would hide.
+  ce_BT, gathered_EV = _losses_and_head(head_EV, x_BTE, targets_BT, plan)
+  return ce_BT, (head_EV, gathered_EV, x_BTE, targets_BT)
 
 
 def _chunked_losses_bwd(plan: _LossPlan, residuals, ct_BT):
-  head_EV, x_BTE, targets_BT = residuals
+  head_EV, gathered_EV, x_BTE, targets_BT = residuals
   param_dtype = head_EV.dtype
 
-  def body(head_EV, x_BTE, targets_BT, ct_BT):
-    head_EV = plan.gathered(head_EV)  # gathered again rather than held from the forward
-
+  def body(head_EV, x_BTE, targets_BT, ct_BT):  # head_EV: the gathered head
     def step(grad_EV, xs):
       x_BLE, targets_BL, ct_BL = xs
       _, vjp = jax.vjp(lambda h, x: plan.chunk_losses(h, x, targets_BL), head_EV, x_BLE)
@@ -700,10 +706,10 @@ def _chunked_losses_bwd(plan: _LossPlan, residuals, ct_BT):
       grad_EV = jax.lax.psum(grad_EV, others)
     return grad_EV.astype(param_dtype), plan.unchunked(dx_NBLE)
 
-  tokens = jax.sharding.PartitionSpec(*plan.x_spec[:2])
-  d_head_EV, dx_BTE = plan.per_device(body, (plan.head_spec, plan.x_spec), plan.head_spec,
+  tokens, whole = jax.sharding.PartitionSpec(*plan.x_spec[:2]), jax.sharding.PartitionSpec()
+  d_head_EV, dx_BTE = plan.per_device(body, (plan.head_spec, plan.x_spec), whole,
                                       plan.x_spec, tokens, tokens)(
-      head_EV, x_BTE, targets_BT, ct_BT)
+      gathered_EV, x_BTE, targets_BT, ct_BT)
   return d_head_EV, dx_BTE, None
 
 
