@@ -648,7 +648,9 @@ class _Schedule:
       self._computes[name] = (0, False)  # a computation that calls itself computes nothing more
       kernels, computes = 0, False
       for instruction in self.computations.get(name, []):
-        if instruction.opcode in _PLUMBING or self.kind(instruction):
+        # A collective is no compute; a step of a chain is (it fuses the transfer into it).
+        if instruction.opcode in _PLUMBING or (self.kind(instruction)
+                                               and not self._chained(instruction)):
           continue
         k, c = self.computes(instruction)
         kernels, computes = kernels + k, computes or c or instruction.opcode not in (
@@ -672,6 +674,14 @@ class _Schedule:
     collective fusion holds the same collective, with the same channel id."""
     return next((m.group(1) for c in instruction.called for inner in self.computations.get(c, [])
                  if self.kind(inner) for m in [_CHANNEL.search(inner.attributes)] if m), None)
+
+  def _chained(self, instruction: _Instruction) -> bool:
+    """Whether fusion `instruction` is a step of an asynchronous collective fusion (libtpu
+    marks its collective with a `chain_id`): a step whose start and done are in another
+    computation (a chain started before a loop and stepped beside the compute of each of
+    its iterations) moves nothing of its own; the start counts the chain's bytes."""
+    return any(self.kind(inner) and "chain_id=" in inner.attributes
+               for c in instruction.called for inner in self.computations.get(c, []))
 
   def _pairs(self, schedule) -> tuple[dict[int, int], set[int], list[int]]:
     """({start: done}, the steps between an asynchronous collective fusion's start and done,
@@ -729,7 +739,8 @@ class _Schedule:
         if branches:
           found += max(branches, key=lambda b: sum(c.bytes * c.times for c in b))
       elif i not in steps and not self._is_done(instruction) and (
-          op in COLLECTIVES or (op == "fusion" and self.kind(instruction))):
+          op in COLLECTIVES or (op == "fusion" and self.kind(instruction)
+                                and not self._chained(instruction))):
         found.append(Collective(self.kind(instruction) or op, _array_bytes(instruction.shape),
                                 True, 0, times, instruction.name, name))
       elif op in ("call", "async-start"):

@@ -132,8 +132,9 @@ def active_rules() -> Rules:
 def logical_to_spec(names, shape=None, *, rules: Rules | None = None, mesh=None) -> PartitionSpec:
   """The `PartitionSpec` of an array whose axes have logical `names` (None = replicated).
 
-  Mesh axes absent from `mesh`, already used by an earlier dimension (e.g. `embed` after
-  `batch` took `fsdp`), or not dividing the dimension in `shape` are dropped. As in flax, a
+  Mesh axes absent from `mesh`, manual there (inside a `shard_map`, where each device holds
+  its own block), already used by an earlier dimension (e.g. `embed` after `batch` took
+  `fsdp`), or not dividing the dimension in `shape` are dropped. As in flax, a
   name without a rule is taken to be a mesh axis name.
 
   Args:
@@ -145,7 +146,7 @@ def logical_to_spec(names, shape=None, *, rules: Rules | None = None, mesh=None)
   mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
   table = dict(rules if rules is not None else (active_rules() or DEFAULT_RULES))
   mesh_shape = _mesh_shape(mesh)
-  used: set[str] = set()
+  used: set[str] = set(getattr(mesh, "manual_axes", ()))
   spec = []
   for i, name in enumerate(names):
     axes = () if name is None else _fit(table.get(name, name), mesh_shape,

@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -577,11 +578,15 @@ def chunked_token_losses(x_BTE: jax.Array, head_EV: jax.Array, targets_BT: jax.A
                          dtype, chunk_tokens: int = LOSS_CHUNK_TOKENS) -> jax.Array:
   """`cross_entropy(project(x_BTE, head_EV, dtype), targets_BT)`, `[B, T]` float32, without
   the `[B, T, V]` logits: a loop over chunks of the tokens (`loss_chunks`), each chunk's
-  logits computed, reduced to its losses and dropped, and recomputed in the backward
-  (`jax.checkpoint`), so the loss holds one chunk's logits at a time.
+  logits computed, reduced to its losses and dropped, and recomputed in the backward, so the
+  loss holds one chunk's logits at a time.
 
-  Chunk j takes the tokens t with t % n == j (n chunks), so a chunk is spread over the
-  devices the sequence is sharded over and the loop's axis is never sharded.
+  Chunk j takes the tokens t with t % n == j (n chunks) of each device's share of the
+  sequence. Under a mesh, each device runs the loop on its own tokens (a `shard_map` over
+  the mesh axes of the batch, the sequence and the head's `embed`; `vocab` stays with the
+  partitioner): the head is gathered once in the compute `dtype` before the loop, forward
+  and backward, and its float32 gradient, summed over the chunks on the device, is reduced
+  once after the loop (a reduce-scatter to the head's `embed` shards), not in every chunk.
 
   Raises:
     ValueError: `chunk_tokens` not a positive int.
@@ -589,17 +594,126 @@ def chunked_token_losses(x_BTE: jax.Array, head_EV: jax.Array, targets_BT: jax.A
   if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens <= 0:
     raise ValueError(f"chunked_token_losses(chunk_tokens=...) expects a positive int, got"
                      f" {chunk_tokens!r}.")
-  b, t, e = x_BTE.shape
+  b, t, _ = x_BTE.shape
   n = loss_chunks(b, t, chunk_tokens)
+  x_spec = logical_to_spec(("batch", "seq", None), x_BTE.shape)
+  head_spec = logical_to_spec(("embed", None), head_EV.shape)
+  return _chunked_losses(head_EV, x_BTE, targets_BT, _LossPlan(n, dtype, x_spec, head_spec))
 
-  @jax.checkpoint
-  def chunk(head_EV, x_BLE, targets_BL):
-    return cross_entropy(project(constrain(x_BLE, X_NAMES), head_EV, dtype), targets_BL)
 
-  x_NBLE = x_BTE.reshape(b, t // n, n, e).transpose(2, 0, 1, 3)
-  targets_NBL = targets_BT.reshape(b, t // n, n).transpose(2, 0, 1)
-  ce_NBL = jax.lax.map(lambda xs: chunk(head_EV, *xs), (x_NBLE, targets_NBL))
-  return ce_NBL.transpose(1, 2, 0).reshape(b, t)
+@dataclasses.dataclass(frozen=True)
+class _LossPlan:
+  """How `chunked_token_losses` runs: `n` chunks per device, the compute `dtype`, and the
+  specs of the tokens `[B, T, ...]` and of the head `[E, V]` over the mesh's manual axes."""
+
+  n: int
+  dtype: Any
+  x_spec: jax.sharding.PartitionSpec
+  head_spec: jax.sharding.PartitionSpec
+
+  def axes(self, spec) -> tuple[str, ...]:
+    return tuple(a for entry in spec if entry for a in ((entry,) if isinstance(entry, str)
+                                                        else entry))
+
+  @property
+  def token_axes(self) -> tuple[str, ...]:
+    return self.axes(self.x_spec)
+
+  @property
+  def embed_axes(self) -> tuple[str, ...]:
+    return self.axes(self.head_spec)
+
+  def per_device(self, body, out_specs, *specs):
+    """`body` run per device under the current mesh (a `shard_map` manual over the token and
+    embed axes), or `body` itself without a mesh."""
+    manual = frozenset(self.token_axes + self.embed_axes)
+    if not manual:
+      return body
+    return jax.shard_map(body, in_specs=specs, out_specs=out_specs, axis_names=manual,
+                         check_vma=False)
+
+  def gathered(self, head_EV: jax.Array) -> jax.Array:
+    """The whole head `[E, V]` (vocab as the partitioner shards it) in the compute dtype."""
+    head_EV = head_EV.astype(self.dtype)
+    if self.embed_axes:
+      head_EV = jax.lax.all_gather(head_EV, self.embed_axes, axis=0, tiled=True)
+    return constrain(head_EV, (None, "vocab"))
+
+  def chunks(self, a_BT: jax.Array) -> jax.Array:
+    """`[B, T, ...]` -> `[n, B, T / n, ...]`, chunk j the tokens t % n == j."""
+    b, t, *rest = a_BT.shape
+    return jnp.moveaxis(a_BT.reshape(b, t // self.n, self.n, *rest), 2, 0)
+
+  def unchunked(self, a_NBL: jax.Array) -> jax.Array:
+    n, b, length, *rest = a_NBL.shape
+    return jnp.moveaxis(a_NBL, 0, 2).reshape(b, length * n, *rest)
+
+  def chunk_losses(self, head_EV, x_BLE, targets_BL):
+    return cross_entropy(project(constrain(x_BLE, X_NAMES), head_EV, self.dtype), targets_BL)
+
+
+def _losses_and_head(head_EV, x_BTE, targets_BT, plan: _LossPlan):
+  """The chunked loop's losses `[B, T]`, and the head it gathered (whole on each device)."""
+  def body(head_EV, x_BTE, targets_BT):
+    head_EV = plan.gathered(head_EV)
+    ce_NBL = jax.lax.map(lambda xs: plan.chunk_losses(head_EV, *xs),
+                         (plan.chunks(x_BTE), plan.chunks(targets_BT)))
+    return plan.unchunked(ce_NBL), head_EV
+
+  tokens, whole = jax.sharding.PartitionSpec(*plan.x_spec[:2]), jax.sharding.PartitionSpec()
+  return plan.per_device(body, (tokens, whole), plan.head_spec, plan.x_spec, tokens)(
+      head_EV, x_BTE, targets_BT)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _chunked_losses(head_EV, x_BTE, targets_BT, plan: _LossPlan):
+  return _losses_and_head(head_EV, x_BTE, targets_BT, plan)[0]
+
+
+def _chunked_losses_fwd(head_EV, x_BTE, targets_BT, plan: _LossPlan):
+  # The gathered head is kept for the backward: the loss's backward runs right after its
+  # forward, so holding it costs no more than gathering it again, which nothing would hide.
+  ce_BT, gathered_EV = _losses_and_head(head_EV, x_BTE, targets_BT, plan)
+  return ce_BT, (head_EV, gathered_EV, x_BTE, targets_BT)
+
+
+def _chunked_losses_bwd(plan: _LossPlan, residuals, ct_BT):
+  head_EV, gathered_EV, x_BTE, targets_BT = residuals
+  param_dtype = head_EV.dtype
+
+  def body(head_EV, x_BTE, targets_BT, ct_BT):  # head_EV: the gathered head
+    def step(grad_EV, xs):
+      x_BLE, targets_BL, ct_BL = xs
+      _, vjp = jax.vjp(lambda h, x: plan.chunk_losses(h, x, targets_BL), head_EV, x_BLE)
+      d_head_EV, dx_BLE = vjp(ct_BL)
+      return grad_EV + d_head_EV.astype(jnp.float32), dx_BLE
+
+    # Chunks in reverse order, as the transpose of a loop over them sums its gradients.
+    grad_EV = constrain(jnp.zeros(head_EV.shape, jnp.float32), (None, "vocab"))
+    grad_EV, dx_NBLE = jax.lax.scan(
+        step, grad_EV, (plan.chunks(x_BTE), plan.chunks(targets_BT), plan.chunks(ct_BT)),
+        reverse=True)
+    # Each device holds the sum over its own tokens. A device that shares its tokens with
+    # others along an embed axis (the batch not split over it) adds nothing twice.
+    copies = tuple(a for a in plan.embed_axes if a not in plan.token_axes)
+    if copies:
+      grad_EV = jnp.where(jax.lax.axis_index(copies) == 0, grad_EV, 0.0)
+    if plan.embed_axes:
+      grad_EV = jax.lax.psum_scatter(grad_EV, plan.embed_axes, scatter_dimension=0,
+                                     tiled=True)
+    others = tuple(a for a in plan.token_axes if a not in plan.embed_axes)
+    if others:
+      grad_EV = jax.lax.psum(grad_EV, others)
+    return grad_EV.astype(param_dtype), plan.unchunked(dx_NBLE)
+
+  tokens, whole = jax.sharding.PartitionSpec(*plan.x_spec[:2]), jax.sharding.PartitionSpec()
+  d_head_EV, dx_BTE = plan.per_device(body, (plan.head_spec, plan.x_spec), whole,
+                                      plan.x_spec, tokens, tokens)(
+      gathered_EV, x_BTE, targets_BT, ct_BT)
+  return d_head_EV, dx_BTE, None
+
+
+_chunked_losses.defvjp(_chunked_losses_fwd, _chunked_losses_bwd)
 
 
 def token_losses(model: Llama, batch: dict, *,

@@ -274,6 +274,72 @@ def test_reads_a_loops_trip_count_from_its_condition():
   assert (summed.kind, summed.times, summed.bytes) == ("all-reduce", 4, 256)
 
 
+# libtpu's asynchronous collective fusion stepped through a loop: started before it, a step
+# beside each iteration's matmul (the step's fusion outputs the matmul's result with the
+# transfer's), done after it.
+CHAINED = """HloModule jit_h, is_scheduled=true
+
+%start (s: s32[1,8]) -> (s32[1,8], s32[1,32]) {
+  %s = s32[1,8]{1,0} parameter(0)
+  %ag.1 = s32[1,32]{1,0} all-gather(%s), channel_id=14, dimensions={1}, \
+frontend_attributes={chain_id="0"}
+  ROOT %acs = (s32[1,8]{1,0}, s32[1,32]{1,0}) custom-call(%s, %ag.1), \
+custom_call_target="AsyncCollectiveStart"
+}
+
+%step (a: s32[1,8], w: f32[64,128], g: f32[64,128]) -> (f32[64,128], s32[1,32]) {
+  %a = s32[1,8]{1,0} parameter(0)
+  %w = f32[64,128]{1,0} parameter(1)
+  %g = f32[64,128]{1,0} parameter(2)
+  %ag.2 = s32[1,32]{1,0} all-gather(%a), channel_id=14, dimensions={1}, \
+frontend_attributes={chain_id="0"}
+  %sum = f32[64,128]{1,0} add(%w, %g)
+  ROOT %both = (f32[64,128]{1,0}, s32[1,32]{1,0}) tuple(%sum, %ag.2)
+}
+
+%done (d: s32[1,8]) -> s32[1,32] {
+  %d = s32[1,8]{1,0} parameter(0)
+  %ag.3 = s32[1,32]{1,0} all-gather(%d), channel_id=14, dimensions={1}, \
+frontend_attributes={chain_id="0"}
+  ROOT %acd = s32[1,32]{1,0} custom-call(%ag.3), custom_call_target="AsyncCollectiveDone"
+}
+
+%body (state: (s32[1,8], f32[64,128])) -> (s32[1,8], f32[64,128]) {
+  %state = (s32[1,8]{1,0}, f32[64,128]{1,0}) parameter(0)
+  %part = s32[1,8]{1,0} get-tuple-element(%state), index=0
+  %acc = f32[64,128]{1,0} get-tuple-element(%state), index=1
+  %stepped = (f32[64,128]{1,0}, s32[1,32]{1,0}) fusion(%part, %acc, %acc), kind=kOutput, \
+calls=%step
+  %added = f32[64,128]{1,0} get-tuple-element(%stepped), index=0
+  ROOT %next = (s32[1,8]{1,0}, f32[64,128]{1,0}) tuple(%part, %added)
+}
+
+%cond (c: (s32[1,8], f32[64,128])) -> pred[] {
+  %c = (s32[1,8]{1,0}, f32[64,128]{1,0}) parameter(0)
+  ROOT %t = pred[] constant(true)
+}
+
+ENTRY %main (x: s32[1,8], y: f32[64,128]) -> s32[1,32] {
+  %x = s32[1,8]{1,0} parameter(0)
+  %y = f32[64,128]{1,0} parameter(1)
+  %acf-start = (s32[1,8]{1,0}, s32[1,32]{1,0}) fusion(%x), kind=kCustom, calls=%start
+  %acf-part = s32[1,8]{1,0} get-tuple-element(%acf-start), index=0
+  %init = (s32[1,8]{1,0}, f32[64,128]{1,0}) tuple(%acf-part, %y)
+  %loop = (s32[1,8]{1,0}, f32[64,128]{1,0}) while(%init), condition=%cond, body=%body, \
+    backend_config={"known_trip_count":{"n":"4"}}
+  %left = s32[1,8]{1,0} get-tuple-element(%loop), index=0
+  ROOT %acf-done = s32[1,32]{1,0} fusion(%left), kind=kCustom, calls=%done
+}
+"""
+
+
+def test_a_chain_stepped_through_a_loop_counts_once_at_its_start():
+  """The steps in the loop's body move nothing of their own (their fusion's outputs are
+  the matmul's): the chain is one all-gather of its result's bytes, hidden by the loop."""
+  assert aot.collectives_in(CHAINED) == [
+      aot.Collective("all-gather", 32 * 4, False, 0, 1, "acf-start", "main")]
+
+
 def test_sums_collectives_by_kind():
   kv = 8 * 128 * 2
   assert aot.collectives(SCHEDULED) == {

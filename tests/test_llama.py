@@ -239,13 +239,16 @@ def _chunked_and_plain(model, batch, chunk_tokens):
           (nnx.value_and_grad(chunked)(model), nnx.value_and_grad(plain)(model))]
 
 
-@pytest.mark.parametrize("axes", [None, {"fsdp": 2, "tensor": 2, "context": 2}],
-                         ids=["one_device", "vocab_and_sequence_sharded"])
+@pytest.mark.parametrize("axes", [None, {"fsdp": 2, "tensor": 2, "context": 2},
+                                  {"data": 2, "fsdp": 4}],
+                         ids=["one_device", "vocab_and_sequence_sharded", "batch_not_over_fsdp"])
 @pytest.mark.parametrize("tie", [True, False], ids=["tied", "lm_head"])
 def test_chunked_loss_and_gradient_equal_the_plain_cross_entropy(tie, axes):
   """Chunks of 2 tokens per device (the vocabulary over `tensor`, the sequence over
-  `context`, the batch over `fsdp` on the mesh): the loss and every gradient within 1e-6
-  of the plain computation's, relative (gradients to their largest magnitude)."""
+  `context`, the batch over `fsdp` on the mesh; or the batch of 2 over `data` alone, the
+  head's `embed` over an `fsdp` whose devices share their tokens): the loss and every
+  gradient within 1e-6 of the plain computation's, relative (gradients to their largest
+  magnitude). The chunked loss runs per device and reduces the head's gradient itself."""
   cfg = dataclasses.replace(SMALL, tie_embeddings=tie)
   seg, pos = _packed([[5, 8], [3, 9]])
   batch = _batch(_tokens(8), seg, pos)
@@ -255,7 +258,8 @@ def test_chunked_loss_and_gradient_equal_the_plain_cross_entropy(tie, axes):
     m = mesh(axes)
     with jax.set_mesh(m), nnx.logical_axis_rules(train_mesh.rules(m, cfg)):
       model = nnx.jit(lambda: Llama(cfg, rngs=nnx.Rngs(1)))()
-      assert "tensor" in str(model.head_EV().sharding)  # the vocabulary is sharded
+      sharding = str(model.head_EV().sharding)  # embed over fsdp, vocab over tensor
+      assert all(a in sharding for a in ("fsdp", "tensor") if a in axes), sharding
       results = _chunked_and_plain(model, batch, 2)
   (loss, grads), (want_loss, want_grads) = results
   np.testing.assert_allclose(loss, want_loss, rtol=1e-6)

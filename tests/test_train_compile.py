@@ -8,12 +8,17 @@ import os
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
 import pytest
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding
 
 import helpers
 from bench import aot as aot_bench
-from flaxattn import aot
+from flaxattn import aot, sharding
 from helpers import target_devices, target_precision
+from models.llama import chunked_token_losses
 from train import compile as train_compile
 from train import config, xla_flags
 from train import mesh as mesh_lib
@@ -97,6 +102,42 @@ def test_v5p_slice_compiles_splash_and_the_ring(capsys):
   assert permutes["count"] > 0 and 0 <= permutes["exposed_bytes"] <= permutes["bytes"]
   assert "--xla_tpu_enable_async_collective_fusion=true" in r["xla_flags"].split()
   assert r["hbm_bytes"] == int(95.74 * aot.GIB)
+
+
+def test_the_loss_gathers_its_head_once_and_reduces_its_gradient_once():
+  """The chunked loss and its gradient compiled for v5p (fsdp 2 x context 2, 4 chunks of
+  1024 tokens per device): the output head is all-gathered once, before the chunk loop, and
+  its float32 gradient reduced once after it (a reduce-scatter over fsdp, then an all-reduce
+  of the shard over context, whose devices hold the other tokens); no collective of a head
+  shard's size runs in the loop (the loop gathered the head and all-reduced its gradient in
+  every chunk, forward and remat'd backward)."""
+  e, v = 256, 4096
+  found = target_devices("v5p-8")
+  mesh = jax.make_mesh((2, 2), ("fsdp", "context"), axis_types=(AxisType.Auto,) * 2,
+                       devices=found[:4])
+  def sharded(shape, dtype, names):
+    spec = sharding.logical_to_spec(names, shape, rules=sharding.DEFAULT_RULES, mesh=mesh)
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+  head = sharded((e, v), jnp.float32, ("embed", "vocab"))
+  x = sharded((2, 8192, e), jnp.bfloat16, ("batch", "seq", "embed"))
+  targets = sharded((2, 8192), jnp.int32, ("batch", "seq"))
+
+  def grads(head_EV, x_BTE, targets_BT):
+    def loss(head_EV, x_BTE):
+      return jnp.sum(chunked_token_losses(x_BTE, head_EV, targets_BT, dtype=jnp.bfloat16))
+    return jax.value_and_grad(loss, argnums=(0, 1))(head_EV, x_BTE)
+
+  with jax.set_mesh(mesh), nnx.logical_axis_rules(sharding.DEFAULT_RULES), target_precision():
+    compiled = jax.jit(grads).lower(head, x, targets).compile()
+  schedule = aot.collectives_in(compiled.as_text() or "")
+  shard = e * v * 2 // 2  # the bfloat16 head over fsdp 2
+  assert not [c for c in schedule if c.times > 1 and c.bytes >= shard], schedule
+  gathers = [c for c in schedule if c.kind == "all-gather" and c.bytes == e * v * 2]
+  assert sum(c.times for c in gathers) == 1, schedule  # the backward keeps the forward's
+  scatters = [c for c in schedule if c.kind == "reduce-scatter" and c.bytes == e * v * 4 // 2]
+  assert sum(c.times for c in scatters) == 1, schedule
+  sums = [c for c in schedule if c.kind == "all-reduce" and c.bytes == e * v * 4 // 2]
+  assert sum(c.times for c in sums) == 1, schedule
 
 
 def test_offload_keeps_the_layer_inputs_in_host_memory(capsys):

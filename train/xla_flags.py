@@ -8,11 +8,15 @@ TPU (`LIBTPU_INIT_ARGS`, read by libtpu): MaxText's v5p recipes (configs/v5p/*.s
 asynchronous collective fusion (all-gathers included, in several steps), overlap of
 compute and collectives on the TensorCore, asynchronous collective-permutes and
 all-gathers, the all-gathers of the backward pipelined, and the data-parallel all-reduce
-optimization. GPU (`XLA_FLAGS`, read by XLA): MaxText's H100 (A3) recipes: the
-latency-hiding scheduler, a collective stream of highest priority, pipelined all-gather,
-reduce-scatter and all-reduce, loops double-buffered; and a limit of 4 collectives in
-flight at once instead of XLA's 1, so that a ring's K, V and ids transfers all run beside
-its kernel.
+optimization; and its flags for all-reduces in asynchronous collective fusion
+(benchmarks/xla_flags_library.py, CF_FOR_ALL_REDUCE), without which libtpu runs an
+all-reduce (the chunked loss's one reduction of the output projection's gradient, 2 GiB in
+the 8B example) with nothing beside it.
+
+GPU (`XLA_FLAGS`, read by XLA): MaxText's H100 (A3) recipes: the latency-hiding scheduler,
+a collective stream of highest priority, pipelined all-gather, reduce-scatter and
+all-reduce, loops double-buffered; and a limit of 4 collectives in flight at once instead
+of XLA's 1, so that a ring's K, V and ids transfers all run beside its kernel.
 
 Each flag is added only where its variable does not set it already: a flag the user set
 keeps the user's value. XLA and libtpu read these variables once, when their backend
@@ -37,6 +41,8 @@ TABLE: dict[str, tuple[str, tuple[tuple[str, str], ...]]] = {
         ("xla_tpu_overlap_compute_collective_tc", "true"),
         ("xla_enable_async_collective_permute", "true"),
         ("xla_enable_async_all_gather", "true"),
+        ("xla_tpu_enable_async_collective_fusion_fuse_all_reduce", "true"),
+        ("xla_enable_async_all_reduce", "true"),
         ("xla_tpu_enable_ag_backward_pipelining", "true"),
         ("xla_tpu_megacore_fusion_allow_ags", "false"),
         ("xla_tpu_enable_data_parallel_all_reduce_opt", "true"),
