@@ -423,14 +423,7 @@ class Llama(nnx.Module):
     if getattr(tokens, "ndim", None) != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
       raise ValueError(f"tokens expects integer ids of shape [batch, seq], got"
                        f" {getattr(tokens, 'shape', None)} {getattr(tokens, 'dtype', None)}.")
-    # The table's features are sharded over fsdp, as every weight's are, so its rows come
-    # out of the lookup sharded on E. Moved to the activations' sharding (batch over fsdp)
-    # in one step, the partitioner replicates the whole [B, T, E / fsdp] lookup ("Involuntary
-    # full rematerialization"); in two (first the sequence over its axes, the features as
-    # they come, then features for batch: an all-to-all), each is one it partitions well.
-    table_VE = self.embed.embedding[...].astype(DTYPES[self.config.dtype])
-    rows_BTE = constrain(jnp.take(table_VE, tokens, axis=0), (None, "seq", "embed"))
-    return constrain(rows_BTE, X_NAMES)
+    return embedding_rows(self.embed.embedding[...], tokens, dtype=DTYPES[self.config.dtype])
 
   def from_embeddings(self, x_BTE: jax.Array, *, segment_ids: jax.Array | None = None,
                       positions: jax.Array | None = None, decode: bool = False) -> jax.Array:
@@ -572,6 +565,161 @@ def loss_chunks(batch: int, length: int, chunk_tokens: int = LOSS_CHUNK_TOKENS) 
   local_b, local_t = batch // shards(spec[0]), length // shards(spec[1])
   return next((n for n in range(1, local_t + 1)
                if local_t % n == 0 and local_b * (local_t // n) <= chunk_tokens), local_t)
+
+
+def embedding_rows(table_VE: jax.Array, tokens_BT: jax.Array, *, dtype) -> jax.Array:
+  """`table_VE[tokens_BT]` `[B, T, E]` in the compute `dtype`, sharded as the activations
+  (`X_NAMES`); its gradient with respect to the table is summed in float32.
+
+  Under a mesh, each device looks up its own share (a `shard_map` over the mesh axes of the
+  table and of the tokens), as the partitioner does the forward: the table's `vocab`
+  shards are gathered in `dtype`; along the table's `embed` axes, which also split the
+  batch (fsdp), each device looks up its features for the tokens of all the devices there,
+  and an all-to-all gives every device its own tokens' whole rows. The backward is the
+  reverse: an all-to-all of the rows' gradient, a scatter-add into the device's own block of
+  the table, and a sum over the devices that hold that block for other tokens (the context
+  axes). Left to the partitioner, the backward scattered into the whole table and
+  all-reduced it over every axis (1 GiB per step in the 8B examples).
+
+  Meshes where the activations' features are split, or where the table's `embed` axes
+  split the batch only in part or split the sequence, are left to the partitioner.
+  """
+  plan = _EmbedPlan(dtype, logical_to_spec(("vocab", "embed"), table_VE.shape),
+                    logical_to_spec(("batch", "seq"), tokens_BT.shape),
+                    logical_to_spec(X_NAMES, (*tokens_BT.shape, table_VE.shape[1])))
+  if not plan.per_device_ok:
+    # The table's features are sharded over fsdp, as every weight's are, so its rows come
+    # out of the lookup sharded on E. Moved to the activations' sharding (batch over fsdp)
+    # in one step, the partitioner replicates the whole [B, T, E / fsdp] lookup
+    # ("Involuntary full rematerialization"); in two (first the sequence over its axes, the
+    # features as they come, then features for batch: an all-to-all), each is one it
+    # partitions well.
+    rows_BTE = constrain(jnp.take(table_VE.astype(dtype), tokens_BT, axis=0),
+                         (None, "seq", "embed"))
+    return constrain(rows_BTE, X_NAMES)
+  return constrain(_embedding_rows(table_VE, tokens_BT, plan), X_NAMES)
+
+
+@dataclasses.dataclass(frozen=True)
+class _EmbedPlan:
+  """How `embedding_rows` runs per device: the compute `dtype`, and the specs of the table
+  `[V, E]`, of the tokens `[B, T]` and of the activations `[B, T, E]`."""
+
+  dtype: Any
+  table_spec: jax.sharding.PartitionSpec
+  tokens_spec: jax.sharding.PartitionSpec
+  x_spec: jax.sharding.PartitionSpec
+
+  @staticmethod
+  def axes(entry) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+  @property
+  def vocab_axes(self) -> tuple[str, ...]:
+    return self.axes(self.table_spec[0])
+
+  @property
+  def embed_axes(self) -> tuple[str, ...]:
+    return self.axes(self.table_spec[1])
+
+  @property
+  def token_axes(self) -> tuple[str, ...]:
+    return self.axes(self.tokens_spec[0]) + self.axes(self.tokens_spec[1])
+
+  @property
+  def shares_tokens(self) -> bool:
+    """The table's `embed` axes split the batch: the devices along them hold different
+    tokens (fsdp), so their rows are exchanged by an all-to-all."""
+    return bool(self.embed_axes) and set(self.embed_axes) <= set(self.axes(self.tokens_spec[0]))
+
+  @property
+  def distinct_vocab(self) -> bool:
+    """The devices along the table's `vocab` axes hold different tokens."""
+    return bool(self.vocab_axes) and set(self.vocab_axes) <= set(self.token_axes)
+
+  @property
+  def per_device_ok(self) -> bool:
+    tokens, embed, vocab = set(self.token_axes), set(self.embed_axes), set(self.vocab_axes)
+    return (tuple(self.x_spec) == (*self.tokens_spec, None)
+            and (self.shares_tokens or not embed & tokens)
+            and (self.distinct_vocab or not vocab & tokens))
+
+  def per_device(self, body, out_specs, *specs):
+    manual = frozenset(self.token_axes + self.embed_axes + self.vocab_axes)
+    if not manual:
+      return body
+    return jax.shard_map(body, in_specs=specs, out_specs=out_specs, axis_names=manual,
+                         check_vma=False)
+
+  def ids(self, tokens_BT: jax.Array) -> jax.Array:
+    """The tokens whose rows this device looks up its features of: those of every device
+    along the `embed` axes when they hold different tokens, else its own."""
+    if self.shares_tokens:
+      return jax.lax.all_gather(tokens_BT, self.embed_axes, axis=0, tiled=True)
+    return tokens_BT
+
+
+def _embedding_rows_fwd(table_VE, tokens_BT, plan: _EmbedPlan):
+  def body(table_VE, tokens_BT):
+    table_VE = table_VE.astype(plan.dtype)
+    if plan.vocab_axes:
+      table_VE = jax.lax.all_gather(table_VE, plan.vocab_axes, axis=0, tiled=True)
+    rows_BTE = jnp.take(table_VE, plan.ids(tokens_BT), axis=0)
+    if plan.shares_tokens:  # [devices x B, T, E / devices] -> [B, T, E]
+      return jax.lax.all_to_all(rows_BTE, plan.embed_axes, 0, 2, tiled=True)
+    if plan.embed_axes:
+      return jax.lax.all_gather(rows_BTE, plan.embed_axes, axis=2, tiled=True)
+    return rows_BTE
+
+  rows_BTE = plan.per_device(body, plan.x_spec, plan.table_spec, plan.tokens_spec)(
+      table_VE, tokens_BT)
+  return rows_BTE, (table_VE, tokens_BT)
+
+
+def _embedding_rows_bwd(plan: _EmbedPlan, residuals, ct_BTE):
+  table_VE, tokens_BT = residuals
+  vocab = table_VE.shape[0]
+
+  def body(tokens_BT, ct_BTE):
+    ids_BT = plan.ids(tokens_BT)
+    if plan.shares_tokens:  # [B, T, E] -> [devices x B, T, E / devices]
+      ct_BTE = jax.lax.all_to_all(ct_BTE, plan.embed_axes, 2, 0, tiled=True)
+    elif plan.embed_axes:  # the same tokens along them: each keeps its features
+      width = ct_BTE.shape[2] // jax.lax.axis_size(plan.embed_axes)
+      ct_BTE = jax.lax.dynamic_slice_in_dim(
+          ct_BTE, jax.lax.axis_index(plan.embed_axes) * width, width, axis=2)
+    ct_BTE = ct_BTE.astype(jnp.float32)
+    if plan.distinct_vocab:  # every device's tokens reach every vocab shard
+      grad_VE = jnp.zeros((vocab, ct_BTE.shape[2]), jnp.float32).at[ids_BT].add(ct_BTE)
+      grad_VE = jax.lax.psum_scatter(grad_VE, plan.vocab_axes, scatter_dimension=0,
+                                     tiled=True)
+    elif plan.vocab_axes:  # the same tokens along them: each adds to its own vocab shard
+      rows = vocab // jax.lax.axis_size(plan.vocab_axes)
+      local_BT = ids_BT - jax.lax.axis_index(plan.vocab_axes) * rows
+      local_BT = jnp.where((local_BT >= 0) & (local_BT < rows), local_BT, rows)
+      grad_VE = jnp.zeros((rows, ct_BTE.shape[2]), jnp.float32).at[local_BT].add(
+          ct_BTE, mode="drop")
+    else:
+      grad_VE = jnp.zeros((vocab, ct_BTE.shape[2]), jnp.float32).at[ids_BT].add(ct_BTE)
+    # The devices that hold this block of the table for other tokens: the token axes not
+    # already summed over above (the sequence's, and the batch's beyond the table's).
+    others = tuple(a for a in plan.token_axes
+                   if a not in plan.embed_axes and a not in plan.vocab_axes)
+    if others:
+      grad_VE = jax.lax.psum(grad_VE, others)
+    return grad_VE
+
+  grad_VE = plan.per_device(body, plan.table_spec, plan.tokens_spec, plan.x_spec)(
+      tokens_BT, ct_BTE)
+  return grad_VE.astype(table_VE.dtype), None
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _embedding_rows(table_VE, tokens_BT, plan: _EmbedPlan):
+  return _embedding_rows_fwd(table_VE, tokens_BT, plan)[0]
+
+
+_embedding_rows.defvjp(_embedding_rows_fwd, _embedding_rows_bwd)
 
 
 def chunked_token_losses(x_BTE: jax.Array, head_EV: jax.Array, targets_BT: jax.Array, *,

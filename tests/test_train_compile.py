@@ -18,7 +18,7 @@ import helpers
 from bench import aot as aot_bench
 from flaxattn import aot, sharding
 from helpers import target_devices, target_precision
-from models.llama import chunked_token_losses
+from models.llama import chunked_token_losses, embedding_rows
 from train import compile as train_compile
 from train import config, xla_flags
 from train import mesh as mesh_lib
@@ -138,6 +138,40 @@ def test_the_loss_gathers_its_head_once_and_reduces_its_gradient_once():
   assert sum(c.times for c in scatters) == 1, schedule
   sums = [c for c in schedule if c.kind == "all-reduce" and c.bytes == e * v * 4 // 2]
   assert sum(c.times for c in sums) == 1, schedule
+
+
+def test_the_embedding_gradient_reduces_only_the_devices_own_block():
+  """The embedding lookup's gradient compiled for v5p (fsdp 2 x context 2, the table's
+  features over fsdp): one all-to-all of the rows' gradient, then the float32 sum of each
+  device's own [V, E / fsdp] block over context; nothing of the whole table's size moves.
+  The partitioner's own backward summed the blocks in bfloat16 at this size, and at the 8B
+  example's scattered into the whole table and all-reduced it over fsdp and context (1 GiB
+  per step, `python -m train.compile configs/tpu_v5p_8b.yaml --target v5p-128`)."""
+  v, e = 32768, 256
+  found = target_devices("v5p-8")
+  mesh = jax.make_mesh((2, 2), ("fsdp", "context"), axis_types=(AxisType.Auto,) * 2,
+                       devices=found[:4])
+  def sharded(shape, dtype, names):
+    spec = sharding.logical_to_spec(names, shape, rules=sharding.DEFAULT_RULES, mesh=mesh)
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+  table = sharded((v, e), jnp.float32, ("vocab", "embed"))
+  tokens = sharded((2, 8192), jnp.int32, ("batch", "seq"))
+  w = sharded((2, 8192, e), jnp.bfloat16, ("batch", "seq", "embed"))
+
+  def grad(table_VE, tokens_BT, w_BTE):
+    return jax.grad(lambda t: jnp.sum(
+        embedding_rows(t, tokens_BT, dtype=jnp.bfloat16) * w_BTE, dtype=jnp.float32))(table_VE)
+
+  with jax.set_mesh(mesh), nnx.logical_axis_rules(sharding.DEFAULT_RULES), target_precision():
+    compiled = jax.jit(grad).lower(table, tokens, w).compile()
+  text = compiled.as_text() or ""
+  whole = [line for line in text.splitlines() if f"[{v},{e}]" in line
+           and any(k in line for k in ("all-reduce", "all-gather", "reduce-scatter"))]
+  assert not whole, whole
+  schedule = aot.collectives_in(text)
+  sums = [c for c in schedule if c.kind == "all-reduce" and c.bytes == v * e * 4 // 2]
+  assert sum(c.times for c in sums) == 1, schedule
+  assert sum(c.times for c in schedule if c.kind == "all-to-all") == 1, schedule
 
 
 def test_offload_keeps_the_layer_inputs_in_host_memory(capsys):
