@@ -198,6 +198,8 @@ def test_overlap_flags_are_added_where_the_environment_sets_none():
   assert "--xla_gpu_enable_pipelined_all_gather=true" in gpu
   assert added["XLA_FLAGS"] == gpu[2:]
   assert xla_flags.apply(["tpu", "gpu"], environ) == {}
+  assert xla_flags.apply(["tpu", "gpu"], environ, offload=True) == {
+      tpu_variable: [f"--{n}={v}" for n, v in xla_flags.OFFLOAD["tpu"]]}  # TPU's alone
   assert xla_flags.platforms_of("cpu") == ("cpu",)
   assert xla_flags.platforms_of("") == ("tpu", "gpu")
   assert config.load(str(ROOT / "configs" / "tpu_v5p_8b.yaml"), []).overlap_flags

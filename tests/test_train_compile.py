@@ -182,7 +182,7 @@ def test_offload_keeps_the_layer_inputs_in_host_memory(capsys):
   (whose "full" plan is 39 MB smaller; bench/README.md, "The ring compiled")."""
   target_devices("v5p-8")
   plans = {}
-  for remat in ("full", "offload"):
+  for remat in ("full", "offload"):  # in this process: libtpu's flags the same for both
     status, out, _ = run(capsys, "configs/tpu_v5p_8b.yaml", "model.n_layers=4", "model.dim=512",
                          "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=1024",
                          "model.vocab_size=1024", "seq_len=8192", "model.max_seq_len=8192",
@@ -195,6 +195,21 @@ def test_offload_keeps_the_layer_inputs_in_host_memory(capsys):
   assert plans["full"]["host_temporaries"] == 0
   assert plans["offload"]["host_temporaries"] >= inputs
   assert plans["full"]["temporaries"] - plans["offload"]["temporaries"] >= inputs // 4
+
+
+def test_offload_adds_the_host_offload_flags_libtpu_knows():
+  """remat "offload" (the 8B example's) compiles with `xla_flags.OFFLOAD`'s flags too, in a
+  fresh process as a run's: libtpu reads them when it starts, and aborts on one it does not
+  know."""
+  target_devices("v5p-8")
+  proc = _subprocess({"LIBTPU_INIT_ARGS": ""}, "configs/tpu_v5p_8b.yaml", "model.n_layers=1",
+                     "model.dim=256", "model.n_heads=2", "model.n_kv_heads=1",
+                     "model.ffn_dim=512", "model.vocab_size=512", "seq_len=2048",
+                     "model.max_seq_len=2048", "batch_size=2", "mesh.context=2", "--target",
+                     "v5p-8", "--json")
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  flags = set(json.loads(proc.stdout)["xla_flags"].split())
+  assert {f"--{name}={value}" for name, value in xla_flags.OFFLOAD["tpu"]} <= flags, flags
 
 
 def test_the_compilers_refusal_is_exit_1_in_one_line(capsys):

@@ -54,7 +54,7 @@ def _main(argv: list[str]) -> int:
     cfg = init_from.resolve(cfg, config.set_keys(path, overrides))
     run_dir.check(cfg)
     if cfg.overlap_flags:  # XLA reads them once, when its backend starts
-      xla_flags.apply(xla_flags.platforms_of(cfg.platform))
+      xla_flags.apply(xla_flags.platforms_of(cfg.platform), offload=cfg.model.remat == "offload")
     distributed.setup(cfg)  # before anything starts a jax backend
     try:
       _, stopped = loop.run(cfg)

@@ -476,7 +476,7 @@ def main(argv: list[str]) -> int:
       from train import xla_flags
       if not aot.missing_package(target.platform):  # else devices() names the extra
         aot.check_native_flags(target)  # the user's own flags, before the table's join them
-      xla_flags.apply([target.platform])
+      xla_flags.apply([target.platform], offload=cfg.model.remat == "offload")
     if args.fit:
       def report(r: Result):
         print(json.dumps(dataclasses.asdict(r)) if args.json else r.summary()
