@@ -13,6 +13,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 import flaxattn
+from flaxattn.sharding import logical_to_spec
 from helpers import mesh, normal
 from models.llama import (
   Llama,
@@ -27,7 +28,6 @@ from models.llama import (
   token_losses,
   unroll_layers,
 )
-from flaxattn.sharding import logical_to_spec
 from train import mesh as train_mesh
 
 B, T = 2, 16
@@ -331,7 +331,7 @@ def test_embedding_rows_and_their_gradient_equal_the_plain_lookup(axes):
       # As the model runs it: rows in bfloat16.
       gradient = jax.jit(jax.grad(lambda t: jnp.sum(
           embedding_rows(t, tokens, dtype=jnp.bfloat16) * w.astype(jnp.bfloat16))))
-      text = gradient.lower(table).compile().as_text()
+      text = gradient.lower(table).compile().as_text() or ""
     moved = [line for line in text.splitlines() if f"[{vocab},{dim}]" in line
              and re.search(r"all-reduce|all-gather|reduce-scatter", line)]
     assert not moved, moved
