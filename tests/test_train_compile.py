@@ -104,6 +104,19 @@ def test_v5p_slice_compiles_splash_and_the_ring(capsys):
   assert r["hbm_bytes"] == int(95.74 * aot.GIB)
 
 
+def _v5p_fsdp_context():
+  """A v5p mesh of fsdp 2 x context 2 (compile-only devices), and `sharded(shape, dtype,
+  logical names)`: an abstract array laid out on it by the default rules."""
+  found = target_devices("v5p-8")
+  mesh = jax.make_mesh((2, 2), ("fsdp", "context"), axis_types=(AxisType.Auto,) * 2,
+                       devices=found[:4])
+
+  def sharded(shape, dtype, names):
+    spec = sharding.logical_to_spec(names, shape, rules=sharding.DEFAULT_RULES, mesh=mesh)
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+  return mesh, sharded
+
+
 def test_the_loss_gathers_its_head_once_and_reduces_its_gradient_once():
   """The chunked loss and its gradient compiled for v5p (fsdp 2 x context 2, 4 chunks of
   1024 tokens per device): the output head is all-gathered once, before the chunk loop, and
@@ -112,12 +125,7 @@ def test_the_loss_gathers_its_head_once_and_reduces_its_gradient_once():
   shard's size runs in the loop (the loop gathered the head and all-reduced its gradient in
   every chunk, forward and remat'd backward)."""
   e, v = 256, 4096
-  found = target_devices("v5p-8")
-  mesh = jax.make_mesh((2, 2), ("fsdp", "context"), axis_types=(AxisType.Auto,) * 2,
-                       devices=found[:4])
-  def sharded(shape, dtype, names):
-    spec = sharding.logical_to_spec(names, shape, rules=sharding.DEFAULT_RULES, mesh=mesh)
-    return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+  mesh, sharded = _v5p_fsdp_context()
   head = sharded((e, v), jnp.float32, ("embed", "vocab"))
   x = sharded((2, 8192, e), jnp.bfloat16, ("batch", "seq", "embed"))
   targets = sharded((2, 8192), jnp.int32, ("batch", "seq"))
@@ -148,12 +156,7 @@ def test_the_embedding_gradient_reduces_only_the_devices_own_block():
   example's scattered into the whole table and all-reduced it over fsdp and context (1 GiB
   per step, `python -m train.compile configs/tpu_v5p_8b.yaml --target v5p-128`)."""
   v, e = 32768, 256
-  found = target_devices("v5p-8")
-  mesh = jax.make_mesh((2, 2), ("fsdp", "context"), axis_types=(AxisType.Auto,) * 2,
-                       devices=found[:4])
-  def sharded(shape, dtype, names):
-    spec = sharding.logical_to_spec(names, shape, rules=sharding.DEFAULT_RULES, mesh=mesh)
-    return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+  mesh, sharded = _v5p_fsdp_context()
   table = sharded((v, e), jnp.float32, ("vocab", "embed"))
   tokens = sharded((2, 8192), jnp.int32, ("batch", "seq"))
   w = sharded((2, 8192, e), jnp.bfloat16, ("batch", "seq", "embed"))
