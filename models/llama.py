@@ -567,6 +567,21 @@ def loss_chunks(batch: int, length: int, chunk_tokens: int = LOSS_CHUNK_TOKENS) 
                if local_t % n == 0 and local_b * (local_t // n) <= chunk_tokens), local_t)
 
 
+def _spec_axes(*entries) -> tuple[str, ...]:
+  """The mesh axes named by `PartitionSpec` entries (None, an axis, or a tuple of them)."""
+  return tuple(a for entry in entries if entry
+               for a in ((entry,) if isinstance(entry, str) else entry))
+
+
+def _per_device(manual: tuple[str, ...], body, out_specs, *in_specs):
+  """`body` run per device, a `shard_map` manual over mesh axes `manual` (the others stay
+  with the partitioner), or `body` itself when there are none (no mesh)."""
+  if not manual:
+    return body
+  return jax.shard_map(body, in_specs=in_specs, out_specs=out_specs,
+                       axis_names=frozenset(manual), check_vma=False)
+
+
 def embedding_rows(table_VE: jax.Array, tokens_BT: jax.Array, *, dtype) -> jax.Array:
   """`table_VE[tokens_BT]` `[B, T, E]` in the compute `dtype`, sharded as the activations
   (`X_NAMES`); its gradient with respect to the table is summed in float32.
@@ -610,27 +625,23 @@ class _EmbedPlan:
   tokens_spec: jax.sharding.PartitionSpec
   x_spec: jax.sharding.PartitionSpec
 
-  @staticmethod
-  def axes(entry) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
   @property
   def vocab_axes(self) -> tuple[str, ...]:
-    return self.axes(self.table_spec[0])
+    return _spec_axes(self.table_spec[0])
 
   @property
   def embed_axes(self) -> tuple[str, ...]:
-    return self.axes(self.table_spec[1])
+    return _spec_axes(self.table_spec[1])
 
   @property
   def token_axes(self) -> tuple[str, ...]:
-    return self.axes(self.tokens_spec[0]) + self.axes(self.tokens_spec[1])
+    return _spec_axes(*self.tokens_spec)
 
   @property
   def shares_tokens(self) -> bool:
     """The table's `embed` axes split the batch: the devices along them hold different
     tokens (fsdp), so their rows are exchanged by an all-to-all."""
-    return bool(self.embed_axes) and set(self.embed_axes) <= set(self.axes(self.tokens_spec[0]))
+    return bool(self.embed_axes) and set(self.embed_axes) <= set(_spec_axes(self.tokens_spec[0]))
 
   @property
   def distinct_vocab(self) -> bool:
@@ -645,11 +656,8 @@ class _EmbedPlan:
             and (self.distinct_vocab or not vocab & tokens))
 
   def per_device(self, body, out_specs, *specs):
-    manual = frozenset(self.token_axes + self.embed_axes + self.vocab_axes)
-    if not manual:
-      return body
-    return jax.shard_map(body, in_specs=specs, out_specs=out_specs, axis_names=manual,
-                         check_vma=False)
+    return _per_device(self.token_axes + self.embed_axes + self.vocab_axes, body, out_specs,
+                       *specs)
 
   def ids(self, tokens_BT: jax.Array) -> jax.Array:
     """The tokens whose rows this device looks up its features of: those of every device
@@ -759,26 +767,18 @@ class _LossPlan:
   x_spec: jax.sharding.PartitionSpec
   head_spec: jax.sharding.PartitionSpec
 
-  def axes(self, spec) -> tuple[str, ...]:
-    return tuple(a for entry in spec if entry for a in ((entry,) if isinstance(entry, str)
-                                                        else entry))
-
   @property
   def token_axes(self) -> tuple[str, ...]:
-    return self.axes(self.x_spec)
+    return _spec_axes(*self.x_spec)
 
   @property
   def embed_axes(self) -> tuple[str, ...]:
-    return self.axes(self.head_spec)
+    return _spec_axes(*self.head_spec)
 
   def per_device(self, body, out_specs, *specs):
-    """`body` run per device under the current mesh (a `shard_map` manual over the token and
-    embed axes), or `body` itself without a mesh."""
-    manual = frozenset(self.token_axes + self.embed_axes)
-    if not manual:
-      return body
-    return jax.shard_map(body, in_specs=specs, out_specs=out_specs, axis_names=manual,
-                         check_vma=False)
+    """`body` run per device under the current mesh (manual over the token and embed
+    axes), or `body` itself without a mesh."""
+    return _per_device(self.token_axes + self.embed_axes, body, out_specs, *specs)
 
   def gathered(self, head_EV: jax.Array) -> jax.Array:
     """The whole head `[E, V]` (vocab as the partitioner shards it) in the compute dtype."""
