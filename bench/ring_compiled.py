@@ -2,7 +2,8 @@
 schedule: whether each K/V transfer runs beside a kernel, and the memory per device.
 
   python -m bench.ring_compiled [--platforms v5p h100] [--cps 2 4 8] [--cases causal packed]
-                                [--tokens N] [--heads 16 8] [--no-flags] [--json PATH]
+                                [--tokens N] [--heads 16 8] [--grad-dtype float32|inputs]
+                                [--no-flags] [--json PATH]
 
 Attention alone, forward+backward (the gradient of sum(out^2) in float32 w.r.t. q, k, v):
 B=1, H=16 query heads on 8 K/V heads, D=128, bfloat16, `ContextParallel(strategy="ring")`
@@ -15,7 +16,9 @@ or v5p-16 (cp 8), of 4xh100 (cp 2, 4) or 8xh100 (cp 8). The kernels are the plat
 splash on TPU; on H100 cuDNN where its library is installed on this host (pip install
 nvidia-cudnn-cu12; else pallas_gpu, whose ring steps are scanned instead of unrolled).
 The platform's overlap flags (`train.xla_flags`) are set unless `--no-flags` (XLA reads
-them once per process). Needs libtpu and the CUDA plugin (`pip install "flaxattn[aot]"`).
+them once per process). `--grad-dtype inputs`: the ring sums its partial gradients in the
+inputs' dtype (`ContextParallel(grad_dtype=None)`); default float32. Needs libtpu and the
+CUDA plugin (`pip install "flaxattn[aot]"`).
 
 Per compile (`flaxattn.aot.collectives_in` on `compiled.as_text()`): the K/V transfers
 (collective-permutes of at least half a K shard: K, V, and the dK/dV that travel with
@@ -64,10 +67,12 @@ class Row:
   temporaries: int
   kernels: dict
   compile_s: float
+  grad_dtype: str = "float32"
 
 
 def compile_case(platform: str, cp: int, case: str, strategy: str, tokens: int,
-                 heads: tuple[int, int] = (16, 8), head_dim: int = 128) -> Row:
+                 heads: tuple[int, int] = (16, 8), head_dim: int = 128,
+                 grad_dtype: str = "float32") -> Row:
   """Compiles one case for its target (`TARGETS`) and reads its schedule and plan."""
   import jax
   import jax.numpy as jnp
@@ -78,16 +83,17 @@ def compile_case(platform: str, cp: int, case: str, strategy: str, tokens: int,
   from flaxattn import aot
 
   target = TARGETS[platform][cp]
+  grads = dict(grad_dtype=None if grad_dtype == "inputs" else jnp.float32)
   devices = aot.devices(aot.target(target))[:cp]
   if strategy == "ulysses_ring":  # Ulysses over 2 devices around a ring over cp / 2
     mesh = jax.make_mesh((cp // 2, 2), ("context_ring", "context"), devices=devices,
                          axis_types=(jax.sharding.AxisType.Auto,) * 2)
     context = flaxattn.ContextParallel(axis="context", strategy="ulysses",
-                                       ring_axis="context_ring")
+                                       ring_axis="context_ring", **grads)
   else:
     mesh = jax.make_mesh((cp,), ("context",), axis_types=(jax.sharding.AxisType.Auto,),
                          devices=devices)
-    context = flaxattn.ContextParallel(axis="context", strategy=strategy)
+    context = flaxattn.ContextParallel(axis="context", strategy=strategy, **grads)
   t = tokens * cp
   # "local": a window of half a load-balanced chunk, which the window-aware ring serves.
   mask = flaxattn.Local(tokens // 4) if case == "local" else flaxattn.Causal()
@@ -123,7 +129,7 @@ def compile_case(platform: str, cp: int, case: str, strategy: str, tokens: int,
              collective_bytes=sum(c.bytes * c.times for c in found),
              exposed_bytes=sum(c.bytes * c.times for c in found if c.exposed),
              temporaries=aot.memory(compiled).temporaries, kernels=aot.kernels(text),
-             compile_s=seconds)
+             compile_s=seconds, grad_dtype=grad_dtype)
 
 
 def goals(rows: list[Row]) -> list[str]:
@@ -171,6 +177,8 @@ def main(argv=None) -> int:
                       choices=["ring", "all_gather", "ulysses_ring"])
   parser.add_argument("--tokens", type=int, help="tokens per device (default: per platform)")
   parser.add_argument("--heads", type=int, nargs=2, default=[16, 8], metavar=("H", "HKV"))
+  parser.add_argument("--grad-dtype", default="float32", choices=["float32", "inputs"],
+                      help="what the ring sums its partial gradients in")
   parser.add_argument("--no-flags", action="store_true", help="without train.xla_flags")
   parser.add_argument("--json", help="write the rows and goal lines here")
   args = parser.parse_args(argv)
@@ -191,7 +199,8 @@ def main(argv=None) -> int:
         # all_gather is the memory baseline of the ring at cp >= 4.
         for strategy in [s for s in args.strategies if s == "ring" or cp >= 4]:
           rows.append(compile_case(platform, cp, case, strategy,
-                                   args.tokens or TOKENS[platform], tuple(args.heads)))
+                                   args.tokens or TOKENS[platform], tuple(args.heads),
+                                   grad_dtype=args.grad_dtype))
           print(_row(rows[-1]), flush=True)
   lines = goals(rows)
   print("\n".join(lines))

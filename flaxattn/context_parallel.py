@@ -13,8 +13,10 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable
+from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from flaxattn import checks, planner, ring, sharding, ulysses
@@ -57,12 +59,20 @@ class ContextParallel:
       or non-dividing axes are replicated there).
     cost_model: the platform numbers `strategy="auto"` estimates with: a key of
       `flaxattn.planner.PLATFORMS` or a `planner.Platform`; None: the current backend's.
+    grad_dtype: the dtype a ring's backward sums its steps' partial dQ and dK/dV in (dQ on
+      the device, dK/dV travelling with their block). float32 (the default): each partial
+      is added exactly. None: the inputs' dtype, as TransformerEngine's ring does: for
+      bfloat16 inputs the ring then
+      holds and sends half the bytes of gradient (from 3 devices on, where the ring sums;
+      docs/context_parallel.md has the memory and the error measured). Each sum still adds
+      in float32; only what is held between steps is rounded.
   Raises:
     TypeError: `load_balance` other than True, False or a string (1, 1.0, np.True_, None:
       the order is read by identity).
     ValueError: unknown strategy, load balancing string or cost model, a non-string axis,
-      `batch_axes` or `head_axes` other than a tuple of axis names, or a `ring_axis` that is
-      `axis` or comes without strategy "ulysses" or "auto".
+      `batch_axes` or `head_axes` other than a tuple of axis names, a `ring_axis` that is
+      `axis` or comes without strategy "ulysses" or "auto", or a `grad_dtype` other than
+      None or a floating dtype.
   """
 
   axis: str = "context"
@@ -72,6 +82,7 @@ class ContextParallel:
   batch_axes: tuple[str, ...] = ("data", "fsdp")
   head_axes: tuple[str, ...] = ("tensor",)
   cost_model: str | planner.Platform | None = None
+  grad_dtype: Any = jnp.float32
 
   def __post_init__(self):
     if not isinstance(self.axis, str) or not self.axis:
@@ -109,6 +120,15 @@ class ContextParallel:
       raise ValueError(f"ContextParallel(cost_model=...) expects None, one of"
                        f" {tuple(planner.PLATFORMS)} or a flaxattn.planner.Platform, got"
                        f" {self.cost_model!r}.")
+    if self.grad_dtype is not None:
+      try:
+        dtype = jnp.dtype(self.grad_dtype)
+      except TypeError:
+        dtype = None
+      if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"ContextParallel(grad_dtype=...) expects None (the inputs' dtype) or"
+                         f" a floating dtype such as jnp.float32, got {self.grad_dtype!r}.")
+      object.__setattr__(self, "grad_dtype", dtype)  # one hashable form: a static argument
 
   @property
   def row_balanced(self) -> bool:
@@ -282,9 +302,10 @@ def context_parallel_attention(q, k, v, layout: Layout, *, mask: Mask, scale: fl
   if cp.strategy == "all_gather":
     body = functools.partial(ring.all_gather, cp.axis, n)
   elif cp.strategy == "ring":
-    body = ring.ring(cp.axis, n, fetches, near is not None)
+    body = ring.ring(cp.axis, n, fetches, near is not None, cp.grad_dtype)
   else:
-    inner = (ring.ring(cp.ring_axis, ring_n, fetches, near is not None) if cp.ring_axis
+    inner = (ring.ring(cp.ring_axis, ring_n, fetches, near is not None, cp.grad_dtype)
+             if cp.ring_axis
              else functools.partial(ulysses.whole_sequence, kernel, options,
                                     balanced if cp.row_balanced else 1))
     body = functools.partial(ulysses.ulysses, cp.axis, inner, repeat)

@@ -127,19 +127,20 @@ def ring_fetches(mask: Mask, t: int, n: int, load_balance: bool | str):
   return tuple((step, None) for step in range(1, steps + 1)) if steps < n - 1 else None
 
 
-def ring(axis: str, n: int, fetches, checked: bool):
+def ring(axis: str, n: int, fetches, checked: bool, grad_dtype=jnp.float32):
   """The ring over `axis` (n devices) as a `shard_map` body `(step, near, q, k, v, layout)
   -> (out, lse)`: every step; with `fetches` (`ring_fetches`) only those steps; with
   `checked`, per batch the fetched steps where `near` (a scalar bool: positions follow the
-  token index) holds, else every step."""
+  token index) holds, else every step. The backward sums the steps' partial gradients in
+  `grad_dtype` (None: the inputs' dtype; `ContextParallel.grad_dtype`)."""
   def full(step, near, *args):
-    return _ring(axis, n, step, *args)
+    return _ring(axis, n, grad_dtype, step, *args)
 
   if fetches is None:
     return full
 
   def window(step, near, *args):
-    return _window_ring(axis, n, fetches, step, *args)
+    return _window_ring(axis, n, fetches, grad_dtype, step, *args)
 
   if not checked:
     return window
@@ -187,13 +188,19 @@ def _zeros_f32(x):
   return jnp.zeros(x.shape, jnp.float32)
 
 
-def _ring_primal(axis, n, step, q, k, v, layout) -> tuple[jax.Array, jax.Array]:
-  return _ring_fwd(axis, n, step, q, k, v, layout)[0]
+def _sum(dtype, acc, grad):
+  """acc + grad, added in float32 and held in `dtype` (None: acc's own)."""
+  return (acc.astype(jnp.float32) + grad.astype(jnp.float32)).astype(
+      acc.dtype if dtype is None else dtype)
+
+
+def _ring_primal(axis, n, grad_dtype, step, q, k, v, layout) -> tuple[jax.Array, jax.Array]:
+  return _ring_fwd(axis, n, grad_dtype, step, q, k, v, layout)[0]
 
 
 # The custom VJPs here are applied as calls, not as decorators through functools.partial,
 # so that their results stay typed.
-_ring = jax.custom_vjp(_ring_primal, nondiff_argnums=(0, 1))
+_ring = jax.custom_vjp(_ring_primal, nondiff_argnums=(0, 1, 2))
 
 
 def _rotate(axis: str, n: int, step: RingStep, kernel, accumulate, zeros, kv, ids,
@@ -206,9 +213,10 @@ def _rotate(axis: str, n: int, step: RingStep, kernel, accumulate, zeros, kv, id
   this block's. Returns the final accumulator (with `travel`, the last block's, one device
   short of home), or None when every step was skipped.
 
-  The accumulator of scanned steps starts as `zeros()`, float32; unrolled steps start from
-  None and keep the first partial result as the kernel made it, which the first fold then
-  reads exactly: until then it is held, and travels, in the kernel's dtype.
+  The accumulator of scanned steps starts as `zeros()` (in the dtype the caller sums in);
+  unrolled steps start from None and keep the first partial result as the kernel made it,
+  which the first fold then reads exactly: until then it is held, and travels, in the
+  kernel's dtype.
 
   Each step sends its block on before its kernel and hands the arrived block to the next
   step only after it, with the kernel's result and then the accumulator ordered in between
@@ -233,7 +241,7 @@ def _rotate(axis: str, n: int, step: RingStep, kernel, accumulate, zeros, kv, id
   return accumulate(acc, kernel(n - 1, kv, ids))  # the last block: nothing left to send
 
 
-def _ring_fwd(axis, n, step, q, k, v, layout):
+def _ring_fwd(axis, n, grad_dtype, step, q, k, v, layout):
   def kernel(i, kv, ids):
     return step.forward(i, q, *kv, _visiting(layout, ids))
 
@@ -253,9 +261,10 @@ def _ring_fwd(axis, n, step, q, k, v, layout):
   return (out, lse), (step, q, k, v, layout, out, lse)
 
 
-def _ring_bwd(axis, n, residuals, cotangents):
+def _ring_bwd(axis, n, grad_dtype, residuals, cotangents):
   step, q, k, v, layout, out, lse = residuals
   dout, dlse = cotangents
+  dq_dtype, dkv_dtype = (x.dtype if grad_dtype is None else grad_dtype for x in (q, k))
 
   def kernel(i, kv, ids):
     return step.backward(i, q, *kv, _visiting(layout, ids), out, lse, dout, dlse)
@@ -267,14 +276,14 @@ def _ring_bwd(axis, n, residuals, cotangents):
     dkv_s = jnp.concatenate([dk_s, dv_s], -1)  # one buffer: one transfer
     if acc is None:
       return dq_s, dkv_s
-    return tuple(a.astype(jnp.float32) + g.astype(jnp.float32)
-                 for a, g in zip(acc, (dq_s, dkv_s), strict=True))
+    return _sum(dq_dtype, acc[0], dq_s), _sum(dkv_dtype, acc[1], dkv_s)
 
   def travel(acc):  # dK/dV travel; dQ stays
     return acc[0], _shift(acc[1], axis, n)
 
   def zeros():
-    return (_zeros_f32(q), jnp.zeros(k.shape[:3] + (k.shape[3] + v.shape[3],), jnp.float32))
+    return (jnp.zeros(q.shape, dq_dtype),
+            jnp.zeros(k.shape[:3] + (k.shape[3] + v.shape[3],), dkv_dtype))
 
   # The backward's own blocks, tied to the cotangent: XLA would otherwise reuse the blocks
   # the forward received, keeping every one of them live from the forward on.
@@ -312,14 +321,15 @@ def _merged(step: RingStep, q, v, pieces):
   return out.astype(q.dtype), lse
 
 
-def _window_ring_primal(axis, n, fetches, step, q, k, v, layout) -> tuple[jax.Array, jax.Array]:
-  return _window_ring_fwd(axis, n, fetches, step, q, k, v, layout)[0]
+def _window_ring_primal(axis, n, fetches, grad_dtype, step, q, k, v,
+                        layout) -> tuple[jax.Array, jax.Array]:
+  return _window_ring_fwd(axis, n, fetches, grad_dtype, step, q, k, v, layout)[0]
 
 
-_window_ring = jax.custom_vjp(_window_ring_primal, nondiff_argnums=(0, 1, 2))
+_window_ring = jax.custom_vjp(_window_ring_primal, nondiff_argnums=(0, 1, 2, 3))
 
 
-def _window_ring_fwd(axis, n, fetches, step, q, k, v, layout):
+def _window_ring_fwd(axis, n, fetches, grad_dtype, step, q, k, v, layout):
   # As in `_rotate`: each fetch is in flight while the previous visit's kernel runs, and the
   # one after it starts only once that kernel has finished.
   local = (k, v, jnp.stack([layout.kv_segment_ids, layout.kv_positions]))
@@ -343,28 +353,29 @@ def _window_ring_fwd(axis, n, fetches, step, q, k, v, layout):
   return (out, lse), (step, q, layout, visits, out, lse)
 
 
-def _window_ring_bwd(axis, n, fetches, residuals, cotangents):
+def _window_ring_bwd(axis, n, fetches, grad_dtype, residuals, cotangents):
   step, q, layout, visits, out, lse = residuals
   dout, dlse = cotangents
   k, v = visits[0][:2]
-  dq, dk, dv = _zeros_f32(q), _zeros_f32(k), _zeros_f32(v)
+  dq, dk, dv = (jnp.zeros(x.shape, x.dtype if grad_dtype is None else grad_dtype)
+                for x in (q, k, v))
   home = None  # the previous visit's dK/dV on their way home, beside this visit's kernel
   for (k_s, v_s, ids), (i, part) in zip(visits, ((0, None), *fetches), strict=True):
     grads, home = _after(step.backward(i, q, k_s, v_s, _visiting(layout, ids), out, lse, dout,
                                        dlse), home)
     if home is not None:
-      dk, dv = dk + home[0].astype(jnp.float32), dv + home[1].astype(jnp.float32)
+      dk, dv = _sum(None, dk, home[0]), _sum(None, dv, home[1])
       home = None
     if grads is None:
       continue
     dq_s, dk_s, dv_s = grads
-    dq = dq + dq_s.astype(jnp.float32)
-    if i:  # partial gradients travel as the kernel made them; home adds them in float32
+    dq = _sum(None, dq, dq_s)
+    if i:  # partial gradients travel as the kernel made them; home sums them
       home = tuple(_move(g, axis, n, i, part, back=True) for g in (dk_s, dv_s))
     else:
-      dk, dv = dk + dk_s.astype(jnp.float32), dv + dv_s.astype(jnp.float32)
+      dk, dv = _sum(None, dk, dk_s), _sum(None, dv, dv_s)
   if home is not None:  # the last visit's: nothing left to hide them behind
-    dk, dv = dk + home[0].astype(jnp.float32), dv + home[1].astype(jnp.float32)
+    dk, dv = _sum(None, dk, home[0]), _sum(None, dv, home[1])
   return None, dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
 

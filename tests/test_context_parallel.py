@@ -22,6 +22,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh
 import cp_check
 import flaxattn
 from helpers import CP_BF16_TOL, cp_cases, grads_of, normal, qkv, random_packing, rel_error
+from helpers import mesh as helpers_mesh
 
 TOL = 1e-5  # float32, relative to the largest reference magnitude
 SCRIPT = os.path.join(os.path.dirname(__file__), "cp_check.py")
@@ -261,6 +262,55 @@ def test_errors():
   gather = flaxattn.ContextParallel(strategy="all_gather")
   assert _trace(16, dict(context=4), context_parallel=gather,
                 backend="reference").shape == (1, 16, 2, 8)
+
+
+def test_grad_dtype_takes_none_or_a_floating_dtype():
+  assert flaxattn.ContextParallel().grad_dtype == jnp.float32
+  assert flaxattn.ContextParallel(grad_dtype="bfloat16").grad_dtype == jnp.bfloat16
+  assert flaxattn.ContextParallel(grad_dtype=None).grad_dtype is None
+  for bad in ("int32", "bogus", 3):
+    with pytest.raises(ValueError, match=r"ContextParallel\(grad_dtype=\.\.\.\) expects None"
+                                         rf" \(the inputs' dtype\) or a floating dtype.*got"
+                                         rf" {re.escape(repr(bad))}"):
+      flaxattn.ContextParallel(grad_dtype=bad)
+
+
+@pytest.mark.parametrize("mask", [flaxattn.Causal(), flaxattn.Local(40)], ids=["full", "window"])
+def test_ring_with_grad_dtype_none_sums_gradients_in_the_inputs_dtype(mask):
+  """bfloat16 inputs, 4 devices, load balanced: with grad_dtype=None the full ring sends its
+  travelling dK/dV (one `[B, T/4, Hkv, 2 D]` buffer) in bfloat16 where the default sends
+  float32, and the gradients of either ring (the window-aware one holds its sums in
+  bfloat16 too) match the reference and the float32 sums within the bfloat16 tolerance.
+  The program is read as lowered: the CPU compiler computes bfloat16 collectives in
+  float32."""
+  mesh = helpers_mesh({"context": 4})
+  t, hkv, d = 512, 2, 64
+  q, k, v = (flaxattn.load_balance(x, 4) for x in qkv(3, 1, t, t, 4, hkv, d, jnp.bfloat16))
+  positions = flaxattn.load_balance(np.arange(t)[None], 4)
+
+  def run(grad_dtype):
+    context = flaxattn.ContextParallel(grad_dtype=grad_dtype)
+    def attend(q, k, v):
+      return flaxattn.attention(q, k, v, mask=mask, context_parallel=context, return_lse=True)
+    with jax.set_mesh(mesh):
+      grads = grads_of(attend)
+      sent = re.findall(r"collective_permute.*?: \(tensor<([^>]*)>", grads.lower(q, k, v).as_text())
+      return set(sent), grads(q, k, v)[0]
+
+  def reference(q, k, v):
+    return flaxattn.attention(q, k, v, mask=mask, positions=positions, backend="reference",
+                              return_lse=True)
+  want = grads_of(reference)(*(x.astype(jnp.float32) for x in (q, k, v)))[0]
+  (exact_sent, exact), (sent, got) = run(jnp.float32), run(None)
+  for name, g, e, w in zip("qkv", got, exact, want, strict=True):
+    assert g.dtype == jnp.bfloat16, name
+    assert rel_error(g, w) < CP_BF16_TOL and rel_error(g, e) < CP_BF16_TOL, name
+  dkv = f"1x{t // 4}x{hkv}x{2 * d}"
+  if isinstance(mask, flaxattn.Causal):
+    assert f"{dkv}xf32" in exact_sent and f"{dkv}xbf16" not in exact_sent, exact_sent
+    assert f"{dkv}xbf16" in sent and not any(x.endswith("f32") for x in sent), sent
+  else:  # partial gradients go home as the kernel made them, either way
+    assert sent == exact_sent and not any(x.endswith("f32") for x in sent), sent
 
 
 @pytest.mark.parametrize("value,kind", [(1, "int"), (1.0, "float"), (np.True_, "numpy.bool"),

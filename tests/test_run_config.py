@@ -325,6 +325,25 @@ def test_ulysses_heads_are_refused_with_the_config_by_flaxattn():
   assert mesh.make(config.load(None, SIZES + ulysses + ["model.n_heads=4"]), devices).cp
 
 
+def test_context_parallel_grad_dtype_reaches_the_rings_options():
+  """context_parallel.grad_dtype: "float32" (default) or "inputs" (ContextParallel's None);
+  anything else is one ConfigError line naming the key and the choices."""
+  import jax.numpy as jnp
+
+  import helpers
+  from train import mesh
+
+  ring = ["mesh.context=4", "mesh.data=-1", "batch_size=8"]
+  devices = helpers.devices(4)
+  assert mesh.make(config.load(None, SIZES + ring), devices).cp.grad_dtype == jnp.float32
+  inputs = config.load(None, SIZES + ring + ["context_parallel.grad_dtype=inputs"])
+  assert mesh.make(inputs, devices).cp.grad_dtype is None
+  with pytest.raises(ConfigError) as e:
+    config.load(None, ["context_parallel.grad_dtype=bfloat16"])
+  assert "context_parallel.grad_dtype" in str(e.value) and "'inputs'" in str(e.value), str(e.value)
+  assert "\n" not in str(e.value)
+
+
 @pytest.mark.parametrize("seed", [-1, 2**32])
 def test_a_seed_out_of_grains_range_is_a_config_error(seed):
   """grain shuffles with an unsigned 32-bit seed: others were accepted, then the first

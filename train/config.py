@@ -148,6 +148,8 @@ MESH_AXES = ("data", "fsdp", "tensor", "context_ring", "context")
 SEED_LIMIT = 2**32
 # data.balance -> ContextParallel(load_balance=...).
 BALANCE = {"document": "document", "row": True, "none": False}
+# context_parallel.grad_dtype -> ContextParallel(grad_dtype=...).
+GRAD_DTYPES = {"float32": "float32", "inputs": None}
 PLATFORMS = ("cpu", "gpu", "cuda", "rocm", "tpu")
 
 
@@ -158,9 +160,12 @@ class ContextParallelConfig:
   layer, the strategy `flaxattn.planner` estimates fastest); with mesh `context_ring` > 1
   it must be "ulysses" (or "auto", which then has only it), which runs a ring over
   `context_ring` (`ContextParallel(ring_axis="context_ring")`). Its token order (load
-  balancing) is `data.balance`."""
+  balancing) is `data.balance`. grad_dtype: what a ring sums its steps' partial gradients
+  in, "float32" (exact) or "inputs" (the compute dtype: half the gradient bytes held and
+  sent; `ContextParallel(grad_dtype=None)`)."""
 
   strategy: str = "ring"
+  grad_dtype: str = "float32"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,13 +259,14 @@ class TrainConfig:
                         keys=("seq_len", "model.max_seq_len"))
     for key, choices in (("distributed", ("auto", "on", "off")),
                          ("context_parallel.strategy", STRATEGIES),
+                         ("context_parallel.grad_dtype", tuple(GRAD_DTYPES)),
                          ("platform", ("",) + PLATFORMS),
                          ("model.attention_backend", tuple(registry.backend_names())),
                          ("data.bad_records", ("skip", "error")),
                          ("data.balance", tuple(BALANCE))):
       _check_choice(key, get(self, key), choices)
     try:
-      context_parallel(self.context_parallel.strategy, self.data.balance,
+      context_parallel(self.context_parallel, self.data.balance,
                        ring=self.mesh.context_ring != 1)
     except ValueError as e:
       raise ConfigError(f"config key 'mesh.context_ring' ({self.mesh.context_ring}) with"
@@ -271,16 +277,20 @@ class TrainConfig:
                         f" {self.data.eval_fraction}.")
 
 
-def context_parallel(strategy: str, balance: str, ring: bool) -> ContextParallel:
-  """The `flaxattn.ContextParallel` over the mesh's `context` axis with strategy
-  `strategy` (`context_parallel.strategy`), the token order of `balance` (`data.balance`),
-  and with `ring` a ring over `context_ring` inside Ulysses over `context`.
+def context_parallel(options: ContextParallelConfig, balance: str,
+                     ring: bool) -> ContextParallel:
+  """The `flaxattn.ContextParallel` over the mesh's `context` axis with the strategy and
+  gradient dtype of `options` (`context_parallel`), the token order of `balance`
+  (`data.balance`), and with `ring` a ring over `context_ring` inside Ulysses over
+  `context`.
 
   Raises:
     ValueError: options that `ContextParallel` refuses (a ring under a strategy other than
       "ulysses" or "auto").
   """
-  return ContextParallel("context", strategy, BALANCE[balance], "context_ring" if ring else None)
+  return ContextParallel("context", options.strategy, BALANCE[balance],
+                         "context_ring" if ring else None,
+                         grad_dtype=GRAD_DTYPES[options.grad_dtype])
 
 
 def _check_at_least(key: str, value: int, least: int) -> None:

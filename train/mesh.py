@@ -99,7 +99,7 @@ def _context_parallel(cfg: TrainConfig, sizes: dict) -> flaxattn.ContextParallel
   the sequence."""
   if sizes["context_ring"] * sizes["context"] == 1:
     return None
-  return context_parallel(cfg.context_parallel.strategy, cfg.data.balance,
+  return context_parallel(cfg.context_parallel, cfg.data.balance,
                           ring=sizes["context_ring"] > 1)
 
 
