@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pathlib
 import sys
 
 
@@ -78,8 +79,7 @@ def main(argv=None) -> int:
       print(f"| {cp} | {d} | {a:.2e} ({a_max:.2e}) | {b:.2e} ({b_max:.2e}) | {b / a:.2f} |",
             flush=True)
   if args.json:
-    with open(args.json, "w") as f:
-      json.dump(results, f, indent=1)
+    pathlib.Path(args.json).write_text(json.dumps(results, indent=1))
   return 0
 
 
