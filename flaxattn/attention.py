@@ -281,6 +281,11 @@ def explain(q, k, v, *, mask: Mask = Causal(), segment_ids=None, positions=None,
     text += "\n" + planner.communication(
         cp.strategy, cp.load_balance, mask, q.shape[1], axis_size(cp),
         layout.q_positions is not None, axis_size(cp, cp.ring_axis) if cp.ring_axis else None)
+    if cp.strategy == "ring" or cp.ring_axis:  # a ring sums the steps' partial gradients
+      sums = jnp.dtype(q.dtype if cp.grad_dtype is None else cp.grad_dtype).name
+      text += (f"\nbackward: the ring sums dQ and the travelling dK/dV in {sums}"
+               + (" (grad_dtype=None: the inputs' dtype)" if cp.grad_dtype is None else
+                  " (grad_dtype)"))
   if balance_plan is not None:
     text += "\n" + balance_plan.describe()
   if decode:

@@ -295,6 +295,9 @@ def test_ring_with_grad_dtype_none_sums_gradients_in_the_inputs_dtype(mask):
     with jax.set_mesh(mesh):
       grads = grads_of(attend)
       sent = re.findall(r"collective_permute.*?: \(tensor<([^>]*)>", grads.lower(q, k, v).as_text())
+      said = flaxattn.explain(q, k, v, mask=mask, context_parallel=context, print_fn=None)
+      sums = "bfloat16 (grad_dtype=None" if grad_dtype is None else "float32 (grad_dtype)"
+      assert f"the ring sums dQ and the travelling dK/dV in {sums}" in said, said
       return set(sent), grads(q, k, v)[0]
 
   def reference(q, k, v):
