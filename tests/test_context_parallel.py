@@ -275,6 +275,7 @@ def test_grad_dtype_takes_none_or_a_floating_dtype():
       flaxattn.ContextParallel(grad_dtype=bad)
 
 
+@pytest.mark.slow  # 4 devices: the quick tier keeps 2-device cases
 @pytest.mark.parametrize("mask", [flaxattn.Causal(), flaxattn.Local(40)], ids=["full", "window"])
 def test_ring_with_grad_dtype_none_sums_gradients_in_the_inputs_dtype(mask):
   """bfloat16 inputs, 4 devices, load balanced: with grad_dtype=None the full ring sends its
