@@ -83,7 +83,9 @@ def compile_case(platform: str, cp: int, case: str, strategy: str, tokens: int,
   from flaxattn import aot
 
   target = TARGETS[platform][cp]
-  grads = dict(grad_dtype=None if grad_dtype == "inputs" else jnp.float32)
+  from train.config import GRAD_DTYPES
+
+  grads = dict(grad_dtype=GRAD_DTYPES[grad_dtype])
   devices = aot.devices(aot.target(target))[:cp]
   if strategy == "ulysses_ring":  # Ulysses over 2 devices around a ring over cp / 2
     mesh = jax.make_mesh((cp // 2, 2), ("context_ring", "context"), devices=devices,

@@ -62,10 +62,10 @@ class ContextParallel:
     grad_dtype: the dtype a ring's backward sums its steps' partial dQ and dK/dV in (dQ on
       the device, dK/dV travelling with their block). float32 (the default): each partial
       is added exactly. None: the inputs' dtype, as TransformerEngine's ring does: for
-      bfloat16 inputs the ring then
-      holds and sends half the bytes of gradient (from 3 devices on, where the ring sums;
-      docs/context_parallel.md has the memory and the error measured). Each sum still adds
-      in float32; only what is held between steps is rounded.
+      bfloat16 inputs the ring then holds and sends half the bytes of gradient (from 3
+      devices on, where the ring sums; docs/context_parallel.md has the memory and the
+      error measured). Each sum still adds in float32; only what is held between steps is
+      rounded.
   Raises:
     TypeError: `load_balance` other than True, False or a string (1, 1.0, np.True_, None:
       the order is read by identity).
