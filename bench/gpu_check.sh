@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # The checks of one NVIDIA GPU host, in one run, in this order, each stage under its own time
 # limit, writing its results to OUT_DIR as it ends (a run cut short keeps what it measured):
-#   0. the wheels the host lacks, from .whl/ (grain, array_record, tensorboardX, portpicker;
+#   0. the wheels the host lacks, from .whl/ (grain, array_record, tensorboardX, portpicker,
+#      zstandard; tokamax and what it imports, for its peer rows;
 #      flax and orbax-checkpoint from .whl/maybe/ only where the host's are outside
 #      pyproject.toml's ranges), then versions and nvidia-smi;
 #   1. `python -m flaxattn.selftest --quick` (its output in this script's) beside the GPU tests (tests/test_pallas_gpu.py,
-#      test_cudnn.py, test_bench_gpu.py, test_split_k.py; junit XML in tests.xml);
-#   2. `python -m bench.gpu` at 32K with --tilings (gpu.json);
+#      test_mosaic_gpu.py, test_cudnn.py, test_bench_gpu.py, test_split_k.py; junit XML in
+#      tests.xml);
+#   2. `python -m bench.gpu` at 32K with --tilings (gpu.json; GPU_CHECK_BENCH_S, default 200,
+#      its time limit);
 #   3. `python -m bench.gpu_goals` (goals.json);
 #   4. the trainer, `python -m train configs/gpu_demo.yaml steps=60` (GPU_CHECK_TRAINER_STEPS),
 #      its log with each
@@ -93,15 +96,16 @@ if has 1; then
   # GPU_CHECK_TESTS: other pytest arguments (e.g. test ids to rerun)
   XLA_PYTHON_CLIENT_PREALLOCATE=false stage gpu_tests 150 "$python" -m pytest -q -n 6 \
     -p no:cacheprovider --junitxml="$out/tests.xml" ${GPU_CHECK_TESTS:-tests/test_pallas_gpu.py \
-    tests/test_cudnn.py tests/test_bench_gpu.py tests/test_split_k.py}
+    tests/test_mosaic_gpu.py tests/test_cudnn.py tests/test_bench_gpu.py tests/test_split_k.py}
   wait
   echo "--- selftest:"; cat /tmp/selftest.txt
 fi
 
 # --- 2. and 3. The benchmarks, alone on the GPU ------------------------------------------------
 if has 2; then
-  stage bench_gpu 170 "$python" -m bench.gpu --lengths 32768 --tilings --trainer-steps 0 \
-    --rows ${GPU_CHECK_ROWS:-pallas_gpu cudnn auto jax_nn_cudnn docs_as_rows torch_sdpa} \
+  stage bench_gpu "${GPU_CHECK_BENCH_S:-200}" "$python" -m bench.gpu --lengths 32768 --tilings \
+    --trainer-steps 0 --rows ${GPU_CHECK_ROWS:-pallas_gpu mosaic_gpu cudnn auto jax_nn_cudnn \
+    docs_as_rows tokamax_mosaic torch_sdpa} \
     --json "$out/gpu.json"
 fi
 if has 3; then
