@@ -68,7 +68,8 @@ def missing_here() -> str | None:
   JAX reads while tracing, is not installed), or None."""
   if _cudnn_version() is None:
     return ("cuDNN is not installed on this host (pip install nvidia-cudnn-cu12): any call a"
-            " GPU would run with cuDNN was compiled with the next kernel (pallas_gpu).")
+            " GPU would run with cuDNN was compiled with the next kernel of the GPU row"
+            " (mosaic_gpu for Hopper, else pallas_gpu).")
   return None
 
 
@@ -627,8 +628,8 @@ class Cudnn(registry.Kernel):
         reason = (f"cuDNN's packed (THD) layout with {slots} slots would hold about"
                   f" {packed / GIB:.2f} GiB of temporaries ({THD_BYTES_PER_SLOT} x slots x B x"
                   f" T x H x D x bytes, measured on an H100), over its budget of"
-                  f" {budget / GIB:.2f} GiB ({self._budget_text()}); the pallas_gpu kernel"
-                  " serves packed rows with O(T) memory.")
+                  f" {budget / GIB:.2f} GiB ({self._budget_text()}); the mosaic_gpu (Hopper)"
+                  " and pallas_gpu kernels serve packed rows with O(T) memory.")
     return reason
 
   def _thd(self, call: registry.Call) -> tuple[int, int, int]:

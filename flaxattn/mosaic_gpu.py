@@ -517,8 +517,6 @@ class MosaicGpu(RowKernel):
   interpreter = "GPU interpret mode"
   ring: bool = True
   soft_cap: bool = True
-  outside_order = ("in no platform's order until a GPU measures it ahead of cudnn"
-                   " and pallas_gpu (python -m bench.gpu); backend='mosaic_gpu' runs it")
 
   def __post_init__(self):
     for arg in ("block_kv", "block_kv_dq", "block_q_dkv"):

@@ -30,19 +30,21 @@ BACKENDS: dict[str, list[str]] = {
             "blockwise"],  # whatever splash declines
     "gpu": ["split_k",     # decode steps, as on TPU
             "cudnn",       # cuDNN fused THD attention, where it is exact
-            "pallas_gpu",  # flash attention in Pallas (Triton): whatever cuDNN declines
-                           # (Chunked, float32, windows under CP, soft cap, Dv != D)
+            "mosaic_gpu",  # Mosaic GPU flash attention on Hopper, 16-bit, D <= 128: what
+                           # cuDNN declines there (packed rows past its budget, Chunked...)
+            "pallas_gpu",  # flash attention in Pallas (Triton): whatever both decline
+                           # (other GPUs, float32, head dims 129-256)
             "blockwise"],  # whatever both decline (head dims above 256, float64)
     "cpu": ["split_k",     # decode steps, as on TPU
             "blockwise"],  # flash attention in JAX: serves every call
 }
 # Names that stand for "the first of these kernels that accepts".
-ALIASES = {"fused": ("cudnn", "pallas_gpu", "blockwise")}
+ALIASES = {"fused": ("cudnn", "mosaic_gpu", "pallas_gpu", "blockwise")}
 # Where each built-in kernel lives ("module:class"); `register` adds kernel objects.
 _BUILTIN = {
     "blockwise": "flaxattn.blockwise:Blockwise",
     "cudnn": "flaxattn.cudnn:Cudnn",
-    "mosaic_gpu": "flaxattn.mosaic_gpu:MosaicGpu",  # Hopper; in no order until measured
+    "mosaic_gpu": "flaxattn.mosaic_gpu:MosaicGpu",
     "pallas_gpu": "flaxattn.pallas_gpu:PallasGpu",
     "reference": "flaxattn.reference:Reference",
     "splash": "flaxattn.splash:Splash",
@@ -168,8 +170,6 @@ class Kernel:
   # False: tracing needs the platform's own libraries (cuDNN), so a program traced on
   # another platform's host cannot hold this kernel for it.
   traces_anywhere: bool = True
-  # Why a kernel in no platform's row of `BACKENDS` is there ("" for none): `explain` says it.
-  outside_order: str = ""
 
   def unsupported_reason(self, call: Call) -> str | None:
     """None if the kernel serves `call` (with its context parallelism), else why not.
@@ -389,11 +389,8 @@ def lowering_name(platform: str) -> str:
   return {v: k for k, v in LOWERING.items()}[platform]
 
 
-def _format_reasons(answers: dict[str, str | None], platform: str) -> str:
-  def accepts(name):  # and why "auto" still passes it by, for a kernel in no order
-    why = get(name).outside_order
-    return f"accepts ({why})" if why and name not in order(platform) else "accepts"
-  return "\n".join(f"  {n}: {accepts(n) if r is None else 'declines: ' + r}"
+def _format_reasons(answers: dict[str, str | None]) -> str:
+  return "\n".join(f"  {n}: {'accepts' if r is None else 'declines: ' + r}"
                    for n, r in answers.items())
 
 
@@ -424,7 +421,7 @@ def describe(backend, call: Call) -> str:
            f" mask {call.mask}; segment_ids: {call.has_segment_ids};"
            f" positions: {call.has_positions}{cp}{extras}",
            f"order on {call.platform}: {order(call.platform)}",
-           _format_reasons(reasons(call), call.platform),
+           _format_reasons(reasons(call)),
            f"backend={backend!r} -> {_resolve(backend, call)}",
            f"per platform, backend={backend!r}:"]
   lines += [f"  {p}: {_resolve(backend, dataclasses.replace(call, platform=p))}" for p in PLATFORMS]

@@ -99,7 +99,7 @@ def test_every_cell_on_a_gpu(monkeypatch):
     assert status("pallas_gpu", case) == status("blockwise", case) == "ok"
     assert status("tokamax_mosaic", case) == "absent"
     auto = by[("auto", case)]
-    assert auto["runs"] == ("cudnn" if case in ("causal", "local") else "pallas_gpu")
+    assert auto["runs"] == ("cudnn" if case in ("causal", "local") else "mosaic_gpu")
     assert auto["fwd_tflops"] == by[(auto["runs"], case)]["fwd_tflops"]  # its row's program
   assert "chunked" in by[("cudnn", "chunked")]["reason"]
   assert "budget" in by[("cudnn", "packed")]["reason"]

@@ -119,11 +119,11 @@ def _gpu_call(**kw):
     (dict(soft_cap=30.0), "no logit soft-capping, got logit_soft_cap=30.0"),
     (dict(v_head_dim=32), "v head_dim 32; the pallas_gpu and blockwise kernels serve Dv != D"),
 ])
-def test_cudnn_declines_with_reason_and_fused_takes_pallas_gpu(kw, words):
+def test_cudnn_declines_with_reason_and_fused_takes_the_next_kernel(kw, words):
   call = _gpu_call(**kw)
   assert words in registry.get("cudnn").unsupported_reason(call)
-  assert registry.select("fused", call).name == "pallas_gpu"
-  for name in ("splash", "pallas_gpu", "blockwise", "reference"):  # splash: on TPU
+  assert registry.select("fused", call).name == "mosaic_gpu"
+  for name in ("splash", "mosaic_gpu", "pallas_gpu", "blockwise", "reference"):  # splash: TPU
     assert registry.get(name).unsupported_reason(
         dataclasses.replace(call, platform="tpu" if name == "splash" else "gpu")) is None
   text = registry.describe("fused", call)

@@ -153,11 +153,12 @@ def test_explicit_backend_that_declines_names_reason_and_alternatives(picky):
 def test_registry_order_is_pinned_and_extended_by_name(picky):
   assert registry.order("cpu") == ["split_k", "picky", "blockwise"]
   assert registry.order("tpu") == ["split_k", "splash", "blockwise"]
-  assert registry.order("gpu") == ["split_k", "cudnn", "pallas_gpu", "blockwise"]
-  assert registry.ALIASES == {"fused": ("cudnn", "pallas_gpu", "blockwise")}
+  assert registry.order("gpu") == ["split_k", "cudnn", "mosaic_gpu", "pallas_gpu", "blockwise"]
+  assert registry.ALIASES == {"fused": ("cudnn", "mosaic_gpu", "pallas_gpu", "blockwise")}
   registry.register(_Picky(), platforms=("cpu", "gpu"), after="blockwise")
   assert registry.order("cpu") == ["split_k", "blockwise", "picky"]
-  assert registry.order("gpu") == ["split_k", "cudnn", "pallas_gpu", "blockwise", "picky"]
+  assert registry.order("gpu") == ["split_k", "cudnn", "mosaic_gpu", "pallas_gpu", "blockwise",
+                                   "picky"]
   registry.register(_Picky(), platforms=("tpu",), before="splash")
   assert registry.order("tpu") == ["split_k", "picky", "splash", "blockwise"]
   with pytest.raises(ValueError, match=r"after='nope'\) expects a kernel of the cpu row"):
@@ -209,7 +210,7 @@ def test_explain_shows_each_platform():
   # its budget, twice the unpacked call's (2 x 6.0 x 4096 x 8 x 128 x 2 bytes).
   # split_k, first everywhere, serves decode steps only.
   decline = "split_k declines: split_k serves decode steps of at most 16 queries; this call has"
-  assert (f"  cpu: blockwise ({decline} 4096.)\n  gpu: pallas_gpu ({decline} 4096.; cudnn declines:"
+  assert (f"  cpu: blockwise ({decline} 4096.)\n  gpu: mosaic_gpu ({decline} 4096.; cudnn declines:"
           " cuDNN's packed (THD) layout with 32 slots would hold about 1.07 GiB of"
           " temporaries") in text
   assert "over its budget of 0.09 GiB" in text
@@ -218,18 +219,19 @@ def test_explain_shows_each_platform():
   assert ("\n  tpu: splash (backward fused dK/dV/dQ: its dq partials take 67108864 bytes,"
           " within fused_dq_budget 268435456 bytes") in text
   assert f"; {decline} 4096.)\n" in text.split("\n  tpu: ")[1]
-  # Chunked: no cuDNN mask, so GPU takes the next kernel and says why; splash chunks lazily
-  # on TPU.
+  # Chunked: no cuDNN mask, so GPU takes the next kernel (Hopper's, for a GPU not named) and
+  # says why; splash chunks lazily on TPU.
   text = flaxattn.explain(q, kv, kv, mask=flaxattn.Chunked(1024), print_fn=None)
-  assert f"gpu: pallas_gpu ({decline} 4096.; cudnn declines: cuDNN has no chunked mask" in text
+  assert f"gpu: mosaic_gpu ({decline} 4096.; cudnn declines: cuDNN has no chunked mask" in text
   assert "tpu: splash" in text
   text = flaxattn.explain(q, kv, kv, mask=flaxattn.Chunked(1024), backend="fused", print_fn=None)
-  assert "gpu: pallas_gpu (cudnn declines: cuDNN has no chunked mask" in text  # split_k: not fused
+  assert "gpu: mosaic_gpu (cudnn declines: cuDNN has no chunked mask" in text  # split_k: not fused
   # 4000 tokens: not a multiple of splash's 128-token blocks, so TPU takes the blockwise kernel.
   q, kv = shape(1, 4000, 8, 128, dtype=jnp.float32), shape(1, 4000, 2, 128, dtype=jnp.float32)
   text = flaxattn.explain(q, kv, kv, print_fn=None)
   assert f"tpu: blockwise ({decline} 4000.; splash declines: splash needs a sequence length" in text
-  assert f"gpu: pallas_gpu ({decline} 4000.; cudnn declines:" in text
+  assert f"gpu: pallas_gpu ({decline} 4000.; cudnn declines:" in text  # float32
+  assert "; mosaic_gpu declines: mosaic_gpu takes bfloat16 or float16" in text
   text = flaxattn.explain(q, kv, kv, backend="splash", print_fn=None)
   assert ("  tpu: error: backend='splash' cannot serve this call: splash needs a sequence length"
           in text)
