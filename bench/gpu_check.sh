@@ -7,7 +7,8 @@
 #      pyproject.toml's ranges), then versions and nvidia-smi;
 #   1. `python -m flaxattn.selftest --quick` (its output in this script's) beside the GPU tests (tests/test_pallas_gpu.py,
 #      test_mosaic_gpu.py, test_cudnn.py, test_bench_gpu.py, test_split_k.py; junit XML in
-#      tests.xml);
+#      tests.xml; GPU_CHECK_TESTS_S, default 240, the time limit of each: on an H200 the
+#      tests alone took 158 s with -n 8);
 #   2. `python -m bench.gpu` at 32K with --tilings (gpu.json; GPU_CHECK_BENCH_S, default 200,
 #      its time limit);
 #   3. `python -m bench.gpu_goals` (goals.json);
@@ -91,10 +92,10 @@ echo "setup done at $(since)s"
 
 # --- 1. Self-test and the GPU tests, side by side (correctness only: no timings kept) -------------
 if has 1; then
-  XLA_PYTHON_CLIENT_PREALLOCATE=false stage selftest 150 "$python" -m flaxattn.selftest \
+  XLA_PYTHON_CLIENT_PREALLOCATE=false stage selftest "${GPU_CHECK_TESTS_S:-240}" "$python" -m flaxattn.selftest \
     --quick >/tmp/selftest.txt 2>&1 &
   # GPU_CHECK_TESTS: other pytest arguments (e.g. test ids to rerun)
-  XLA_PYTHON_CLIENT_PREALLOCATE=false stage gpu_tests 150 "$python" -m pytest -q -n 6 \
+  XLA_PYTHON_CLIENT_PREALLOCATE=false stage gpu_tests "${GPU_CHECK_TESTS_S:-240}" "$python" -m pytest -q -n 6 \
     -p no:cacheprovider --junitxml="$out/tests.xml" ${GPU_CHECK_TESTS:-tests/test_pallas_gpu.py \
     tests/test_mosaic_gpu.py tests/test_cudnn.py tests/test_bench_gpu.py tests/test_split_k.py}
   wait
