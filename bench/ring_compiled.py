@@ -3,7 +3,7 @@ schedule: whether each K/V transfer runs beside a kernel, and the memory per dev
 
   python -m bench.ring_compiled [--platforms v5p h100] [--cps 2 4 8] [--cases causal packed]
                                 [--tokens N] [--heads 16 8] [--grad-dtype float32|inputs]
-                                [--no-flags] [--json PATH]
+                                [--head-groups G] [--no-flags] [--json PATH]
 
 Attention alone, forward+backward (the gradient of sum(out^2) in float32 w.r.t. q, k, v):
 B=1, H=16 query heads on 8 K/V heads, D=128, bfloat16, `ContextParallel(strategy="ring")`
@@ -17,17 +17,20 @@ splash on TPU; on H100 cuDNN where its library is installed on this host (pip in
 nvidia-cudnn-cu12; else pallas_gpu, whose ring steps are scanned instead of unrolled).
 The platform's overlap flags (`train.xla_flags`) are set unless `--no-flags` (XLA reads
 them once per process). `--grad-dtype inputs`: the ring sums its partial gradients in the
-inputs' dtype (`ContextParallel(grad_dtype=None)`); default float32. Needs libtpu and the
-CUDA plugin (`pip install "flaxattn[aot]"`).
+inputs' dtype (`ContextParallel(grad_dtype=None)`); default float32. `--head-groups G`:
+the ring takes its heads round in G groups (`ContextParallel(head_groups=G)`); default: as
+the call chooses (`flaxattn.context_parallel.ring_head_groups`: 4 at these sizes). Needs
+libtpu and the CUDA plugin (`pip install "flaxattn[aot]"`).
 
 Per compile (`flaxattn.aot.collectives_in` on `compiled.as_text()`): the K/V transfers
-(collective-permutes of at least half a K shard: K, V, and the dK/dV that travel with
-them), how many have no kernel scheduled between their start and their done, and how many
-nothing computed at all (exposed); all collective bytes and their exposed share; XLA's
-temporaries per device (`memory_analysis`). The goals, printed after the table: no K/V
-transfer without a kernel beside it except at most one per direction at the ring's ends
-(2 in all); at a fixed length per device, the ring's temporaries at cp=8 at most 1.1x
-those at cp=2 (and, printed beside it, at cp=4), and at most all_gather's at cp >= 4.
+(collective-permutes of at least half a K shard of one group of heads: K, V, and the dK/dV
+that travel with them), how many have no kernel scheduled between their start and their
+done, and how many nothing computed at all (exposed); all collective bytes and their
+exposed share; XLA's temporaries per device (`memory_analysis`). The goals, printed after
+the table: no K/V transfer without a kernel beside it except at most one per direction at
+the ring's ends (2 in all); at a fixed length per device, the ring's temporaries at cp=8
+at most 1.1x those at cp=2 (and, printed beside it, at cp=4), and at most all_gather's at
+cp >= 4.
 """
 
 from __future__ import annotations
@@ -68,11 +71,12 @@ class Row:
   kernels: dict
   compile_s: float
   grad_dtype: str = "float32"
+  head_groups: int = 1  # the ring's (`ring_head_groups`); 1 for all_gather
 
 
 def compile_case(platform: str, cp: int, case: str, strategy: str, tokens: int,
                  heads: tuple[int, int] = (16, 8), head_dim: int = 128,
-                 grad_dtype: str = "float32") -> Row:
+                 grad_dtype: str = "float32", head_groups: int | None = None) -> Row:
   """Compiles one case for its target (`TARGETS`) and reads its schedule and plan."""
   import jax
   import jax.numpy as jnp
@@ -80,22 +84,24 @@ def compile_case(platform: str, cp: int, case: str, strategy: str, tokens: int,
   from jax.sharding import PartitionSpec as P
 
   import flaxattn
-  from flaxattn import aot
+  from flaxattn import aot, context_parallel
 
   target = TARGETS[platform][cp]
   from train.config import GRAD_DTYPES
 
-  grads = dict(grad_dtype=GRAD_DTYPES[grad_dtype])
+  options = dict(grad_dtype=GRAD_DTYPES[grad_dtype])
   devices = aot.devices(aot.target(target))[:cp]
   if strategy == "ulysses_ring":  # Ulysses over 2 devices around a ring over cp / 2
     mesh = jax.make_mesh((cp // 2, 2), ("context_ring", "context"), devices=devices,
                          axis_types=(jax.sharding.AxisType.Auto,) * 2)
     context = flaxattn.ContextParallel(axis="context", strategy="ulysses",
-                                       ring_axis="context_ring", **grads)
+                                       ring_axis="context_ring", head_groups=head_groups,
+                                       **options)
   else:
     mesh = jax.make_mesh((cp,), ("context",), axis_types=(jax.sharding.AxisType.Auto,),
                          devices=devices)
-    context = flaxattn.ContextParallel(axis="context", strategy=strategy, **grads)
+    context = flaxattn.ContextParallel(axis="context", strategy=strategy,
+                                       head_groups=head_groups, **options)
   t = tokens * cp
   # "local": a window of half a load-balanced chunk, which the window-aware ring serves.
   mask = flaxattn.Local(tokens // 4) if case == "local" else flaxattn.Causal()
@@ -106,6 +112,10 @@ def compile_case(platform: str, cp: int, case: str, strategy: str, tokens: int,
     return jnp.sum(out.astype(jnp.float32) ** 2)
 
   h, hkv = heads
+  # The ring's groups: Ulysses's ring sees 2 x the tokens and half the heads of a device.
+  inner = 2 if strategy == "ulysses_ring" else 1
+  groups = (1 if strategy == "all_gather" else
+            context_parallel.ring_head_groups(context, tokens * inner, h // inner, hkv // inner))
   # Mosaic refuses bf16 matmuls at float32 precision: the default, as a real run has it.
   with jax.set_mesh(mesh), jax.default_matmul_precision("default"):
     sharded = NamedSharding(mesh, P(None, context.seq_axes))
@@ -119,7 +129,7 @@ def compile_case(platform: str, cp: int, case: str, strategy: str, tokens: int,
     seconds = time.perf_counter() - begin
   text = compiled.as_text()
   found = aot.collectives_in(text)
-  shard = tokens * hkv * head_dim * 2  # one K shard's bytes
+  shard = tokens * hkv * head_dim * 2 // groups  # one K shard's bytes, of one group of heads
   kv_moves = [c for c in found if c.kind == "collective-permute" and 2 * c.bytes >= shard]
   bare = [c for c in kv_moves if c.kernels == 0]
   return Row(platform, target, cp, case, strategy, tokens,
@@ -131,7 +141,7 @@ def compile_case(platform: str, cp: int, case: str, strategy: str, tokens: int,
              collective_bytes=sum(c.bytes * c.times for c in found),
              exposed_bytes=sum(c.bytes * c.times for c in found if c.exposed),
              temporaries=aot.memory(compiled).temporaries, kernels=aot.kernels(text),
-             compile_s=seconds, grad_dtype=grad_dtype)
+             compile_s=seconds, grad_dtype=grad_dtype, head_groups=groups)
 
 
 def goals(rows: list[Row]) -> list[str]:
@@ -162,7 +172,8 @@ def goals(rows: list[Row]) -> list[str]:
 
 
 def _row(r: Row) -> str:
-  return (f"| {r.platform} | {r.target} | {r.cp} | {r.case} | {r.strategy} | {r.kv_transfers}"
+  return (f"| {r.platform} | {r.target} | {r.cp} | {r.case} | {r.strategy} | {r.head_groups}"
+          f" | {r.kv_transfers}"
           f" | {r.without_kernel} ({r.without_kernel_bytes / MIB:.0f}) | {r.exposed}"
           f" | {r.collective_bytes / MIB:.0f} ({r.exposed_bytes / MIB:.0f})"
           f" | {r.temporaries / GIB:.3f} | {', '.join(sorted(r.kernels)) or '-'}"
@@ -181,6 +192,7 @@ def main(argv=None) -> int:
   parser.add_argument("--heads", type=int, nargs=2, default=[16, 8], metavar=("H", "HKV"))
   parser.add_argument("--grad-dtype", default="float32", choices=["float32", "inputs"],
                       help="what the ring sums its partial gradients in")
+  parser.add_argument("--head-groups", type=int, help="the ring's head groups (default: chosen)")
   parser.add_argument("--no-flags", action="store_true", help="without train.xla_flags")
   parser.add_argument("--json", help="write the rows and goal lines here")
   args = parser.parse_args(argv)
@@ -191,9 +203,9 @@ def main(argv=None) -> int:
   print(f"overlap flags: {'none' if args.no_flags else 'train.xla_flags'};"
         f" LIBTPU_INIT_ARGS={os.environ.get('LIBTPU_INIT_ARGS', '')!r}"
         f" XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)
-  print("| platform | target | cp | case | strategy | K/V transfers | without a kernel (MiB)"
-        " | exposed | collectives MiB (exposed) | temporaries GiB | kernels | compile s |\n|"
-        + "---|" * 12, flush=True)
+  print("| platform | target | cp | case | strategy | head groups | K/V transfers"
+        " | without a kernel (MiB) | exposed | collectives MiB (exposed) | temporaries GiB"
+        " | kernels | compile s |\n|" + "---|" * 13, flush=True)
   rows = []
   for platform in args.platforms:
     for case in args.cases:
@@ -202,7 +214,7 @@ def main(argv=None) -> int:
         for strategy in [s for s in args.strategies if s == "ring" or cp >= 4]:
           rows.append(compile_case(platform, cp, case, strategy,
                                    args.tokens or TOKENS[platform], tuple(args.heads),
-                                   grad_dtype=args.grad_dtype))
+                                   grad_dtype=args.grad_dtype, head_groups=args.head_groups))
           print(_row(rows[-1]), flush=True)
   lines = goals(rows)
   print("\n".join(lines))

@@ -10,7 +10,13 @@ import numpy as np
 
 from flaxattn import checks, planner, registry
 from flaxattn import decode as cp_decode
-from flaxattn.context_parallel import ContextParallel, axis_size, choose, context_parallel_attention
+from flaxattn.context_parallel import (
+  ContextParallel,
+  axis_size,
+  choose,
+  context_parallel_attention,
+  head_groups_for,
+)
 from flaxattn.layout import Layout, resolve, shape_error
 from flaxattn.masks import Causal, Mask, check_mask
 
@@ -286,6 +292,11 @@ def explain(q, k, v, *, mask: Mask = Causal(), segment_ids=None, positions=None,
       text += (f"\nbackward: the ring sums dQ and the travelling dK/dV in {sums}"
                + (" (grad_dtype=None: the inputs' dtype)" if cp.grad_dtype is None else
                   " (grad_dtype)"))
+      groups = head_groups_for(cp, q.shape, k.shape)
+      how = "head_groups" if cp.head_groups else "head_groups=None: chosen for these shapes"
+      text += ("\nring: all heads go round together" if groups == 1 else
+               f"\nring: the heads go round in {groups} groups, one after the other; a device"
+               f" holds one group's K/V blocks and gradient sums at a time") + f" ({how})"
   if balance_plan is not None:
     text += "\n" + balance_plan.describe()
   if decode:

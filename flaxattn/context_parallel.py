@@ -66,13 +66,19 @@ class ContextParallel:
       devices on, where the ring sums; docs/context_parallel.md has the memory and the
       error measured). Each sum still adds in float32; only what is held between steps is
       rounded.
+    head_groups: how many groups of heads a ring (strategy "ring", or Ulysses x ring's)
+      takes round one after the other, each group's query heads with the K/V heads they
+      read: a device then holds one group's K/V blocks, partial results and gradient sums
+      at a time, 1 / head_groups of them. It must divide the K/V heads each device's ring
+      sees. None (the default): `ring_head_groups` picks, up to 4 groups while each keeps
+      at least 65536 query rows (tokens x query heads) per device; 1 for shorter calls.
   Raises:
     TypeError: `load_balance` other than True, False or a string (1, 1.0, np.True_, None:
       the order is read by identity).
     ValueError: unknown strategy, load balancing string or cost model, a non-string axis,
       `batch_axes` or `head_axes` other than a tuple of axis names, a `ring_axis` that is
-      `axis` or comes without strategy "ulysses" or "auto", or a `grad_dtype` other than
-      None or a floating dtype.
+      `axis` or comes without strategy "ulysses" or "auto", a `grad_dtype` other than
+      None or a floating dtype, or `head_groups` other than None or a positive int.
   """
 
   axis: str = "context"
@@ -83,6 +89,7 @@ class ContextParallel:
   head_axes: tuple[str, ...] = ("tensor",)
   cost_model: str | planner.Platform | None = None
   grad_dtype: Any = jnp.float32
+  head_groups: int | None = None
 
   def __post_init__(self):
     if not isinstance(self.axis, str) or not self.axis:
@@ -129,6 +136,11 @@ class ContextParallel:
         raise ValueError(f"ContextParallel(grad_dtype=...) expects None (the inputs' dtype) or"
                          f" a floating dtype such as jnp.float32, got {self.grad_dtype!r}.")
       object.__setattr__(self, "grad_dtype", dtype)  # one hashable form: a static argument
+    g = self.head_groups
+    if g is not None and (isinstance(g, bool) or not isinstance(g, int) or g < 1):
+      raise ValueError(f"ContextParallel(head_groups=...) expects None (chosen per call) or a"
+                       f" positive int dividing the K/V heads of each device, got {g!r}"
+                       f" ({checks.type_name(g)}).")
 
   @property
   def row_balanced(self) -> bool:
@@ -213,6 +225,32 @@ def choose(cp: ContextParallel, q_shape, kv_shape, itemsize: int, mask: Mask):
   return dataclasses.replace(cp, strategy=strategy), estimates
 
 
+# `ring_head_groups`'s choice: at most this many groups, each of at least this many query
+# rows (tokens x query heads) per device, so that every kernel call keeps a GPU's SMs busy.
+MAX_HEAD_GROUPS = 4
+MIN_GROUP_ROWS = 1 << 16
+
+
+def ring_head_groups(cp: ContextParallel, rows: int, heads: int, kv_heads: int) -> int:
+  """How many groups of heads a ring goes round in (`ContextParallel.head_groups`), for a
+  device's ring with `rows` query tokens (batch x tokens), `heads` query heads and
+  `kv_heads` K/V heads: the option, else the most groups up to `MAX_HEAD_GROUPS` that
+  divide `kv_heads` and keep `MIN_GROUP_ROWS` query rows (tokens x query heads) each.
+
+  Raises:
+    ValueError: a `head_groups` that does not divide `kv_heads`.
+  """
+  if cp.head_groups is not None:
+    if kv_heads % cp.head_groups:
+      raise ValueError(f"ContextParallel(head_groups={cp.head_groups}) expects a divisor of"
+                       f" the {kv_heads} K/V heads each device's ring holds, got"
+                       f" {cp.head_groups}; pass one of"
+                       f" {[g for g in range(1, kv_heads + 1) if kv_heads % g == 0]} or None.")
+    return cp.head_groups
+  return max(g for g in range(1, min(MAX_HEAD_GROUPS, kv_heads) + 1)
+             if kv_heads % g == 0 and (g == 1 or rows * heads // g >= MIN_GROUP_ROWS))
+
+
 def axis_size(cp: ContextParallel, axis: str | None = None, mesh=None) -> int:
   """The size of `axis` (default `cp.axis`) in `mesh` (default the current mesh).
 
@@ -236,6 +274,26 @@ def _head_axes(cp: ContextParallel, mesh, heads: int, kv_heads: int) -> tuple[st
   the attention: those in `mesh` whose sizes divide `heads` and `kv_heads`."""
   return sharding.dividing_axes(mesh, [a for a in cp.head_axes if a not in cp.seq_axes], heads,
                                 kv_heads)
+
+
+def head_groups_for(cp: ContextParallel, q_shape, kv_shape, mesh=None) -> int:
+  """The head groups (`ring_head_groups`) of the ring each device runs for a call of global
+  shapes q `[B, T, H, D]` and k/v `[B, T, Hkv, D]` on `mesh` (default: the current mesh), its
+  batch and heads over the axes that divide them and, inside Ulysses, the heads over its
+  axis; 1 for a strategy without a ring (all_gather, Ulysses alone; "auto" resolved first,
+  `choose`)."""
+  mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+  if cp.strategy == "all_gather" or (cp.strategy == "ulysses" and not cp.ring_axis):
+    return 1
+  repeat = cp.check_shapes(q_shape, kv_shape, mesh)
+  b, t, h = q_shape[:3]
+  batch = sharding.dividing_axes(mesh, [a for a in cp.batch_axes if a not in cp.seq_axes], b)
+  split = math.prod(mesh.shape[a] for a in _head_axes(cp, mesh, h, kv_shape[2]))
+  if cp.ring_axis:  # Ulysses's ring: the tokens of its ring shard, the heads over its axis
+    split *= axis_size(cp, mesh=mesh)
+  tokens = t // axis_size(cp, cp.ring_axis or cp.axis, mesh)
+  rows = b // math.prod(mesh.shape[a] for a in batch) * tokens
+  return ring_head_groups(cp, rows, h // split, kv_shape[2] * repeat // split)
 
 
 def context_parallel_attention(q, k, v, layout: Layout, *, mask: Mask, scale: float,
@@ -302,9 +360,11 @@ def context_parallel_attention(q, k, v, layout: Layout, *, mask: Mask, scale: fl
   if cp.strategy == "all_gather":
     body = functools.partial(ring.all_gather, cp.axis, n)
   elif cp.strategy == "ring":
-    body = ring.ring(cp.axis, n, fetches, near is not None, cp.grad_dtype)
+    body = ring.ring(cp.axis, n, fetches, near is not None, cp.grad_dtype,
+                     head_groups_for(cp, q.shape, k.shape, mesh))
   else:
-    inner = (ring.ring(cp.ring_axis, ring_n, fetches, near is not None, cp.grad_dtype)
+    inner = (ring.ring(cp.ring_axis, ring_n, fetches, near is not None, cp.grad_dtype,
+                       head_groups_for(cp, q.shape, k.shape, mesh))
              if cp.ring_axis
              else functools.partial(ulysses.whole_sequence, kernel, options,
                                     balanced if cp.row_balanced else 1))

@@ -34,8 +34,8 @@ def mesh_of(axes: dict[str, int]) -> jax.sharding.Mesh:
   return helpers.mesh(axes)
 
 def _hlo_collectives(text: str) -> dict:
-  """Result dtypes of every all-gather op line and the numbers of collective-permutes and
-  all-to-alls."""
+  """Result dtypes of every all-gather op line, the numbers of collective-permutes and
+  all-to-alls, and the bytes of the largest collective-permute."""
   gathers = []
   for line in text.splitlines():
     if "all-gather(" in line or "all-gather-start(" in line:
@@ -43,23 +43,24 @@ def _hlo_collectives(text: str) -> dict:
       gathers += re.findall(r"\b([a-z]+[0-9]+)\[", result)
   return dict(all_gather_dtypes=sorted(set(gathers)),
               collective_permutes=text.count("collective-permute"),
+              largest_permute=max(permute_bytes(text)["each"], default=0),
               all_to_alls=len(re.findall(r"\sall-to-all(?:-start)?\(", text)))
 
 
 def permute_bytes(text: str) -> dict:
   """Bytes the collective-permutes of a compiled (per-device) program move, per result dtype,
-  and their number."""
+  their number and each one's bytes (`each`)."""
   sizes = {"f32": 4, "bf16": 2, "s32": 4, "pred": 1}
-  moved, count = {}, 0
+  moved, count, each = {}, 0, []
   for line in text.splitlines():
     if " collective-permute(" not in line and " collective-permute-start(" not in line:
       continue
     count += 1
     result = line.split("=", 1)[1].split("collective-permute")[0]
     dtype, dims = re.findall(r"\b([a-z]+[0-9]*)\[([0-9,]*)\]", result)[-1]
-    moved[dtype] = moved.get(dtype, 0) + sizes[dtype] * int(
-        np.prod([int(x) for x in dims.split(",") if x]))
-  return dict(permutes=count, bytes=moved)
+    each.append(sizes[dtype] * int(np.prod([int(x) for x in dims.split(",") if x])))
+    moved[dtype] = moved.get(dtype, 0) + each[-1]
+  return dict(permutes=count, bytes=moved, each=each)
 
 
 def window_traffic(n: int) -> list[dict]:
@@ -100,7 +101,8 @@ def _errors(got, want) -> dict:
 def run_case(c) -> dict:
   mesh = mesh_of(c["mesh"])
   ring_axis = "context_ring" if "context_ring" in c["mesh"] else None
-  cpar = flaxattn.ContextParallel(strategy=c["strategy"], load_balance=c["lb"], ring_axis=ring_axis)
+  cpar = flaxattn.ContextParallel(strategy=c["strategy"], load_balance=c["lb"], ring_axis=ring_axis,
+                                  head_groups=c["groups"])
   cp = cpar.balanced_shards(mesh) if c["lb"] else mesh.shape["context"]  # load_balance's shards
   shards = math.prod(mesh.shape[a] for a in cpar.seq_axes)
   b, t, h, d = 2, c["t"], c["h"], 8

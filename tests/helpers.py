@@ -261,10 +261,12 @@ def cp_cases(n: int) -> list[dict]:
   layouts. `packed="legal"`: random legal layouts no pipeline produces (`legal_layout`), on
   which splash must take its exact path. `features`: sinks, a logit soft cap and Dv != D
   together (their gradients include d sinks), `dtype` "bfloat16" compared with
-  `CP_BF16_TOL`."""
+  `CP_BF16_TOL`. `groups`: the ring's `head_groups` (the full ring, the window-aware
+  ring, Ulysses x ring's), the default letting the call choose (one group at these
+  sizes)."""
   # A case's name says all of its parameters.
   def case(mesh, strategy="ring", lb=True, mask="causal", hkv=2, packed=True, pipeline=False, t=64,
-           backend="auto", h=4, features=False, dtype="float32"):
+           backend="auto", h=4, features=False, dtype="float32", groups=None):
     name = "-".join(([] if backend == "auto" else [backend])
                     + [strategy, "lb" if lb else "nolb", mask]
                     + ([] if h == 4 else [f"h{h}"])
@@ -272,10 +274,11 @@ def cp_cases(n: int) -> list[dict]:
                        "x".join(f"{a}{s}" for a, s in mesh.items())]
                     + (["pipeline"] if pipeline else [])
                     + (["sinks-cap-dv"] if features else [])
-                    + ([] if dtype == "float32" else [dtype]))
+                    + ([] if dtype == "float32" else [dtype])
+                    + ([] if groups is None else [f"groups{groups}"]))
     return dict(name=name, mesh=mesh, strategy=strategy, lb=lb, mask=mask, h=h, hkv=hkv,
                 packed=packed, pipeline=pipeline, t=t, backend=backend, features=features,
-                dtype=dtype)
+                dtype=dtype, groups=groups)
 
   c2, c4, c8, dc2, dc4 = (dict(context=2), dict(context=4), dict(context=8),
                           dict(data=2, context=2), dict(data=2, context=4))
@@ -293,7 +296,8 @@ def cp_cases(n: int) -> list[dict]:
           case(c2, u, mask="causal", hkv=1),
           case(c2, u, lb=False, mask="full", hkv=2, packed=False),
           case(c2, u, mask="local", hkv=1, t=256, backend="splash"),
-          case(c2, mask="causal", hkv=1, t=256, backend="splash", features=True)],
+          case(c2, mask="causal", hkv=1, t=256, backend="splash", features=True),
+          case(c2, mask="causal", hkv=2, features=True, groups=2)],
       4: [case(c4, mask="causal", hkv=2), case(c4, "all_gather", mask="causal", hkv=2),
           case(c4, lb=False, mask="causal", hkv=1, packed=False),
           case(c4, mask="local", hkv=1, pipeline=True),
@@ -314,7 +318,9 @@ def cp_cases(n: int) -> list[dict]:
           case(c4, mask="local", hkv=1, features=True),
           case(c4, "all_gather", hkv=2, features=True),
           case(c4, u, mask="local", hkv=2, features=True),
-          case(c4, mask="causal", hkv=2, features=True, dtype="bfloat16")],
+          case(c4, mask="causal", hkv=2, features=True, dtype="bfloat16"),
+          case(c4, mask="local", h=8, hkv=4, groups=4),  # the window-aware ring
+          case(r2c2, u, mask="causal", h=8, hkv=4, groups=2)],
       8: [case(c8, mask="causal", hkv=2, t=128),
           case(c8, mask="local", hkv=2, packed=False, t=16),  # Local(3) reaches 2 chunks of 1
           case(dc4, mask="chunked", hkv=1, packed=False, pipeline=True),

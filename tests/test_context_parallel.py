@@ -21,6 +21,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh
 
 import cp_check
 import flaxattn
+from flaxattn import context_parallel
 from helpers import CP_BF16_TOL, cp_cases, grads_of, normal, qkv, random_packing, rel_error
 from helpers import mesh as helpers_mesh
 
@@ -84,7 +85,7 @@ def test_every_listed_case_is_collected():
                if m.name == "parametrize"]
   assert [tuple(p.values) for p in params] == CASES
   # The count of cases, so that one a comment or an edit swallows fails here.
-  assert len(CASES) == 44
+  assert len(CASES) == 47
 
 
 @pytest.mark.parametrize("n,name", [
@@ -129,6 +130,53 @@ def test_windowed_ring_moves_only_the_neighbouring_keys():
     assert rows[mask, lb]["bytes"]["f32"] == 2 * 2 * shards * shard, (mask, lb, rows[mask, lb])
   # The causal ring (and a window longer than a chunk) permutes inside its loop over 7 steps.
   assert rows["local300", True]["bytes"] == rows["causal", True]["bytes"]
+
+
+def test_ring_head_groups_send_one_group_of_heads_at_a_time():
+  """head_groups=2 (B=2, 32 tokens per device, 2 K/V heads, D=8, Dv=12, float32): the
+  largest transfer is the travelling dK/dV of one K/V head, half of all heads' buffer."""
+  r = _case(2, "ring-lb-causal-hkv2-packed-context2-sinks-cap-dv-groups2")
+  assert r["largest_permute"] == 2 * 32 * 1 * (8 + 12) * 4, r
+
+
+def test_ring_head_groups_are_chosen_by_rows_per_group():
+  cp = flaxattn.ContextParallel()
+  choose = functools.partial(context_parallel.ring_head_groups, cp)
+  # Up to 4 groups dividing the K/V heads, each of at least 65536 query rows per device.
+  assert choose(32768, 16, 8) == 4 and choose(16384, 16, 8) == 4
+  assert choose(8192, 16, 8) == 2 and choose(4096, 16, 8) == 1
+  assert choose(32768, 12, 3) == 3 and choose(32768, 16, 1) == 1  # MQA: one group
+  assert choose(1 << 20, 32, 8) == 4
+  # What a call gets, and explain says: 32 query heads over 2 tensor shards; the ring over
+  # "context" holds 16384 tokens and 16 query heads a device (4 groups), Ulysses x ring's
+  # ring 16384 tokens and 8 query heads (2 groups of 65536 rows).
+  mesh = helpers_mesh({"tensor": 2, "context_ring": 2, "context": 2})
+  q = jax.ShapeDtypeStruct((1, 32768, 32, 128), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((1, 32768, 16, 128), jnp.bfloat16)
+  for context, groups in [(flaxattn.ContextParallel(), 4),
+                          (flaxattn.ContextParallel(strategy="ulysses", ring_axis="context_ring"),
+                           2)]:
+    with jax.set_mesh(mesh):
+      said = flaxattn.explain(q, k, k, context_parallel=context, print_fn=None)
+    assert context_parallel.head_groups_for(context, q.shape, k.shape, mesh) == groups
+    assert (f"ring: the heads go round in {groups} groups, one after the other; a device holds"
+            " one group's K/V blocks and gradient sums at a time (head_groups=None: chosen for"
+            " these shapes)") in said, said
+  fixed = functools.partial(context_parallel.ring_head_groups,
+                            flaxattn.ContextParallel(head_groups=2))
+  assert fixed(64, 4, 2) == 2
+  with pytest.raises(ValueError, match=r"ContextParallel\(head_groups=2\) expects a divisor of"
+                                       r" the 3 K/V heads each device's ring holds, got 2;"
+                                       r" pass one of \[1, 3\] or None"):
+    fixed(64, 6, 3)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.0, True, "2"])
+def test_head_groups_takes_none_or_a_positive_int(bad):
+  with pytest.raises(ValueError, match=r"ContextParallel\(head_groups=\.\.\.\) expects None"
+                                       rf" \(chosen per call\) or a positive int .*got"
+                                       rf" {re.escape(repr(bad))}"):
+    flaxattn.ContextParallel(head_groups=bad)
 
 
 @pytest.mark.slow

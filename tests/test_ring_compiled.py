@@ -28,30 +28,38 @@ HEADS = (4, 4)
 RUNS = [("v5p", "causal", "inputs", (2, 8)),
         ("v5p", "packed", "float32", (4, 8)),
         ("h100", "packed", "float32", (4, 8))]
+# v5p packed, float32 sums, its heads round in 2 groups (`ContextParallel(head_groups=2)`;
+# at this size the call's own choice is 1): against the same run in one group above.
+GROUPED = ("v5p", "packed", "float32", (8,), 2)
 
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory) -> dict:
   """`python -m bench.ring_compiled` for each of `RUNS`: its rows by (platform, case,
-  strategy, cp), and its output."""
+  strategy, cp), and its output; `GROUPED`'s ring rows by cp."""
   for target in ("v5p-16", "8xh100"):
     target_devices(target)
   env = {k: v for k, v in os.environ.items() if k not in ("LIBTPU_INIT_ARGS", "XLA_FLAGS")}
-  rows, out = {}, ""
-  # v5p: splash, causal and packed (its exact-path check); H100: pallas_gpu, whose two
+  rows, grouped, out = {}, {}, ""
+  # v5p: splash, causal and packed (its exact-path check); H100: mosaic_gpu, whose two
   # cases are one program where cuDNN's library is not installed (CI).
-  for platform, case, grad_dtype, cps in RUNS:
+  for platform, case, grad_dtype, cps, *groups in [*RUNS, GROUPED]:
     path = tmp_path_factory.mktemp("ring") / "ring.json"
     child = subprocess.run(
         [sys.executable, "-m", "bench.ring_compiled", "--platforms", platform, "--cases",
          case, "--tokens", str(TOKENS), "--heads", *map(str, HEADS), "--cps", *map(str, cps),
-         "--grad-dtype", grad_dtype, "--json", str(path)], cwd=ROOT,
+         "--grad-dtype", grad_dtype, "--json", str(path), "--strategies", "ring",
+         *([] if groups else ["all_gather"]),
+         *(["--head-groups", str(groups[0])] if groups else [])], cwd=ROOT,
         env=dict(env, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=1200)
     assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-3000:]
-    rows |= {(r["platform"], r["case"], r["strategy"], r["cp"]): r
-             for r in json.loads(path.read_text())["rows"]}
+    found = json.loads(path.read_text())["rows"]
+    if groups:
+      grouped |= {r["cp"]: r for r in found}
+    else:
+      rows |= {(r["platform"], r["case"], r["strategy"], r["cp"]): r for r in found}
     out += child.stdout
-  return dict(rows=rows, out=out)
+  return dict(rows=rows, grouped=grouped, out=out)
 
 
 def test_the_overlap_flags_are_known_to_the_installed_compilers(compiled):
@@ -99,3 +107,15 @@ def test_summed_in_the_inputs_dtype_the_ring_holds_no_more_at_cp8_than_at_cp2(co
   ring = {cp: rows[("v5p", "causal", "ring", cp)]["temporaries"] for cp in (2, 8)}
   assert ring[8] <= 1.1 * ring[2], ring
   assert ring[8] <= rows[("v5p", "causal", "all_gather", 8)]["temporaries"], ring
+
+
+def test_heads_in_groups_hold_one_groups_blocks_and_sums_at_a_time(compiled):
+  """v5p packed, float32 sums, cp=8: in 2 groups of heads, one ring after the other, the
+  plan is at most 0.7x the one-group ring's (its K/V blocks, partial results and gradient
+  sums halve), every K/V-sized transfer is half a group-free one, and at most one per
+  direction at each group's ring ends has no kernel beside it."""
+  one, two = compiled["rows"][("v5p", "packed", "ring", 8)], compiled["grouped"][8]
+  assert (one["head_groups"], two["head_groups"]) == (1, 2)
+  assert two["temporaries"] <= 0.7 * one["temporaries"], (one, two)
+  assert two["kv_transfers"] == 2 * one["kv_transfers"] and two["kv_bytes"] == one["kv_bytes"]
+  assert two["without_kernel"] <= 2 * 2, two

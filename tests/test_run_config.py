@@ -327,7 +327,8 @@ def test_ulysses_heads_are_refused_with_the_config_by_flaxattn():
 
 def test_context_parallel_grad_dtype_reaches_the_rings_options():
   """context_parallel.grad_dtype: "float32" (default) or "inputs" (ContextParallel's None);
-  anything else is one ConfigError line naming the key and the choices."""
+  anything else is one ConfigError line naming the key and the choices. head_groups: null
+  (chosen per call) or an int >= 1."""
   import jax.numpy as jnp
 
   import helpers
@@ -342,6 +343,12 @@ def test_context_parallel_grad_dtype_reaches_the_rings_options():
     config.load(None, ["context_parallel.grad_dtype=bfloat16"])
   assert "context_parallel.grad_dtype" in str(e.value) and "'inputs'" in str(e.value), str(e.value)
   assert "\n" not in str(e.value)
+  assert mesh.make(config.load(None, SIZES + ring), devices).cp.head_groups is None
+  two = config.load(None, SIZES + ring + ["context_parallel.head_groups=2"])
+  assert mesh.make(two, devices).cp.head_groups == 2
+  with pytest.raises(ConfigError, match=r"'context_parallel.head_groups' expects an int >= 1,"
+                                        r" got 0"):
+    config.load(None, ["context_parallel.head_groups=0"])
 
 
 @pytest.mark.parametrize("seed", [-1, 2**32])

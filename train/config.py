@@ -162,10 +162,13 @@ class ContextParallelConfig:
   `context_ring` (`ContextParallel(ring_axis="context_ring")`). Its token order (load
   balancing) is `data.balance`. grad_dtype: what a ring sums its steps' partial gradients
   in, "float32" (exact) or "inputs" (the compute dtype: half the gradient bytes held and
-  sent; `ContextParallel(grad_dtype=None)`)."""
+  sent; `ContextParallel(grad_dtype=None)`). head_groups: how many groups of heads a ring
+  takes round one after the other (`ContextParallel(head_groups=...)`); null: chosen per
+  layer call."""
 
   strategy: str = "ring"
   grad_dtype: str = "float32"
+  head_groups: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,6 +256,8 @@ class TrainConfig:
       if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
         raise ConfigError(f"{name} expects a number >= 0, got {getattr(self, name)}.")
     _check_at_least("heartbeat_timeout_s", self.heartbeat_timeout_s, 1)
+    if self.context_parallel.head_groups is not None:
+      _check_at_least("context_parallel.head_groups", self.context_parallel.head_groups, 1)
     if self.seq_len > self.model.max_seq_len:
       raise ConfigError(f"seq_len ({self.seq_len}) expects at most model.max_seq_len"
                         f" ({self.model.max_seq_len}); raise model.max_seq_len.",
@@ -279,8 +284,8 @@ class TrainConfig:
 
 def context_parallel(options: ContextParallelConfig, balance: str,
                      ring: bool) -> ContextParallel:
-  """The `flaxattn.ContextParallel` over the mesh's `context` axis with the strategy and
-  gradient dtype of `options` (`context_parallel`), the token order of `balance`
+  """The `flaxattn.ContextParallel` over the mesh's `context` axis with the strategy,
+  gradient dtype and head groups of `options` (`context_parallel`), the token order of `balance`
   (`data.balance`), and with `ring` a ring over `context_ring` inside Ulysses over
   `context`.
 
@@ -290,7 +295,8 @@ def context_parallel(options: ContextParallelConfig, balance: str,
   """
   return ContextParallel("context", options.strategy, BALANCE[balance],
                          "context_ring" if ring else None,
-                         grad_dtype=GRAD_DTYPES[options.grad_dtype])
+                         grad_dtype=GRAD_DTYPES[options.grad_dtype],
+                         head_groups=options.head_groups)
 
 
 def _check_at_least(key: str, value: int, least: int) -> None:
