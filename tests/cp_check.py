@@ -102,7 +102,7 @@ def run_case(c) -> dict:
   mesh = mesh_of(c["mesh"])
   ring_axis = "context_ring" if "context_ring" in c["mesh"] else None
   cpar = flaxattn.ContextParallel(strategy=c["strategy"], load_balance=c["lb"], ring_axis=ring_axis,
-                                  head_groups=c["groups"])
+                                  head_groups=c.get("groups"))
   cp = cpar.balanced_shards(mesh) if c["lb"] else mesh.shape["context"]  # load_balance's shards
   shards = math.prod(mesh.shape[a] for a in cpar.seq_axes)
   b, t, h, d = 2, c["t"], c["h"], 8
