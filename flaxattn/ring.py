@@ -196,43 +196,57 @@ def _sum(dtype, acc, grad):
       acc.dtype if dtype is None else dtype)
 
 
+def _group_of(x, group: int, groups: int):
+  """Group `group` of `groups` along the heads (axis 2)."""
+  size = x.shape[2] // groups
+  return jax.lax.slice_in_dim(x, group * size, (group + 1) * size, axis=2)
+
+
 def _by_heads(groups: int, fwd, q, k, v):
   """`fwd(q, k, v) -> ((out, lse), residuals)` run on `groups` groups of heads, each group's
   query heads with the K/V heads they read (q `[B, T, H, D]`, k/v `[B, S, Hkv, D]`; Hkv
   divides by `groups`), one after the other: a group starts once the previous group's
   result exists (`_after`), so a device holds one group's blocks, partial results and
   gradient sums at a time, 1 / groups of the whole ring's. Returns ((out, lse) of all
-  heads, the groups' residuals) for `_by_heads_bwd`. One group: `fwd` itself."""
-  if groups == 1:
-    (out, lse), residuals = fwd(q, k, v)
-    return (out, lse), (residuals,)
+  heads, (q, k, v) and the groups' residuals) for `_by_heads_bwd`, which takes each group's
+  q, k, v again from the whole ones when it starts: a group's slices are copies, and kept
+  from the forward on they would hold every group's. One group: `fwd` itself."""
   results, residuals = [], []
-  for qkv in zip(*(jnp.split(x, groups, 2) for x in (q, k, v)), strict=True):
+  for g in range(groups):
+    qkv = (q, k, v) if groups == 1 else tuple(_group_of(x, g, groups) for x in (q, k, v))
     if results:
       _, qkv = _after(results[-1], qkv)
     result, res = fwd(*qkv)
     results.append(result)
     residuals.append(res)
   outs, lses = zip(*results, strict=True)
-  return (jnp.concatenate(outs, 2), jnp.concatenate(lses, 2)), tuple(residuals)
+  if groups > 1:
+    outs, lses = (jnp.concatenate(outs, 2),), (jnp.concatenate(lses, 2),)
+  return (outs[0], lses[0]), ((q, k, v), tuple(residuals))
 
 
 def _by_heads_bwd(bwd, residuals, cotangents):
-  """`_by_heads`'s backward: `bwd(residuals, (dout, dlse)) -> (None, dq, dk, dv, None)` per
-  group, in order, each group's starting once the previous group's gradients exist. Its
-  last dK/dV then reach home before the next group starts: one transfer per group without
-  a kernel beside it (a group's share of the one a whole ring has), where starting on dq
-  alone let the compiler keep every group's dK/dV sums to the end (v5p, cp=4: 1.09 GiB of
-  temporaries against 0.71)."""
-  if len(residuals) == 1:
-    return bwd(residuals[0], cotangents)
-  grads = []
-  for res, dout_dlse in zip(residuals, zip(*(jnp.split(x, len(residuals), 2)
-                                             for x in cotangents), strict=True), strict=True):
-    if grads:
-      _, dout_dlse = _after(grads[-1][1:4], dout_dlse)
-    grads.append(bwd(res, dout_dlse))
-  return None, *(jnp.concatenate(x, 2) for x in list(zip(*grads, strict=True))[1:4]), None
+  """`_by_heads`'s backward. `bwd(residuals, (q, k, v), (dout, dlse), wait) -> (ready, home)`
+  runs one group's ring up to its last kernel: `ready` holds its dQ and its dK/dV still one
+  step short of home, `home(ready) -> (dq, dk, dv)` sends them there. The groups run in
+  order: a group starts, its q, k, v and cotangents sliced, once the previous group's
+  `ready` exists, so the previous group's last dK/dV go home beside this group's first
+  kernel, and this group's second kernel waits for them to arrive (`wait`): no more than
+  one group's sums are ever on their way home. Starting a group on dQ alone let the
+  compiler keep every group's dK/dV sums to the end (v5p, cp=4: 1.09 GiB of temporaries
+  against 0.71)."""
+  qkv, residuals = residuals
+  groups = len(residuals)
+  if groups == 1:
+    ready, home = bwd(residuals[0], qkv, cotangents, None)
+    return None, *home(ready), None
+  grads, ready = [], cotangents  # the first group's slices: taken once the backward starts
+  for g, res in enumerate(residuals):
+    _, (qkv_g, cotangents_g) = _after(ready, (qkv, cotangents))
+    qkv_g, cotangents_g = ([_group_of(x, g, groups) for x in xs] for xs in (qkv_g, cotangents_g))
+    ready, home = bwd(res, qkv_g, cotangents_g, grads[-1] if grads else None)
+    grads.append(home(ready))
+  return None, *(jnp.concatenate(x, 2) for x in zip(*grads, strict=True)), None
 
 
 def _ring_primal(axis, n, grad_dtype, groups, step, q, k, v,
@@ -246,7 +260,7 @@ _ring = jax.custom_vjp(_ring_primal, nondiff_argnums=(0, 1, 2, 3))
 
 
 def _rotate(axis: str, n: int, step: RingStep, kernel, accumulate, zeros, kv, ids,
-            travel=None):
+            travel=None, wait=None):
   """The ring's n steps: at step i `kernel(i, kv, ids)` (a partial result or None) on the
   visiting block kv (a pair) with its ids `[2, B, S]`, folded into an accumulator by
   `accumulate(acc, partial)`. With `travel`, the accumulator belongs to the visiting block
@@ -275,8 +289,12 @@ def _rotate(axis: str, n: int, step: RingStep, kernel, accumulate, zeros, kv, id
       acc = travel(acc)
     partial, arriving = _after(kernel(i, kv, ids), arriving)
     acc, arriving = _after(accumulate(acc, partial), arriving)
+    if wait is not None and isinstance(i, int) and i == 0:
+      _, arriving = _after(wait, arriving)
     return acc, *arriving
 
+  if wait is not None and not step.unrolled:  # a scan's first step cannot tell: wait here
+    _, (kv, ids) = _after(wait, (kv, ids))
   acc, kv, ids = _steps(step, n, body, (None if step.unrolled else zeros(), kv, ids))
   if travel is not None and acc is not None and n > 1:
     acc = travel(acc)
@@ -309,12 +327,15 @@ def _group_ring_fwd(axis, n, step, q, k, v, layout):
   ids = jnp.stack([layout.kv_segment_ids, layout.kv_positions])
   # K/V a pair, not one stacked buffer: v may have its own head dim.
   out, lse = _rotate(axis, n, step, kernel, accumulate, zeros, (k, v), ids) or zeros()
-  out = out.astype(q.dtype)
-  return (out, lse), (step, q, k, v, layout, out, lse)
+  # The barrier keeps the residual in q's dtype: XLA may otherwise keep the float32 sum
+  # for the backward in its place (excess precision), at twice the bytes per group.
+  out = jax.lax.optimization_barrier(out.astype(q.dtype))
+  return (out, lse), (step, layout, out, lse)
 
 
-def _group_ring_bwd(axis, n, grad_dtype, residuals, cotangents):
-  step, q, k, v, layout, out, lse = residuals
+def _group_ring_bwd(axis, n, grad_dtype, residuals, qkv, cotangents, wait):
+  step, layout, out, lse = residuals
+  q, k, v = qkv
   dout, dlse = cotangents
   dq_dtype, dkv_dtype = (x.dtype if grad_dtype is None else grad_dtype for x in (q, k))
 
@@ -340,10 +361,14 @@ def _group_ring_bwd(axis, n, grad_dtype, residuals, cotangents):
   # The backward's own blocks, tied to the cotangent: XLA would otherwise reuse the blocks
   # the forward received, keeping every one of them live from the forward on.
   _, (kv, ids) = _after(dout, ((k, v), jnp.stack([layout.kv_segment_ids, layout.kv_positions])))
-  grads = _rotate(axis, n, step, kernel, accumulate, zeros, kv, ids, travel)
-  dq, dkv = zeros() if grads is None else travel(grads)
-  dk, dv = jnp.split(dkv, [k.shape[3]], -1)
-  return None, dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+  ready = _rotate(axis, n, step, kernel, accumulate, zeros, kv, ids, travel, wait)
+
+  def home(ready):
+    dq, dkv = zeros() if ready is None else travel(ready)
+    dk, dv = jnp.split(dkv, [k.shape[3]], -1)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+  return ready, home
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
@@ -412,18 +437,23 @@ def _group_window_fwd(axis, n, fetches, step, q, k, v, layout):
     (out, lse), local = _after((out, lse), local)
     if arriving is not None:
       visits.append(arriving)
-  out = out.astype(q.dtype)
-  return (out, lse), (step, q, layout, visits, out, lse)
+  out = jax.lax.optimization_barrier(out.astype(q.dtype))  # as in `_group_ring_fwd`
+  return (out, lse), (step, layout, visits[1:], out, lse)
 
 
-def _group_window_bwd(axis, n, fetches, grad_dtype, residuals, cotangents):
-  step, q, layout, visits, out, lse = residuals
+def _group_window_bwd(axis, n, fetches, grad_dtype, residuals, qkv, cotangents, wait):
+  step, layout, fetched, out, lse = residuals
+  q, k, v = qkv
   dout, dlse = cotangents
-  k, v = visits[0][:2]
+  visits = [(k, v, jnp.stack([layout.kv_segment_ids, layout.kv_positions])), *fetched]
   dq, dk, dv = (jnp.zeros(x.shape, x.dtype if grad_dtype is None else grad_dtype)
                 for x in (q, k, v))
   home = None  # the previous visit's dK/dV on their way home, beside this visit's kernel
-  for (k_s, v_s, ids), (i, part) in zip(visits, ((0, None), *fetches), strict=True):
+  last = None  # the last visit's, sent by `finish`
+  steps = ((0, None), *fetches)
+  for j, ((k_s, v_s, ids), (i, part)) in enumerate(zip(visits, steps, strict=True)):
+    if j == 1 and wait is not None:  # the previous group's last dK/dV are home by now
+      _, (k_s, v_s, ids) = _after(wait, (k_s, v_s, ids))
     grads, home = _after(step.backward(i, q, k_s, v_s, _visiting(layout, ids), out, lse, dout,
                                        dlse), home)
     if home is not None:
@@ -433,13 +463,22 @@ def _group_window_bwd(axis, n, fetches, grad_dtype, residuals, cotangents):
       continue
     dq_s, dk_s, dv_s = grads
     dq = _sum(None, dq, dq_s)
-    if i:  # partial gradients travel as the kernel made them; home sums them
-      home = tuple(_move(g, axis, n, i, part, back=True) for g in (dk_s, dv_s))
-    else:
+    if not i:
       dk, dv = _sum(None, dk, dk_s), _sum(None, dv, dv_s)
-  if home is not None:  # the last visit's: nothing left to hide them behind
-    dk, dv = _sum(None, dk, home[0]), _sum(None, dv, home[1])
-  return None, dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+    elif j < len(steps) - 1:  # partial gradients travel as the kernel made them; home sums them
+      home = tuple(_move(g, axis, n, i, part, back=True) for g in (dk_s, dv_s))
+    else:  # the last visit's: `finish` sends them, beside the next group's first kernel
+      last = (dk_s, dv_s)
+
+  def finish(ready):
+    dq, dk, dv, last = ready
+    if last is not None:
+      i, part = steps[-1]
+      dk, dv = (_sum(None, acc, _move(g, axis, n, i, part, back=True))
+                for acc, g in zip((dk, dv), last, strict=True))
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+  return (dq, dk, dv, last), finish
 
 
 _window_ring.defvjp(_window_ring_fwd, _window_ring_bwd)

@@ -112,10 +112,11 @@ def test_summed_in_the_inputs_dtype_the_ring_holds_no_more_at_cp8_than_at_cp2(co
 def test_heads_in_groups_hold_one_groups_blocks_and_sums_at_a_time(compiled):
   """v5p packed, float32 sums, cp=8: in 2 groups of heads, one ring after the other, the
   plan is at most 0.7x the one-group ring's (its K/V blocks, partial results and gradient
-  sums halve), every K/V-sized transfer is half a group-free one, and at most one per
-  direction at each group's ring ends has no kernel beside it."""
+  sums halve), every K/V-sized transfer is half a group-free one, and, each group's last
+  dK/dV going home beside the next group's first kernel, no more transfers than one ring's
+  have no kernel beside them (one per direction at the ring's ends)."""
   one, two = compiled["rows"][("v5p", "packed", "ring", 8)], compiled["grouped"][8]
   assert (one["head_groups"], two["head_groups"]) == (1, 2)
   assert two["temporaries"] <= 0.7 * one["temporaries"], (one, two)
   assert two["kv_transfers"] == 2 * one["kv_transfers"] and two["kv_bytes"] == one["kv_bytes"]
-  assert two["without_kernel"] <= 2 * 2, two
+  assert two["without_kernel"] <= 2, two
