@@ -213,9 +213,12 @@ def _by_heads(groups: int, fwd, q, k, v):
   from the forward on they would hold every group's. One group: `fwd` itself."""
   results, residuals = [], []
   for g in range(groups):
-    qkv = (q, k, v) if groups == 1 else tuple(_group_of(x, g, groups) for x in (q, k, v))
+    # K/V sliced before the tie (the first transfer, of a slice, then starts beside the
+    # group's first kernel), q after it: one group's copy of q at a time.
+    q_g, kv = q, (k, v) if groups == 1 else tuple(_group_of(x, g, groups) for x in (k, v))
     if results:
-      _, qkv = _after(results[-1], qkv)
+      _, (q_g, kv) = _after(results[-1], (q_g, kv))
+    qkv = (q_g if groups == 1 else _group_of(q_g, g, groups), *kv)
     result, res = fwd(*qkv)
     results.append(result)
     residuals.append(res)
@@ -327,9 +330,7 @@ def _group_ring_fwd(axis, n, step, q, k, v, layout):
   ids = jnp.stack([layout.kv_segment_ids, layout.kv_positions])
   # K/V a pair, not one stacked buffer: v may have its own head dim.
   out, lse = _rotate(axis, n, step, kernel, accumulate, zeros, (k, v), ids) or zeros()
-  # The barrier keeps the residual in q's dtype: XLA may otherwise keep the float32 sum
-  # for the backward in its place (excess precision), at twice the bytes per group.
-  out = jax.lax.optimization_barrier(out.astype(q.dtype))
+  out = out.astype(q.dtype)
   return (out, lse), (step, layout, out, lse)
 
 
@@ -437,7 +438,7 @@ def _group_window_fwd(axis, n, fetches, step, q, k, v, layout):
     (out, lse), local = _after((out, lse), local)
     if arriving is not None:
       visits.append(arriving)
-  out = jax.lax.optimization_barrier(out.astype(q.dtype))  # as in `_group_ring_fwd`
+  out = out.astype(q.dtype)
   return (out, lse), (step, layout, visits[1:], out, lse)
 
 
