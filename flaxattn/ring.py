@@ -215,7 +215,8 @@ def _by_heads(groups: int, fwd, q, k, v):
   for g in range(groups):
     # K/V sliced before the tie (the first transfer, of a slice, then starts beside the
     # group's first kernel), q after it: one group's copy of q at a time.
-    q_g, kv = q, (k, v) if groups == 1 else tuple(_group_of(x, g, groups) for x in (k, v))
+    q_g = q
+    kv = (k, v) if groups == 1 else tuple(_group_of(x, g, groups) for x in (k, v))
     if results:
       _, (q_g, kv) = _after(results[-1], (q_g, kv))
     qkv = (q_g if groups == 1 else _group_of(q_g, g, groups), *kv)
@@ -223,9 +224,8 @@ def _by_heads(groups: int, fwd, q, k, v):
     results.append(result)
     residuals.append(res)
   outs, lses = zip(*results, strict=True)
-  if groups > 1:
-    outs, lses = (jnp.concatenate(outs, 2),), (jnp.concatenate(lses, 2),)
-  return (outs[0], lses[0]), ((q, k, v), tuple(residuals))
+  out, lse = (outs[0], lses[0]) if groups == 1 else (jnp.concatenate(x, 2) for x in (outs, lses))
+  return (out, lse), ((q, k, v), tuple(residuals))
 
 
 def _by_heads_bwd(bwd, residuals, cotangents):
