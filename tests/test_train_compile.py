@@ -2,7 +2,9 @@
 statuses and its report. The compiles need libtpu / the CUDA plugin (`flaxattn[aot]`) and
 are skipped, naming them, without."""
 
+import contextlib
 import importlib.util
+import io
 import json
 import os
 import subprocess
@@ -27,17 +29,26 @@ from train import mesh as mesh_lib
 SMALL = ["model.n_layers=1", "seq_len=4096", "model.max_seq_len=4096"]
 
 
+@contextlib.contextmanager
+def _restored_environment():
+  """`main` adds the overlap flags to the process's environment (`train.xla_flags`), as a
+  run's process needs them; the environment before it comes back after the block."""
+  saved = {variable: os.environ.get(variable) for variable, _ in xla_flags.TABLE.values()}
+  try:
+    yield
+  finally:
+    for variable, value in saved.items():
+      if value is None:
+        os.environ.pop(variable, None)
+      else:
+        os.environ[variable] = value
+
+
 @pytest.fixture(autouse=True)
 def _environment_restored():
-  """`main` adds the overlap flags to the process's environment (`train.xla_flags`), as a
-  run's process needs them; each test here gets the environment it started with back."""
-  saved = {variable: os.environ.get(variable) for variable, _ in xla_flags.TABLE.values()}
-  yield
-  for variable, value in saved.items():
-    if value is None:
-      os.environ.pop(variable, None)
-    else:
-      os.environ[variable] = value
+  """Each test here gets the environment it started with back."""
+  with _restored_environment():
+    yield
 
 
 def run(capsys, *argv) -> tuple[int, str, str]:
@@ -87,22 +98,6 @@ def test_fits_on_one_h100_with_the_gpu_kernels(capsys):
   assert {"mosaic_forward", "mosaic_dq", "mosaic_dkv"} <= set(r["kernels"])
   assert r["model"] == ("dim 2048, 1 layers, 16 heads (4 K/V), ffn 5632, vocab 256, from the"
                         " config's model.* keys")
-
-
-def test_v5p_slice_compiles_splash_and_the_ring(capsys):
-  target_devices("v5p-8")
-  status, out, _ = run(capsys, "configs/tpu_v5p_8b.yaml", "model.n_layers=1", "model.dim=256",
-                       "model.n_heads=2", "model.n_kv_heads=1", "model.ffn_dim=512",
-                       "model.vocab_size=1024", "seq_len=4096", "model.max_seq_len=4096",
-                       "batch_size=2", "mesh.context=2", "--target", "v5p-8", "--json")
-  r = json.loads(out)
-  assert status == 0 and r["fits"] and r["devices"] == 4
-  assert r["mesh"]["fsdp"] == 2 and r["mesh"]["context"] == 2
-  assert any(k.startswith("splash") for k in r["kernels"])
-  permutes = r["collectives"]["collective-permute"]  # the ring
-  assert permutes["count"] > 0 and 0 <= permutes["exposed_bytes"] <= permutes["bytes"]
-  assert "--xla_tpu_enable_async_collective_fusion=true" in r["xla_flags"].split()
-  assert r["hbm_bytes"] == int(95.74 * aot.GIB)
 
 
 def _v5p_fsdp_context():
@@ -178,26 +173,38 @@ def test_the_embedding_gradient_reduces_only_the_devices_own_block():
   assert sum(c.times for c in schedule if c.kind == "all-to-all") == 1, schedule
 
 
-def test_offload_keeps_the_layer_inputs_in_host_memory(capsys):
-  """remat "offload" (the 8B example's): each scanned layer's input goes to the host's
-  memory, which the plan reports apart (host_temporaries, arrays marked "(host)"), and the
-  device's temporaries drop below "full"'s. By how much depends on what else is live at the
-  plan's peak: 19.2 MB with the ring that received every block, 7.3 MB since it holds two
-  (whose "full" plan is 39 MB smaller; bench/README.md, "The ring compiled")."""
+def test_v5p_slice_compiles_splash_the_ring_and_offload():
+  """The 8B example's config cut down (4 layers of 512 features, 8192 tokens a row) on v5p-8
+  at fsdp 2 x context 2, compiled with remat "full" and with its own "offload" (in this
+  process: libtpu's flags are the same for both). Splash and the ring run, with the overlap
+  flags. Offload: each scanned layer's input goes to the host's memory, which the plan
+  reports apart (host_temporaries, arrays marked "(host)"), and the device's temporaries
+  drop below "full"'s. By how much depends on what else is live at the plan's peak: 19.2 MB
+  with the ring that received every block, 7.3 MB since it holds two (whose "full" plan is
+  39 MB smaller; bench/README.md, "The ring compiled")."""
   target_devices("v5p-8")
-  plans = {}
-  for remat in ("full", "offload"):  # in this process: libtpu's flags the same for both
-    status, out, _ = run(capsys, "configs/tpu_v5p_8b.yaml", "model.n_layers=4", "model.dim=512",
-                         "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=1024",
-                         "model.vocab_size=1024", "seq_len=8192", "model.max_seq_len=8192",
-                         "batch_size=2", "mesh.context=2", f"model.remat={remat}", "--target",
-                         "v5p-8", "--json")
-    assert status == 0, out
-    report = json.loads(out)
-    plans[remat] = report["per_device_bytes"]
+  reports = {}
+  for remat in ("full", "offload"):
+    with _restored_environment(), target_precision(), \
+        contextlib.redirect_stdout(io.StringIO()) as out:
+      status = train_compile.main([
+          "configs/tpu_v5p_8b.yaml", "model.n_layers=4", "model.dim=512", "model.n_heads=4",
+          "model.n_kv_heads=2", "model.ffn_dim=1024", "model.vocab_size=1024",
+          "seq_len=8192", "model.max_seq_len=8192", "batch_size=2", "mesh.context=2",
+          f"model.remat={remat}", "--target", "v5p-8", "--json"])
+    assert status == 0, out.getvalue()
+    reports[remat] = r = json.loads(out.getvalue())
+    assert r["fits"] and r["devices"] == 4
+    assert r["mesh"]["fsdp"] == 2 and r["mesh"]["context"] == 2
+    assert any(k.startswith("splash") for k in r["kernels"])
+    permutes = r["collectives"]["collective-permute"]  # the ring
+    assert permutes["count"] > 0 and 0 <= permutes["exposed_bytes"] <= permutes["bytes"]
+    assert "--xla_tpu_enable_async_collective_fusion=true" in r["xla_flags"].split()
+    assert r["hbm_bytes"] == int(95.74 * aot.GIB)
     # remat "offload" adds the host-offload flags (`xla_flags.OFFLOAD`) to the table's.
     offload = {f"--{name}={value}" for name, value in xla_flags.OFFLOAD["tpu"]}
-    assert (offload <= set(report["xla_flags"].split())) == (remat == "offload"), report
+    assert (offload <= set(r["xla_flags"].split())) == (remat == "offload"), r
+  plans = {remat: r["per_device_bytes"] for remat, r in reports.items()}
   # 4 layers' inputs of one row of 4096 tokens x 512 features in bf16 per device: 16 MiB.
   inputs = 4 * 4096 * 512 * 2
   assert plans["full"]["host_temporaries"] == 0
