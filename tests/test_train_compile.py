@@ -2,9 +2,7 @@
 statuses and its report. The compiles need libtpu / the CUDA plugin (`flaxattn[aot]`) and
 are skipped, naming them, without."""
 
-import contextlib
 import importlib.util
-import io
 import json
 import os
 import subprocess
@@ -29,26 +27,17 @@ from train import mesh as mesh_lib
 SMALL = ["model.n_layers=1", "seq_len=4096", "model.max_seq_len=4096"]
 
 
-@contextlib.contextmanager
-def _restored_environment():
-  """`main` adds the overlap flags to the process's environment (`train.xla_flags`), as a
-  run's process needs them; the environment before it comes back after the block."""
-  saved = {variable: os.environ.get(variable) for variable, _ in xla_flags.TABLE.values()}
-  try:
-    yield
-  finally:
-    for variable, value in saved.items():
-      if value is None:
-        os.environ.pop(variable, None)
-      else:
-        os.environ[variable] = value
-
-
 @pytest.fixture(autouse=True)
 def _environment_restored():
-  """Each test here gets the environment it started with back."""
-  with _restored_environment():
-    yield
+  """`main` adds the overlap flags to the process's environment (`train.xla_flags`), as a
+  run's process needs them; each test here gets the environment it started with back."""
+  saved = {variable: os.environ.get(variable) for variable, _ in xla_flags.TABLE.values()}
+  yield
+  for variable, value in saved.items():
+    if value is None:
+      os.environ.pop(variable, None)
+    else:
+      os.environ[variable] = value
 
 
 def run(capsys, *argv) -> tuple[int, str, str]:
@@ -173,7 +162,7 @@ def test_the_embedding_gradient_reduces_only_the_devices_own_block():
   assert sum(c.times for c in schedule if c.kind == "all-to-all") == 1, schedule
 
 
-def test_v5p_slice_compiles_splash_the_ring_and_offload():
+def test_v5p_slice_compiles_splash_the_ring_and_offload(capsys):
   """The 8B example's config cut down (4 layers of 512 features, 8192 tokens a row) on v5p-8
   at fsdp 2 x context 2, compiled with remat "full" and with its own "offload" (in this
   process: libtpu's flags are the same for both). Splash and the ring run, with the overlap
@@ -185,15 +174,13 @@ def test_v5p_slice_compiles_splash_the_ring_and_offload():
   target_devices("v5p-8")
   reports = {}
   for remat in ("full", "offload"):
-    with _restored_environment(), target_precision(), \
-        contextlib.redirect_stdout(io.StringIO()) as out:
-      status = train_compile.main([
-          "configs/tpu_v5p_8b.yaml", "model.n_layers=4", "model.dim=512", "model.n_heads=4",
-          "model.n_kv_heads=2", "model.ffn_dim=1024", "model.vocab_size=1024",
-          "seq_len=8192", "model.max_seq_len=8192", "batch_size=2", "mesh.context=2",
-          f"model.remat={remat}", "--target", "v5p-8", "--json"])
-    assert status == 0, out.getvalue()
-    reports[remat] = r = json.loads(out.getvalue())
+    status, out, _ = run(capsys, "configs/tpu_v5p_8b.yaml", "model.n_layers=4", "model.dim=512",
+                         "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=1024",
+                         "model.vocab_size=1024", "seq_len=8192", "model.max_seq_len=8192",
+                         "batch_size=2", "mesh.context=2", f"model.remat={remat}", "--target",
+                         "v5p-8", "--json")
+    assert status == 0, out
+    reports[remat] = r = json.loads(out)
     assert r["fits"] and r["devices"] == 4
     assert r["mesh"]["fsdp"] == 2 and r["mesh"]["context"] == 2
     assert any(k.startswith("splash") for k in r["kernels"])
