@@ -3,7 +3,9 @@
 Public API:
   attention, explain                     the functional entry point and its dispatch report
   lowering_for                           trace kernels for another platform (TPU export on CPU)
-  Full, Causal, Local, Chunked, Mask     masks on positions and segments (combine with &)
+  Full, Causal, Local, Chunked, Mask     masks on positions and segments (combine with &, |, ~)
+  MaskMod, ScoreMod                      programmable masks and scores (JAX functions of the
+                                         batch row, head and token indices, as in FlexAttention)
   seqlens_and_offsets                    THD descriptor from segment ids, O(T + max_segments)
   MultiHeadAttention, RoPE, RoPEScaling  NNX layer (a drop-in for flax.nnx.MultiHeadAttention),
                                          rotary embeddings with Hugging Face rope_scaling
@@ -26,6 +28,7 @@ from flaxattn.context_parallel import ContextParallel
 from flaxattn.kv_cache import KVCache
 from flaxattn.layer import MultiHeadAttention
 from flaxattn.masks import Causal, Chunked, Full, Local, Mask
+from flaxattn.mods import MaskMod, ScoreMod
 from flaxattn.registry import lowering_for
 from flaxattn.rope import RoPE, RoPEScaling
 from flaxattn.segments import SeqlensOffsets, seqlens_and_offsets
@@ -33,7 +36,7 @@ from flaxattn.stock_nnx import nnx_attention_fn
 
 __all__ = [
     "attention", "explain", "lowering_for",
-    "Mask", "Full", "Causal", "Local", "Chunked",
+    "Mask", "Full", "Causal", "Local", "Chunked", "MaskMod", "ScoreMod",
     "seqlens_and_offsets", "SeqlensOffsets",
     "ContextParallel", "load_balance", "unload_balance", "balance_plan", "BalancePlan",
     "MultiHeadAttention", "KVCache", "RoPE", "RoPEScaling", "nnx_attention_fn", "sharding",

@@ -19,6 +19,7 @@ from flaxattn.context_parallel import (
 )
 from flaxattn.layout import Layout, resolve, shape_error
 from flaxattn.masks import Causal, Mask, check_mask
+from flaxattn.mods import ScoreMod, check_score_mod
 
 # Each axis of q/k/v `[B, T, H, D]` and what one entry of it is, for the empty-axis error.
 _AXES = (("batch", "row"), ("seq", "token"), ("heads", "head"), ("head_dim", "feature"))
@@ -115,14 +116,15 @@ def apply_sinks(out, lse, sinks):
 
 
 def _call(q, k, v, mask, layout: Layout, return_lse: bool, context_parallel, has_sinks: bool,
-          soft_cap) -> registry.Call:
+          soft_cap, score_mod) -> registry.Call:
   if context_parallel is None:
     return registry.Call.of(q, k, v, mask, layout, return_lse, has_sinks=has_sinks,
-                            soft_cap=soft_cap)
+                            soft_cap=soft_cap, score_mod=score_mod)
   cp = context_parallel
   ring = axis_size(cp, cp.ring_axis) if cp.ring_axis else None
   return registry.Call.of(q, k, v, mask, layout, return_lse, axis_size(cp) * (ring or 1),
-                          cp.strategy, ring, has_sinks=has_sinks, soft_cap=soft_cap)
+                          cp.strategy, ring, has_sinks=has_sinks, soft_cap=soft_cap,
+                          score_mod=score_mod)
 
 
 def _layout(q, k, mask, segment_ids, positions, kv_segment_ids, kv_positions, context_parallel,
@@ -146,14 +148,16 @@ def _layout(q, k, mask, segment_ids, positions, kv_segment_ids, kv_positions, co
 def attention(q, k, v, *, mask: Mask = Causal(), segment_ids=None, positions=None,
               kv_segment_ids=None, kv_positions=None, scale: float | None = None,
               backend: str = "auto", context_parallel=None, return_lse: bool = False,
-              sinks=None, logit_soft_cap: float | None = None, layout: Layout | None = None):
+              sinks=None, logit_soft_cap: float | None = None, layout: Layout | None = None,
+              score_mod: ScoreMod | None = None):
   """Exact attention over packed sequences.
 
   Args:
     q: `[B, T, H, D]` float32/bfloat16/float16.
     k: `[B, S, Hkv, D]`, v: `[B, S, Hkv, Dv]` (Dv may differ from D, as in MLA), same dtype;
       H must be a multiple of Hkv (GQA/MQA).
-    mask: a `flaxattn` mask on positions (default `Causal()`).
+    mask: a `flaxattn` mask (default `Causal()`): the built-ins on positions, a
+      `flaxattn.MaskMod` on batch rows, heads and token indices, combined with &, |, ~.
     segment_ids: `[B, T]` int, 0 = padding, documents 1, 2, ...; None = one document.
     positions: `[B, T]` int, position of each token inside its document; None = token index.
     kv_segment_ids, kv_positions: `[B, S]` for keys; default to the query ones when S == T.
@@ -170,6 +174,9 @@ def attention(q, k, v, *, mask: Mask = Causal(), segment_ids=None, positions=Non
     logit_soft_cap: scores become `cap * tanh(scale * q.k / cap)` before masking (Gemma 2:
       the scale is applied first), forward and backward; a positive finite number. None:
       no cap.
+    score_mod: a `flaxattn.ScoreMod`: every score changed by a function of it and where
+      it sits, after the soft cap and before masking; its float operands receive
+      gradients. None: none.
     layout: the ids already resolved by `flaxattn.layout.resolve` (with this
       `context_parallel`), in place of the four id arguments: how `MultiHeadAttention`
       passes what it resolved for RoPE. Used as it is, unchecked.
@@ -189,6 +196,7 @@ def attention(q, k, v, *, mask: Mask = Causal(), segment_ids=None, positions=Non
   return_lse = checks.boolean("return_lse", return_lse)
   soft_cap = check_soft_cap(logit_soft_cap)
   scale = check_scale(scale)
+  score_mod = check_score_mod(score_mod)
   mask, layout = _layout(q, k, mask, segment_ids, positions, kv_segment_ids, kv_positions,
                          context_parallel, layout)
   scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -197,12 +205,15 @@ def attention(q, k, v, *, mask: Mask = Causal(), segment_ids=None, positions=Non
                                  mask)
   # Sinks need every kernel's lse; they are applied once, to the merged result.
   with_lse = return_lse or sinks is not None
-  call = _call(q, k, v, mask, layout, with_lse, context_parallel, sinks is not None, soft_cap)
+  call = _call(q, k, v, mask, layout, with_lse, context_parallel, sinks is not None, soft_cap,
+               score_mod)
   kernels = registry.per_platform(backend, call)
   here = kernels[registry.lowering_name(call.platform)]
   options: dict[str, Any] = dict(mask=mask, scale=scale, return_lse=with_lse)
   if soft_cap is not None:  # only kernels with `soft_cap = True` take it (registry.Kernel)
     options["soft_cap"] = soft_cap
+  if score_mod is not None:  # likewise `score_mod = True`
+    options["score_mod"] = score_mod
 
   def run(kernel):
     cp = context_parallel
@@ -228,7 +239,8 @@ def attention(q, k, v, *, mask: Mask = Causal(), segment_ids=None, positions=Non
 def explain(q, k, v, *, mask: Mask = Causal(), segment_ids=None, positions=None,
             kv_segment_ids=None, kv_positions=None, backend="auto", context_parallel=None,
             return_lse: bool = False, sinks=None, logit_soft_cap: float | None = None,
-            decode: bool = False, balance_plan=None, print_fn=print) -> str:
+            decode: bool = False, balance_plan=None, score_mod: ScoreMod | None = None,
+            print_fn=print) -> str:
   """Prints (and returns) which kernel `attention` would use for these arguments on this
   platform, why each registered kernel accepts or declines, and what `backend` would run
   on each platform (cpu, gpu, tpu) with the reasons of the kernels it passed over (e.g.
@@ -257,7 +269,8 @@ def explain(q, k, v, *, mask: Mask = Causal(), segment_ids=None, positions=None,
       return jax.ShapeDtypeStruct((x.shape[0], x.shape[1] // n, *x.shape[2:]), x.dtype)
     text = explain(q, shard(k), shard(v), mask=mask, segment_ids=segment_ids,
                    positions=positions, backend=backend, return_lse=True, sinks=sinks,
-                   logit_soft_cap=logit_soft_cap, decode=True, print_fn=None)
+                   logit_soft_cap=logit_soft_cap, decode=True, score_mod=score_mod,
+                   print_fn=None)
     text += "\n" + cp_decode.communication(context_parallel, q.shape, v.shape[-1], k.shape[1])
     if print_fn is not None:
       print_fn(text)
@@ -271,6 +284,7 @@ def explain(q, k, v, *, mask: Mask = Causal(), segment_ids=None, positions=None,
   _check_sinks(q, sinks)
   return_lse = checks.boolean("return_lse", return_lse)
   soft_cap = check_soft_cap(logit_soft_cap)
+  score_mod = check_score_mod(score_mod)
   mask, layout = _layout(q, k, mask, segment_ids, positions, kv_segment_ids, kv_positions,
                          context_parallel, None)
   plan = None
@@ -278,7 +292,7 @@ def explain(q, k, v, *, mask: Mask = Causal(), segment_ids=None, positions=None,
     context_parallel, plan = choose(context_parallel, q.shape, k.shape,
                                     np.dtype(q.dtype).itemsize, mask)
   call = _call(q, k, v, mask, layout, return_lse or sinks is not None, context_parallel,
-               sinks is not None, soft_cap)
+               sinks is not None, soft_cap, score_mod)
   text = registry.describe(backend, call)
   if plan is not None:
     text += "\n" + planner.describe_plan(*plan)

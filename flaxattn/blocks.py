@@ -17,12 +17,14 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from flaxattn.layout import Layout
-from flaxattn.masks import Band, Mask, floor_div
+from flaxattn.masks import Band, Coords, Mask, allowed, floor_div
 
 
 class BlockKind(enum.IntEnum):
@@ -300,11 +302,48 @@ def visit_order(xp, kinds, axis: int):
   return (order, (rank == 0).sum(-1).astype(np.int32), (rank == 1).sum(-1).astype(np.int32))
 
 
-def schedule(mask, layout: Layout, b, t_pad, s_pad, t, s, bq, bk):
-  """Padded int32 layout arrays (q_seg, kv_seg, q_pos, kv_pos) `[B, t_pad]` / `[B, s_pad]`
-  and the block schedule of `mask`, computed in the program, for the default layout too:
-  one built at trace time would be a constant of O(T^2 / (bq x bk)) entries inside the
-  program (32 MiB of program text for a causal T = 512K forward and backward)."""
+@dataclasses.dataclass(frozen=True)
+class Tokens:
+  """A kernel's per-token arrays, padded to whole blocks (padding as segment 0): segment ids
+  and positions of queries `[B, Tp]` and keys `[B, Sp]`, and where a programmable mask or
+  score reads them, token indices (`flaxattn.masks.Coords`; else None) and the global index
+  of the first batch row and query head (`Layout.offsets`)."""
+
+  q_seg: Any
+  kv_seg: Any
+  q_pos: Any
+  kv_pos: Any
+  q_index: Any = None
+  kv_index: Any = None
+  row_offset: Any = 0
+  head_offset: Any = 0
+
+  def coords(self, b, h, q: tuple, kv: tuple, q_axes, kv_axes) -> Coords:
+    """`Coords` of a tile: row `b` (local), heads `h` (local, broadcasting), the `q =
+    (start, size)` query tokens and `kv = (start, size)` keys of the padded axes, placed on
+    axes `q_axes` / `kv_axes` of the tile (`jnp.expand_dims` axes, e.g. (0, 2, 3))."""
+    def side(x, at, axes):
+      return None if x is None else jnp.expand_dims(slice_tokens(x, b, *at), axes)
+    return Coords(b + self.row_offset, h + self.head_offset,
+                  side(self.q_index, q, q_axes), side(self.kv_index, kv, kv_axes),
+                  side(self.q_pos, q, q_axes), side(self.kv_pos, kv, kv_axes))
+
+
+jax.tree_util.register_dataclass(
+    Tokens, data_fields=[f.name for f in dataclasses.fields(Tokens)], meta_fields=[])
+
+
+def slice_tokens(x_BL, b, start, size: int):
+  """`x_BL[b, start:start + size]` for traced `b` and `start`, as a dynamic slice."""
+  b, start = (jnp.asarray(i, jnp.int32) for i in (b, start))
+  return jax.lax.dynamic_slice(x_BL, (b, start), (1, size))[0]
+
+
+def tokens(mask: Mask, layout: Layout, b, t_pad, s_pad, t, s, reads_index: bool = False) -> Tokens:
+  """A call's `Tokens`, computed in the program, for the default layout too: a schedule
+  built from ids known at trace time would be a constant of O(T^2 / (bq x bk)) entries
+  inside the program (32 MiB of program text for a causal T = 512K forward and backward).
+  Token indices where `mask` or a score mod (`reads_index`) reads them."""
   def default_arrays(length, padded):
     seg = jnp.broadcast_to((jnp.arange(padded) < length).astype(np.int32), (b, padded))
     pos = jnp.broadcast_to(jnp.arange(padded, dtype=np.int32), (b, padded))
@@ -313,12 +352,49 @@ def schedule(mask, layout: Layout, b, t_pad, s_pad, t, s, bq, bk):
   if layout.is_default:
     q_seg, q_pos = default_arrays(t, t_pad)
     kv_seg, kv_pos = default_arrays(s, s_pad)
-    kinds = block_schedule(jnp, mask, q_seg, kv_seg, q_pos, kv_pos, bq, bk)
-    return (q_seg, kv_seg, q_pos, kv_pos), kinds
-  full = layout.materialize(b, t, s)
-  q_seg = pad_axis1(full.q_segment_ids, t_pad)
-  kv_seg = pad_axis1(full.kv_segment_ids, s_pad)
-  q_pos = pad_axis1(full.q_positions, t_pad)
-  kv_pos = pad_axis1(full.kv_positions, s_pad)
-  kinds = block_schedule(jnp, mask, q_seg, kv_seg, q_pos, kv_pos, bq, bk)
-  return (q_seg, kv_seg, q_pos, kv_pos), kinds
+  else:
+    full = layout.materialize(b, t, s)
+    q_seg, kv_seg, q_pos, kv_pos = (
+        pad_axis1(x, n) for x, n in ((full.q_segment_ids, t_pad), (full.kv_segment_ids, s_pad),
+                                     (full.q_positions, t_pad), (full.kv_positions, s_pad)))
+  index = (None, None)
+  if reads_index or mask.reads_index:
+    q_index, kv_index = layout.indices(b, t, s)
+    index = (pad_axis1(q_index, t_pad), pad_axis1(kv_index, s_pad))
+  row, head = (jnp.asarray(x, jnp.int32) for x in layout.offsets())
+  return Tokens(q_seg, kv_seg, q_pos, kv_pos, *index, row, head)
+
+
+def schedule(mask: Mask, toks: Tokens, heads: int, bq: int, bk: int):
+  """The block schedule `[B, nq, nk]` of `mask` over `toks` (`block_schedule`, then
+  `refine` for a mask with programmable parts), for `heads` query heads."""
+  kinds = block_schedule(jnp, mask, toks.q_seg, toks.kv_seg, toks.q_pos, toks.kv_pos, bq, bk)
+  return refine(mask, kinds, toks, heads, bq, bk)
+
+
+def refine(mask: Mask, kinds, toks: Tokens, heads: int, bq: int, bk: int):
+  """`kinds` `[B, nq, nk]` (from `block_schedule`) made exact for a mask with programmable
+  parts (`Mask.needs_tiles`): each block still PARTIAL is classified from the mask itself,
+  evaluated on its `[heads, bq, bk]` tile (one head where the mask is the same for all) on
+  device; blocks the segments or the built-in parts rule out or fill are never evaluated.
+  Memory: one tile at a time besides the schedule. Other masks: `kinds` as they are."""
+  if not mask.needs_tiles:
+    return kinds
+  b, nq, nk = kinds.shape
+  lo, hi = visit_bounds(jnp, kinds, axis=2)
+  h = jnp.arange(heads if mask.per_head else 1, dtype=jnp.int32)[:, None, None]
+
+  def row(n):
+    bi, i = n // nq, n % nq
+    q = (i * bq, bq)
+    q_seg = slice_tokens(toks.q_seg, bi, *q)[None, :, None]
+
+    def tile(j, kinds_N):
+      kv = (j * bk, bk)
+      ok = allowed(mask, toks.coords(bi, h, q, kv, (0, 2), (0, 1)), q_seg,
+                   slice_tokens(toks.kv_seg, bi, *kv)[None, None, :])
+      kind = jnp.where(ok.any(), jnp.where(ok.all(), FULL, PARTIAL), EMPTY).astype(kinds.dtype)
+      return kinds_N.at[j].set(jnp.where(kinds_N[j] == PARTIAL, kind, kinds_N[j]))
+    return jax.lax.fori_loop(lo[bi, i], hi[bi, i], tile, kinds[bi, i])
+
+  return jax.lax.map(row, jnp.arange(b * nq, dtype=jnp.int32)).reshape(b, nq, nk)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +29,12 @@ class Layout:
 
   `shards` > 1: the tokens are in `flaxattn.load_balance` order over that many context
   shards, so default positions are the permuted token index.
+
+  What programmable masks and scores read besides (`flaxattn.masks.Coords`), None for the
+  defaults: `q_index` / `kv_index`, each token's index in the caller's order (default: the
+  original index, `index`); `row_offset` / `head_offset`, the global index of the first
+  batch row and query head a kernel sees (default 0; set inside a `shard_map` that splits
+  the batch or the heads).
   """
 
   q_segment_ids: jax.Array | np.ndarray | None = None
@@ -35,11 +42,32 @@ class Layout:
   q_positions: jax.Array | np.ndarray | None = None
   kv_positions: jax.Array | np.ndarray | None = None
   shards: int = 1
+  q_index: jax.Array | np.ndarray | None = None
+  kv_index: jax.Array | np.ndarray | None = None
+  row_offset: jax.Array | int | None = None
+  head_offset: jax.Array | int | None = None
 
   @property
   def is_default(self) -> bool:
     return all(x is None for x in (self.q_segment_ids, self.kv_segment_ids, self.q_positions,
                                    self.kv_positions))
+
+  def indices(self, batch: int, q_len: int, kv_len: int) -> tuple[Any, Any]:
+    """Token indices of queries `[B, T]` and keys `[B, S]` in the caller's order, defaults
+    filled in."""
+    return (self.index(batch, q_len) if self.q_index is None else self.q_index,
+            self.index(batch, kv_len) if self.kv_index is None else self.kv_index)
+
+  def offsets(self) -> tuple[Any, Any]:
+    """(row_offset, head_offset), 0 where not set."""
+    return (0 if self.row_offset is None else self.row_offset,
+            0 if self.head_offset is None else self.head_offset)
+
+  def shifted(self, rows=0, heads=0) -> Layout:
+    """This layout for a kernel that sees the rows and heads from `rows` and `heads` on of
+    the ones this layout's kernel sees (a shard, a group of heads)."""
+    row, head = self.offsets()
+    return dataclasses.replace(self, row_offset=row + rows, head_offset=head + heads)
 
   def index(self, batch: int, length: int) -> jax.Array:
     """The default positions `[batch, length]` int32: each token's original index."""
@@ -63,13 +91,16 @@ class Layout:
 
     q_index = self.index(batch, q_len)
     kv_index = q_index if kv_len == q_len else self.index(batch, kv_len)
-    return Layout(pick(self.q_segment_ids, ones(q_len)), pick(self.kv_segment_ids, ones(kv_len)),
-                  pick(self.q_positions, q_index), pick(self.kv_positions, kv_index), self.shards)
+    return dataclasses.replace(
+        self, q_segment_ids=pick(self.q_segment_ids, ones(q_len)),
+        kv_segment_ids=pick(self.kv_segment_ids, ones(kv_len)),
+        q_positions=pick(self.q_positions, q_index), kv_positions=pick(self.kv_positions, kv_index))
 
 
 jax.tree_util.register_dataclass(
     Layout,
-    data_fields=["q_segment_ids", "kv_segment_ids", "q_positions", "kv_positions"],
+    data_fields=["q_segment_ids", "kv_segment_ids", "q_positions", "kv_positions", "q_index",
+                 "kv_index", "row_offset", "head_offset"],
     meta_fields=["shards"],
 )
 

@@ -1,13 +1,20 @@
 """Attention masks as data: small hashable values on positions, never on array indices.
 
-Every mask answers `allows(q_pos, k_pos)` and, for a block of positions, `block_kinds`
-(certainly empty / certainly dense; conservative), both on numpy and jax arrays. Masks
-combine with `&`. `band(mask)` is the one normal form that splash and cuDNN read.
+Every mask answers `evaluate(coords)`: which scores of a tile it allows, given where they
+sit (`Coords`: batch row, query head, token indices and positions). The built-ins read
+positions only (`allows(q_pos, k_pos)`); a `flaxattn.MaskMod` reads anything (`mods.py`).
+For a block of positions, `block_kinds` says certainly empty / certainly dense
+(conservative), on numpy and jax arrays; a mask with programmable parts (`needs_tiles`)
+leaves its blocks to be classified on device from tiles (`blocks.refine`). Masks combine
+with `&`, `|` and `~`. `band(mask)` is the one normal form that splash and cuDNN read.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import operator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -69,12 +76,52 @@ def values_apart(v, allowed):
   return clean, seen_R
 
 
+@dataclasses.dataclass(frozen=True)
+class Coords:
+  """Where the scores of a tile sit, as int32 arrays that broadcast against each other (a
+  kernel gives each the axes of its tile): `b` the batch row and `h` the query head (both
+  global: under sharding, the index in the whole batch and over all heads), `q_index` /
+  `kv_index` each token's index in the row as the caller ordered it (under load-balanced
+  context parallelism, the order before balancing), `q_pos` / `kv_pos` positions in the
+  document."""
+
+  b: Any
+  h: Any
+  q_index: Any
+  kv_index: Any
+  q_pos: Any
+  kv_pos: Any
+
+
 class Mask:
-  """Base class of all masks. Subclasses are frozen dataclasses."""
+  """Base class of all masks. Subclasses are frozen dataclasses and pytrees (the operands
+  of a `MaskMod` are their leaves, traced; everything else is static)."""
 
   def allows(self, q_pos, k_pos):
-    """Boolean array broadcast from `q_pos` and `k_pos`: True where attention is allowed."""
+    """Boolean array broadcast from `q_pos` and `k_pos`: True where attention is allowed.
+    Masks on positions only; others raise (they need `evaluate`)."""
     raise NotImplementedError
+
+  def evaluate(self, coords: Coords):
+    """Boolean array broadcast from `coords`: True where attention is allowed."""
+    return self.allows(coords.q_pos, coords.kv_pos)
+
+  @property
+  def needs_tiles(self) -> bool:
+    """True when `block_kinds` cannot classify some blocks from position bounds (a
+    `MaskMod` inside): kernels then classify those blocks from tiles (`blocks.refine`)."""
+    return False
+
+  @property
+  def per_head(self) -> bool:
+    """True when the mask may differ between query heads."""
+    return False
+
+  @property
+  def reads_index(self) -> bool:
+    """True when the mask reads token indices or batch rows (`Coords.q_index`, ...), which
+    kernels then compute; the built-ins read positions only."""
+    return False
 
   def block_kinds(self, q_lo, q_hi, k_lo, k_hi):
     """Returns `(skip, full)` boolean arrays broadcast from the position bounds."""
@@ -88,12 +135,32 @@ class Mask:
   def __and__(self, other: Mask) -> Mask:
     if not isinstance(other, Mask):
       return NotImplemented
-    parts = []
-    for m in (self, other):
-      parts.extend(m.masks if isinstance(m, And) else (m,))
-    return And(tuple(parts))
+    return And(_parts(And, self, other))
+
+  def __or__(self, other: Mask) -> Mask:
+    if not isinstance(other, Mask):
+      return NotImplemented
+    return Or(_parts(Or, self, other))
+
+  def __invert__(self) -> Mask:
+    return self.mask if isinstance(self, Not) else Not(self)
 
 
+def _parts(cls, *masks: Mask) -> tuple[Mask, ...]:
+  """The operands of `cls` (And or Or) over `masks`, nested ones of the same kind flattened."""
+  out: list[Mask] = []
+  for m in masks:
+    out.extend(m.masks if isinstance(m, _Combination) and isinstance(m, cls) else (m,))
+  return tuple(out)
+
+
+def _static(cls):
+  """Registers a mask class without traced fields as a pytree with no leaves."""
+  fields = [f.name for f in dataclasses.fields(cls)]
+  return jax.tree_util.register_dataclass(cls, data_fields=[], meta_fields=fields)
+
+
+@_static
 @dataclasses.dataclass(frozen=True)
 class Full(Mask):
   """Every query sees every key of its document."""
@@ -106,6 +173,7 @@ class Full(Mask):
     return false, ~false
 
 
+@_static
 @dataclasses.dataclass(frozen=True)
 class Causal(Mask):
   """A query at position p sees keys at positions k <= p."""
@@ -121,6 +189,7 @@ class Causal(Mask):
     return True
 
 
+@_static
 @dataclasses.dataclass(frozen=True)
 class Local(Mask):
   """Sliding window: a query at position p sees keys at p - window < k <= p."""
@@ -144,6 +213,7 @@ class Local(Mask):
     return True
 
 
+@_static
 @dataclasses.dataclass(frozen=True)
 class Chunked(Mask):
   """Llama 4 chunked attention: causal inside aligned chunks of `size` positions.
@@ -171,21 +241,40 @@ class Chunked(Mask):
     return True
 
 
-@dataclasses.dataclass(frozen=True)
-class And(Mask):
-  """Intersection of masks: a pair is allowed only if every part allows it."""
+class _Combination(Mask):
+  """`And` / `Or`: a tuple of parts, each a pytree (so a `MaskMod`'s operands stay leaves)."""
 
   masks: tuple[Mask, ...]
 
   def __post_init__(self):
     if not self.masks or not all(isinstance(m, Mask) for m in self.masks):
-      raise ValueError(f"And(masks=...) expects a non-empty tuple of Mask, got {self.masks!r}")
+      raise ValueError(f"{type(self).__name__}(masks=...) expects a non-empty tuple of Mask, got"
+                       f" {self.masks!r}")
+
+  @property
+  def needs_tiles(self) -> bool:
+    return any(m.needs_tiles for m in self.masks)
+
+  @property
+  def per_head(self) -> bool:
+    return any(m.per_head for m in self.masks)
+
+  @property
+  def reads_index(self) -> bool:
+    return any(m.reads_index for m in self.masks)
+
+
+@dataclasses.dataclass(frozen=True)
+class And(_Combination):
+  """Intersection of masks: a pair is allowed only if every part allows it."""
+
+  masks: tuple[Mask, ...]
 
   def allows(self, q_pos, k_pos):
-    out = self.masks[0].allows(q_pos, k_pos)
-    for m in self.masks[1:]:
-      out = out & m.allows(q_pos, k_pos)
-    return out
+    return functools.reduce(operator.and_, [m.allows(q_pos, k_pos) for m in self.masks])
+
+  def evaluate(self, coords: Coords):
+    return functools.reduce(operator.and_, [m.evaluate(coords) for m in self.masks])
 
   def block_kinds(self, q_lo, q_hi, k_lo, k_hi):
     skip, full = self.masks[0].block_kinds(q_lo, q_hi, k_lo, k_hi)
@@ -199,14 +288,83 @@ class And(Mask):
     return any(m.is_causal for m in self.masks)
 
 
+@dataclasses.dataclass(frozen=True)
+class Or(_Combination):
+  """Union of masks: a pair is allowed if some part allows it (segment ids still separate
+  documents), e.g. `Local(512) | MaskMod(prefix, prefix_len)`."""
+
+  masks: tuple[Mask, ...]
+
+  def allows(self, q_pos, k_pos):
+    return functools.reduce(operator.or_, [m.allows(q_pos, k_pos) for m in self.masks])
+
+  def evaluate(self, coords: Coords):
+    return functools.reduce(operator.or_, [m.evaluate(coords) for m in self.masks])
+
+  def block_kinds(self, q_lo, q_hi, k_lo, k_hi):
+    skip, full = self.masks[0].block_kinds(q_lo, q_hi, k_lo, k_hi)
+    for m in self.masks[1:]:
+      s, f = m.block_kinds(q_lo, q_hi, k_lo, k_hi)
+      skip, full = skip & s, full | f
+    return skip, full
+
+  @property
+  def is_causal(self) -> bool:
+    return all(m.is_causal for m in self.masks)
+
+
+@dataclasses.dataclass(frozen=True)
+class Not(Mask):
+  """Complement of a mask (`~mask`): the pairs of a document that `mask` does not allow."""
+
+  mask: Mask
+
+  def __post_init__(self):
+    if not isinstance(self.mask, Mask):
+      raise ValueError(f"Not(mask=...) expects a Mask, got {self.mask!r}")
+
+  def allows(self, q_pos, k_pos):
+    return ~self.mask.allows(q_pos, k_pos)
+
+  def evaluate(self, coords: Coords):
+    return ~self.mask.evaluate(coords)
+
+  def block_kinds(self, q_lo, q_hi, k_lo, k_hi):
+    skip, full = self.mask.block_kinds(q_lo, q_hi, k_lo, k_hi)
+    return full, skip
+
+  @property
+  def needs_tiles(self) -> bool:
+    return self.mask.needs_tiles
+
+  @property
+  def per_head(self) -> bool:
+    return self.mask.per_head
+
+  @property
+  def reads_index(self) -> bool:
+    return self.mask.reads_index
+
+
+for _cls, _fields in ((And, ["masks"]), (Or, ["masks"]), (Not, ["mask"])):
+  jax.tree_util.register_dataclass(_cls, data_fields=_fields, meta_fields=[])
+
+
 def check_mask(mask) -> Mask:
   """Returns `mask` if it is a `Mask`, else raises a TypeError saying what is accepted."""
   if not isinstance(mask, Mask):
     raise TypeError(
         f"mask expects a flaxattn mask (Full(), Causal(), Local(window), Chunked(size),"
-        f" or a combination with &), got {mask!r} ({type(mask).__name__})."
+        f" MaskMod(fn, *operands), or a combination with &, | and ~), got {mask!r}"
+        f" ({type(mask).__name__})."
     )
   return mask
+
+
+def allowed(mask: Mask, coords: Coords, q_seg, kv_seg):
+  """Bool, broadcast from the arguments: the query and the key share a non-zero segment id
+  and `mask` allows the pair (the rule every kernel applies inside a partial block)."""
+  return (q_seg == kv_seg) & (q_seg != 0) & mask.evaluate(coords)
 
 
 class NoBand(ValueError):

@@ -19,6 +19,7 @@ from jax._src import config as jax_config
 
 from flaxattn.layout import Layout
 from flaxattn.masks import Mask
+from flaxattn.mods import ScoreMod
 from flaxattn.ring import Gathered, RingStep
 
 # Per platform, fastest first. Kernel modules load when first consulted, so a JAX change to
@@ -121,6 +122,7 @@ class Call:
   has_sinks: bool = False  # applied outside the kernels (attention.apply_sinks): for the record
   soft_cap: float | None = None  # scores become soft_cap * tanh(scores / soft_cap)
   v_head_dim: int | None = None  # Dv of v `[B, S, Hkv, Dv]`; None: the same as q/k's D
+  score_mod: ScoreMod | None = None  # a `flaxattn.ScoreMod` (hashed by identity)
 
   @property
   def dv(self) -> int:
@@ -130,7 +132,7 @@ class Call:
   @classmethod
   def of(cls, q, k, v, mask: Mask, layout: Layout, return_lse: bool, cp_size: int = 1,
          cp_strategy: str | None = None, ring_size: int | None = None, has_sinks: bool = False,
-         soft_cap: float | None = None) -> Call:
+         soft_cap: float | None = None, score_mod: ScoreMod | None = None) -> Call:
     """The call of `flaxattn.attention` for these arguments, on the (first) platform it is
     lowered for (`lowering_platforms`)."""
     return cls(platform=lowering_platforms()[0], q_shape=tuple(q.shape), kv_shape=tuple(k.shape),
@@ -139,7 +141,8 @@ class Call:
                has_positions=layout.q_positions is not None or layout.kv_positions is not None,
                return_lse=return_lse, cp_size=cp_size, cp_strategy=cp_strategy,
                ring_size=ring_size, has_sinks=has_sinks, soft_cap=soft_cap,
-               v_head_dim=None if v.shape[-1] == q.shape[-1] else v.shape[-1])
+               v_head_dim=None if v.shape[-1] == q.shape[-1] else v.shape[-1],
+               score_mod=score_mod)
 
   def local(self) -> Call:
     """The call the kernel itself serves: under Ulysses a plain call on the whole sequence,
@@ -167,6 +170,10 @@ class Kernel:
   ring: bool = False
   # True: `__call__` and the per-device computation take `soft_cap=` (logit soft-capping).
   soft_cap: bool = False
+  # True: the kernel serves masks with `flaxattn.MaskMod` parts (`Mask.needs_tiles`).
+  mask_mod: bool = False
+  # True: `__call__` and the per-device computation take `score_mod=` (a `flaxattn.ScoreMod`).
+  score_mod: bool = False
   # False: tracing needs the platform's own libraries (cuDNN), so a program traced on
   # another platform's host cannot hold this kernel for it.
   traces_anywhere: bool = True
@@ -181,6 +188,14 @@ class Kernel:
       able = [n for n in names() if get(n).soft_cap]
       reason = (f"{self.name} has no logit soft-capping (logit_soft_cap={call.soft_cap}); use"
                 f" one of {able}.")
+    if reason is None and call.mask.needs_tiles and not self.mask_mod:
+      able = [n for n in names() if get(n).mask_mod]
+      reason = (f"{self.name} has no programmable masks (mask {call.mask} holds a MaskMod); use"
+                f" one of {able}.")
+    if reason is None and call.score_mod is not None and not self.score_mod:
+      able = [n for n in names() if get(n).score_mod]
+      reason = (f"{self.name} has no score mods (score_mod={call.score_mod}); use one of"
+                f" {able}.")
     if reason is None and local.cp_strategy == "ring" and not self.ring:
       able = [n for n in names() if get(n).ring]
       other = ("strategy='ulysses' without ring_axis" if call.cp_strategy == "ulysses" else
@@ -416,6 +431,7 @@ def describe(backend, call: Call) -> str:
   cp = f"; context parallel: {call.strategy_text()}" if call.cp_strategy else ""
   extras = "".join([f"; v head_dim {call.dv}" if call.v_head_dim is not None else "",
                     f"; logit_soft_cap {call.soft_cap}" if call.soft_cap is not None else "",
+                    f"; score_mod {call.score_mod}" if call.score_mod is not None else "",
                     "; sinks (applied to every kernel's out and lse)" if call.has_sinks else ""])
   lines = [f"platform: {call.platform}; q {call.q_shape}, k/v {call.kv_shape}, {call.dtype};"
            f" mask {call.mask}; segment_ids: {call.has_segment_ids};"

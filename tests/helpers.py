@@ -209,7 +209,7 @@ def dense_oracle(q, k, v, layout, mask, scale, sinks=None, soft_cap=None):
   b, t, h, _ = q.shape
   g = h // k.shape[2]
   k_BSHD, v_BSHD = (jnp.repeat(x.astype(jnp.float32), g, axis=2) for x in (k, v))
-  allowed_B1TS = reference.dense_mask(mask, layout.materialize(b, t, k.shape[1]))[:, None]
+  allowed_B1TS = reference.dense_mask(mask, layout.materialize(b, t, k.shape[1]))
   scores_BHTS = jnp.einsum("bthd,bshd->bhts", q.astype(jnp.float32), k_BSHD) * scale
   if soft_cap is not None:
     scores_BHTS = soft_cap * jnp.tanh(scores_BHTS / soft_cap)
