@@ -5,10 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.core  # jax.core.Tracer: jax imports the module but does not export the name
 import jax.numpy as jnp
 import numpy as np
 
-from flaxattn import checks, planner, registry
+from flaxattn import blocks, checks, planner, registry
+from flaxattn import blockwise as blockwise_blocks
 from flaxattn import decode as cp_decode
 from flaxattn.context_parallel import (
   ContextParallel,
@@ -236,6 +238,29 @@ def attention(q, k, v, *, mask: Mask = Causal(), segment_ids=None, positions=Non
   return (out, lse) if return_lse else out
 
 
+def _block_map_text(mask: Mask, q, k, layout: Layout, backend, call: registry.Call) -> str:
+  """The counts of a programmable mask's block map in the blocks of the kernel that runs
+  it (where concrete values are given), or why they are not shown."""
+  values = [*jax.tree.leaves(mask), *jax.tree.leaves(layout)]
+  if any(isinstance(x, (jax.ShapeDtypeStruct, jax.core.Tracer)) for x in values):
+    return ("block map: computed on device per call (concrete operands and ids give the"
+            " counts here)")
+  try:
+    kernel = registry.select(backend, call)
+  except ValueError:
+    return "block map: no kernel serves the call"
+  bq = getattr(kernel, "block_q", blockwise_blocks.DEFAULT_BLOCK_Q)
+  bk = getattr(kernel, "block_kv", blockwise_blocks.DEFAULT_BLOCK_KV)
+  kinds = blocks.block_map(mask, q.shape[1], k.shape[1], segment_ids=layout.q_segment_ids,
+                           positions=layout.q_positions, kv_segment_ids=layout.kv_segment_ids,
+                           kv_positions=layout.kv_positions, batch=q.shape[0],
+                           heads=q.shape[2], block_q=bq, block_kv=bk)
+  c = blocks.counts(kinds)
+  return (f"block map ({kernel.name}'s {bq} x {bk} blocks, found on device): {c['empty']}"
+          f" empty, {c['partial']} partial (masked in the kernel), {c['full']} full, of"
+          f" {sum(c.values())} (flaxattn.blocks.draw pictures it)")
+
+
 def explain(q, k, v, *, mask: Mask = Causal(), segment_ids=None, positions=None,
             kv_segment_ids=None, kv_positions=None, backend="auto", context_parallel=None,
             return_lse: bool = False, sinks=None, logit_soft_cap: float | None = None,
@@ -311,6 +336,8 @@ def explain(q, k, v, *, mask: Mask = Causal(), segment_ids=None, positions=None,
       text += ("\nring: all heads go round together" if groups == 1 else
                f"\nring: the heads go round in {groups} groups, one after the other; a device"
                f" holds one group's K/V blocks and gradient sums at a time") + f" ({how})"
+  if mask.needs_tiles:
+    text += "\n" + _block_map_text(mask, q, k, layout, backend, call)
   if balance_plan is not None:
     text += "\n" + balance_plan.describe()
   if decode:

@@ -427,3 +427,16 @@ def _row_plan(seg_T: np.ndarray, work_T: np.ndarray, cp: int,
   # 16-bit keys: numpy's stable sort of them is a radix sort, O(T).
   key = (3 * shard_T + kind_T).astype(np.int16 if 3 * cp < 2**15 else np.int32)
   return np.argsort(key, kind="stable"), load
+
+
+def original_index(segment_ids, positions):
+  """Each token's index in its row before per-document load balancing (`load_balance(...,
+  segment_ids=...)`), from the balanced rows' segment ids and positions `[B, T]`: the tokens
+  of the documents with lower ids plus the token's position, documents numbered in row
+  order and packed back to back from the row's start (padding, id 0, last). O(T log T)
+  time, O(T) memory (a sort per row). int32 `[B, T]`."""
+  big = jnp.iinfo(jnp.int32).max
+  key_BT = jnp.where(segment_ids == 0, big, segment_ids).astype(jnp.int32)
+  sorted_BT = jnp.sort(key_BT, axis=1)
+  start_BT = jax.vmap(lambda s, k: jnp.searchsorted(s, k, side="left"))(sorted_BT, key_BT)
+  return (start_BT + positions).astype(jnp.int32)

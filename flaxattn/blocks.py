@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flaxattn.layout import Layout
+from flaxattn.layout import Layout, resolve
 from flaxattn.masks import Band, Coords, Mask, allowed, floor_div
 
 
@@ -398,3 +398,58 @@ def refine(mask: Mask, kinds, toks: Tokens, heads: int, bq: int, bk: int):
     return jax.lax.fori_loop(lo[bi, i], hi[bi, i], tile, kinds[bi, i])
 
   return jax.lax.map(row, jnp.arange(b * nq, dtype=jnp.int32)).reshape(b, nq, nk)
+
+
+def block_map(mask: Mask, q_len: int, kv_len: int | None = None, *, segment_ids=None,
+              positions=None, kv_segment_ids=None, kv_positions=None, batch: int = 1,
+              heads: int = 1, block_q: int = 512, block_kv: int = 512) -> jax.Array:
+  """The block map of `mask` for a call of `q_len` queries and `kv_len` keys (default
+  `q_len`) with these segment ids and positions (`[batch, T]`, None: the defaults), in
+  blocks of `block_q` x `block_kv` tokens: int32 `[batch, nq, nk]` of `BlockKind` values,
+  what a kernel with those blocks skips (EMPTY), masks (PARTIAL) or runs unmasked (FULL).
+  Computed on device as kernels do (`schedule`): for a `flaxattn.MaskMod`, only the blocks
+  the segments and built-in parts leave open are evaluated. Jit it to build it once and
+  share it (`MaskMod` operands and ids are traced).
+
+  Raises:
+    ValueError / TypeError naming a malformed argument (as `flaxattn.attention`).
+  """
+  kv_len = q_len if kv_len is None else kv_len
+  layout = resolve((batch, q_len), (batch, kv_len), segment_ids, positions, kv_segment_ids,
+                   kv_positions)
+  bq, bk = min(block_q, round_up(q_len, 8)), min(block_kv, round_up(kv_len, 8))
+  toks = tokens(mask, layout, batch, round_up(q_len, bq), round_up(kv_len, bk), q_len, kv_len)
+  return schedule(mask, toks, heads, bq, bk)
+
+
+def counts(kinds) -> dict[str, int]:
+  """How many blocks of a block map are EMPTY, PARTIAL and FULL (host ints)."""
+  kinds = np.asarray(kinds)
+  return {kind.name.lower(): int((kinds == kind).sum()) for kind in BlockKind}
+
+
+def draw(kinds, path: str | None = None, *, title: str = "") -> str:
+  """A picture of a block map `[nq, nk]` (or the first row of `[B, nq, nk]`): text, one
+  character a block (' ' empty, '#' full, '+' partial), query blocks down, key blocks
+  across; with `path`, also a PNG there (needs matplotlib: white empty, grey partial,
+  black full). Returns the text."""
+  kinds = np.asarray(kinds)
+  kinds = kinds[0] if kinds.ndim == 3 else kinds
+  marks = np.array([" ", "+", "#"])[kinds]
+  text = "\n".join("|" + "".join(row) + "|" for row in marks)
+  if path is not None:
+    import matplotlib  # an optional dependency, for the picture only
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(4, 4 * kinds.shape[0] / max(kinds.shape[1], 1) + 0.4))
+    ax.imshow(kinds, cmap="Greys", vmin=0, vmax=2, interpolation="nearest")
+    ax.set_xlabel("key block")
+    ax.set_ylabel("query block")
+    c = counts(kinds)
+    ax.set_title(title or f"{c['empty']} empty, {c['partial']} partial, {c['full']} full",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+  return text

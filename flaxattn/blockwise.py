@@ -382,25 +382,41 @@ def ring_block(t: int, n: int, load_balance: bool) -> int:
   return min(DEFAULT_BLOCK_Q, t // (2 * n)) if load_balance else DEFAULT_BLOCK_Q
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=[],
-                   meta_fields=["mask", "scale", "block", "soft_cap"])
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["mask", "score_mod"],
+                   meta_fields=["scale", "block", "soft_cap"])
 @dataclasses.dataclass(frozen=True)
 class BlockwiseStep(RingStep):
   """The blockwise passes as the ring's per-device step: the same computation at every step
-  (so the ring runs a `lax.scan`), its block schedule from the visiting positions."""
+  (so the ring runs a `lax.scan`), its block schedule from the visiting positions. The
+  mask's and score mod's operands are the step's leaves; the score mod's float operands
+  receive gradients (`operand_zeros`, `cotangent`)."""
 
   mask: Mask
   scale: float
   block: int
   soft_cap: float | None = None
+  score_mod: ScoreMod | None = None
 
   def forward(self, step, q, k, v, layout):
     return forward(q, k, v, layout, mask=self.mask, scale=self.scale, block_q=self.block,
-                   block_kv=self.block, soft_cap=self.soft_cap)
+                   block_kv=self.block, soft_cap=self.soft_cap, score_mod=self.score_mod)
 
   def backward(self, step, q, k, v, layout, out, lse, dout, dlse):
-    return backward(q, k, v, layout, out, lse, dout, dlse, mask=self.mask, scale=self.scale,
-                    block_q=self.block, block_kv=self.block, soft_cap=self.soft_cap)[:3]
+    grads = backward(q, k, v, layout, out, lse, dout, dlse, mask=self.mask, scale=self.scale,
+                     block_q=self.block, block_kv=self.block, soft_cap=self.soft_cap,
+                     score_mod=self.score_mod)
+    return grads if self.score_mod is not None else grads[:3]
+
+  def operand_zeros(self) -> list:
+    if self.score_mod is None:
+      return []
+    return [jnp.zeros(x.shape, jnp.float32) for x in self.score_mod.float_operands()]
+
+  def cotangent(self, d_operands: list):
+    if self.score_mod is None:
+      return None
+    return dataclasses.replace(self, mask=zero_cotangents(self.mask),
+                               score_mod=self.score_mod.cotangent(d_operands))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -451,16 +467,17 @@ class Blockwise(registry.Kernel):
 
   def ring_step(self, *, strategy: str, mask: Mask, scale: float, shards: int, axis: str,
                 load_balance: bool, q_shape, kv_shape, layout: Layout,
-                soft_cap: float | None = None) -> RingStep:
+                soft_cap: float | None = None, score_mod: ScoreMod | None = None) -> RingStep:
     if strategy != "ring":
       return super().ring_step(strategy=strategy, mask=mask, scale=scale, shards=shards,
                                axis=axis, load_balance=load_balance, q_shape=q_shape,
-                               kv_shape=kv_shape, layout=layout, soft_cap=soft_cap)
-    return ring_step(mask, scale, q_shape[1], shards, load_balance, soft_cap)
+                               kv_shape=kv_shape, layout=layout, soft_cap=soft_cap,
+                               score_mod=score_mod)
+    return ring_step(mask, scale, q_shape[1], shards, load_balance, soft_cap, score_mod)
 
 
 def ring_step(mask: Mask, scale: float, t: int, shards: int, load_balance: bool,
-              soft_cap: float | None = None) -> BlockwiseStep:
+              soft_cap: float | None = None, score_mod: ScoreMod | None = None) -> BlockwiseStep:
   """The blockwise ring step for T = t over `shards` devices (also the exact path of the
   kernels that mask on the token index)."""
-  return BlockwiseStep(mask, scale, ring_block(t, shards, load_balance), soft_cap)
+  return BlockwiseStep(mask, scale, ring_block(t, shards, load_balance), soft_cap, score_mod)

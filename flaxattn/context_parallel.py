@@ -19,9 +19,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from flaxattn import checks, planner, ring, sharding, ulysses
+from flaxattn import balance, checks, planner, ring, sharding, ulysses
 from flaxattn.layout import Layout, index_check
 from flaxattn.masks import Mask
+from flaxattn.mods import ScoreMod
 
 STRATEGIES = ("ring", "all_gather", "ulysses", "auto")
 
@@ -298,9 +299,12 @@ def head_groups_for(cp: ContextParallel, q_shape, kv_shape, mesh=None) -> int:
 
 def context_parallel_attention(q, k, v, layout: Layout, *, mask: Mask, scale: float,
                                cp: ContextParallel, kernel, return_lse: bool,
-                               soft_cap: float | None = None):
+                               soft_cap: float | None = None, score_mod: ScoreMod | None = None):
   """Attention of q `[B, T, H, D]` over k `[B, T, Hkv, D]`, v `[B, T, Hkv, Dv]` sharded on
-  dim 1 over `cp.seq_axes` (`soft_cap`: the kernel's logit soft-capping, or None).
+  dim 1 over `cp.seq_axes` (`soft_cap`, `score_mod`: the kernel's logit soft-capping and
+  score mod, or None). A programmable mask or score mod sees the global batch rows, heads
+  and token indices in the caller's order (`flaxattn.mods`): the indices are computed once
+  here, before the tokens are split, and travel with them.
 
   `kernel` is the registry's kernel; its `ring_step` gives the per-device computation of
   the ring and all-gather strategies (`flaxattn.ring.RingStep`), passed into the
@@ -327,6 +331,15 @@ def context_parallel_attention(q, k, v, layout: Layout, *, mask: Mask, scale: fl
           " per-document balanced row is known only to the data, got positions=None. Pass"
           " positions=flaxattn.load_balance(positions, cp, segment_ids=segment_ids) (each"
           " token's position in its document, moved with the tokens).")
+  coords = mask.reads_index or score_mod is not None  # global indices and offsets
+  if coords and layout.q_index is None:
+    if cp.load_balance == "document":
+      full = layout.materialize(b, t, t)
+      index = balance.original_index(full.q_segment_ids, full.q_positions)
+    else:
+      index = layout.index(b, t)
+    layout = dataclasses.replace(layout, q_index=index, kv_index=index)
+  if cp.load_balance == "document":
     layout = dataclasses.replace(layout, shards=1)  # kernels mask on the array index
 
   # Every mesh axis is manual: the batch and heads stay sharded over the axes that divide
@@ -343,6 +356,7 @@ def context_parallel_attention(q, k, v, layout: Layout, *, mask: Mask, scale: fl
   qkv = P(batch, seq_axes, heads)
   kv_shape = (*k.shape[:2], k.shape[2] * repeat, k.shape[3])
   options = dict(mask=mask, scale=scale) | ({} if soft_cap is None else dict(soft_cap=soft_cap))
+  options |= {} if score_mod is None else dict(score_mod=score_mod)
   step = near = fetches = None
   if cp.strategy != "ulysses" or cp.ring_axis:  # a ring or the gathered keys: a RingStep
     shards = ring_n if cp.ring_axis else n
@@ -369,6 +383,8 @@ def context_parallel_attention(q, k, v, layout: Layout, *, mask: Mask, scale: fl
              else functools.partial(ulysses.whole_sequence, kernel, options,
                                     balanced if cp.row_balanced else 1))
     body = functools.partial(ulysses.ulysses, cp.axis, inner, repeat)
+  if coords:
+    body = sharding.offset_by_shard(body, batch or (), heads or ())
   manual = frozenset(mesh.axis_names) - frozenset(mesh.manual_axes)
   specs = (None if step is None else step.specs(), P(), qkv, qkv, qkv,
            jax.tree.map(lambda _: seq, layout))

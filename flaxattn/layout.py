@@ -63,6 +63,24 @@ class Layout:
     return (0 if self.row_offset is None else self.row_offset,
             0 if self.head_offset is None else self.head_offset)
 
+  def map_tokens(self, f) -> Layout:
+    """This layout with `f` applied to each per-token array given (ids, positions, indices)."""
+    return dataclasses.replace(self, **{name: f(getattr(self, name)) for name in TOKEN_FIELDS
+                                        if getattr(self, name) is not None})
+
+  def kv_ids(self):
+    """The keys' per-token arrays stacked `[N, B, S]` int32 (segment ids, positions and,
+    where given, indices; materialized): what travels with K/V round a ring."""
+    return jnp.stack([x for x in (self.kv_segment_ids, self.kv_positions, self.kv_index)
+                      if x is not None])
+
+  def visiting(self, ids) -> Layout:
+    """This layout's queries with the visiting keys' `kv_ids`."""
+    # The per-device layout of a ring step: every field explicit, so no load balancing
+    # (`shards`) is left to apply.
+    return dataclasses.replace(self, kv_segment_ids=ids[0], kv_positions=ids[1],
+                               kv_index=ids[2] if len(ids) > 2 else None, shards=1)
+
   def shifted(self, rows=0, heads=0) -> Layout:
     """This layout for a kernel that sees the rows and heads from `rows` and `heads` on of
     the ones this layout's kernel sees (a shard, a group of heads)."""
@@ -89,13 +107,19 @@ class Layout:
     def pick(x, default):
       return default if x is None else x
 
-    q_index = self.index(batch, q_len)
-    kv_index = q_index if kv_len == q_len else self.index(batch, kv_len)
+    q_index = kv_index = None  # computed only where a field takes its default
+    if self.q_positions is None or (self.kv_positions is None and kv_len == q_len):
+      q_index = self.index(batch, q_len)
+    if self.kv_positions is None:
+      kv_index = q_index if kv_len == q_len else self.index(batch, kv_len)
     return dataclasses.replace(
         self, q_segment_ids=pick(self.q_segment_ids, ones(q_len)),
         kv_segment_ids=pick(self.kv_segment_ids, ones(kv_len)),
         q_positions=pick(self.q_positions, q_index), kv_positions=pick(self.kv_positions, kv_index))
 
+
+TOKEN_FIELDS = ("q_segment_ids", "kv_segment_ids", "q_positions", "kv_positions", "q_index",
+                "kv_index")
 
 jax.tree_util.register_dataclass(
     Layout,

@@ -239,16 +239,17 @@ class Kernel:
 
   def ring_step(self, *, strategy: str, mask: Mask, scale: float, shards: int, axis: str,
                 load_balance: bool, q_shape, kv_shape, layout: Layout,
-                soft_cap: float | None = None) -> RingStep:
+                soft_cap: float | None = None, score_mod: ScoreMod | None = None) -> RingStep:
     """The per-device computation of context-parallel attention (a `flaxattn.ring.RingStep`)
     for `strategy` "ring" (also Ulysses x ring's, over the ring axis) or "all_gather" over
     `shards` devices of mesh axis `axis`, for global shapes q `[B, T, H, D]` and k/v
     `kv_shape` with the call's `layout` (default positions not yet materialized), tokens in
-    row order when `load_balance`; `soft_cap` only for kernels with `soft_cap = True`.
+    row order when `load_balance`; `soft_cap` only for kernels with `soft_cap = True`,
+    `score_mod` only for kernels with `score_mod = True`.
     Ulysses alone calls the kernel itself. The default serves "all_gather", the one strategy
     that `unsupported_reason` lets through without `ring`, by calling the kernel on the
     gathered keys."""
-    return Gathered(self, mask, scale, soft_cap)
+    return Gathered(self, mask, scale, soft_cap, score_mod)
 
 
 def register(kernel: Kernel, *, platforms=(), before: str | None = None,

@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from flaxattn.layout import Layout
 from flaxattn.masks import Mask, reach
+from flaxattn.mods import ScoreMod
 
 
 class RingStep:
@@ -47,8 +48,19 @@ class RingStep:
 
   def backward(self, step, q, k, v, layout: Layout, out, lse, dout, dlse):
     """(dq, dk, dv) of `forward`'s step given the merged out/lse over all steps and their
-    cotangents, or None when nothing is computed."""
+    cotangents, or None when nothing is computed; a step with differentiable operands of
+    its own (a score mod's) adds their gradients, float32, as a fourth (`operand_zeros`)."""
     raise NotImplementedError
+
+  def operand_zeros(self) -> list:
+    """Zeros of the step's differentiable operands' gradients (float32), which `backward`
+    returns as a fourth element: none by default."""
+    return []
+
+  def cotangent(self, d_operands: list):
+    """The step's own cotangent in a custom VJP from its operands' summed gradients; None:
+    the step has none to differentiate."""
+    return None
 
   def gathered(self, axis: str, n: int, q, k, v, layout: Layout):
     """The all-gather strategy: (out, lse) of the local queries against all keys (k/v
@@ -58,21 +70,23 @@ class RingStep:
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=[],
-                   meta_fields=["kernel", "mask", "scale", "soft_cap"])
+                   meta_fields=["kernel", "mask", "scale", "soft_cap", "score_mod"])
 @dataclasses.dataclass(frozen=True)
 class Gathered(RingStep):
   """Any kernel on the gathered keys: the all-gather strategy of a kernel without per-step
   passes (`registry.Kernel.ring_step`'s default)."""
 
   kernel: Callable[..., tuple[jax.Array, jax.Array]]
-  mask: Mask
+  mask: Mask  # static, as the kernel: a MaskMod's operands are closed over
   scale: float
   soft_cap: float | None = None
+  score_mod: ScoreMod | None = None  # likewise: the gradients leave through the shard_map
 
   def gathered(self, axis, n, q, k, v, layout):
-    capped = {} if self.soft_cap is None else dict(soft_cap=self.soft_cap)
+    options = {} if self.soft_cap is None else dict(soft_cap=self.soft_cap)
+    options |= {} if self.score_mod is None else dict(score_mod=self.score_mod)
     return self.kernel(q, k, v, layout, mask=self.mask, scale=self.scale, return_lse=True,
-                       **capped)
+                       **options)
 
 
 def merge_weights(lse_N, axis: int = 0):
@@ -153,12 +167,11 @@ def ring(axis: str, n: int, fetches, checked: bool, grad_dtype=jnp.float32, grou
 def all_gather(axis: str, n: int, step, near, q, k, v, layout: Layout):
   """The all-gather strategy as a `shard_map` body: the keys and their ids gathered over
   `axis`, then `step.gathered` (a `RingStep`)."""
-  def gather(x):
-    return jax.lax.all_gather(x, axis, axis=1, tiled=True)
+  def gather(x, at=1):
+    return jax.lax.all_gather(x, axis, axis=at, tiled=True)
 
-  full = Layout(layout.q_segment_ids, gather(layout.kv_segment_ids), layout.q_positions,
-                gather(layout.kv_positions))
-  return step.gathered(axis, n, q, gather(k), gather(v), full)
+  return step.gathered(axis, n, q, gather(k), gather(v),
+                       layout.visiting(gather(layout.kv_ids(), 2)))
 
 
 def _shift(x, axis: str, n: int):
@@ -181,11 +194,6 @@ def _steps(step: RingStep, n: int, body, carry):
   return jax.lax.scan(lambda c, i: (body(c, i), None), carry, jnp.arange(n - 1))[0]
 
 
-def _visiting(layout: Layout, ids):
-  """The local queries' ids with the visiting keys' `ids` `[2, B, S]` (segments, positions)."""
-  return Layout(layout.q_segment_ids, ids[0], layout.q_positions, ids[1])
-
-
 def _zeros_f32(x):
   return jnp.zeros(x.shape, jnp.float32)
 
@@ -202,8 +210,16 @@ def _group_of(x, group: int, groups: int):
   return jax.lax.slice_in_dim(x, group * size, (group + 1) * size, axis=2)
 
 
+def _group_layout(layout: Layout, group: int, heads: int) -> Layout:
+  """The layout of head group `group` of `heads` query heads each: its first head's global
+  index, where a programmable mask or score reads it (`Layout.head_offset` set)."""
+  if layout.head_offset is None or group == 0:
+    return layout
+  return layout.shifted(heads=group * heads)
+
+
 def _by_heads(groups: int, fwd, q, k, v):
-  """`fwd(q, k, v) -> ((out, lse), residuals)` run on `groups` groups of heads, each group's
+  """`fwd(group, q, k, v) -> ((out, lse), residuals)` run on `groups` groups of heads, each group's
   query heads with the K/V heads they read (q `[B, T, H, D]`, k/v `[B, S, Hkv, D]`; Hkv
   divides by `groups`), one after the other: a group starts once the previous group's
   result exists (`_after`), so a device holds one group's blocks, partial results and
@@ -220,7 +236,7 @@ def _by_heads(groups: int, fwd, q, k, v):
     if results:
       _, (q_g, kv) = _after(results[-1], (q_g, kv))
     qkv = (q_g if groups == 1 else _group_of(q_g, g, groups), *kv)
-    result, res = fwd(*qkv)
+    result, res = fwd(g, *qkv)
     results.append(result)
     residuals.append(res)
   outs, lses = zip(*results, strict=True)
@@ -229,27 +245,32 @@ def _by_heads(groups: int, fwd, q, k, v):
 
 
 def _by_heads_bwd(bwd, residuals, cotangents):
-  """`_by_heads`'s backward. `bwd(residuals, (q, k, v), (dout, dlse), wait) -> (ready, home)`
-  runs one group's ring up to its last kernel: `ready` holds its dQ and its dK/dV still one
-  step short of home, `home(ready) -> (dq, dk, dv)` sends them there. The groups run in
-  order: a group starts, its q, k, v and cotangents sliced, once the previous group's
-  `ready` exists, so the previous group's last dK/dV go home beside this group's first
-  kernel, and this group's second kernel waits for them to arrive (`wait`): no more than
-  one group's sums are ever on their way home. Starting a group on dQ alone let the
-  compiler keep every group's dK/dV sums to the end (v5p, cp=4: 1.09 GiB of temporaries
-  against 0.71)."""
+  """`_by_heads`'s backward. `bwd(residuals, (q, k, v), (dout, dlse), wait) -> (ready, home)` runs
+  one group's ring up to its last kernel: `ready` holds its dQ and its dK/dV still one step
+  short of home, `home(ready) -> (dq, dk, dv, d_operands)` sends them there (and gives the
+  step's operands' gradients, `RingStep.operand_zeros`). Each group's residuals start with the
+  step, whose cotangent (`RingStep.cotangent`) takes the groups' summed gradients. The groups
+  run in order: a group starts, its q, k, v and cotangents sliced, once the previous group's
+  `ready` exists, so the previous group's last dK/dV go home beside this group's first kernel,
+  and this group's second kernel waits for them to arrive (`wait`): no more than one group's
+  sums are ever on their way home. Starting a group on dQ alone let the compiler keep every
+  group's dK/dV sums to the end (v5p, cp=4: 1.09 GiB of temporaries against 0.71)."""
   qkv, residuals = residuals
   groups = len(residuals)
+  step = residuals[0][0]
   if groups == 1:
     ready, home = bwd(residuals[0], qkv, cotangents, None)
-    return None, *home(ready), None
+    *grads, d_ops = home(ready)
+    return step.cotangent(d_ops), *grads, None
   grads, ready = [], cotangents  # the first group's slices: taken once the backward starts
   for g, res in enumerate(residuals):
     _, (qkv_g, cotangents_g) = _after(ready, (qkv, cotangents))
     qkv_g, cotangents_g = ([_group_of(x, g, groups) for x in xs] for xs in (qkv_g, cotangents_g))
-    ready, home = bwd(res, qkv_g, cotangents_g, grads[-1] if grads else None)
+    ready, home = bwd(res, qkv_g, cotangents_g, grads[-1][:3] if grads else None)
     grads.append(home(ready))
-  return None, *(jnp.concatenate(x, 2) for x in zip(*grads, strict=True)), None
+  d_ops = [sum(parts) for parts in zip(*(g[3] for g in grads), strict=True)]
+  return (step.cotangent(d_ops),
+          *(jnp.concatenate(x, 2) for x in zip(*(g[:3] for g in grads), strict=True)), None)
 
 
 def _ring_primal(axis, n, grad_dtype, groups, step, q, k, v,
@@ -305,8 +326,8 @@ def _rotate(axis: str, n: int, step: RingStep, kernel, accumulate, zeros, kv, id
 
 
 def _ring_fwd(axis, n, grad_dtype, groups, step, q, k, v, layout):
-  return _by_heads(groups, lambda q, k, v: _group_ring_fwd(axis, n, step, q, k, v, layout),
-                   q, k, v)
+  return _by_heads(groups, lambda g, q, k, v: _group_ring_fwd(
+      axis, n, step, q, k, v, _group_layout(layout, g, q.shape[2])), q, k, v)
 
 
 def _ring_bwd(axis, n, grad_dtype, groups, residuals, cotangents):
@@ -316,7 +337,7 @@ def _ring_bwd(axis, n, grad_dtype, groups, residuals, cotangents):
 
 def _group_ring_fwd(axis, n, step, q, k, v, layout):
   def kernel(i, kv, ids):
-    return step.forward(i, q, *kv, _visiting(layout, ids))
+    return step.forward(i, q, *kv, layout.visiting(ids))
 
   def accumulate(acc, partial):
     if partial is None or acc is None:
@@ -327,7 +348,7 @@ def _group_ring_fwd(axis, n, step, q, k, v, layout):
     return (jnp.zeros(q.shape[:3] + v.shape[3:], jnp.float32),
             jnp.full(q.shape[:3], -jnp.inf, jnp.float32))
 
-  ids = jnp.stack([layout.kv_segment_ids, layout.kv_positions])
+  ids = layout.kv_ids()
   # K/V a pair, not one stacked buffer: v may have its own head dim.
   out, lse = _rotate(axis, n, step, kernel, accumulate, zeros, (k, v), ids) or zeros()
   out = out.astype(q.dtype)
@@ -341,33 +362,35 @@ def _group_ring_bwd(axis, n, grad_dtype, residuals, qkv, cotangents, wait):
   dq_dtype, dkv_dtype = (x.dtype if grad_dtype is None else grad_dtype for x in (q, k))
 
   def kernel(i, kv, ids):
-    return step.backward(i, q, *kv, _visiting(layout, ids), out, lse, dout, dlse)
+    return step.backward(i, q, *kv, layout.visiting(ids), out, lse, dout, dlse)
 
   def accumulate(acc, grads):
     if grads is None:
       return acc
-    dq_s, dk_s, dv_s = grads
+    dq_s, dk_s, dv_s, *d_ops_s = grads
     dkv_s = jnp.concatenate([dk_s, dv_s], -1)  # one buffer: one transfer
+    d_ops_s = d_ops_s[0] if d_ops_s else []
     if acc is None:
-      return dq_s, dkv_s
-    return _sum(dq_dtype, acc[0], dq_s), _sum(dkv_dtype, acc[1], dkv_s)
+      return dq_s, dkv_s, d_ops_s
+    return (_sum(dq_dtype, acc[0], dq_s), _sum(dkv_dtype, acc[1], dkv_s),
+            [a + x for a, x in zip(acc[2], d_ops_s, strict=True)])
 
-  def travel(acc):  # dK/dV travel; dQ stays
-    return acc[0], _shift(acc[1], axis, n)
+  def travel(acc):  # dK/dV travel; dQ and the operands' gradients stay
+    return acc[0], _shift(acc[1], axis, n), acc[2]
 
   def zeros():
     return (jnp.zeros(q.shape, dq_dtype),
-            jnp.zeros(k.shape[:3] + (k.shape[3] + v.shape[3],), dkv_dtype))
+            jnp.zeros(k.shape[:3] + (k.shape[3] + v.shape[3],), dkv_dtype), step.operand_zeros())
 
   # The backward's own blocks, tied to the cotangent: XLA would otherwise reuse the blocks
   # the forward received, keeping every one of them live from the forward on.
-  _, (kv, ids) = _after(dout, ((k, v), jnp.stack([layout.kv_segment_ids, layout.kv_positions])))
+  _, (kv, ids) = _after(dout, ((k, v), layout.kv_ids()))
   ready = _rotate(axis, n, step, kernel, accumulate, zeros, kv, ids, travel, wait)
 
   def home(ready):
-    dq, dkv = zeros() if ready is None else travel(ready)
+    dq, dkv, d_ops = zeros() if ready is None else travel(ready)
     dk, dv = jnp.split(dkv, [k.shape[3]], -1)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), d_ops
 
   return ready, home
 
@@ -415,9 +438,8 @@ _window_ring = jax.custom_vjp(_window_ring_primal, nondiff_argnums=(0, 1, 2, 3, 
 
 
 def _window_ring_fwd(axis, n, fetches, grad_dtype, groups, step, q, k, v, layout):
-  return _by_heads(groups,
-                   lambda q, k, v: _group_window_fwd(axis, n, fetches, step, q, k, v, layout),
-                   q, k, v)
+  return _by_heads(groups, lambda g, q, k, v: _group_window_fwd(
+      axis, n, fetches, step, q, k, v, _group_layout(layout, g, q.shape[2])), q, k, v)
 
 
 def _window_ring_bwd(axis, n, fetches, grad_dtype, groups, residuals, cotangents):
@@ -428,7 +450,7 @@ def _window_ring_bwd(axis, n, fetches, grad_dtype, groups, residuals, cotangents
 def _group_window_fwd(axis, n, fetches, step, q, k, v, layout):
   # As in `_rotate`: each fetch is in flight while the previous visit's kernel runs, and the
   # one after it starts only once that kernel has finished.
-  local = (k, v, jnp.stack([layout.kv_segment_ids, layout.kv_positions]))
+  local = (k, v, layout.kv_ids())
   visits = [local]
   out = jnp.zeros(q.shape[:3] + v.shape[3:], jnp.float32)
   lse = jnp.full(q.shape[:3], -jnp.inf, jnp.float32)
@@ -439,7 +461,7 @@ def _group_window_fwd(axis, n, fetches, step, q, k, v, layout):
       arriving = (*(_move(x, axis, n, i_next, part) for x in local[:2]),
                   _move(local[2], axis, n, i_next, None))
     k_s, v_s, ids = visits[j]
-    partial, arriving = _after(step.forward(i, q, k_s, v_s, _visiting(layout, ids)), arriving)
+    partial, arriving = _after(step.forward(i, q, k_s, v_s, layout.visiting(ids)), arriving)
     if partial is not None:
       out, lse = merge_partials(out, lse, *partial)
     (out, lse), local = _after((out, lse), local)
@@ -453,9 +475,10 @@ def _group_window_bwd(axis, n, fetches, grad_dtype, residuals, qkv, cotangents, 
   step, layout, fetched, out, lse = residuals
   q, k, v = qkv
   dout, dlse = cotangents
-  visits = [(k, v, jnp.stack([layout.kv_segment_ids, layout.kv_positions])), *fetched]
+  visits = [(k, v, layout.kv_ids()), *fetched]
   dq, dk, dv = (jnp.zeros(x.shape, x.dtype if grad_dtype is None else grad_dtype)
                 for x in (q, k, v))
+  d_ops = step.operand_zeros()
   home = None  # the previous visit's dK/dV on their way home, beside this visit's kernel
   home_part = None  # the half of the sequence they belong to
   last = None  # the last visit's, sent by `finish`
@@ -463,7 +486,7 @@ def _group_window_bwd(axis, n, fetches, grad_dtype, residuals, qkv, cotangents, 
   for j, ((k_s, v_s, ids), (i, part)) in enumerate(zip(visits, steps, strict=True)):
     if j == 1 and wait is not None:  # the previous group's last dK/dV are home by now
       _, (k_s, v_s, ids) = _after(wait, (k_s, v_s, ids))
-    grads, home = _after(step.backward(i, q, k_s, v_s, _visiting(layout, ids), out, lse, dout,
+    grads, home = _after(step.backward(i, q, k_s, v_s, layout.visiting(ids), out, lse, dout,
                                        dlse), home)
     if home is not None:
       dk, dv = (_sum(None, acc, _placed(g, home_part))
@@ -471,7 +494,8 @@ def _group_window_bwd(axis, n, fetches, grad_dtype, residuals, qkv, cotangents, 
       home = None
     if grads is None:
       continue
-    dq_s, dk_s, dv_s = grads
+    dq_s, dk_s, dv_s, *d_ops_s = grads
+    d_ops = [a + x for a, x in zip(d_ops, d_ops_s[0] if d_ops_s else [], strict=True)]
     dq = _sum(None, dq, dq_s)
     if not i:
       dk, dv = _sum(None, dk, dk_s), _sum(None, dv, dv_s)
@@ -481,14 +505,14 @@ def _group_window_bwd(axis, n, fetches, grad_dtype, residuals, qkv, cotangents, 
       last = (dk_s, dv_s)
 
   def finish(ready):
-    dq, dk, dv, last = ready
+    dq, dk, dv, last, d_ops = ready
     if last is not None:
       i, part = steps[-1]
       dk, dv = (_sum(None, acc, _placed(_move(g, axis, n, i, part, back=True), part))
                 for acc, g in zip((dk, dv), last, strict=True))
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), d_ops
 
-  return (dq, dk, dv, last), finish
+  return (dq, dk, dv, last, d_ops), finish
 
 
 _window_ring.defvjp(_window_ring_fwd, _window_ring_bwd)
@@ -508,9 +532,10 @@ gathered_steps = jax.custom_vjp(_gathered_steps_primal, nondiff_argnums=(0, 1))
 def _shard_pieces(axis, n, k, v, layout):
   """(step, k, v, layout) per shard of the gathered keys, in shard order."""
   r = jax.lax.axis_index(axis)
-  shards = (jnp.split(x, n, axis=1) for x in (k, v, layout.kv_segment_ids, layout.kv_positions))
-  for j, (k_j, v_j, ids, pos) in enumerate(zip(*shards, strict=True)):
-    yield (r - j) % n, k_j, v_j, Layout(layout.q_segment_ids, ids, layout.q_positions, pos)
+  shards = (jnp.split(x, n, axis=1) for x in (k, v))
+  ids = jnp.split(layout.kv_ids(), n, axis=2)
+  for j, (k_j, v_j, ids_j) in enumerate(zip(*shards, ids, strict=True)):
+    yield (r - j) % n, k_j, v_j, layout.visiting(ids_j)
 
 
 def _gathered_steps_fwd(axis, n, step, q, k, v, layout):
@@ -521,7 +546,7 @@ def _gathered_steps_fwd(axis, n, step, q, k, v, layout):
 def _gathered_steps_bwd(axis, n, residuals, cotangents):
   step, q, k, v, layout, out, lse = residuals
   dout, dlse = cotangents
-  dq, dks, dvs = _zeros_f32(q), [], []
+  dq, dks, dvs, d_ops = _zeros_f32(q), [], [], step.operand_zeros()
   for i, k_j, v_j, lay in _shard_pieces(axis, n, k, v, layout):
     grads = step.backward(i, q, k_j, v_j, lay, out, lse, dout, dlse)
     if grads is None:
@@ -529,8 +554,10 @@ def _gathered_steps_bwd(axis, n, residuals, cotangents):
     dq = dq + grads[0].astype(jnp.float32)
     dks.append(grads[1])
     dvs.append(grads[2])
+    d_ops = [a + x for a, x in zip(d_ops, grads[3] if len(grads) > 3 else [], strict=True)]
   dk, dv = jnp.concatenate(dks, 1), jnp.concatenate(dvs, 1)
-  return None, dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+  return (step.cotangent(d_ops), dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
+          None)
 
 
 gathered_steps.defvjp(_gathered_steps_fwd, _gathered_steps_bwd)

@@ -74,6 +74,19 @@ def dividing_axes(mesh, axes, *sizes: int) -> tuple[str, ...]:
   return tuple(kept)
 
 
+def offset_by_shard(fn, batch_axes, head_axes):
+  """`fn(*args, q, k, v, layout)` inside a `shard_map` whose q `[B, T, H, D]` is split over
+  `batch_axes` on the batch and `head_axes` on the heads, with `layout` shifted to this
+  shard's first global batch row and query head (`Layout.shifted`), which programmable
+  masks and scores read."""
+  def run(*args):
+    *lead, q, k, v, layout = args
+    rows = jax.lax.axis_index(tuple(batch_axes)) * q.shape[0] if batch_axes else 0
+    heads = jax.lax.axis_index(tuple(head_axes)) * q.shape[2] if head_axes else 0
+    return fn(*lead, q, k, v, layout.shifted(rows, heads))
+  return run
+
+
 def per_batch_and_head(fn, q_shape, kv_heads: int, layout, leading_specs=()):
   """`fn(*leading, q, k, v, layout) -> (out, lse)` run per (batch, head) shard of the
   current mesh's automatic axes, the batch over `default_axes("batch")` and the heads over

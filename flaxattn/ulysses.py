@@ -32,7 +32,10 @@ def ulysses(axis: str, inner, kv_repeat: int, step, near, q, k, v, layout):
   K/V heads are repeated `kv_repeat` times first, each next to itself, so that every group
   of query heads keeps its key/value head when the heads are split."""
   k, v = (jnp.repeat(x, kv_repeat, axis=2) for x in (k, v))
-  out, lse = inner(step, near, *(to_heads(axis, x) for x in (q, k, v)), layout)
+  q, k, v = (to_heads(axis, x) for x in (q, k, v))
+  if layout.head_offset is not None:  # read by programmable masks and scores
+    layout = layout.shifted(heads=jax.lax.axis_index(axis) * q.shape[2])
+  out, lse = inner(step, near, q, k, v, layout)
   return to_sequence(axis, out), to_sequence(axis, lse)
 
 
@@ -47,7 +50,7 @@ def whole_sequence(kernel, options, shards: int, step, near, q, k, v, layout):
   def permute(x):
     return balance.load_balance(x, shards) if shards > 1 else x
 
-  layout = dataclasses.replace(jax.tree.map(unpermute, layout), shards=1)
+  layout = dataclasses.replace(layout.map_tokens(unpermute), shards=1)
   out, lse = kernel(unpermute(q), unpermute(k), unpermute(v), layout, return_lse=True,
                     **options)
   return permute(out), permute(lse)
