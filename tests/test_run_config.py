@@ -351,6 +351,33 @@ def test_context_parallel_grad_dtype_reaches_the_rings_options():
     config.load(None, ["context_parallel.head_groups=0"])
 
 
+@pytest.mark.parametrize("overrides, held", [
+    (["mesh.context=4"], 2),  # the ring holds both K/V heads: 3 does not divide them
+    (["mesh.context=2", "mesh.tensor=2"], 1),  # the heads split over tensor first
+    (["mesh.context=2", "mesh.context_ring=2", "context_parallel.strategy=ulysses"], 1),
+])
+def test_head_groups_that_do_not_divide_the_rings_heads_are_a_config_error(overrides, held):
+  """`train.mesh.make` asks the ring's own rule (`ring_head_groups` on each device's
+  heads) for the config's shapes: a traceback at step 1 before, after checkpoints/,
+  corpus.json and tensorboard/ were written. train.compile builds its mesh the same way."""
+  import helpers
+  from train import mesh
+
+  devices = helpers.devices(4)
+  base = SIZES + ["mesh.data=-1", "batch_size=8", *overrides]
+  groups = [g for g in range(1, held + 1) if held % g == 0]
+  with pytest.raises(ConfigError) as e:
+    mesh.make(config.load(None, base + ["context_parallel.head_groups=3"]), devices)
+  message = str(e.value)
+  assert e.value.keys == ("context_parallel.head_groups", "model.n_kv_heads")
+  assert message.startswith("config key 'context_parallel.head_groups' (3) with"
+                            " model.n_kv_heads (2) over mesh"), message
+  assert f"the {held} K/V heads each device's ring holds, got 3; pass one of {groups}" in message
+  assert "\n" not in message
+  fits = config.load(None, base + [f"context_parallel.head_groups={held}"])
+  assert mesh.make(fits, devices).cp.head_groups == held
+
+
 @pytest.mark.parametrize("seed", [-1, 2**32])
 def test_a_seed_out_of_grains_range_is_a_config_error(seed):
   """grain shuffles with an unsigned 32-bit seed: others were accepted, then the first
