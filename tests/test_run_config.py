@@ -6,13 +6,14 @@ any jax computation."""
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 
 import pytest
 
 from train import config, distributed, init_from, run_dir, xla_flags
 from train.config import ConfigError
-from trainer import ROOT, command, run
+from trainer import ROOT, clean_env, command, run
 
 SIZES = ["model.vocab_size=97", "model.dim=64", "model.n_layers=2", "model.n_heads=4",
          "model.n_kv_heads=2", "model.ffn_dim=96", "seq_len=128"]
@@ -181,6 +182,49 @@ def test_platform_gives_jax_one_backend_each():
   for platform in config.PLATFORMS:
     name = distributed.jax_platforms(platform)
     assert xla_bridge.expand_platform_alias(name) == [name], (platform, name)
+
+
+@pytest.mark.parametrize("value", [0, 1073741794])
+def test_heartbeat_timeout_out_of_range_is_one_config_error_line(value):
+  """jax.distributed takes `jax_heartbeat_timeout_s` of the key as an int32: a larger one
+  ended a two-process job with a TypeError on every process. The largest it takes is the
+  bound (`test_jax_distributed_takes_the_largest_heartbeat_timeout`)."""
+  top = config.HEARTBEAT_TIMEOUT_MAX_S
+  assert top == 1073741793
+  assert config.load(None, [f"heartbeat_timeout_s={top}"]).heartbeat_timeout_s == top
+  with pytest.raises(ConfigError) as e:
+    config.load(None, [f"heartbeat_timeout_s={value}"])
+  assert e.value.keys == ("heartbeat_timeout_s",)
+  assert str(e.value).startswith("config key 'heartbeat_timeout_s' expects an int in [1,"
+                                 " 1073741793] (seconds;"), str(e.value)
+  assert str(e.value).endswith(f", got {value}.") and "\n" not in str(e.value)
+
+
+def test_jax_distributed_takes_the_largest_heartbeat_timeout():
+  """A one-process job started as the trainer starts one (`train.distributed._initialize`):
+  heartbeat_timeout_s one above the config's bound is jax's TypeError (as the config check
+  stands in for), the bound itself starts the job."""
+  import portpicker
+
+  top = config.HEARTBEAT_TIMEOUT_MAX_S
+  int32_max = 2**31 - 1
+  assert distributed.jax_heartbeat_timeout_s(top) <= int32_max < (
+      distributed.jax_heartbeat_timeout_s(top + 1))
+  code = (f"from train import distributed\n"
+          f"try:\n"
+          f"  distributed._initialize('on', {top + 1})\n"
+          f"except TypeError as e:\n"
+          f"  print('REFUSED', type(e).__name__)\n"
+          f"distributed._initialize('on', {top})\n"
+          f"import jax\n"
+          f"print('STARTED', jax.process_count())\n"
+          f"jax.distributed.shutdown()\n")
+  env = clean_env(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{portpicker.pick_unused_port()}",
+                  JAX_NUM_PROCESSES="1", JAX_PROCESS_ID="0", JAX_PLATFORMS="cpu")
+  proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                        text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert proc.stdout.split() == ["REFUSED", "TypeError", "STARTED", "1"], proc.stdout
 
 
 def test_overlap_flags_are_added_where_the_environment_sets_none():
