@@ -399,6 +399,7 @@ def test_context_parallel_grad_dtype_reaches_the_rings_options():
 
 @pytest.mark.parametrize("overrides, held", [
     (["mesh.context=4"], 2),  # the ring holds both K/V heads: 3 does not divide them
+    (["mesh.context=4", "context_parallel.strategy=auto"], 2),  # may choose the ring
     (["mesh.context=2", "mesh.tensor=2"], 1),  # the heads split over tensor first
     (["mesh.context=2", "mesh.context_ring=2", "context_parallel.strategy=ulysses"], 1),
 ])

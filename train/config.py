@@ -169,7 +169,8 @@ class ContextParallelConfig:
   in, "float32" (exact) or "inputs" (the compute dtype: half the gradient bytes held and
   sent; `ContextParallel(grad_dtype=None)`). head_groups: how many groups of heads a ring
   takes round one after the other (`ContextParallel(head_groups=...)`); null: chosen per
-  layer call."""
+  layer call. It must divide the K/V heads each device's ring holds (`train.mesh.make`
+  checks it, under "auto" too, which may choose the ring)."""
 
   strategy: str = "ring"
   grad_dtype: str = "float32"

@@ -84,8 +84,10 @@ def make(cfg: TrainConfig, devices=None) -> Parallelism:
     try:  # the ring's own rule, asked before anything is written rather than at step 1
       head_groups_for(cp, q_shape, kv_shape, mesh)
     except ValueError as e:
+      auto = (" (strategy 'auto' may choose the ring for any layer)"
+              if cp.strategy == "auto" else "")
       raise ConfigError(f"config key 'context_parallel.head_groups' ({cp.head_groups}) with"
-                        f" model.n_kv_heads ({m.n_kv_heads}) {where}: {e}",
+                        f" model.n_kv_heads ({m.n_kv_heads}) {where}{auto}: {e}",
                         keys=("context_parallel.head_groups", "model.n_kv_heads")) from None
   log.info("mesh %s; physical axes %s", dict(mesh.shape), describe_axes(mesh))
   return Parallelism(mesh, rules(mesh, cfg.model), cp)
