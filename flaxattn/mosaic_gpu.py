@@ -15,9 +15,9 @@ in JAX's GPU interpret mode (jax 0.12 on), which simulates shared memory, barrie
 WGMMA on the CPU. The kernels are written in the form it runs: both operands of every WGMMA
 in shared memory (the forward's probabilities too: it reads no register operand), and the
 forward's rescaled output accumulator carried in registers, each block's product added to
-it (it runs no `run_state` accumulator); dQ and dK/dV accumulate in place. Non-finite keys
-or values of another document in a PARTIAL block are not kept apart (`masks.values_apart`,
-as blockwise and pallas_gpu do): a NaN there can reach rows that do not see it.
+it (it runs no `run_state` accumulator); dQ and dK/dV accumulate in place. A NaN or inf in
+a key or value reaches only the rows allowed to see it, and no gradient where no row sees
+it, as in blockwise and pallas_gpu (`_apart`).
 """
 
 from __future__ import annotations
@@ -426,6 +426,27 @@ def _schedule(ops: Rows, mask: Mask, q_block: int, kv_block: int, axis: int):
   return order.astype(jnp.int32), full, partial
 
 
+def _apart(ops: Rows, forward: bool) -> Rows:
+  """`ops` with each non-finite key or value row kept from the rows the mask does not let
+  see it, as blockwise and pallas_gpu keep it in each PARTIAL block (`masks.values_apart`).
+  Here WGMMA reads K and V as the producer copied them, and 0 (a masked probability or dS)
+  times NaN or inf is NaN, which would reach every row of the tiles visiting the key's block;
+  so the rows are replaced once, before the kernels (elementwise, O(S x D) beside the
+  kernels' O(T x S x D)). Forward: a non-finite value row is zeroed and its key made NaN,
+  whose scores the mask turns to -inf in the rows that do not see it, and the rows that do
+  get NaN (out and lse). Backward: non-finite key and value rows are zeroed."""
+  def bad(x):  # [B, K, L, 1]: a row holding NaN or inf
+    return ~jnp.isfinite(x).all(axis=-1, keepdims=True)
+  k, v = ops.k_BKSD, ops.v_BKSD
+  if forward:
+    bad_v = bad(v)
+    k = jnp.where(bad_v, jnp.asarray(jnp.nan, k.dtype), k)
+    v = jnp.where(bad_v, jnp.zeros((), v.dtype), v)
+  else:
+    k, v = (jnp.where(bad(x), jnp.zeros((), x.dtype), x) for x in (k, v))
+  return dataclasses.replace(ops, k_BKSD=k, v_BKSD=v)
+
+
 def _call(body, name: str, ops: Rows, tiling: Tiling, tiles: int, inputs, outputs, scratch):
   """One kernel on the grid (tile, KV head, batch row): two consumers and a producer."""
   b, hkv = ops.q_BKRD.shape[:2]
@@ -441,6 +462,7 @@ def _forward(ops: Rows, tiling: Tiling, *, mask: Mask, scale: float, soft_cap: f
   tile of 128 rows, looping over its key blocks."""
   b, hkv, rows_pad, dp = ops.q_BKRD.shape
   dvp, dtype, stages = ops.v_BKSD.shape[-1], ops.q_BKRD.dtype, tiling.stages
+  ops = _apart(ops, forward=True)
   order, full, partial = _schedule(ops, mask, TILE, tiling.keys, axis=2)
   scratch = [_smem((CONSUMERS, ROWS, dp), dtype), _smem((stages, tiling.keys, dp), dtype),
              _smem((stages, tiling.keys, dvp), dtype), _smem((CONSUMERS, ROWS, tiling.keys), dtype),
@@ -466,6 +488,7 @@ def _backward(ops: Rows, tiling: Tiling, lse, dout, delta, *, mask: Mask, scale:
   dp, dvp = ops.q_BKRD.shape[-1], ops.v_BKSD.shape[-1]
   dtype, stages, keys, block = ops.q_BKRD.dtype, tiling.stages, tiling.dq_keys, tiling.dkv_rows
   options = dict(mask=mask, scale=scale, soft_cap=soft_cap, tiling=tiling)
+  ops = _apart(ops, forward=False)
   operands = (ops.q_BKRD, ops.k_BKSD, ops.v_BKSD, dout.astype(dtype), lse, delta, *ops.ids)
   slots = plgpu.Barrier(num_barriers=stages)
   free = plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages)

@@ -69,6 +69,43 @@ def test_skipped_blocks_are_never_loaded():
   _compare([*got, got_g[0], dk, dv], [*want, *want_g], ["out", "lse", "dq", "dk", "dv"])
 
 
+# A document of 18 tokens, 2 padding tokens, a document of 28: 48 tokens of 2 query heads
+# per KV head, 96 rows, one tile; every block the schedule lists is PARTIAL.
+GAP_SEG = np.array([[1] * 18 + [0] * 2 + [2] * 28], np.int32)
+GAP_POS = np.array([list(range(18)) + [0, 0] + list(range(28))], np.int32)
+
+
+@interprets
+def test_a_non_finite_key_or_value_reaches_only_the_rows_that_see_it():
+  """As blockwise and pallas_gpu (tests/test_attention.py): padding tokens with an inf key
+  or a NaN or inf value, which no row sees, change neither the output nor any gradient;
+  a NaN value of token 30 (position 10 of the second document) makes the rows that see
+  it (tokens 30..47 of its KV head's query heads) NaN and no other: the earlier tokens of
+  its document, the other document and the padding stay exact. Before, a masked
+  non-finite value reached every row of a tile that visits its key block, and a masked
+  non-finite key or value every dQ row of such a tile."""
+  q, k, v = qkv(8, 1, 48, 48, 4, 2, 64, jnp.bfloat16)
+  layout = as_layout(GAP_SEG, GAP_POS)
+
+  def attend(q, k, v, _):
+    return flaxattn.attention(q, k, v, layout=layout, scale=SCALE, backend="mosaic_gpu",
+                              return_lse=True)
+
+  def oracle(q, k, v, _):
+    return dense_oracle(q, k, v, layout, flaxattn.Causal(), SCALE)
+  want_g, want = grads_of(oracle, 3)(q, k, v, None)
+  unseen_k = k.at[0, 18, 0, 3].set(jnp.inf)
+  unseen_v = v.at[0, 19, 0, 3].set(jnp.nan).at[0, 18, 1, 5].set(jnp.inf)
+  got_g, got = grads_of(attend, 3)(q, unseen_k, unseen_v, None)
+  _compare([*got, *got_g], [*want, *want_g], ["out", "lse", "dq", "dk", "dv"])
+
+  out, _ = jax.jit(attend)(q, k, v.at[0, 30, 0, 3].set(jnp.nan), None)
+  sees = np.zeros((48, 4), bool)
+  sees[30:, :2] = True  # KV head 0: query heads 0 and 1
+  assert np.isnan(np.asarray(out[0], np.float32)[sees]).all()
+  _compare([out[0][~sees]], [want[0][0][~sees]], ["out of the rows that do not see it"])
+
+
 @interprets
 def test_pipeline_has_no_data_race(monkeypatch):
   """The interpreter's race detector (vector clocks over the producer's TMA copies, the

@@ -6,13 +6,14 @@ any jax computation."""
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 
 import pytest
 
 from train import config, distributed, init_from, run_dir, xla_flags
 from train.config import ConfigError
-from trainer import ROOT, command, run
+from trainer import ROOT, clean_env, command, run
 
 SIZES = ["model.vocab_size=97", "model.dim=64", "model.n_layers=2", "model.n_heads=4",
          "model.n_kv_heads=2", "model.ffn_dim=96", "seq_len=128"]
@@ -183,6 +184,49 @@ def test_platform_gives_jax_one_backend_each():
     assert xla_bridge.expand_platform_alias(name) == [name], (platform, name)
 
 
+@pytest.mark.parametrize("value", [0, 1073741794])
+def test_heartbeat_timeout_out_of_range_is_one_config_error_line(value):
+  """jax.distributed takes `jax_heartbeat_timeout_s` of the key as an int32: a larger one
+  ended a two-process job with a TypeError on every process. The largest it takes is the
+  bound (`test_jax_distributed_takes_the_largest_heartbeat_timeout`)."""
+  top = config.HEARTBEAT_TIMEOUT_MAX_S
+  assert top == 1073741793
+  assert config.load(None, [f"heartbeat_timeout_s={top}"]).heartbeat_timeout_s == top
+  with pytest.raises(ConfigError) as e:
+    config.load(None, [f"heartbeat_timeout_s={value}"])
+  assert e.value.keys == ("heartbeat_timeout_s",)
+  assert str(e.value).startswith("config key 'heartbeat_timeout_s' expects an int in [1,"
+                                 " 1073741793] (seconds;"), str(e.value)
+  assert str(e.value).endswith(f", got {value}.") and "\n" not in str(e.value)
+
+
+def test_jax_distributed_takes_the_largest_heartbeat_timeout():
+  """A one-process job started as the trainer starts one (`train.distributed._initialize`):
+  heartbeat_timeout_s one above the config's bound is jax's TypeError (as the config check
+  stands in for), the bound itself starts the job."""
+  import portpicker
+
+  top = config.HEARTBEAT_TIMEOUT_MAX_S
+  int32_max = 2**31 - 1
+  assert distributed.jax_heartbeat_timeout_s(top) <= int32_max < (
+      distributed.jax_heartbeat_timeout_s(top + 1))
+  code = (f"from train import distributed\n"
+          f"try:\n"
+          f"  distributed._initialize('on', {top + 1})\n"
+          f"except TypeError as e:\n"
+          f"  print('REFUSED', type(e).__name__)\n"
+          f"distributed._initialize('on', {top})\n"
+          f"import jax\n"
+          f"print('STARTED', jax.process_count())\n"
+          f"jax.distributed.shutdown()\n")
+  env = clean_env(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{portpicker.pick_unused_port()}",
+                  JAX_NUM_PROCESSES="1", JAX_PROCESS_ID="0", JAX_PLATFORMS="cpu")
+  proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                        text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert proc.stdout.split() == ["REFUSED", "TypeError", "STARTED", "1"], proc.stdout
+
+
 def test_overlap_flags_are_added_where_the_environment_sets_none():
   """Each platform's flags go to its own variable; a flag the user set keeps the user's
   value; applying twice adds nothing more; CPU has none."""
@@ -339,16 +383,46 @@ def test_context_parallel_grad_dtype_reaches_the_rings_options():
   assert mesh.make(config.load(None, SIZES + ring), devices).cp.grad_dtype == jnp.float32
   inputs = config.load(None, SIZES + ring + ["context_parallel.grad_dtype=inputs"])
   assert mesh.make(inputs, devices).cp.grad_dtype is None
-  with pytest.raises(ConfigError) as e:
-    config.load(None, ["context_parallel.grad_dtype=bfloat16"])
-  assert "context_parallel.grad_dtype" in str(e.value) and "'inputs'" in str(e.value), str(e.value)
-  assert "\n" not in str(e.value)
+  for bad in ("bfloat16", "float8_e4m3fn"):  # the compute dtype is "inputs"; float8 never
+    with pytest.raises(ConfigError) as e:
+      config.load(None, [f"context_parallel.grad_dtype={bad}"])
+    assert "context_parallel.grad_dtype" in str(e.value) and "'inputs'" in str(e.value), str(
+        e.value)
+    assert f"got {bad!r}" in str(e.value) and "\n" not in str(e.value)
   assert mesh.make(config.load(None, SIZES + ring), devices).cp.head_groups is None
   two = config.load(None, SIZES + ring + ["context_parallel.head_groups=2"])
   assert mesh.make(two, devices).cp.head_groups == 2
   with pytest.raises(ConfigError, match=r"'context_parallel.head_groups' expects an int >= 1,"
                                         r" got 0"):
     config.load(None, ["context_parallel.head_groups=0"])
+
+
+@pytest.mark.parametrize("overrides, held", [
+    (["mesh.context=4"], 2),  # the ring holds both K/V heads: 3 does not divide them
+    (["mesh.context=4", "context_parallel.strategy=auto"], 2),  # may choose the ring
+    (["mesh.context=2", "mesh.tensor=2"], 1),  # the heads split over tensor first
+    (["mesh.context=2", "mesh.context_ring=2", "context_parallel.strategy=ulysses"], 1),
+])
+def test_head_groups_that_do_not_divide_the_rings_heads_are_a_config_error(overrides, held):
+  """`train.mesh.make` asks the ring's own rule (`ring_head_groups` on each device's
+  heads) for the config's shapes: a traceback at step 1 before, after checkpoints/,
+  corpus.json and tensorboard/ were written. train.compile builds its mesh the same way."""
+  import helpers
+  from train import mesh
+
+  devices = helpers.devices(4)
+  base = SIZES + ["mesh.data=-1", "batch_size=8", *overrides]
+  groups = [g for g in range(1, held + 1) if held % g == 0]
+  with pytest.raises(ConfigError) as e:
+    mesh.make(config.load(None, base + ["context_parallel.head_groups=3"]), devices)
+  message = str(e.value)
+  assert e.value.keys == ("context_parallel.head_groups", "model.n_kv_heads")
+  assert message.startswith("config key 'context_parallel.head_groups' (3) with"
+                            " model.n_kv_heads (2) over mesh"), message
+  assert f"the {held} K/V heads each device's ring holds, got 3; pass one of {groups}" in message
+  assert "\n" not in message
+  fits = config.load(None, base + [f"context_parallel.head_groups={held}"])
+  assert mesh.make(fits, devices).cp.head_groups == held
 
 
 @pytest.mark.parametrize("seed", [-1, 2**32])

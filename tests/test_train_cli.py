@@ -54,12 +54,17 @@ def _missing_platform() -> str:
     # An explicit kernel that declines the run's calls: a traceback at step 1 before.
     (["model.attention_backend=<declining>"], ["config key 'model.attention_backend'",
                                                "cannot serve this call"]),
+    # Ring head groups that do not divide the K/V head: a traceback at step 1 before, after
+    # checkpoints/, corpus.json and tensorboard/ were written.
+    (["context_parallel.head_groups=2"], ["config key 'context_parallel.head_groups' (2)",
+                                          "model.n_kv_heads (1)", "pass one of [1]"]),
 ])
 def test_setup_errors_exit_2_before_anything_is_written(tmp_path, overrides, names):
   """Mistakes found once jax has started (held-out documents, eval batches, a platform
   without devices here, distributed=on without a coordinator, heads Ulysses cannot split,
   a SentencePiece tokenizer without the package, a seq_len document order cannot split, an
-  attention kernel that declines the model's calls): a config error, no run_dir."""
+  attention kernel that declines the model's calls, ring head groups that do not divide
+  the heads): a config error, no run_dir."""
   run_dir, model_file = tmp_path / "run", tmp_path / "tokenizer.model"
   model_file.write_bytes(b"\0")
   swap = {"<missing>": _missing_platform(), "<model file>": str(model_file),

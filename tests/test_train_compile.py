@@ -59,6 +59,20 @@ def test_bad_config_is_exit_2(capsys):
   assert status == 2 and "model.dimm" in err
 
 
+@pytest.mark.parametrize("argv", [
+    ["configs/gpu_demo.yaml", "seq_len=65536", "--target", "h100", "seq_len=99999"],
+    ["--target", "h100", "configs/gpu_demo.yaml", "seq_len=99999"],
+    ["configs/gpu_demo.yaml", "--target", "h100", "--json", "seq_len=99999"],
+])
+def test_overrides_may_come_after_the_options(capsys, argv):
+  """key=value anywhere on the line, in order (the last of a key counts), as `python -m
+  train` reads them: after --target they were "unrecognized arguments" before. The value
+  reaches the config check (exit 2 before any compile)."""
+  status, out, err = run(capsys, *argv)
+  assert status == 2 and not out, (out, err)
+  assert err.startswith("error: seq_len (99999) expects at most model.max_seq_len"), err
+
+
 def test_missing_compiler_names_the_extra(capsys, monkeypatch):
   find_spec = importlib.util.find_spec
   monkeypatch.setattr(aot.importlib.util, "find_spec", lambda name, *a: None

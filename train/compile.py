@@ -439,7 +439,8 @@ def main(argv: list[str]) -> int:
       prog="python -m train.compile", description=doc.split("\n\n")[0],
       epilog=doc.split("\n\n", 2)[2], formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("config", nargs="?", help="YAML config (as python -m train)")
-  parser.add_argument("overrides", nargs="*", help="key=value overrides")
+  parser.add_argument("overrides", nargs="*",
+                      help="key=value overrides, before or after the options")
   parser.add_argument("--target", required=True, help="v5e-N, v5p-N, v6e-N, [Nx]h100, ...")
   parser.add_argument("--hosts", type=int, default=1, help="GPU hosts (default 1)")
   parser.add_argument("--json", action="store_true", help="one JSON line")
@@ -447,7 +448,7 @@ def main(argv: list[str]) -> int:
   parser.add_argument("--model_config", metavar="PATH",
                       help="init_from's config.json (or a directory holding it) when init_from"
                       " is not on this host")
-  args = parser.parse_args(argv)
+  args = parser.parse_intermixed_args(argv)  # key=value before or after the options
   path, overrides = args.config, list(args.overrides)
   if path is not None and "=" in path:
     path, overrides = None, [path, *overrides]

@@ -146,6 +146,11 @@ class MeshConfig:
 
 MESH_AXES = ("data", "fsdp", "tensor", "context_ring", "context")
 SEED_LIMIT = 2**32
+# heartbeat_timeout_s's largest value: jax.distributed takes its own heartbeat timeout
+# (`train.distributed.jax_heartbeat_timeout_s` of it: 2 x it + 60 s) as an int32 of seconds,
+# and a larger one was a TypeError on every process of the job. The watchdog's waits
+# (`time.sleep`, `threading.Event.wait`) take up to about 9.2e9 s: not the limit.
+HEARTBEAT_TIMEOUT_MAX_S = (2**31 - 1 - 60) // 2
 # data.balance -> ContextParallel(load_balance=...).
 BALANCE = {"document": "document", "row": True, "none": False}
 # context_parallel.grad_dtype -> ContextParallel(grad_dtype=...).
@@ -164,7 +169,8 @@ class ContextParallelConfig:
   in, "float32" (exact) or "inputs" (the compute dtype: half the gradient bytes held and
   sent; `ContextParallel(grad_dtype=None)`). head_groups: how many groups of heads a ring
   takes round one after the other (`ContextParallel(head_groups=...)`); null: chosen per
-  layer call."""
+  layer call. It must divide the K/V heads each device's ring holds (`train.mesh.make`
+  checks it, under "auto" too, which may choose the ring)."""
 
   strategy: str = "ring"
   grad_dtype: str = "float32"
@@ -207,7 +213,8 @@ class TrainConfig:
   heartbeat_timeout_s: in a multi-process job, the seconds after which a process that has
     sent no heartbeat to the job's coordinator counts as lost (preempted, killed, crashed):
     every other process then exits with status 3, naming it, instead of waiting in a
-    collective (jax.distributed's `heartbeat_timeout_seconds`, default 100).
+    collective (jax.distributed's `heartbeat_timeout_seconds`, default 100); at most
+    `HEARTBEAT_TIMEOUT_MAX_S` (about 34 years).
   init_from: "" (random initialization) or the weights to start from, with a fresh
     optimizer at step 0: a Hugging Face checkpoint directory (config.json + safetensors;
     Llama, Mistral, Qwen2, Qwen3) or a run_dir of this trainer (its newest checkpoint; a
@@ -255,7 +262,11 @@ class TrainConfig:
     for name in ("checkpoint_every", "eval_every", "num_devices", "peak_tflops_per_device"):
       if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
         raise ConfigError(f"{name} expects a number >= 0, got {getattr(self, name)}.")
-    _check_at_least("heartbeat_timeout_s", self.heartbeat_timeout_s, 1)
+    if not 1 <= self.heartbeat_timeout_s <= HEARTBEAT_TIMEOUT_MAX_S:
+      raise ConfigError(f"config key 'heartbeat_timeout_s' expects an int in [1,"
+                        f" {HEARTBEAT_TIMEOUT_MAX_S}] (seconds; jax.distributed takes twice it"
+                        f" and a minute as a 32-bit int), got {self.heartbeat_timeout_s}.",
+                        keys=("heartbeat_timeout_s",))
     if self.context_parallel.head_groups is not None:
       _check_at_least("context_parallel.head_groups", self.context_parallel.head_groups, 1)
     if self.seq_len > self.model.max_seq_len:

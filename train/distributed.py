@@ -105,10 +105,7 @@ def _initialize(mode: str, heartbeat_timeout_s: int) -> None:
 
   global _watchdog
   env = os.environ
-  # jax's own detection is the backstop: it aborts the process with a stack trace, so the
-  # watchdog, which names the lost process, comes first. jax's fired 82 s after a kill with
-  # its timeout at 100 s, 90 s at 130 s (measured here): twice ours and a minute is clear.
-  kwargs: dict = {"heartbeat_timeout_seconds": 2 * heartbeat_timeout_s + 60}
+  kwargs: dict = {"heartbeat_timeout_seconds": jax_heartbeat_timeout_s(heartbeat_timeout_s)}
   if env.get("JAX_COORDINATOR_ADDRESS"):
     kwargs["coordinator_address"] = env["JAX_COORDINATOR_ADDRESS"]
     for name, arg in (("JAX_NUM_PROCESSES", "num_processes"), ("JAX_PROCESS_ID", "process_id")):
@@ -130,6 +127,15 @@ def _initialize(mode: str, heartbeat_timeout_s: int) -> None:
 
     _watchdog = _Watchdog(jax_distributed.global_state.client, heartbeat_timeout_s)
     _watchdog.start()
+
+
+def jax_heartbeat_timeout_s(heartbeat_timeout_s: int) -> int:
+  """jax.distributed's own heartbeat timeout for config key `heartbeat_timeout_s` (an int32:
+  `train.config.HEARTBEAT_TIMEOUT_MAX_S` bounds the key). jax's detection is the backstop:
+  it aborts the process with a stack trace, so the watchdog, which names the lost process,
+  comes first. jax's fired 82 s after a kill with its timeout at 100 s, 90 s at 130 s
+  (measured here): twice ours and a minute is clear."""
+  return 2 * heartbeat_timeout_s + 60
 
 
 class _Watchdog(threading.Thread):

@@ -21,6 +21,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import AxisType
 
 import flaxattn
+from flaxattn.context_parallel import head_groups_for
 from models.llama import LAYERS_AXIS, LlamaConfig
 from train.config import MESH_AXES, ConfigError, MeshConfig, TrainConfig, context_parallel
 
@@ -46,7 +47,9 @@ def make(cfg: TrainConfig, devices=None) -> Parallelism:
     ConfigError (its `keys` name the keys at fault): sizes that do not multiply to the
       device count (`mesh`); `batch_size` not a multiple of data x fsdp; a `seq_len` that
       is not a multiple of `seq_multiple`; heads that Ulysses cannot split over its axis
-      (`model.n_heads`, `model.n_kv_heads`: `flaxattn.ContextParallel.check_shapes`).
+      (`model.n_heads`, `model.n_kv_heads`: `flaxattn.ContextParallel.check_shapes`); a
+      `context_parallel.head_groups` that does not divide the K/V heads each device's ring
+      holds (`flaxattn.context_parallel.ring_head_groups`).
   """
   devices = jax.devices() if devices is None else devices
   shape = _shape(cfg.mesh, len(devices))
@@ -70,13 +73,22 @@ def make(cfg: TrainConfig, devices=None) -> Parallelism:
                         f" set seq_len={lower + multiple}" + (f" or {lower}" if lower else "")
                         + ".", keys=("seq_len",))
     m = cfg.model
+    q_shape = (cfg.batch_size, cfg.seq_len, m.n_heads, m.attn_head_dim)
+    kv_shape = (cfg.batch_size, cfg.seq_len, m.n_kv_heads, m.attn_head_dim)
     try:
-      cp.check_shapes((cfg.batch_size, cfg.seq_len, m.n_heads, m.attn_head_dim),
-                      (cfg.batch_size, cfg.seq_len, m.n_kv_heads, m.attn_head_dim), mesh)
+      cp.check_shapes(q_shape, kv_shape, mesh)
     except ValueError as e:
       raise ConfigError(f"model.n_heads ({m.n_heads}) and model.n_kv_heads ({m.n_kv_heads}) do"
                         f" not split {where}: {e}",
                         keys=("model.n_heads", "model.n_kv_heads")) from None
+    try:  # the ring's own rule, asked before anything is written rather than at step 1
+      head_groups_for(cp, q_shape, kv_shape, mesh)
+    except ValueError as e:
+      auto = (" (strategy 'auto' may choose the ring for any layer)"
+              if cp.strategy == "auto" else "")
+      raise ConfigError(f"config key 'context_parallel.head_groups' ({cp.head_groups}) with"
+                        f" model.n_kv_heads ({m.n_kv_heads}) {where}{auto}: {e}",
+                        keys=("context_parallel.head_groups", "model.n_kv_heads")) from None
   log.info("mesh %s; physical axes %s", dict(mesh.shape), describe_axes(mesh))
   return Parallelism(mesh, rules(mesh, cfg.model), cp)
 
