@@ -308,6 +308,16 @@ class KVCache(nnx.Module):
     keys, values, ids, pos = written
     return keys.astype(k.dtype), values.astype(v.dtype), ids, pos, update
 
+  def indices(self, t: int) -> dict:
+    """The token indices a programmable mask or score reads in a call of T new tokens on
+    one device (`flaxattn.masks.Coords`): the slots they are written to (the cache fills
+    its slots in order, so a slot is the token's index in the sequence) and every slot."""
+    b = self.keys.shape[0]
+    slots = jnp.arange(self.max_length, dtype=jnp.int32)
+    new = self.index[...] + jnp.arange(t, dtype=jnp.int32)
+    return dict(q_index=jnp.broadcast_to(new, (b, t)),
+                kv_index=jnp.broadcast_to(slots, (b, self.max_length)))
+
   def attend_sharded(self, q, k, v, segment_ids, positions, refused, attention_fn, options,
                      prefill: bool):
     """Context parallelism: (out `[B, T, H, Dv]` float32, lse `[B, T, H]`) of the new tokens

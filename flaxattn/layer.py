@@ -36,6 +36,7 @@ from flaxattn.attention import apply_sinks, attention, check_soft_cap
 from flaxattn.kv_cache import KVCache
 from flaxattn.layout import Layout, resolve, shape_error
 from flaxattn.masks import Causal, Full, Mask, check_mask
+from flaxattn.mods import ScoreMod, check_score_mod
 from flaxattn.rope import RoPE
 from flaxattn.sharding import constrain, param_metadata
 
@@ -119,6 +120,9 @@ class MultiHeadAttention(nnx.Module):
     sinks: a learned sink logit per query head (`sinks` Param `[num_heads]`, zeros at init,
       logical axis `heads`) joining every row's softmax (see `flaxattn.attention`).
     logit_soft_cap: scores become `cap * tanh(scores / cap)` (after the scale), or None.
+    score_mod: a `flaxattn.ScoreMod` applied to the scores after the soft cap (or per call);
+      operands that are `nnx.Param`s (ALiBi slopes, a relative-position bias table) are
+      the layer's parameters and train.
     v_head_dim: head dim of the values (and of the out projection's input); default
       head_dim. The value kernel is `(embed, kv_heads, v_head_dim)`.
     attention_fn: called as `flaxattn.attention` is (default), e.g. a `functools.partial` of
@@ -180,6 +184,7 @@ class MultiHeadAttention(nnx.Module):
       sinks: bool = False,
       logit_soft_cap: float | None = None,
       v_head_dim: int | None = None,
+      score_mod: ScoreMod | None = None,
   ):
     _check_config(num_heads, in_features, qkv_features, out_features, num_kv_heads,
                   in_kv_features, dropout_rate, rope, v_head_dim)
@@ -192,7 +197,10 @@ class MultiHeadAttention(nnx.Module):
     self.head_dim = self.qkv_features // num_heads
     self.v_head_dim = v_head_dim or self.head_dim
     self.logit_soft_cap = check_soft_cap(logit_soft_cap)
-    self.mask = check_mask(mask)
+    # Pytrees: a MaskMod's operands are data (the built-ins have none).
+    self.mask = nnx.data(check_mask(mask))
+    # A pytree whose nnx.Param operands nnx sees (and trains), read by `_score_mod`.
+    self.score_mod = nnx.data(check_score_mod(score_mod))
     self.backend = backend
     self.context_parallel = context_parallel
     self.rope = rope
@@ -267,6 +275,7 @@ class MultiHeadAttention(nnx.Module):
       positions: jax.Array | None = None,
       kv_segment_ids: jax.Array | None = None,
       kv_positions: jax.Array | None = None,
+      score_mod: ScoreMod | None = None,
   ) -> jax.Array:
     """Attention of `inputs_q` `[..., T, in_features]` over `inputs_k`/`inputs_v`
     `[..., S, in_kv_features]`: any leading batch axes (none or several, as nnx), the same
@@ -274,7 +283,9 @@ class MultiHeadAttention(nnx.Module):
 
     Args:
       inputs_q: queries; `inputs_k` defaults to `inputs_q`, `inputs_v` to `inputs_k`.
-      mask: a `flaxattn` mask overriding the constructor's for this call.
+      mask: a `flaxattn` mask overriding the constructor's for this call (a `MaskMod` with
+        this batch's operands, e.g. prefix lengths: new values do not recompile).
+      score_mod: a `flaxattn.ScoreMod` overriding the constructor's for this call.
       is_causal: also apply `Causal()` (as nnx).
       decode: use the KV cache (see `init_cache`); T may be > 1 (prefill). Default: the
         constructor's `decode`, else False. With `context_parallel` the cache is sharded
@@ -317,6 +328,7 @@ class MultiHeadAttention(nnx.Module):
                                     (("kv_segment_ids", kv_segment_ids),
                                      ("kv_positions", kv_positions)))
     mask = self._call_mask(mask, is_causal)
+    score_mod = self._score_mod(score_mod)
     if sow_weights:
       raise ValueError("sow_weights expects False: flaxattn never materializes the [T, S]"
                        " attention weights; use nnx.MultiHeadAttention to inspect them.")
@@ -356,7 +368,15 @@ class MultiHeadAttention(nnx.Module):
       extras["sinks"] = self.sinks[...]
     if self.logit_soft_cap is not None:
       extras["logit_soft_cap"] = self.logit_soft_cap
+    if score_mod is not None:
+      extras["score_mod"] = score_mod
     if cache is not None and self.context_parallel is not None:  # the cache is sharded
+      if score_mod is not None or mask.reads_index:
+        raise ValueError(
+            f"decode with context_parallel expects a mask and score_mod of positions (the"
+            f" built-ins), got mask {mask} and score_mod {score_mod}: the sharded cache keeps"
+            " no token indices for a MaskMod or ScoreMod to read. Decode on one device, or"
+            " pass built-in masks.")
       q_BTHD, k_BSKD, v_BSKD = dtypes.promote_dtype((q_BTHD, k_BSKD, v_BSKD), dtype=self.dtype)
       options = {"mask": mask, "backend": self.backend, "return_lse": True}
       if "logit_soft_cap" in extras:
@@ -371,7 +391,8 @@ class MultiHeadAttention(nnx.Module):
       if cache is not None:  # attend to the whole cache, the new tokens included
         k_BSKD, v_BSKD, kv_ids_BS, kv_pos_BS, update = cache.append(
             k_BSKD, v_BSKD, layout.q_segment_ids, layout.q_positions, refused)
-        layout = dataclasses.replace(layout, kv_segment_ids=kv_ids_BS, kv_positions=kv_pos_BS)
+        layout = dataclasses.replace(layout, kv_segment_ids=kv_ids_BS, kv_positions=kv_pos_BS,
+                                     **cache.indices(t))
       q_BTHD, k_BSKD, v_BSKD = dtypes.promote_dtype((q_BTHD, k_BSKD, v_BSKD), dtype=self.dtype)
       x_BTHD = self.attention_fn(q_BTHD, k_BSKD, v_BSKD, mask=mask, backend=self.backend,
                                  context_parallel=self.context_parallel,
@@ -421,6 +442,12 @@ class MultiHeadAttention(nnx.Module):
     if self.query_ln is not None and self.key_ln is not None:  # normalize_qk
       q_BTHD, k_BSKD = self.query_ln(q_BTHD), self.key_ln(k_BSKD)
     return q_BTHD, k_BSKD, v_BSKD
+
+  def _score_mod(self, score_mod) -> ScoreMod | None:
+    """The call's score mod (else the constructor's), its `nnx.Variable` operands read."""
+    score_mod = self.score_mod if score_mod is None else check_score_mod(score_mod)
+    return jax.tree.map(lambda x: x[...] if isinstance(x, nnx.Variable) else x, score_mod,
+                        is_leaf=lambda x: isinstance(x, nnx.Variable))
 
   def _call_mask(self, mask, is_causal: bool) -> Mask:
     if mask is None:

@@ -19,7 +19,8 @@ from jax import lax
 from flaxattn import checks, registry
 from flaxattn.blocks import pad_axis1
 from flaxattn.layout import Layout
-from flaxattn.masks import Mask
+from flaxattn.masks import Coords, Mask, allowed
+from flaxattn.mods import ScoreMod
 from flaxattn.ring import merge_weights
 
 # A decode step, or a short draft of speculative decoding. T x G query rows per KV head
@@ -71,15 +72,19 @@ _weighted_values.defvjp(_weighted_values_fwd, _weighted_values_bwd)
 
 
 def split_k_attention(q, k, v, layout: Layout, *, mask: Mask, scale: float, return_lse: bool,
-                      chunk: int = DEFAULT_CHUNK, soft_cap: float | None = None):
+                      chunk: int = DEFAULT_CHUNK, soft_cap: float | None = None,
+                      score_mod: ScoreMod | None = None):
   """Attention with the keys in chunks, every chunk at once.
 
   Args:
     q: `[B, T, H, D]`; k: `[B, S, Hkv, D]`, v: `[B, S, Hkv, Dv]` (H a multiple of Hkv), any
       float dtype; scores, softmax and accumulation are float32.
-    layout: segment ids / positions (None fields are defaults).
+    layout: segment ids / positions (None fields are defaults); for a programmable mask or
+      score, the token indices (a decode step's: the cache slots of the new tokens and of
+      the keys).
     chunk: keys per chunk at most (`chunking`); padding keys get segment id 0.
     soft_cap: scores become `soft_cap * tanh(scores / soft_cap)` (after the scale), or None.
+    score_mod: a `flaxattn.ScoreMod` applied after the cap, or None.
   Returns:
     `[B, T, H, Dv]` in q's dtype; with `return_lse` also lse `[B, T, H]` float32 (-inf
     where a query has nothing to attend to; its output and gradients are zero).
@@ -95,12 +100,23 @@ def split_k_attention(q, k, v, layout: Layout, *, mask: Mask, scale: float, retu
     return pad_axis1(x, c * length).reshape((b, c, length) + x.shape[2:])
 
   k_BCLKD, v_BCLKD = chunks(k), chunks(v)
-  kv_ids_BC1L, kv_pos_BC1L = (chunks(x)[:, :, None] for x in (full.kv_segment_ids,
-                                                              full.kv_positions))
-  q_ids_B1T1 = full.q_segment_ids[:, None, :, None]
-  q_pos_B1T1 = full.q_positions[:, None, :, None]
-  allowed_BCTL = ((q_ids_B1T1 == kv_ids_BC1L) & (q_ids_B1T1 != 0)
-                  & mask.allows(q_pos_B1T1, kv_pos_BC1L))
+
+  # Where the scores `[B, K, C, T, G, L]` sit (`flaxattn.masks.Coords`).
+  def keys(x):
+    return chunks(x)[:, None, :, None, None, :]
+
+  def queries(x):
+    return x[:, None, None, :, None, None]
+
+  reads = mask.reads_index or score_mod is not None
+  q_index, kv_index = full.indices(b, t, s) if reads else (None, None)
+  row, head = full.offsets()
+  coords = Coords(row + jnp.arange(b, dtype=jnp.int32).reshape(b, 1, 1, 1, 1, 1),
+                  head + jnp.arange(h, dtype=jnp.int32).reshape(1, hkv, 1, 1, g, 1),
+                  None if q_index is None else queries(q_index),
+                  None if kv_index is None else keys(kv_index),
+                  queries(full.q_positions), keys(full.kv_positions))
+  allowed_BKCTGL = allowed(mask, coords, queries(full.q_segment_ids), keys(full.kv_segment_ids))
   # Scale q once instead of every score; the G query heads of a KV head are rows of its
   # matmul, so K/V are read once per group.
   q_BTKGD = (q * jnp.asarray(scale, q.dtype)).reshape(b, t, hkv, g, d)
@@ -108,7 +124,9 @@ def split_k_attention(q, k, v, layout: Layout, *, mask: Mask, scale: float, retu
                              preferred_element_type=jnp.float32)
   if soft_cap is not None:
     scores_BKCTGL = soft_cap * jnp.tanh(scores_BKCTGL / soft_cap)
-  scores_BKCTGL = jnp.where(allowed_BCTL[:, None, :, :, None], scores_BKCTGL, -jnp.inf)
+  if score_mod is not None:
+    scores_BKCTGL = score_mod(scores_BKCTGL, coords)
+  scores_BKCTGL = jnp.where(allowed_BKCTGL, scores_BKCTGL, -jnp.inf)
   # Each chunk's partial softmax, shifted by its max (no gradient: the shift cancels; a
   # chunk with no allowed key shifts by 0 so that exp gives 0, not NaN).
   top_BKCTG = lax.stop_gradient(scores_BKCTGL.max(-1))
@@ -131,8 +149,9 @@ def split_k_attention(q, k, v, layout: Layout, *, mask: Mask, scale: float, retu
 @dataclasses.dataclass(frozen=True)
 class SplitK(registry.Kernel):
   """`backend="split_k"`: decode-shaped calls (at most `MAX_QUERIES` queries against more
-  keys) whose float32 scores fit `score_budget` bytes; every mask, layout, GQA, soft cap,
-  Dv != D, lse; first on every platform, so "auto" takes it for decode steps only.
+  keys) whose float32 scores fit `score_budget` bytes; every mask (programmable ones too),
+  score mod, layout, GQA, soft cap, Dv != D, lse; first on every platform, so "auto" takes
+  it for decode steps only.
 
   Raises:
     ValueError: `chunk` not a positive int (a bool, a float, a string), or `score_budget`
@@ -143,6 +162,8 @@ class SplitK(registry.Kernel):
   score_budget: int = DEFAULT_SCORE_BUDGET
   name: str = "split_k"
   soft_cap: bool = True
+  mask_mod: bool = True
+  score_mod: bool = True
 
   def __post_init__(self):
     checks.integer("SplitK(chunk=...)", self.chunk, "a positive int (keys per chunk)",
@@ -173,6 +194,6 @@ class SplitK(registry.Kernel):
             " all chunks at once in one XLA computation, merged by lse")
 
   def __call__(self, q, k, v, layout: Layout, *, mask: Mask, scale: float, return_lse: bool,
-               soft_cap: float | None = None):
+               soft_cap: float | None = None, score_mod: ScoreMod | None = None):
     return split_k_attention(q, k, v, layout, mask=mask, scale=scale, return_lse=return_lse,
-                             chunk=self.chunk, soft_cap=soft_cap)
+                             chunk=self.chunk, soft_cap=soft_cap, score_mod=score_mod)

@@ -16,8 +16,8 @@ import pytest
 from jax.sharding import AxisType
 
 import flaxattn
-from flaxattn import reference
 from flaxattn.layout import Layout
+from flaxattn.masks import Coords
 from flaxattn.reference import reference_attention
 from flaxattn.selftest import relative_error as rel_error  # noqa: F401 (shared)
 
@@ -202,24 +202,39 @@ def grads_of(attend, n_args: int = 3):
   return jax.jit(jax.grad(f, tuple(range(n_args)), has_aux=True))
 
 
-def dense_oracle(q, k, v, layout, mask, scale, sinks=None, soft_cap=None):
+def dense_oracle(q, k, v, layout, mask, scale, sinks=None, soft_cap=None, score_mod=None):
   """Attention written out from the definitions, for the features the kernels add: scores
-  `scale * q.k`, soft-capped, masked, a sink column of logit `sinks[h]` (value 0) appended,
-  softmax over keys and sink. Returns out `[B, T, H, Dv]` (q dtype) and lse `[B, T, H]`."""
+  `scale * q.k`, soft-capped, changed by `score_mod`, masked (the mask evaluated on every
+  (batch row, head, query, key) with the token indices of `layout`, else 0..T-1), a sink
+  column of logit `sinks[h]` (value 0) appended, softmax over keys and sink. Returns out
+  `[B, T, H, Dv]` (q dtype) and lse `[B, T, H]`."""
   b, t, h, _ = q.shape
+  s = k.shape[1]
   g = h // k.shape[2]
   k_BSHD, v_BSHD = (jnp.repeat(x.astype(jnp.float32), g, axis=2) for x in (k, v))
-  allowed_B1TS = reference.dense_mask(mask, layout.materialize(b, t, k.shape[1]))
+  full = layout.materialize(b, t, s)
+  q_index = jnp.arange(t)[None] if layout.q_index is None else layout.q_index
+  kv_index = jnp.arange(s)[None] if layout.kv_index is None else layout.kv_index
+  where = Coords(jnp.arange(b)[:, None, None, None], jnp.arange(h)[None, :, None, None],
+                 jnp.broadcast_to(q_index, (b, t))[:, None, :, None],
+                 jnp.broadcast_to(kv_index, (b, s))[:, None, None, :],
+                 full.q_positions[:, None, :, None], full.kv_positions[:, None, None, :])
+  same_doc_B1TS = ((full.q_segment_ids[:, None, :, None] == full.kv_segment_ids[:, None, None, :])
+                   & (full.q_segment_ids[:, None, :, None] != 0))
+  allowed_BHTS = same_doc_B1TS & mask.evaluate(where)
   scores_BHTS = jnp.einsum("bthd,bshd->bhts", q.astype(jnp.float32), k_BSHD) * scale
   if soft_cap is not None:
     scores_BHTS = soft_cap * jnp.tanh(scores_BHTS / soft_cap)
-  scores_BHTS = jnp.where(allowed_B1TS, scores_BHTS, -jnp.inf)
+  if score_mod is not None:
+    scores_BHTS = score_mod.fn(scores_BHTS, where.b, where.h, where.q_index, where.kv_index,
+                               *score_mod.operands).astype(jnp.float32)
+  scores_BHTS = jnp.where(allowed_BHTS, scores_BHTS, -jnp.inf)
   if sinks is not None:
     sink_BHT1 = jnp.broadcast_to(sinks.astype(jnp.float32)[None, :, None, None], (b, h, t, 1))
     scores_BHTS = jnp.concatenate([scores_BHTS, sink_BHT1], axis=-1)
   lse_BHT = jax.nn.logsumexp(scores_BHTS, axis=-1)
   safe = jnp.where(jnp.isfinite(lse_BHT), lse_BHT, 0.0)[..., None]
-  probs_BHTS = jnp.exp(scores_BHTS - safe)[..., :k.shape[1]]
+  probs_BHTS = jnp.exp(scores_BHTS - safe)[..., :s]
   out = jnp.einsum("bhts,bshd->bthd", probs_BHTS, v_BSHD).astype(q.dtype)
   return out, lse_BHT.transpose(0, 2, 1)
 

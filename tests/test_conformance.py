@@ -11,6 +11,7 @@ some dtypes gets the other cases in its own by subclassing `KernelConformance`.
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -19,7 +20,8 @@ import flaxattn
 from flaxattn import registry
 from flaxattn.attention import apply_sinks
 from flaxattn.cudnn import Cudnn
-from helpers import TOL, as_layout, dense_oracle, grads_of, normal, qkv, random_packing
+from helpers import TOL, as_layout, dense_oracle, grads_of, loss, normal, qkv, random_packing
+from mod_gallery import PATTERNS
 
 SCALE = 0.3
 T = 256  # two of splash's 128-token blocks
@@ -179,3 +181,63 @@ def test_positions_at_the_int32_limits_mask_as_anywhere(name, mask, fake_cudnn):
     got = kernel(q, k, v, layout(first), mask=mask, scale=SCALE, return_lse=False)
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
                                err_msg=f"positions from {first}", **TOL[jnp.bfloat16])
+
+
+@pytest.mark.parametrize("decode", [False, True], ids=["self", "decode"])
+@pytest.mark.parametrize("pattern", PATTERNS, ids=str)
+@pytest.mark.parametrize("name", registry.names())
+def test_kernel_runs_the_gallery(name, pattern, decode, fake_cudnn):
+  """The gallery's programmable masks and scores (mod_gallery.py) on packed rows, as self
+  attention and as a decode step (three queries at cache slots, their indices the slots'):
+  out, lse and the gradients of q, k, v and of the score mod's float operands against
+  attention written out from the definitions; a kernel that declines says why, and its
+  platform still serves the case."""
+  q, k, v = qkv(11, 2, T, T, 4, 2, 16)
+  mask, score_mod = pattern.make(2, 4, T, 3)
+  seg, pos = random_packing(5, 2, T, max_docs=4, pad_tail=7) if pattern.packed else (None, None)
+  if seg is None:
+    seg, pos = np.ones((2, T), np.int32), np.arange(T, dtype=np.int32)[None].repeat(2, 0)
+  layout = as_layout(seg, pos)
+  if decode:
+    slots = np.array([100, 180, 248])  # 248 is padding (an empty row) in every row
+    q = q[:, slots]
+    layout = dataclasses.replace(as_layout(seg[:, slots], pos[:, slots], seg, pos),
+                                 q_index=jnp.asarray(np.broadcast_to(slots, (2, 3))))
+  call = dataclasses.replace(registry.Call.of(q, k, v, mask, layout, True, score_mod=score_mod),
+                             platform=home(name))
+  kernel = registry.get(name)
+  reason = kernel.unsupported_reason(call)
+  if reason is not None:
+    assert reason.endswith(".") and len(reason.split()) >= 5, reason
+    assert registry.select("auto", call).name != name
+    return
+  kernel = _here(kernel, call)
+  extra = {} if score_mod is None else {"score_mod": score_mod}
+
+  def attend(q, k, v, mod):
+    options = {} if mod is None else {"score_mod": mod}
+    return kernel(q, k, v, layout, mask=mask, scale=SCALE, return_lse=True, **options)
+
+  def oracle(q, k, v, mod):
+    return dense_oracle(q, k, v, layout, mask, SCALE, score_mod=mod)
+
+  def gradients(attend):
+    def f(q, k, v, mod):
+      out, lse = attend(q, k, v, mod)
+      return loss(out.astype(jnp.float32), lse), (out, lse)
+    return jax.jit(jax.grad(f, (0, 1, 2, 3), has_aux=True))(q, k, v, extra.get("score_mod"))
+
+  want_g, (want_o, want_l) = gradients(oracle)
+  got_g, (got_o, got_l) = gradients(attend)
+  tol = TOL[jnp.float32]
+  np.testing.assert_allclose(got_o, want_o, **tol)
+  np.testing.assert_array_equal(np.isinf(got_l), np.isinf(want_l))
+  np.testing.assert_allclose(np.where(np.isinf(got_l), 0, got_l),
+                             np.where(np.isinf(want_l), 0, want_l), **tol)
+  got_leaves, want_leaves = jax.tree.leaves(got_g), jax.tree.leaves(want_g)
+  assert len(got_leaves) == len(want_leaves) == 3 + len(jax.tree.leaves(score_mod))
+  for i, (got, want) in enumerate(zip(got_leaves, want_leaves, strict=True)):
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert np.isfinite(got).all(), i
+    scale = max(1.0, float(np.abs(want).max()))
+    np.testing.assert_allclose(got / scale, want / scale, err_msg=f"gradient {i}", **tol)

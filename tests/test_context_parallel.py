@@ -7,6 +7,7 @@ checks themselves are in cp_check.py); only the two-process check starts process
 
 import functools
 import json
+import math
 import os
 import re
 import subprocess
@@ -21,8 +22,19 @@ from jax.sharding import AbstractMesh, AxisType, Mesh
 
 import cp_check
 import flaxattn
+import mod_gallery
 from flaxattn import context_parallel
-from helpers import CP_BF16_TOL, cp_cases, grads_of, normal, qkv, random_packing, rel_error
+from helpers import (
+  CP_BF16_TOL,
+  as_layout,
+  cp_cases,
+  dense_oracle,
+  grads_of,
+  normal,
+  qkv,
+  random_packing,
+  rel_error,
+)
 from helpers import mesh as helpers_mesh
 
 TOL = 1e-5  # float32, relative to the largest reference magnitude
@@ -446,3 +458,75 @@ def test_splash_runs_per_batch_and_head_shard():
   assert max(_errors(r).values()) < TOL, _errors(r)
   assert r["out_spec"] == ["('data', 'fsdp')", "None", "tensor"]
   assert r["all_gather_dtypes"] == []
+
+
+def _mods(b: int, h: int, t: int):
+  """A mask reading every coordinate, the gallery's prefix-LM per row AND its window per
+  head, and the gallery's T5 bias table (trained: its gradient is checked)."""
+  prefix, _ = mod_gallery.prefix_lm(b, h, t, 1)
+  window, _ = mod_gallery.per_head_window(b, h, t, 2)
+  return prefix & window, mod_gallery.t5_bias(b, h, t, 3)[1]
+
+
+MOD_CASES = [  # (mesh, strategy, load_balance, ring axis)
+    (dict(context=2), "ring", True, None),
+    (dict(context=4), "ring", False, None),
+    (dict(data=2, context=4), "ring", "document", None),
+    (dict(context=4), "all_gather", True, None),
+    (dict(tensor=2, context=2), "ulysses", True, None),
+    (dict(tensor=2, context=2, context_ring=2), "ulysses", True, "context_ring"),
+]
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id="-".join(
+    ["x".join(f"{a}{s}" for a, s in c[0].items()), c[1], str(c[2])]),
+    marks=[pytest.mark.slow] if math.prod(c[0].values()) > 2 else []) for c in MOD_CASES])
+def test_programmable_masks_and_scores_under_every_strategy(case):
+  """A MaskMod that reads the batch row, the head and the token indices, and a ScoreMod
+  with a trained table, over the sequence sharded by each strategy (batch over data, heads
+  over tensor where the mesh has them): out and the gradients of q, k, v and of the table
+  equal attention written out from the definitions on the unsharded, unpermuted call;
+  the indices the functions see are the caller's order before load balancing."""
+  axes, strategy, lb, ring_axis = case
+  b, t, h, hkv = 2, 128, 4, 2
+  q, k, v = qkv(21, b, t, t, h, hkv, 8)
+  seg, pos = random_packing(4, b, t, max_docs=4, pad_tail=5)
+  mask, score_mod = _mods(b, h, t)
+  layout = as_layout(seg, pos)
+
+  def oracle(q, k, v, mod):
+    return dense_oracle(q, k, v, layout, mask, 0.3, score_mod=mod)[0]
+
+  cp = flaxattn.ContextParallel(axis="context", strategy=strategy, load_balance=lb,
+                                ring_axis=ring_axis)
+  shards = axes[ring_axis or "context"]
+  plan = flaxattn.balance_plan(seg, shards) if lb == "document" else None
+
+  def order(x):
+    if plan is not None:
+      return plan.apply(x)
+    return flaxattn.load_balance(x, shards) if lb else x
+
+  def unorder(x):
+    if plan is not None:
+      return plan.undo(x)
+    return flaxattn.unload_balance(x, shards) if lb else x
+
+  def sharded(q, k, v, mod):
+    out = flaxattn.attention(q, k, v, mask=mask, segment_ids=order(seg), positions=order(pos),
+                             scale=0.3, context_parallel=cp, score_mod=mod)
+    return unorder(out)
+
+  def grads(f, *args):
+    def scalar(q, k, v, mod):
+      out = f(q, k, v, mod).astype(jnp.float32)
+      return jnp.sum(out * jnp.cos(out)), out
+    return jax.jit(jax.grad(scalar, (0, 1, 2, 3), has_aux=True))(*args)
+
+  want_g, want = grads(oracle, q, k, v, score_mod)
+  with jax.set_mesh(helpers_mesh(axes)):
+    got_g, got = grads(sharded, *(order(x) for x in (q, k, v)), score_mod)
+  np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+  for name, g, w in zip(("dq", "dk", "dv"), got_g[:3], want_g[:3], strict=True):
+    assert rel_error(unorder(g), w) < TOL, name
+  assert rel_error(got_g[3].operands[0], want_g[3].operands[0]) < TOL, "d table"
