@@ -202,6 +202,8 @@ def attention(q, k, v, *, mask: Mask = Causal(), segment_ids=None, positions=Non
   mask, layout = _layout(q, k, mask, segment_ids, positions, kv_segment_ids, kv_positions,
                          context_parallel, layout)
   scale = q.shape[-1] ** -0.5 if scale is None else scale
+  # A shared block map serves the calls of the ids it was built from, on one device.
+  mask = blocks.bind(mask, layout, q.shape, k.shape, sharded=context_parallel is not None)
   if context_parallel is not None:  # strategy="auto": chosen per call
     context_parallel, _ = choose(context_parallel, q.shape, k.shape, np.dtype(q.dtype).itemsize,
                                  mask)

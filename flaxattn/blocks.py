@@ -367,7 +367,12 @@ def tokens(mask: Mask, layout: Layout, b, t_pad, s_pad, t, s, reads_index: bool 
 
 def schedule(mask: Mask, toks: Tokens, heads: int, bq: int, bk: int):
   """The block schedule `[B, nq, nk]` of `mask` over `toks` (`block_schedule`, then
-  `refine` for a mask with programmable parts), for `heads` query heads."""
+  `refine` for a mask with programmable parts), for `heads` query heads; a `Shared` mask's
+  own map where `bind` found it built for this call and the blocks are multiples of it."""
+  if isinstance(mask, Shared) and mask.bound:
+    kinds = mask.kinds_for(toks, bq, bk)
+    if kinds is not None:
+      return kinds
   kinds = block_schedule(jnp, mask, toks.q_seg, toks.kv_seg, toks.q_pos, toks.kv_pos, bq, bk)
   return refine(mask, kinds, toks, heads, bq, bk)
 
@@ -453,3 +458,111 @@ def draw(kinds, path: str | None = None, *, title: str = "") -> str:
     fig.savefig(path, dpi=100)
     plt.close(fig)
   return text
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Shared(Mask):
+  """`mask` with its block map built once (`share`), for the calls that attend with the
+  same ids: the layers of a model, which otherwise each build it (`refine`). A call uses
+  the map where its segment ids and positions are the very arrays it was built from (the
+  same values in the program: `bind`; no data is compared), it runs on one device, and
+  its kernel's blocks are whole multiples of the map's; any other call builds its own, so
+  the result is exact either way. Everything else is `mask`'s."""
+
+  mask: Mask
+  kinds: Any  # int32 [B, nq, nk] of BlockKind
+  ids: tuple  # (q_segment_ids, kv_segment_ids, q_positions, kv_positions) it was built from
+  block_q: int
+  block_kv: int
+  q_len: int  # the call's T and S it was built for
+  kv_len: int
+  bound: bool = False  # `bind` found the call's ids to be `ids`
+
+  def allows(self, q_pos, k_pos):
+    return self.mask.allows(q_pos, k_pos)
+
+  def evaluate(self, coords: Coords):
+    return self.mask.evaluate(coords)
+
+  def block_kinds(self, q_lo, q_hi, k_lo, k_hi):
+    return self.mask.block_kinds(q_lo, q_hi, k_lo, k_hi)
+
+  @property
+  def needs_tiles(self) -> bool:
+    return self.mask.needs_tiles
+
+  @property
+  def per_head(self) -> bool:
+    return self.mask.per_head
+
+  @property
+  def reads_index(self) -> bool:
+    return self.mask.reads_index
+
+  @property
+  def is_causal(self) -> bool:
+    return self.mask.is_causal
+
+  def kinds_for(self, toks: Tokens, bq: int, bk: int):
+    """The map in blocks of `bq` x `bk` for the call `bind` bound it to, padded as `toks`,
+    or None where this map does not serve it."""
+    if bq % self.block_q or bk % self.block_kv:
+      return None
+    b, nq, nk = self.kinds.shape
+    fq, fk = bq // self.block_q, bk // self.block_kv
+    tq, tk = toks.q_seg.shape[1] // bq, toks.kv_seg.shape[1] // bk
+    # Blocks of fq x fk of the map's: EMPTY where all are, FULL where all are, else PARTIAL
+    # (the padding past the map's end is EMPTY: segment 0).
+    kinds = jnp.pad(self.kinds, ((0, 0), (0, tq * fq - nq), (0, tk * fk - nk)),
+                    constant_values=EMPTY).reshape(b, tq, fq, tk, fk)
+    empty, full = (kinds == EMPTY).all((2, 4)), (kinds == FULL).all((2, 4))
+    return jnp.where(empty, EMPTY, jnp.where(full, FULL, PARTIAL)).astype(jnp.int32)
+
+  def __repr__(self):
+    return f"Shared({self.mask!r}, blocks {self.block_q} x {self.block_kv})"
+
+
+jax.tree_util.register_dataclass(Shared, data_fields=["mask", "kinds", "ids"],
+                                 meta_fields=["block_q", "block_kv", "q_len", "kv_len", "bound"])
+
+
+def bind(mask: Mask, layout: Layout, q_shape, kv_shape, sharded: bool = False) -> Mask:
+  """`mask` for a call of `layout` on q `[B, T, ...]` and k `[B, S, ...]`, before anything
+  is traced again (inside a custom VJP every argument is a new value): a `Shared` mask whose
+  map was built for this call's shapes from its very ids marked `bound`, any other `Shared`
+  mask unwrapped (its map does not serve the call: other ids or lengths, or a call whose
+  kernels see `sharded` pieces of it), other masks as they are."""
+  if not isinstance(mask, Shared):
+    return mask
+  ids = (layout.q_segment_ids, layout.kv_segment_ids, layout.q_positions, layout.kv_positions)
+  same = all(a is b for a, b in zip(ids, mask.ids, strict=True))
+  shapes = (q_shape[0], q_shape[1], kv_shape[1]) == (mask.kinds.shape[0], mask.q_len,
+                                                     mask.kv_len)
+  if sharded or not (same and shapes) or layout.shards != 1 or layout.q_index is not None:
+    return mask.mask
+  return dataclasses.replace(mask, bound=True)
+
+
+def share(mask: Mask, q_len: int, kv_len: int | None = None, *, segment_ids=None,
+          positions=None, kv_segment_ids=None, kv_positions=None, batch: int = 1,
+          heads: int = 1, block_q: int = 512, block_kv: int = 512) -> Shared:
+  """`mask` with its block map built once (`block_map`, same arguments), for every call
+  that passes these very `segment_ids` and `positions` arrays (`Shared`): build it in the
+  step, before the layers, and pass it as each layer's mask. Blocks of `block_q` x
+  `block_kv` serve kernels whose blocks are multiples of them (blockwise: 512; smaller
+  map blocks serve more kernels, with a larger map).
+
+    mask = flaxattn.blocks.share(flaxattn.MaskMod(prefix_lm, prefix_len), t, batch=b,
+                                 segment_ids=seg, positions=pos, heads=h)
+    for layer in layers:
+      x = layer(x, mask=mask, segment_ids=seg, positions=pos)
+  """
+  kinds = block_map(mask, q_len, kv_len, segment_ids=segment_ids, positions=positions,
+                    kv_segment_ids=kv_segment_ids, kv_positions=kv_positions, batch=batch,
+                    heads=heads, block_q=block_q, block_kv=block_kv)
+  kv_len = q_len if kv_len is None else kv_len
+  kv_seg = segment_ids if kv_segment_ids is None else kv_segment_ids
+  kv_pos = positions if kv_positions is None and kv_len == q_len else kv_positions
+  # The blocks `block_map` took (shorter sequences than a block take one block).
+  bq, bk = min(block_q, round_up(q_len, 8)), min(block_kv, round_up(kv_len, 8))
+  return Shared(mask, kinds, (segment_ids, kv_seg, positions, kv_pos), bq, bk, q_len, kv_len)

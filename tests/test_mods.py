@@ -177,3 +177,34 @@ def test_the_layer_trains_a_score_mod_table_and_decodes_with_mods():
   steps = [layer(x[:, :10], decode=True)] + [layer(x[:, i:i + 1], decode=True)
                                              for i in range(10, t)]
   np.testing.assert_allclose(jnp.concatenate(steps, 1), full, atol=2e-5, rtol=2e-5)
+
+
+def test_layers_share_one_block_map(monkeypatch):
+  """Four layers of one step with a `blocks.share`d mask: the block map is built once (in
+  `share`), where each layer would build its own; a layer given other ids builds its own
+  again; all outputs equal the unshared ones."""
+  built = []
+  refine = blocks.refine
+  monkeypatch.setattr(blocks, "refine", lambda *a, **k: built.append(1) or refine(*a, **k))
+  b, t, h = 2, 1024, 2
+  q, k, v = qkv(5, b, t, t, h, 1, 8)
+  seg, pos = (jnp.asarray(x) for x in random_packing(7, b, t, max_docs=3))
+  prefix = jnp.array([100, 700], jnp.int32)
+
+  def step(q, k, v, seg, pos, shared: bool):
+    mask = MaskMod(prefix_lm, prefix)
+    if shared:
+      mask = blocks.share(mask, t, segment_ids=seg, positions=pos, batch=b, heads=h)
+    x = q
+    for _ in range(4):
+      x = flaxattn.attention(x, k, v, mask=mask, segment_ids=seg, positions=pos)
+    other = flaxattn.attention(x, k, v, mask=mask, segment_ids=seg + 0, positions=pos)
+    return x, other
+
+  outs = {}
+  for shared in (False, True):
+    built.clear()
+    outs[shared] = jax.jit(step, static_argnums=5)(q, k, v, seg, pos, shared)
+    assert len(built) == (2 if shared else 5), (shared, len(built))
+  for got, want in zip(outs[True], outs[False], strict=True):
+    np.testing.assert_allclose(got, want, atol=1e-6, rtol=1e-6)
