@@ -11,7 +11,9 @@
 #      tests alone took 158 s with -n 8);
 #   2. `python -m bench.gpu` at 32K with --tilings (gpu.json; GPU_CHECK_BENCH_S, default 200,
 #      its time limit);
-#   3. `python -m bench.gpu_goals` (goals.json);
+#   3. `python -m bench.gpu_goals` (goals.json), then `python -m bench.masks` at 32K
+#      (masks.json: MaskMod against the built-ins, FlexAttention where torch has CUDA;
+#      GPU_CHECK_MASKS_S, default 120, its time limit);
 #   4. the trainer, `python -m train configs/gpu_demo.yaml steps=60` (GPU_CHECK_TRAINER_STEPS),
 #      its log with each
 #      line's seconds since this script started (trainer.log), its metrics.jsonl;
@@ -111,6 +113,10 @@ if has 2; then
 fi
 if has 3; then
   stage gpu_goals 100 "$python" -m bench.gpu_goals --json "$out/goals.json"
+  # Programmable masks on the GPU's kernels against the built-ins, and FlexAttention where
+  # the host's torch has CUDA (GPU_CHECK_MASKS_S, default 120).
+  stage masks "${GPU_CHECK_MASKS_S:-120}" "$python" -m bench.masks --lengths 32768 \
+    --build-lengths 131072 --repeats 3 --json "$out/masks.json"
 fi
 
 # --- 4. The trainer: time to its first log line, steps, MFU -------------------------------------

@@ -5,10 +5,12 @@ build time, and PyTorch's FlexAttention on the same patterns, on this host's CPU
       [--lengths 4096 8192 16384] [--build-lengths 32768 131072] [--no-torch]
       [--pictures docs/masks]
 
-B=1, H=8 query heads, Hkv=8, D=64, float32; forward+backward is the gradient of
-sum(out^2) w.r.t. q, k, v; flaxattn runs `backend="auto"` (blockwise on a CPU). Times are
-the best of `--repeats` after a warm-up (compiling excluded), the cases of a comparison
-timed in alternation, so that load from other work on a shared host falls on both.
+B=1, H=8 query heads, Hkv=8, D=64, float32 on a CPU (bfloat16 on a GPU); forward+backward
+is the gradient of sum(out^2) w.r.t. q, k, v; flaxattn runs `backend="auto"` (blockwise
+on a CPU). Times are the best of `--repeats` after a warm-up (compiling excluded), the
+cases of a comparison timed in alternation, so that load from other work on a shared host
+falls on both. On a GPU host (bench/gpu_check.sh) the same run measures the GPU, and
+FlexAttention runs on CUDA with its backward where torch has it.
 
 1. Ratios (T=4096): `MaskMod(lambda b, h, q, k: k <= q)` against `Causal()`; a document
    mask given as an operand (`docs[b, q] == docs[b, k]`, causal; 16 documents) against the
@@ -18,9 +20,9 @@ timed in alternation, so that load from other work on a shared host falls on bot
    (`flaxattn.blocks.block_map`, jitted), its forward and its forward+backward; with torch
    installed (the `flex` extra), `torch.nn.attention.flex_attention.create_block_mask`
    alone and `torch.compile(flex_attention)`'s forward on the same shapes and masks (its
-   default 128 x 128 blocks; flaxattn's blockwise 512 x 512). FlexAttention has no
-   backward on a CPU (torch 2.13: "FlexAttention does not support backward on CPU"), so
-   the two compare by forward there.
+   default 128 x 128 blocks; flaxattn's blockwise 512 x 512), and on a GPU its
+   forward+backward. FlexAttention has no backward on a CPU (torch 2.13: "FlexAttention
+   does not support backward on CPU"), so the two compare by forward there.
 3. The block map's build time alone at `--build-lengths` with 64 documents: flaxattn with
    the documents as segment ids and a causal `MaskMod` (blocks across documents are never
    evaluated) and as an operand (every block is); torch's `create_block_mask` of the
@@ -44,6 +46,8 @@ from flaxattn import MaskMod, blocks
 
 B, H, D = 1, 8, 64
 DOCS, BUILD_DOCS, WINDOW = 16, 64, 1024
+GPU = jax.default_backend() == "gpu"
+DTYPE = jnp.bfloat16 if GPU else jnp.float32
 
 
 def _docs(t: int, n: int) -> np.ndarray:
@@ -69,10 +73,13 @@ def patterns(t: int) -> dict:
 
 
 def _torch_document(docs):
+  ids = {}
+
   def mask_mod(b, h, q, k):
     import torch
-    ids = torch.as_tensor(docs)
-    return (ids[b, q] == ids[b, k]) & (k <= q)
+    if q.device not in ids:  # the ids on the device the block mask is built on, once
+      ids[q.device] = torch.as_tensor(docs, device=q.device)
+    return (ids[q.device][b, q] == ids[q.device][b, k]) & (k <= q)
   return mask_mod
 
 
@@ -92,7 +99,7 @@ def best(fns: dict, repeats: int) -> dict:
 
 def _inputs(t: int):
   keys = jax.random.split(jax.random.key(t), 3)
-  return tuple(jax.random.normal(k, (B, t, H, D), jnp.float32) for k in keys)
+  return tuple(jax.random.normal(k, (B, t, H, D), DTYPE) for k in keys)
 
 
 def _fwd_bwd(mask, seg, t, backward: bool = True):
@@ -102,7 +109,7 @@ def _fwd_bwd(mask, seg, t, backward: bool = True):
   seg = None if seg is None else jnp.asarray(seg)
 
   def loss(q, k, v):
-    out = flaxattn.attention(q, k, v, mask=mask, segment_ids=seg)
+    out = flaxattn.attention(q, k, v, mask=mask, segment_ids=seg).astype(jnp.float32)
     return jnp.sum(out * out)
   step = jax.jit(jax.grad(loss, (0, 1, 2)) if backward else loss)
   return lambda: jax.block_until_ready(step(q, k, v))
@@ -140,20 +147,41 @@ def _torch():
   return torch, flex
 
 
+def _torch_device(torch) -> str:
+  return "cuda" if GPU and torch.cuda.is_available() else "cpu"
+
+
 def _torch_cases(torch_mods, mask_mod, t):
-  """(build, forward) timers of FlexAttention for `mask_mod` at T = t."""
+  """Timers of FlexAttention for `mask_mod` at T = t: its block mask's build, its forward
+  and, on a GPU, its forward+backward."""
   torch, flex = torch_mods
-  build = lambda: flex.create_block_mask(mask_mod, B, H, t, t, device="cpu")  # noqa: E731
+  device = _torch_device(torch)
+  build = lambda: flex.create_block_mask(mask_mod, B, H, t, t, device=device)  # noqa: E731
   block_mask = build()
   compiled = torch.compile(flex.flex_attention)
-  gen = torch.Generator().manual_seed(t)
-  q, k, v = (torch.randn(B, H, t, D, generator=gen) for _ in range(3))
+  dtype = torch.bfloat16 if device == "cuda" else torch.float32
+  q, k, v = (torch.randn(B, H, t, D, device=device, dtype=dtype,
+                         requires_grad=device == "cuda") for _ in range(3))
+
+  def sync():
+    if device == "cuda":
+      torch.cuda.synchronize()
 
   def forward():
     with torch.no_grad():
       out = compiled(q, k, v, block_mask=block_mask)
-      return float((out * out).sum())
-  return build, forward
+      sync()
+      return out
+
+  def forward_backward():
+    out = compiled(q, k, v, block_mask=block_mask).float()
+    (out * out).sum().backward()
+    sync()
+
+  timers = {"flex build": lambda: (build(), sync()), "flex forward": forward}
+  if device == "cuda":  # no backward on a CPU
+    timers["flex f+b"] = forward_backward
+  return timers
 
 
 def by_pattern(lengths, repeats: int, use_torch: bool) -> list[dict]:
@@ -165,8 +193,7 @@ def by_pattern(lengths, repeats: int, use_torch: bool) -> list[dict]:
              "flaxattn forward": _fwd_bwd(mask, seg, t, backward=False),
              "flaxattn f+b": _fwd_bwd(mask, seg, t)}
       if torch_mods is not None:
-        build, forward = _torch_cases(torch_mods, mask_mod, t)
-        fns |= {"flex build": build, "flex forward": forward}
+        fns |= _torch_cases(torch_mods, mask_mod, t)
       times = best(fns, repeats)
       counts = blocks.counts(jax.jit(lambda m, t=t: blocks.block_map(m, t, batch=B))(mask))
       rows.append({"pattern": name, "T": t, "blocks": counts, **times})
@@ -186,7 +213,7 @@ def build_only(lengths, repeats: int, use_torch: bool) -> list[dict]:
     if torch_mods is not None:
       mask_mod = _torch_document(docs)
       fns["flex create_block_mask"] = lambda m=mask_mod, t=t: torch_mods[1].create_block_mask(
-          m, B, H, t, t, device="cpu")
+          m, B, H, t, t, device=_torch_device(torch_mods[0]))
     rows.append({"T": t, "documents": BUILD_DOCS, **best(fns, repeats)})
     print(json.dumps(rows[-1]), flush=True)
   return rows

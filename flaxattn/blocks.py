@@ -377,32 +377,51 @@ def schedule(mask: Mask, toks: Tokens, heads: int, bq: int, bk: int):
   return refine(mask, kinds, toks, heads, bq, bk)
 
 
+# Tile elements `refine` evaluates per step of its loops (a few MiB of bools): small tiles
+# go several key blocks and query blocks at a time, so a map of 64-token blocks does not
+# take a loop step per block.
+REFINE_ELEMENTS = 1 << 22
+
+
 def refine(mask: Mask, kinds, toks: Tokens, heads: int, bq: int, bk: int):
   """`kinds` `[B, nq, nk]` (from `block_schedule`) made exact for a mask with programmable
   parts (`Mask.needs_tiles`): each block still PARTIAL is classified from the mask itself,
   evaluated on its `[heads, bq, bk]` tile (one head where the mask is the same for all) on
-  device; blocks the segments or the built-in parts rule out or fill are never evaluated.
-  Memory: one tile at a time besides the schedule. Other masks: `kinds` as they are."""
+  device. Per query block only its range of open key blocks (`visit_bounds`) is evaluated,
+  C key blocks a step, R query blocks side by side, C x R tiles within `REFINE_ELEMENTS`;
+  the blocks the segments or the built-in parts rule out or fill keep their kinds. Memory:
+  those tiles besides the schedule. Other masks: `kinds` as they are."""
   if not mask.needs_tiles:
     return kinds
   b, nq, nk = kinds.shape
   lo, hi = visit_bounds(jnp, kinds, axis=2)
-  h = jnp.arange(heads if mask.per_head else 1, dtype=jnp.int32)[:, None, None]
+  h_ = heads if mask.per_head else 1
+  h = jnp.arange(h_, dtype=jnp.int32)[:, None, None]
+  c = max(1, min(nk, REFINE_ELEMENTS // (h_ * bq * bk)))  # key blocks a step
+  r = max(1, min(b * nq, REFINE_ELEMENTS // (h_ * bq * bk * c)))  # query blocks side by side
 
   def row(n):
     bi, i = n // nq, n % nq
     q = (i * bq, bq)
     q_seg = slice_tokens(toks.q_seg, bi, *q)[None, :, None]
+    first, last = lo[bi, i], hi[bi, i]
 
-    def tile(j, kinds_N):
-      kv = (j * bk, bk)
+    def tiles(step, kinds_N):
+      j = first + step * c
+      start = jnp.minimum(j, nk - c)  # the last step's slice ends at nk
+      kv = (start * bk, c * bk)
       ok = allowed(mask, toks.coords(bi, h, q, kv, (0, 2), (0, 1)), q_seg,
                    slice_tokens(toks.kv_seg, bi, *kv)[None, None, :])
-      kind = jnp.where(ok.any(), jnp.where(ok.all(), FULL, PARTIAL), EMPTY).astype(kinds.dtype)
-      return kinds_N.at[j].set(jnp.where(kinds_N[j] == PARTIAL, kind, kinds_N[j]))
-    return jax.lax.fori_loop(lo[bi, i], hi[bi, i], tile, kinds[bi, i])
+      ok_CX = jnp.moveaxis(ok.reshape(*ok.shape[:-1], c, bk), -2, 0).reshape(c, -1)
+      kind_C = jnp.where(ok_CX.any(1), jnp.where(ok_CX.all(1), FULL, PARTIAL), EMPTY)
+      old_C = jax.lax.dynamic_slice_in_dim(kinds_N, start, c)
+      blocks_C = start + jnp.arange(c)
+      new_C = jnp.where((blocks_C >= j) & (blocks_C < last) & (old_C == PARTIAL), kind_C, old_C)
+      return jax.lax.dynamic_update_slice_in_dim(kinds_N, new_C.astype(kinds.dtype), start, 0)
+    return jax.lax.fori_loop(0, (last - first + c - 1) // c, tiles, kinds[bi, i])
 
-  return jax.lax.map(row, jnp.arange(b * nq, dtype=jnp.int32)).reshape(b, nq, nk)
+  return jax.lax.map(row, jnp.arange(b * nq, dtype=jnp.int32),
+                     batch_size=r).reshape(b, nq, nk)
 
 
 def block_map(mask: Mask, q_len: int, kv_len: int | None = None, *, segment_ids=None,
