@@ -468,8 +468,9 @@ def draw(kinds, path: str | None = None, *, title: str = "") -> str:
 
     fig, ax = plt.subplots(figsize=(4, 4 * kinds.shape[0] / max(kinds.shape[1], 1) + 0.4))
     ax.imshow(kinds, cmap="Greys", vmin=0, vmax=2, interpolation="nearest")
-    ax.xaxis.get_major_locator().set_params(integer=True)
-    ax.yaxis.get_major_locator().set_params(integer=True)
+    from matplotlib.ticker import MaxNLocator
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("key block")
     ax.set_ylabel("query block")
     c = counts(kinds)
