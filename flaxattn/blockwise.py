@@ -338,7 +338,10 @@ def _attention_fwd(q, k, v, layout, mods, scale, block_q, block_kv, soft_cap):
   p = plan(q, k, layout, mask, score_mod, block_q, block_kv)
   out, lse = forward(q, k, v, layout, mask=mask, scale=scale, soft_cap=soft_cap,
                      score_mod=score_mod, plan_=p)
-  return (out, lse), (q, k, v, layout, mods, p, out, lse)
+  # A programmable mask's block map is kept for the backward pass (built once per call);
+  # the built-ins' schedule is cheaper to build again than to hold ([B, nq, nk] int32 a
+  # layer: 16 MiB at T = 1M).
+  return (out, lse), (q, k, v, layout, mods, p if mask.needs_tiles else None, out, lse)
 
 
 def _attention_bwd(scale, block_q, block_kv, soft_cap, residuals, cotangents):
@@ -346,7 +349,8 @@ def _attention_bwd(scale, block_q, block_kv, soft_cap, residuals, cotangents):
   mask, score_mod = mods
   dout, dlse = cotangents
   dq, dk, dv, d_ops = backward(q, k, v, layout, out, lse, dout, dlse, mask=mask, scale=scale,
-                               soft_cap=soft_cap, score_mod=score_mod, plan_=p)
+                               block_q=block_q, block_kv=block_kv, soft_cap=soft_cap,
+                               score_mod=score_mod, plan_=p)
   d_score = None if score_mod is None else score_mod.cotangent(d_ops)
   return dq, dk, dv, None, (zero_cotangents(mask), d_score)
 
