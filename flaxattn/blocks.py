@@ -3,9 +3,9 @@ pair (EMPTY), some (PARTIAL: masked inside the block), or only allowed pairs (FU
 
 Two classifications, one enum:
   - static, from the token order alone (`TokenOrder`, `block_mask`, `per_device`): a band
-    mask (causal, window, chunk) on original token indices, exact from each block's runs
-    of contiguous indices in O(blocks); what kernels that mask on the token index (splash)
-    build at trace time;
+    mask (a window of offsets k - q, a chunk) on original token indices, exact from each
+    block's runs of contiguous indices in O(blocks); what kernels that mask on the token
+    index (splash) build at trace time;
   - run-time, from segment ids and positions (`block_schedule`, `visit_bounds`,
     `visit_order`, `schedule`): each block's ranges of ids and positions, in the program;
     what kernels that mask on the data (blockwise, pallas_gpu) loop over.
@@ -122,20 +122,36 @@ def _runs(order, shard, lo, length: int, shard_len: int):
 
 def _pair_kinds(normal: Band, q_lo, q_hi, k_lo, k_hi):
   """`(some, every)`: does the mask allow some / every pair of queries `q_lo..q_hi` and keys
-  `k_lo..k_hi` (original indices, inclusive runs)? Exact, not conservative."""
-  if not normal.causal:
-    true = np.ones(np.broadcast_shapes(np.shape(q_lo), np.shape(k_lo)), bool)
-    return true, true
-  # Some pair: the keys start at or before the last query, and either the runs overlap (the
-  # diagonal q == k is allowed) or the closest pair (q_lo, k_hi) is allowed.
-  some, every = k_lo <= q_hi, k_hi <= q_lo
-  if normal.window is not None:
-    some = some & (k_hi > q_lo - normal.window)
-    every = every & (k_lo > q_hi - normal.window)  # the farthest pair (q_hi, k_lo)
-  if normal.chunk is not None:
-    c = normal.chunk
-    some = some & ((k_hi >= q_lo) | (floor_div(k_hi, c) == floor_div(q_lo, c)))
-    every = every & (floor_div(k_lo, c) == floor_div(q_hi, c))
+  `k_lo..k_hi` (original indices, inclusive runs, int64)? Exact, not conservative."""
+  if normal.chunk is None:
+    return _offsets_meet(normal, k_lo - q_hi, k_hi - q_lo)
+  # Pairs of one chunk j: runs clipped to it. Chunks between the first and the last that
+  # both runs reach are covered by both whole, so one of them stands for all.
+  c = normal.chunk
+  first = np.maximum(floor_div(q_lo, c), floor_div(k_lo, c))
+  last = np.minimum(floor_div(q_hi, c), floor_div(k_hi, c))
+
+  def in_chunk(j):
+    start = j * c
+    return _offsets_meet(normal, np.maximum(k_lo, start) - np.minimum(q_hi, start + c - 1),
+                         np.minimum(k_hi, start + c - 1) - np.maximum(q_lo, start))
+  some = ((first <= last) & (in_chunk(first)[0] | in_chunk(last)[0]
+                             | ((last - first >= 2) & in_chunk(first + 1)[0])))
+  chunks = [floor_div(x, c) for x in (q_lo, q_hi, k_lo, k_hi)]
+  one_chunk = (chunks[0] == chunks[1]) & (chunks[1] == chunks[2]) & (chunks[2] == chunks[3])
+  every = one_chunk & in_chunk(first)[1]
+  return some, every
+
+
+def _offsets_meet(normal: Band, d_lo, d_hi):
+  """`(some, every)`: does the band's window of offsets meet / hold every offset in
+  [d_lo, d_hi] (pairs of two runs take every offset between their extremes)?"""
+  some = d_lo <= d_hi
+  every = np.ones(np.shape(some), bool)
+  if normal.lo is not None:
+    some, every = some & (d_hi >= normal.lo), every & (d_lo >= normal.lo)
+  if normal.hi is not None:
+    some, every = some & (d_lo <= normal.hi), every & (d_hi <= normal.hi)
   return some, every
 
 

@@ -64,10 +64,18 @@ def _mask_function(normal: Band, shape: tuple[int, int], order: TokenOrder):
     # Our rule on original indices (splash's own chunked mask divides with an op Mosaic
     # cannot lower for TPU from another host).
     return _OrderedRule(normal, order, shape[0] // order.shards)
-  if normal.window is None:
+  if normal == Band(hi=0):
     return sm.CausalMask(shape).mask_function
-  # ours: p - w < k <= p, i.e. w - 1 keys to the left
-  return sm.LocalMask(shape, window_size=(normal.window - 1, 0), offset=0).mask_function
+  # Splash's window: q + offset - left <= k <= q + offset + right, sizes >= 0, so the offset
+  # is the one of the band nearest 0. A side beyond the sequence bounds nothing: dropped, so
+  # the sums of indices stay far from int32's limits (a band that allows nothing in the
+  # sequence has no kernel).
+  lo = None if normal.lo is None or normal.lo <= 1 - shape[0] else normal.lo
+  hi = None if normal.hi is None or normal.hi >= shape[1] - 1 else normal.hi
+  offset = lo if lo is not None and lo > 0 else hi if hi is not None and hi < 0 else 0
+  return sm.LocalMask(shape, window_size=(None if lo is None else offset - lo,
+                                          None if hi is None else hi - offset),
+                      offset=offset).mask_function
 
 
 def block_size(length: int, requested: int) -> int:

@@ -53,6 +53,13 @@ def test_splash_compiles_for_v5p(mask, dtype):
   _splash("v5p-8", mask, dtype)
 
 
+@pytest.mark.parametrize("mask", [flaxattn.Window(256, 256), flaxattn.Window(0, 384),
+                                  flaxattn.Window(100, 0, offset=-64)], ids=str)
+def test_splash_windows_compile_for_v5p(mask):
+  """Two-sided, right-only and shifted windows stay on splash's kernels (its LocalMask)."""
+  _splash("v5p-8", mask, jnp.bfloat16)
+
+
 @pytest.mark.parametrize("target", ["v5e-8", "v6e-8"])
 @pytest.mark.parametrize("mask, dtype", [(flaxattn.Causal(), jnp.bfloat16),
                                          (flaxattn.Chunked(128), jnp.float32)],
