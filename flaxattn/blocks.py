@@ -381,36 +381,48 @@ def tokens(mask: Mask, layout: Layout, b, t_pad, s_pad, t, s, reads_index: bool 
   return Tokens(q_seg, kv_seg, q_pos, kv_pos, *index, row, head)
 
 
-def schedule(mask: Mask, toks: Tokens, heads: int, bq: int, bk: int):
+def schedule(mask: Mask, toks: Tokens, heads: int, bq: int, bk: int, by_head: bool = False):
   """The block schedule `[B, nq, nk]` of `mask` over `toks` (`block_schedule`, then
-  `refine` for a mask with programmable parts), for `heads` query heads."""
+  `refine` for a mask with programmable parts), for `heads` query heads; with `by_head`
+  each head's own, as `refine` gives it."""
   kinds = block_schedule(jnp, mask, toks.q_seg, toks.kv_seg, toks.q_pos, toks.kv_pos, bq, bk)
-  return refine(mask, kinds, toks, heads, bq, bk)
+  return refine(mask, kinds, toks, heads, bq, bk, by_head)
 
 
-def refine(mask: Mask, kinds, toks: Tokens, heads: int, bq: int, bk: int):
+def refine(mask: Mask, kinds, toks: Tokens, heads: int, bq: int, bk: int, by_head: bool = False):
   """`kinds` `[B, nq, nk]` (from `block_schedule`) made exact for a mask with programmable
   parts (`Mask.needs_tiles`): each block still PARTIAL is classified from the mask itself,
   evaluated on its `[heads, bq, bk]` tile (one head where the mask is the same for all) on
   device; blocks the segments or the built-in parts rule out or fill are never evaluated.
-  Memory: one tile at a time besides the schedule. Other masks: `kinds` as they are."""
+  Memory: one tile at a time besides the schedule. Other masks: `kinds` as they are.
+  `by_head`: `[B, H', nq, nk]`, each head's kinds (H' = `heads` where the mask differs
+  between heads, else 1), for a kernel that masks each head with metadata of its own;
+  else one kind for all heads (EMPTY or FULL where every head's is)."""
+  h = jnp.arange(heads if mask.per_head else 1, dtype=jnp.int32)[:, None, None]
   if not mask.needs_tiles:
-    return kinds
+    return kinds[:, None] if by_head else kinds
   b, nq, nk = kinds.shape
   lo, hi = visit_bounds(jnp, kinds, axis=2)
-  h = jnp.arange(heads if mask.per_head else 1, dtype=jnp.int32)[:, None, None]
 
   def row(n):
     bi, i = n // nq, n % nq
     q = (i * bq, bq)
     q_seg = slice_tokens(toks.q_seg, bi, *q)[None, :, None]
 
-    def tile(j, kinds_N):
+    def tile(j, kinds_HN):
       kv = (j * bk, bk)
       ok = allowed(mask, toks.coords(bi, h, q, kv, (0, 2), (0, 1)), q_seg,
                    slice_tokens(toks.kv_seg, bi, *kv)[None, None, :])
-      kind = jnp.where(ok.any(), jnp.where(ok.all(), FULL, PARTIAL), EMPTY).astype(kinds.dtype)
-      return kinds_N.at[j].set(jnp.where(kinds_N[j] == PARTIAL, kind, kinds_N[j]))
-    return jax.lax.fori_loop(lo[bi, i], hi[bi, i], tile, kinds[bi, i])
+      ok = jnp.broadcast_to(ok, (h.shape[0], bq, bk))
+      kind = jnp.where(ok.any((1, 2)), jnp.where(ok.all((1, 2)), FULL, PARTIAL), EMPTY)
+      now = kinds_HN[:, j]
+      return kinds_HN.at[:, j].set(jnp.where(now == PARTIAL, kind.astype(kinds.dtype), now))
+    return jax.lax.fori_loop(lo[bi, i], hi[bi, i], tile,
+                             jnp.broadcast_to(kinds[bi, i], (h.shape[0], nk)))
 
-  return jax.lax.map(row, jnp.arange(b * nq, dtype=jnp.int32)).reshape(b, nq, nk)
+  kinds_BHNM = jax.lax.map(row, jnp.arange(b * nq, dtype=jnp.int32)).reshape(
+      b, nq, -1, nk).transpose(0, 2, 1, 3)
+  if by_head:
+    return kinds_BHNM
+  return jnp.where((kinds_BHNM == EMPTY).all(1), EMPTY,
+                   jnp.where((kinds_BHNM == FULL).all(1), FULL, PARTIAL)).astype(kinds.dtype)
