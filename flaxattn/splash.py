@@ -569,8 +569,8 @@ class Splash(registry.Kernel):
 
   `partial_blocks`: for a mask without a band (a `MaskMod`, `|`, `~`), the PARTIAL blocks
   per batch row (and query head, where the mask differs between heads) whose masks a call
-  builds on device, bool `[block_q, block_kv]` each; a call with more in all runs the
-  blockwise kernel (a run-time check; `explain` says so). Default None: 2 x (T / block_q +
+  builds on device, bool `[block_q, block_kv]` each; a batch where a row needs more runs
+  the blockwise kernel (a run-time check; `explain` says so). Default None: 2 x (T / block_q +
   T / block_kv), which causal-like masks over packed documents stay within."""
 
   block_q: int | None = None
@@ -647,12 +647,11 @@ class Splash(registry.Kernel):
     _, backward = fused_backward((call.q_shape[0], t, *call.q_shape[2:]), s,
                                  np.dtype(call.dtype).itemsize, bkv, self.fused_dq_budget)
     notes = [self.for_tests_on(call.platform)]
-    if not _has_band(call.mask):
-      t_, d = call.q_shape[1], call.q_shape[3]
-      bq, bkv = self.blocks(t_, t_, d)
+    if not _has_band(call.mask):  # never under context parallelism (`unsupported_reason`)
+      bq, _ = self.blocks(t, s, call.q_shape[3])
       notes.append(f"{call.mask!r} has no band: its block map is found on device per call and"
                    f" the masks of its PARTIAL blocks built there, at most"
-                   f" {self._per_row(t_, bq, bkv)} per batch row"
+                   f" {self._per_row(t, bq, bkv)} per batch row"
                    f"{' and query head' if call.mask.per_head else ''} ({bq} x {bkv} each); a"
                    " call with more runs the blockwise kernel, checked at run time; the forward"
                    " grid keeps every key block of a row")
