@@ -285,7 +285,9 @@ def plan(name: str, case: Case, missing: dict[str, str | None]) -> Plan:
   normal = band(case.mask)
   if normal.chunk is not None:
     return Plan("declined", f"{who} has no chunked mask")
-  if library == "torch" and normal.window is not None:
+  if normal.hi not in (None, 0) or (normal.hi is None and normal.lo is not None):
+    return Plan("declined", f"{who} has no window with keys after the query")
+  if library == "torch" and normal.lo is not None:
     return Plan("declined", f"{who} has no sliding window but through a dense [T, T] mask")
   return Plan("ok")
 
@@ -293,7 +295,8 @@ def plan(name: str, case: Case, missing: dict[str, str | None]) -> Plan:
 def _attention_fn(name: str, case: Case, kernel: registry.Kernel | None = None):
   """The function a JAX row runs on (q, k, v, *case.ids()) for flaxattn's rows, (q, k, v)
   for the others; `kernel`: the one flaxattn's row `name` runs instead of its own."""
-  window = band(case.mask).window
+  lo = band(case.mask).lo  # a causal window's (`_plan` declines others)
+  window = None if lo is None else 1 - lo
   if name == "auto" or name in flaxattn_kernels():
     backend: Any = kernel or ("auto" if name == "auto" else flaxattn_kernels()[name])
 

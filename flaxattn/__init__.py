@@ -3,7 +3,8 @@
 Public API:
   attention, explain                     the functional entry point and its dispatch report
   lowering_for                           trace kernels for another platform (TPU export on CPU)
-  Full, Causal, Local, Chunked, Mask     masks on positions and segments (combine with &, |, ~)
+  Full, Causal, Local, Window, Chunked,  masks on positions and segments (combine with &, |, ~)
+    Mask
   MaskMod, ScoreMod                      programmable masks and scores (JAX functions of the
                                          batch row, head and token indices, as in FlexAttention)
   seqlens_and_offsets                    THD descriptor from segment ids, O(T + max_segments)
@@ -27,7 +28,7 @@ from flaxattn.balance import BalancePlan, balance_plan, load_balance, unload_bal
 from flaxattn.context_parallel import ContextParallel
 from flaxattn.kv_cache import KVCache
 from flaxattn.layer import MultiHeadAttention
-from flaxattn.masks import Causal, Chunked, Full, Local, Mask
+from flaxattn.masks import Causal, Chunked, Full, Local, Mask, Window
 from flaxattn.mods import MaskMod, ScoreMod
 from flaxattn.registry import lowering_for
 from flaxattn.rope import RoPE, RoPEScaling
@@ -36,7 +37,7 @@ from flaxattn.stock_nnx import nnx_attention_fn
 
 __all__ = [
     "attention", "explain", "lowering_for",
-    "Mask", "Full", "Causal", "Local", "Chunked", "MaskMod", "ScoreMod",
+    "Mask", "Full", "Causal", "Local", "Window", "Chunked", "MaskMod", "ScoreMod",
     "seqlens_and_offsets", "SeqlensOffsets",
     "ContextParallel", "load_balance", "unload_balance", "balance_plan", "BalancePlan",
     "MultiHeadAttention", "KVCache", "RoPE", "RoPEScaling", "nnx_attention_fn", "sharding",

@@ -251,8 +251,9 @@ def _block_map_text(mask: Mask, q, k, layout: Layout, backend, call: registry.Ca
     kernel = registry.select(backend, call)
   except ValueError:
     return "block map: no kernel serves the call"
-  bq = getattr(kernel, "block_q", blockwise_blocks.DEFAULT_BLOCK_Q)
-  bk = getattr(kernel, "block_kv", blockwise_blocks.DEFAULT_BLOCK_KV)
+  # The kernel's blocks where it has options for them (None: chosen per call), else 512.
+  bq = getattr(kernel, "block_q", None) or blockwise_blocks.DEFAULT_BLOCK_Q
+  bk = getattr(kernel, "block_kv", None) or blockwise_blocks.DEFAULT_BLOCK_KV
   kinds = blocks.block_map(mask, q.shape[1], k.shape[1], segment_ids=layout.q_segment_ids,
                            positions=layout.q_positions, kv_segment_ids=layout.kv_segment_ids,
                            kv_positions=layout.kv_positions, batch=q.shape[0],

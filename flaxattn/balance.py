@@ -131,8 +131,9 @@ def token_work(segment_ids, masks: Sequence[Mask] | None = None) -> np.ndarray:
   non-zero segment id whose positions count from 0.
 
   Per mask, a token at position p of a document of n tokens sees: Full n; Causal p + 1;
-  Local(w) min(p + 1, w); Chunked(c) p mod c + 1 (with both, the smaller); padding none.
-  Masks without a normal form count as causal.
+  Local(w) min(p + 1, w); Chunked(c) p mod c + 1 (with both, the smaller); a Window the
+  positions of its span inside the document (`masks.Band.keys_seen`); padding none. Masks
+  without a normal form count as causal.
 
   Args:
     segment_ids: `[..., T]` int, numpy or a concrete jax array.
@@ -151,7 +152,7 @@ def token_work(segment_ids, masks: Sequence[Mask] | None = None) -> np.ndarray:
     tokens = np.repeat(starts, lengths) + pos  # the documents' tokens, in order
     doc_len = np.repeat(lengths, lengths)
     for b in bands:
-      row[tokens] += _keys_seen(b, pos, doc_len)
+      row[tokens] += b.keys_seen(pos, doc_len)
   return work.reshape(seg.shape)
 
 
@@ -160,17 +161,6 @@ def _band(mask):
     return band(check_mask(mask))
   except NoBand:
     return band(Causal())
-
-
-def _keys_seen(b, pos, doc_len):
-  if not b.causal:
-    return doc_len
-  first = np.zeros_like(pos)
-  if b.chunk:
-    first = pos - pos % b.chunk
-  if b.window:
-    first = np.maximum(first, pos - b.window + 1)
-  return pos - first + 1
 
 
 def _masks(masks) -> tuple[Mask, ...]:

@@ -3,9 +3,9 @@ pair (EMPTY), some (PARTIAL: masked inside the block), or only allowed pairs (FU
 
 Two classifications, one enum:
   - static, from the token order alone (`TokenOrder`, `block_mask`, `per_device`): a band
-    mask (causal, window, chunk) on original token indices, exact from each block's runs
-    of contiguous indices in O(blocks); what kernels that mask on the token index (splash)
-    build at trace time;
+    mask (a window of offsets k - q, a chunk) on original token indices, exact from each
+    block's runs of contiguous indices in O(blocks); what kernels that mask on the token
+    index (splash) build at trace time;
   - run-time, from segment ids and positions (`block_schedule`, `visit_bounds`,
     `visit_order`, `schedule`): each block's ranges of ids and positions, in the program;
     what kernels that mask on the data (blockwise, pallas_gpu) loop over.
@@ -122,20 +122,36 @@ def _runs(order, shard, lo, length: int, shard_len: int):
 
 def _pair_kinds(normal: Band, q_lo, q_hi, k_lo, k_hi):
   """`(some, every)`: does the mask allow some / every pair of queries `q_lo..q_hi` and keys
-  `k_lo..k_hi` (original indices, inclusive runs)? Exact, not conservative."""
-  if not normal.causal:
-    true = np.ones(np.broadcast_shapes(np.shape(q_lo), np.shape(k_lo)), bool)
-    return true, true
-  # Some pair: the keys start at or before the last query, and either the runs overlap (the
-  # diagonal q == k is allowed) or the closest pair (q_lo, k_hi) is allowed.
-  some, every = k_lo <= q_hi, k_hi <= q_lo
-  if normal.window is not None:
-    some = some & (k_hi > q_lo - normal.window)
-    every = every & (k_lo > q_hi - normal.window)  # the farthest pair (q_hi, k_lo)
-  if normal.chunk is not None:
-    c = normal.chunk
-    some = some & ((k_hi >= q_lo) | (floor_div(k_hi, c) == floor_div(q_lo, c)))
-    every = every & (floor_div(k_lo, c) == floor_div(q_hi, c))
+  `k_lo..k_hi` (original indices, inclusive runs, int64)? Exact, not conservative."""
+  if normal.chunk is None:
+    return _offsets_meet(normal, k_lo - q_hi, k_hi - q_lo)
+  # Pairs of one chunk j: runs clipped to it. Chunks between the first and the last that
+  # both runs reach are covered by both whole, so one of them stands for all.
+  c = normal.chunk
+  first = np.maximum(floor_div(q_lo, c), floor_div(k_lo, c))
+  last = np.minimum(floor_div(q_hi, c), floor_div(k_hi, c))
+
+  def in_chunk(j):
+    start = j * c
+    return _offsets_meet(normal, np.maximum(k_lo, start) - np.minimum(q_hi, start + c - 1),
+                         np.minimum(k_hi, start + c - 1) - np.maximum(q_lo, start))
+  some = ((first <= last) & (in_chunk(first)[0] | in_chunk(last)[0]
+                             | ((last - first >= 2) & in_chunk(first + 1)[0])))
+  chunks = [floor_div(x, c) for x in (q_lo, q_hi, k_lo, k_hi)]
+  one_chunk = (chunks[0] == chunks[1]) & (chunks[1] == chunks[2]) & (chunks[2] == chunks[3])
+  every = one_chunk & in_chunk(first)[1]
+  return some, every
+
+
+def _offsets_meet(normal: Band, d_lo, d_hi):
+  """`(some, every)`: does the band's window of offsets meet / hold every offset in
+  [d_lo, d_hi] (pairs of two runs take every offset between their extremes)?"""
+  some = d_lo <= d_hi
+  every = np.ones(np.shape(some), bool)
+  if normal.lo is not None:
+    some, every = some & (d_hi >= normal.lo), every & (d_lo >= normal.lo)
+  if normal.hi is not None:
+    some, every = some & (d_lo <= normal.hi), every & (d_hi <= normal.hi)
   return some, every
 
 
@@ -365,16 +381,17 @@ def tokens(mask: Mask, layout: Layout, b, t_pad, s_pad, t, s, reads_index: bool 
   return Tokens(q_seg, kv_seg, q_pos, kv_pos, *index, row, head)
 
 
-def schedule(mask: Mask, toks: Tokens, heads: int, bq: int, bk: int):
+def schedule(mask: Mask, toks: Tokens, heads: int, bq: int, bk: int, by_head: bool = False):
   """The block schedule `[B, nq, nk]` of `mask` over `toks` (`block_schedule`, then
-  `refine` for a mask with programmable parts), for `heads` query heads; a `Shared` mask's
-  own map where `bind` found it built for this call and the blocks are multiples of it."""
-  if isinstance(mask, Shared) and mask.bound:
+  `refine` for a mask with programmable parts), for `heads` query heads (with `by_head`
+  each head's own, as `refine` gives it); a `Shared` mask's own map where `bind` found it
+  built for this call and the blocks are multiples of it."""
+  if isinstance(mask, Shared) and mask.bound and not by_head:
     kinds = mask.kinds_for(toks, bq, bk)
     if kinds is not None:
       return kinds
   kinds = block_schedule(jnp, mask, toks.q_seg, toks.kv_seg, toks.q_pos, toks.kv_pos, bq, bk)
-  return refine(mask, kinds, toks, heads, bq, bk)
+  return refine(mask, kinds, toks, heads, bq, bk, by_head)
 
 
 # Tile elements `refine` evaluates per step of its loops (a few MiB of bools): small tiles
@@ -383,16 +400,19 @@ def schedule(mask: Mask, toks: Tokens, heads: int, bq: int, bk: int):
 REFINE_ELEMENTS = 1 << 22
 
 
-def refine(mask: Mask, kinds, toks: Tokens, heads: int, bq: int, bk: int):
+def refine(mask: Mask, kinds, toks: Tokens, heads: int, bq: int, bk: int, by_head: bool = False):
   """`kinds` `[B, nq, nk]` (from `block_schedule`) made exact for a mask with programmable
   parts (`Mask.needs_tiles`): each block still PARTIAL is classified from the mask itself,
   evaluated on its `[heads, bq, bk]` tile (one head where the mask is the same for all) on
   device. Per query block only its range of open key blocks (`visit_bounds`) is evaluated,
   C key blocks a step, R query blocks side by side, C x R tiles within `REFINE_ELEMENTS`;
   the blocks the segments or the built-in parts rule out or fill keep their kinds. Memory:
-  those tiles besides the schedule. Other masks: `kinds` as they are."""
+  those tiles besides the schedule. Other masks: `kinds` as they are.
+  `by_head`: `[B, H', nq, nk]`, each head's kinds (H' = `heads` where the mask differs
+  between heads, else 1), for a kernel that masks each head with metadata of its own;
+  else one kind for all heads (EMPTY or FULL where every head's is)."""
   if not mask.needs_tiles:
-    return kinds
+    return kinds[:, None] if by_head else kinds
   b, nq, nk = kinds.shape
   lo, hi = visit_bounds(jnp, kinds, axis=2)
   h_ = heads if mask.per_head else 1
@@ -406,23 +426,29 @@ def refine(mask: Mask, kinds, toks: Tokens, heads: int, bq: int, bk: int):
     q_seg = slice_tokens(toks.q_seg, bi, *q)[None, :, None]
     first, last = lo[bi, i], hi[bi, i]
 
-    def tiles(step, kinds_N):
+    def tiles(step, kinds_HN):
       j = first + step * c
       start = jnp.minimum(j, nk - c)  # the last step's slice ends at nk
       kv = (start * bk, c * bk)
       ok = allowed(mask, toks.coords(bi, h, q, kv, (0, 2), (0, 1)), q_seg,
                    slice_tokens(toks.kv_seg, bi, *kv)[None, None, :])
-      ok_CX = jnp.moveaxis(ok.reshape(*ok.shape[:-1], c, bk), -2, 0).reshape(c, -1)
-      kind_C = jnp.where(ok_CX.any(1), jnp.where(ok_CX.all(1), FULL, PARTIAL), EMPTY)
-      old_C = jax.lax.dynamic_slice_in_dim(kinds_N, start, c)
+      ok_HQCK = jnp.broadcast_to(ok, (h_, bq, c * bk)).reshape(h_, bq, c, bk)
+      kind_HC = jnp.where(ok_HQCK.any((1, 3)), jnp.where(ok_HQCK.all((1, 3)), FULL, PARTIAL),
+                          EMPTY)
+      old_HC = jax.lax.dynamic_slice_in_dim(kinds_HN, start, c, axis=1)
       blocks_C = start + jnp.arange(c)
-      new_C = jnp.where((blocks_C >= j) & (blocks_C < last) & (old_C == PARTIAL), kind_C, old_C)
-      return jax.lax.dynamic_update_slice_in_dim(kinds_N, new_C.astype(kinds.dtype), start, 0)
-    return jax.lax.fori_loop(0, (last - first + c - 1) // c, tiles, kinds[bi, i])
+      new_HC = jnp.where((blocks_C >= j) & (blocks_C < last) & (old_HC == PARTIAL), kind_HC,
+                         old_HC)
+      return jax.lax.dynamic_update_slice_in_dim(kinds_HN, new_HC.astype(kinds.dtype), start, 1)
+    return jax.lax.fori_loop(0, (last - first + c - 1) // c, tiles,
+                             jnp.broadcast_to(kinds[bi, i], (h_, nk)))
 
-  return jax.lax.map(row, jnp.arange(b * nq, dtype=jnp.int32),
-                     batch_size=r).reshape(b, nq, nk)
-
+  kinds_BHNM = jax.lax.map(row, jnp.arange(b * nq, dtype=jnp.int32), batch_size=r).reshape(
+      b, nq, h_, nk).transpose(0, 2, 1, 3)
+  if by_head:
+    return kinds_BHNM
+  return jnp.where((kinds_BHNM == EMPTY).all(1), EMPTY,
+                   jnp.where((kinds_BHNM == FULL).all(1), FULL, PARTIAL)).astype(kinds.dtype)
 
 def block_map(mask: Mask, q_len: int, kv_len: int | None = None, *, segment_ids=None,
               positions=None, kv_segment_ids=None, kv_positions=None, batch: int = 1,

@@ -25,7 +25,8 @@ def either(exact, fast: Callable[[], T], fallback: Callable[[], T]) -> T:
 
 class Passes(Protocol):
   """A kernel's forward and backward passes. `operands`: what the passes need beyond q, k,
-  v and the layout (a kernel's block metadata, cuDNN's packing), any pytree of arrays.
+  v and the layout (a kernel's block metadata, cuDNN's packing, a mask with traced
+  operands), any pytree of arrays; the fast and the fallback passes get the same.
   Implementations are frozen dataclasses (hashable: they are static in the custom VJP)."""
 
   def forward(self, operands, q, k, v, layout: Layout, /) -> tuple[jax.Array, jax.Array]:
@@ -43,14 +44,14 @@ def attention(fast: Passes, fallback: Passes, exact, operands, q, k, v,
               layout: Layout) -> tuple[jax.Array, jax.Array]:
   """(out, lse) of `fast` where `exact` holds (a scalar bool, or None: always), else of
   `fallback`, differentiable in q, k and v: the backward pass takes the same branch.
-  `operands` are the fast passes' (the fallback's get None)."""
+  `operands` go to both (a fallback that needs none ignores them)."""
   return _attention(fast, fallback, exact, operands, q, k, v, layout)
 
 
 def forward(fast: Passes, fallback: Passes, exact, operands, q, k, v, layout: Layout):
   """The forward pass of `attention`, without autodiff rules."""
   return either(exact, lambda: fast.forward(operands, q, k, v, layout),
-                lambda: fallback.forward(None, q, k, v, layout))
+                lambda: fallback.forward(operands, q, k, v, layout))
 
 
 def backward(fast: Passes, fallback: Passes, exact, operands, q, k, v, layout: Layout, out, lse,
@@ -59,7 +60,7 @@ def backward(fast: Passes, fallback: Passes, exact, operands, q, k, v, layout: L
   output and lse of the rows (which may cover more keys than k/v: a ring passes the merged
   result) and their cotangents (`dlse` None: none)."""
   return either(exact, lambda: fast.backward(operands, q, k, v, layout, out, lse, dout, dlse),
-                lambda: fallback.backward(None, q, k, v, layout, out, lse, dout, dlse))
+                lambda: fallback.backward(operands, q, k, v, layout, out, lse, dout, dlse))
 
 
 _primal = forward

@@ -45,13 +45,21 @@ def mask_band(mask: Mask) -> tuple[bool, int | None]:
   """`(causal, window)` of the cuDNN diagonal band equal to `mask`.
 
   Raises:
-    NoBand: a mask cuDNN has no band for (Chunked), with the reason.
+    NoBand: a mask cuDNN has no band for (Chunked, a window with keys after the query or
+      not ending at it), with the reason.
   """
   normal = band(mask)
   if normal.chunk is not None:
     raise NoBand(f"cuDNN has no chunked mask ({mask!r}, Llama 4 chunked attention); the"
                  " pallas_gpu and blockwise kernels serve it.")
-  return normal.causal, normal.window
+  if normal.hi is None and normal.lo is None:
+    return False, None
+  if normal.hi != 0 or (normal.lo is not None and normal.lo > 0):
+    span = " .. ".join("unbounded" if x is None else f"{x:+d}" for x in (normal.lo, normal.hi))
+    raise NoBand(f"cuDNN's masks are causal, with or without a window of earlier keys, but"
+                 f" {mask!r} lets a query see keys at offsets {span} from its own; the"
+                 " pallas_gpu and blockwise kernels serve it.")
+  return True, None if normal.lo is None else 1 - normal.lo
 
 
 @functools.lru_cache(maxsize=1)

@@ -454,7 +454,8 @@ class MultiHeadAttention(nnx.Module):
       mask = self.mask
     elif not isinstance(mask, Mask):
       raise ValueError(
-          f"mask expects a flaxattn mask (Full(), Causal(), Local(w), Chunked(n)) or None, got"
+          f"mask expects a flaxattn mask (Full(), Causal(), Local(w), Window(left, right),"
+          f" Chunked(n), MaskMod(fn, *operands)) or None, got"
           f" {type(mask).__name__} of shape {getattr(mask, 'shape', None)}. flaxattn never"
           " materializes [T, S] masks: describe padding and packed documents with"
           " segment_ids=[B, T] (0 = padding) and positions=[B, T], and the pattern with a mask.")

@@ -6,7 +6,8 @@ positions only (`allows(q_pos, k_pos)`); a `flaxattn.MaskMod` reads anything (`m
 For a block of positions, `block_kinds` says certainly empty / certainly dense
 (conservative), on numpy and jax arrays; a mask with programmable parts (`needs_tiles`)
 leaves its blocks to be classified on device from tiles (`blocks.refine`). Masks combine
-with `&`, `|` and `~`. `band(mask)` is the one normal form that splash and cuDNN read.
+with `&`, `|` and `~`. `band(mask)` is the one normal form that splash and cuDNN read: the
+offsets k - q a query may see, and one chunk size.
 """
 
 from __future__ import annotations
@@ -53,6 +54,31 @@ def minus(x, n: int):
   low = np.iinfo(x.dtype).min
   return np.maximum(x, low + n) - n if isinstance(x, (np.ndarray, np.integer)) else (
       jnp.maximum(x, jnp.asarray(low + n, x.dtype)) - jnp.asarray(n, x.dtype))
+
+
+def plus(x, n: int):
+  """`x + n` for positions `x` (int, numpy or jax) and 0 <= n < 2**31, saturating at the
+  dtype's maximum instead of wrapping to large negative values."""
+  if isinstance(x, int):
+    return x + n
+  high = np.iinfo(x.dtype).max
+  return np.minimum(x, high - n) + n if isinstance(x, (np.ndarray, np.integer)) else (
+      jnp.minimum(x, jnp.asarray(high - n, x.dtype)) + jnp.asarray(n, x.dtype))
+
+
+def at_least(k, q, n: int):
+  """`k >= q + n` for positions (int, numpy or jax, broadcasting) and |n| < 2**31, exact for
+  every int32: where one side saturates (`minus`, `plus`) the other decides."""
+  if n == 0:
+    return k >= q
+  if n < 0:
+    return k >= minus(q, -n)
+  return (plus(q, n) <= k) & (minus(k, n) >= q)
+
+
+def at_most(k, q, n: int):
+  """`k <= q + n`, exact as `at_least`."""
+  return at_least(q, k, -n)
 
 
 def values_apart(v, allowed):
@@ -199,18 +225,96 @@ class Local(Mask):
   def __post_init__(self):
     object.__setattr__(self, "window", _check_size("Local", "window", self.window))
 
-  # q - window + 1 <= k, saturated (`minus`): positions near -2**31 do not wrap.
   def allows(self, q_pos, k_pos):
-    return (k_pos <= q_pos) & (k_pos >= minus(q_pos, self.window - 1))
+    return _offsets_allow(1 - self.window, 0, q_pos, k_pos)
 
   def block_kinds(self, q_lo, q_hi, k_lo, k_hi):
-    skip = (k_lo > q_hi) | (k_hi < minus(q_lo, self.window - 1))
-    full = (k_hi <= q_lo) & (k_lo >= minus(q_hi, self.window - 1))
-    return skip, full
+    return _offsets_block_kinds(1 - self.window, 0, q_lo, q_hi, k_lo, k_hi)
 
   @property
   def is_causal(self) -> bool:
     return True
+
+
+@_static
+@dataclasses.dataclass(frozen=True)
+class Window(Mask):
+  """Sliding window with a size on each side, as splash's `LocalMask`: a query at position p
+  sees keys at p + offset - left <= k <= p + offset + right. None leaves a side unbounded.
+
+    Window(4, 4)          a bidirectional window: 4 keys on each side and the query's own
+    Window(w - 1, 0)      the same keys as Local(w): w of them, the query's own the last
+    Window(0, 8)          the query's own key and the 8 after it
+    Window(None, 0, -1)   every earlier key, not the query's own
+
+  Args:
+    left, right: keys seen before / after position p + offset: ints >= 0, or None.
+    offset: shifts the window (negative: back), an int.
+  Raises:
+    ValueError: a size or offset that is not an int in its range, or bounds offset - left
+      or offset + right beyond int32 positions' +-(2**31 - 1).
+  """
+
+  left: int | None
+  right: int | None
+  offset: int = 0
+
+  def __post_init__(self):
+    for arg in ("left", "right"):
+      value = getattr(self, arg)
+      if value is not None:
+        object.__setattr__(self, arg, checks.integer(
+            f"Window({arg}=...)", value, f"an int in [0, {MAX_SIZE}] or None (unbounded)",
+            lambda x: 0 <= x <= MAX_SIZE, f"the {arg} size counts keys on that side"))
+    object.__setattr__(self, "offset", checks.integer(
+        "Window(offset=...)", self.offset, f"an int in [-{MAX_SIZE}, {MAX_SIZE}]",
+        lambda x: abs(x) <= MAX_SIZE, "positions are int32"))
+    for name, bound in (("offset - left", self.lo), ("offset + right", self.hi)):
+      if bound is not None and abs(bound) > MAX_SIZE:
+        raise ValueError(f"Window({self.left}, {self.right}, offset={self.offset}) expects"
+                         f" {name} in [-{MAX_SIZE}, {MAX_SIZE}] (positions are int32), got"
+                         f" {bound}; pass None for a side without a bound.")
+
+  @property
+  def lo(self) -> int | None:
+    """The smallest offset k - p seen; None: unbounded."""
+    return None if self.left is None else self.offset - self.left
+
+  @property
+  def hi(self) -> int | None:
+    """The largest offset k - p seen; None: unbounded."""
+    return None if self.right is None else self.offset + self.right
+
+  def allows(self, q_pos, k_pos):
+    return _offsets_allow(self.lo, self.hi, q_pos, k_pos)
+
+  def block_kinds(self, q_lo, q_hi, k_lo, k_hi):
+    return _offsets_block_kinds(self.lo, self.hi, q_lo, q_hi, k_lo, k_hi)
+
+  @property
+  def is_causal(self) -> bool:
+    return self.hi is not None and self.hi <= 0
+
+
+def _offsets_allow(lo: int | None, hi: int | None, q_pos, k_pos):
+  """lo <= k - q <= hi (None: no bound on that side), exact on int32 positions."""
+  parts = [f(k_pos, q_pos, n) for f, n in ((at_least, lo), (at_most, hi)) if n is not None]
+  if not parts:
+    return (q_pos == q_pos) & (k_pos == k_pos)
+  return functools.reduce(operator.and_, parts)
+
+
+def _offsets_block_kinds(lo: int | None, hi: int | None, q_lo, q_hi, k_lo, k_hi):
+  """`(skip, full)` of `_offsets_allow` for queries in [q_lo, q_hi] and keys in [k_lo, k_hi]:
+  skip where even the pair of offset closest to the window misses it, full where the
+  pairs of both extreme offsets fall in it."""
+  false = (q_lo != q_lo) | (k_lo != k_lo)
+  skip, full = false, ~false
+  if lo is not None:
+    skip, full = skip | ~at_least(k_hi, q_lo, lo), full & at_least(k_lo, q_hi, lo)
+  if hi is not None:
+    skip, full = skip | ~at_most(k_lo, q_hi, hi), full & at_most(k_hi, q_lo, hi)
+  return skip, full
 
 
 @_static
@@ -354,7 +458,8 @@ def check_mask(mask) -> Mask:
   """Returns `mask` if it is a `Mask`, else raises a TypeError saying what is accepted."""
   if not isinstance(mask, Mask):
     raise TypeError(
-        f"mask expects a flaxattn mask (Full(), Causal(), Local(window), Chunked(size),"
+        f"mask expects a flaxattn mask (Full(), Causal(), Local(window), Window(left, right),"
+        f" Chunked(size),"
         f" MaskMod(fn, *operands), or a combination with &, | and ~), got {mask!r}"
         f" ({type(mask).__name__})."
     )
@@ -373,24 +478,73 @@ class NoBand(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Band:
-  """The normal form of a mask: causal or not, the smallest window, one chunk size.
-
-  Local and Chunked are causal, so `window` or `chunk` imply `causal`. Hashable, so a kernel
+  """The normal form of a mask: a query at position q sees keys k with lo <= k - q <= hi
+  (None: no bound on that side) and, with `chunk`, only keys in its own aligned chunk of
+  `chunk` positions. Chunked is causal, so with `chunk` hi <= 0. Hashable, so a kernel
   built for a mask is cached by its band.
   """
 
-  causal: bool = False
-  window: int | None = None
+  lo: int | None = None
+  hi: int | None = None
   chunk: int | None = None
 
   @property
   def mask(self) -> Mask:
     """The mask this band is the normal form of (its `allows` is the one rule)."""
-    parts = [m for m in (Local(self.window) if self.window else None,
-                         Chunked(self.chunk) if self.chunk else None) if m is not None]
+    window = _offsets_mask(self.lo, self.hi)
+    if self.chunk and window == Causal():  # Chunked is causal itself
+      window = None
+    parts = [m for m in (window, Chunked(self.chunk) if self.chunk else None) if m is not None]
     if not parts:
-      return Causal() if self.causal else Full()
+      return Full()
     return parts[0] if len(parts) == 1 else And(tuple(parts))
+
+  def keys_seen(self, pos, doc_len):
+    """int64 numpy, broadcast: the keys a query at position `pos` sees in a document of
+    `doc_len` tokens (positions 0 .. doc_len - 1)."""
+    pos, doc_len = np.asarray(pos, np.int64), np.asarray(doc_len, np.int64)
+    first, last = np.zeros_like(pos), doc_len - 1
+    if self.lo is not None:
+      first = np.maximum(first, pos + self.lo)
+    if self.hi is not None:
+      last = np.minimum(last, pos + self.hi)
+    if self.chunk:
+      start = pos - pos % self.chunk
+      first, last = np.maximum(first, start), np.minimum(last, start + self.chunk - 1)
+    return np.maximum(last - first + 1, 0)
+
+  def pairs(self, n):
+    """int64 numpy, elementwise: the (query, key) pairs allowed in a document of `n` tokens,
+    the sum of `keys_seen` over its positions in closed form."""
+    n = np.asarray(n, np.int64)
+    if self.chunk:
+      within = dataclasses.replace(self, chunk=None)
+      return n // self.chunk * within.pairs(self.chunk) + within.pairs(n % self.chunk)
+    lo = -(n - 1) if self.lo is None else np.maximum(self.lo, -(n - 1))
+    hi = n - 1 if self.hi is None else np.minimum(self.hi, n - 1)
+
+    def tri(x):  # 0 + 1 + ... + x, 0 for x = -1
+      return x * (x + 1) // 2
+    # Offset d is seen by the n - |d| queries that have a key there: sum over [lo, hi].
+    abs_sum = np.where(lo >= 0, tri(hi) - tri(lo - 1),
+                       np.where(hi <= 0, tri(-lo) - tri(-hi - 1), tri(-lo) + tri(hi)))
+    return np.where(hi >= lo, (hi - lo + 1) * n - abs_sum, 0)
+
+
+def _offsets_mask(lo: int | None, hi: int | None) -> Mask | None:
+  """The built-in mask of `lo <= k - q <= hi` (None where both are None), simplest first."""
+  if hi is not None and lo is None:
+    return Causal() if hi == 0 else Window(None, 0, hi)
+  if lo is None:
+    return None
+  if hi is None:
+    return Window(0, None, lo)
+  if hi == 0 and lo <= 0:
+    return Local(1 - lo)
+  if lo > hi:  # an intersection of windows that allows nothing
+    return And((Window(0, None, lo), Window(None, 0, hi)))
+  offset = min(max(0, lo), hi)
+  return Window(offset - lo, hi - offset, offset)
 
 
 def band(mask: Mask) -> Band:
@@ -398,28 +552,39 @@ def band(mask: Mask) -> Band:
 
   Raises:
     NoBand: Chunked masks of different sizes combined (no single chunk size), or a mask
-      type other than Full, Causal, Local, Chunked.
+      type other than Full, Causal, Local, Window, Chunked (an `|`, `~` or MaskMod).
   """
-  causal, windows, chunks = False, set(), set()
+  lo, hi, chunks = None, None, set()
   for m in (mask.masks if isinstance(mask, And) else (mask,)):
-    causal |= m.is_causal
-    if isinstance(m, Local):
-      windows.add(m.window)
-    elif isinstance(m, Chunked):
+    if isinstance(m, Full):
+      continue
+    if isinstance(m, (Causal, Chunked)):
+      bounds = (None, 0)
+    elif isinstance(m, Local):
+      bounds = (1 - m.window, 0)
+    elif isinstance(m, Window):
+      bounds = (m.lo, m.hi)
+    else:
+      raise NoBand(f"mask {m!r} has no normal form (a window of offsets k - q, chunks).")
+    if isinstance(m, Chunked):
       chunks.add(m.size)
-    elif not isinstance(m, (Full, Causal)):
-      raise NoBand(f"mask {m!r} has no normal form (causal, sliding window, chunks).")
+    lo = bounds[0] if lo is None else lo if bounds[0] is None else max(lo, bounds[0])
+    hi = bounds[1] if hi is None else hi if bounds[1] is None else min(hi, bounds[1])
   if len(chunks) > 1:
     raise NoBand(f"Chunked masks of different sizes {sorted(chunks)} combined have no single"
                  " chunk size.")
-  return Band(causal, min(windows, default=None), min(chunks, default=None))
+  return Band(lo, hi, min(chunks, default=None))
 
 
-def reach(mask: Mask) -> int | None:
-  """R: a query sees keys at most R - 1 tokens back (the smallest window or chunk size), or
-  None when the mask has no bound."""
+def reach(mask: Mask) -> tuple[int, int] | None:
+  """`(back, ahead)`: a query sees keys at most `back` positions before its own and `ahead`
+  after it (a window's sides, a chunk's size - 1 back), or None when a side is unbounded."""
   try:
     normal = band(mask)
   except NoBand:
     return None
-  return min((x for x in (normal.window, normal.chunk) if x), default=None)
+  back = None if normal.lo is None else max(0, -normal.lo)
+  if normal.chunk:
+    back = normal.chunk - 1 if back is None else min(back, normal.chunk - 1)
+  ahead = None if normal.hi is None else max(0, normal.hi)
+  return None if back is None or ahead is None else (back, ahead)

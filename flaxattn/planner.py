@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from flaxattn.masks import Mask, NoBand, band, reach
+from flaxattn.masks import Band, Mask, NoBand, band, reach
 from flaxattn.ring import ring_fetches
 
 
@@ -55,21 +55,23 @@ def _transfers(strategy, load_balance, mask, t, n, has_positions, n_ring) -> str
   else:
     bound = reach(mask)
     assert bound is not None  # fetches exist only for a bounded reach
-    back = bound - 1
+    back, ahead = bound
     chunk = t // (2 * n)
+    sides = "before" if not ahead else "after" if not back else "beside"
     if load_balance and all(part is not None for _, part in fetches):
       what = (f"at most one chunk (T/2cp = {chunk} tokens), so each device receives only"
-              " the chunk before each of its own: half a shard from each neighbouring device")
+              f" the chunk {sides} each of its own: half a shard from each neighbouring device")
     elif load_balance:
       m = len(fetches) // 2
       what = (f"{m} chunks of T/2cp = {chunk} tokens, so each device receives only the shards"
               f" of the {m} devices on each side ({2 * m} of {n - 1} steps)")
     else:
       what = (f"{len(fetches)} shard(s) of T/cp = {t // n} tokens, so each device receives only"
-              f" the {len(fetches)} shard(s) before its own ({len(fetches)} of {n - 1} steps)")
+              f" the {len(fetches)} shard(s) {sides} its own ({len(fetches)} of {n - 1} steps)")
     check = ("; positions checked per batch at run time, a batch whose positions do not"
              " follow the token index runs every step" if has_positions else "")
-    lines.append(f"ring over {n} devices: {mask!r} reaches back {back} tokens, within"
+    reaches = f"back {back}" + (f" and ahead {ahead}" if ahead else "")
+    lines.append(f"ring over {n} devices: {mask!r} reaches {reaches} tokens, within"
                  f" {what}{check}")
   return ("context parallel: " if len(lines) == 1 else "") + "; then ".join(lines) + "."
 
@@ -132,20 +134,13 @@ class Cost:
 
 
 def visible_pairs(mask: Mask, t: int) -> int:
-  """(query, key) pairs `mask` shows in one document of `t` tokens (the smallest window or
-  chunk taken alone when both are present; unknown masks count as causal)."""
+  """(query, key) pairs `mask` shows in one document of `t` tokens (`masks.Band.pairs`;
+  masks without a normal form count as causal)."""
   try:
     normal = band(mask)
   except NoBand:
-    return t * (t + 1) // 2
-  if normal.window and (not normal.chunk or normal.window <= normal.chunk):
-    w = min(normal.window, t)
-    return w * t - w * (w - 1) // 2
-  if normal.chunk:
-    c = min(normal.chunk, t)
-    full, rest = divmod(t, c)
-    return full * c * (c + 1) // 2 + rest * (rest + 1) // 2
-  return t * (t + 1) // 2 if normal.causal else t * t
+    normal = Band(hi=0)
+  return int(normal.pairs(t))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,9 +169,10 @@ class Shapes:
   def imbalance(self) -> float:
     """Slowest device's compute over the mean: causal without load balancing, about 2."""
     try:
-      causal = band(self.mask).causal
+      hi = band(self.mask).hi
     except NoBand:
-      causal = True
+      hi = 0  # counted as causal
+    causal = hi is not None and hi <= 0
     return 2.0 if causal and not self.load_balance else 1.0
 
 

@@ -114,31 +114,44 @@ def merge_partials(out, lse, out_s, lse_s):
 
 
 def ring_fetches(mask: Mask, t: int, n: int, load_balance: bool | str):
-  """The ring steps a mask with a bounded reach R (`Local`, `Chunked`) needs besides step 0,
-  as `((step, part), ...)`: at step s the keys of shard (r - s) mod n, whole (`part` None) or
+  """The ring steps a mask with a bounded reach needs besides step 0 (`masks.reach`: at most
+  `back` keys before a query and `ahead` after it; `Local`, `Window`, `Chunked`), as
+  `((step, part), ...)`: at step s the keys of shard (r - s) mod n, whole (`part` None) or
   only their first (0) or second (1) half. None: every step is needed, always so in
   per-document order (`load_balance="document"`), where a document's neighbouring tokens
   may be on any shard.
 
   Load balanced (chunks of c = T / 2n, device r holds chunks r and 2n-1-r), a query reaches
-  m = ceil((R - 1) / c) chunks back. m <= 1 and n >= 3: chunk r - 1 (first half of device
-  r - 1, step 1) and chunk 2n-2-r (second half of device r + 1, step n - 1). Larger m, while
-  2m < n - 1: the whole shards of devices r - m .. r + m (steps 1..m and n-m..n-1).
-  Contiguous (shards of L = T / n): ceil((R - 1) / L) steps back. Exact when positions
-  follow the token index inside documents (docs/design.md)."""
+  m = ceil(back / c) chunks back and ceil(ahead / c) ahead. Both at most 1 and n >= 3: back,
+  chunk r - 1 (first half of device r - 1, step 1) and chunk 2n-2-r (second half of device
+  r + 1, step n - 1); ahead, chunk r + 1 (first half of device r + 1) and chunk 2n-r (second
+  half of device r - 1). Farther, m the larger, while 2m < n - 1: the whole shards of
+  devices r - m .. r + m (steps 1..m and n-m..n-1). Contiguous (shards of L = T / n):
+  ceil(back / L) steps back and ceil(ahead / L) ahead. Exact when positions follow the token
+  index inside documents (docs/design.md)."""
   r = reach(mask)
   if r is None or load_balance == "document":
     return None
+  back, ahead = r
   if load_balance:
-    back = -(-(r - 1) // (t // (2 * n)))
-    if n >= 3 and back <= 1:
-      return ((1, 0), (n - 1, 1))
-    if 2 * back < n - 1:
-      return (tuple((s, None) for s in range(1, back + 1))
-              + tuple((n - s, None) for s in range(back, 0, -1)))
+    c = t // (2 * n)
+    m_back, m_ahead = -(-back // c), -(-ahead // c)
+    if n >= 3 and max(m_back, m_ahead) <= 1:
+      def side(back_half: int, ahead_half: int) -> set[int]:
+        return {h for h, m in ((back_half, m_back), (ahead_half, m_ahead)) if m}
+      halves = {1: side(0, 1), n - 1: side(1, 0)}
+      return tuple((step, None if len(parts) == 2 else min(parts))
+                   for step, parts in halves.items() if parts)
+    m = max(m_back, m_ahead)
+    if 2 * m < n - 1:
+      return (tuple((s, None) for s in range(1, m + 1))
+              + tuple((n - s, None) for s in range(m, 0, -1)))
     return None
-  steps = -(-(r - 1) // (t // n))
-  return tuple((step, None) for step in range(1, steps + 1)) if steps < n - 1 else None
+  steps_back, steps_ahead = -(-back // (t // n)), -(-ahead // (t // n))
+  if steps_back + steps_ahead >= n - 1:
+    return None
+  return (tuple((step, None) for step in range(1, steps_back + 1))
+          + tuple((n - step, None) for step in range(steps_ahead, 0, -1)))
 
 
 def ring(axis: str, n: int, fetches, checked: bool, grad_dtype=jnp.float32, groups: int = 1):

@@ -13,10 +13,14 @@ Model code names axes logically (`batch`, `seq`, `embed`, `heads`, `kv_heads`, `
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
 
 import jax
 from flax.core import spmd as flax_spmd
 from jax.sharding import PartitionSpec
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 # A rule maps a logical name to None (replicated), one mesh axis, or a tuple of them.
 Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
@@ -87,12 +91,14 @@ def offset_by_shard(fn, batch_axes, head_axes):
   return run
 
 
-def per_batch_and_head(fn, q_shape, kv_heads: int, layout, leading_specs=()):
+def per_batch_and_head(fn: F, q_shape, kv_heads: int, layout, leading_specs=()) -> F:
   """`fn(*leading, q, k, v, layout) -> (out, lse)` run per (batch, head) shard of the
   current mesh's automatic axes, the batch over `default_axes("batch")` and the heads over
   `default_axes("heads")` where they divide q `q_shape` `[B, T, H, D]` and the `kv_heads`;
   `fn` itself without a mesh. A Pallas call is opaque to automatic partitioning, which
-  would gather its operands whole. `leading_specs`: the specs of `fn`'s leading arguments."""
+  would gather its operands whole. `leading_specs`: the specs of `fn`'s leading arguments.
+  Inside, the layout's `row_offset` / `head_offset` count the rows and heads of the shards
+  before this one, so a programmable mask or score sees global batch rows and heads."""
   mesh = jax.sharding.get_abstract_mesh()
   auto = frozenset(mesh.axis_names) - frozenset(mesh.manual_axes)  # empty without a mesh
   if not auto:
@@ -100,10 +106,12 @@ def per_batch_and_head(fn, q_shape, kv_heads: int, layout, leading_specs=()):
   batch = dividing_axes(mesh, default_axes("batch"), q_shape[0]) or None
   heads = dividing_axes(mesh, default_axes("heads"), q_shape[2], kv_heads) or None
   qkv, seq = PartitionSpec(batch, None, heads), PartitionSpec(batch, None)
-  return jax.shard_map(fn, in_specs=(*leading_specs, qkv, qkv, qkv,
-                                     jax.tree.map(lambda _: seq, layout)),
-                       out_specs=(qkv, PartitionSpec(batch, None, heads)), axis_names=auto,
-                       check_vma=False)
+
+  shard = offset_by_shard(fn, batch or (), heads or ())
+  specs = jax.tree.map(lambda x: seq if getattr(x, "ndim", 0) == 2 else PartitionSpec(), layout)
+  return cast(F, jax.shard_map(shard, in_specs=(*leading_specs, qkv, qkv, qkv, specs),
+                               out_specs=(qkv, PartitionSpec(batch, None, heads)),
+                               axis_names=auto, check_vma=False))
 
 
 def _mesh_shape(mesh) -> dict[str, int]:

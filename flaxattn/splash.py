@@ -3,8 +3,10 @@
 Owns lazy splash masks built from a mask's normal form (never a `NumpyMask`) on the
 `blocks.TokenOrder` that maps context-parallel shards back to original token indices, GQA through
 the MQA kernel, the lse and gradients with its cotangent, and the run-time check that index
-masking is exact for a batch (else the blockwise kernel runs it). Off TPU it runs in Pallas
-interpret mode. Derivations: docs/design.md.
+masking is exact for a batch (else the blockwise kernel runs it). A mask without a normal
+form (a `MaskMod`, `|`, `~`) runs on a block map found on device per call (`BlockMap`), the
+masks of its partial blocks built there (`MapPasses`; never on the host). Off TPU it runs in
+Pallas interpret mode. Derivations: docs/design.md.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 from flaxattn import blocks, blockwise, checked, checks, registry, sharding, splash_blocks
 from flaxattn.blocks import TokenOrder
 from flaxattn.layout import Layout, index_check, needs_index_check
-from flaxattn.masks import Band, Mask, NoBand, band
+from flaxattn.masks import Band, Mask, NoBand, allowed, band
 from flaxattn.ring import RingStep
 
 LANES = 128  # splash's blocks are multiples of the TPU lane width
@@ -64,10 +66,18 @@ def _mask_function(normal: Band, shape: tuple[int, int], order: TokenOrder):
     # Our rule on original indices (splash's own chunked mask divides with an op Mosaic
     # cannot lower for TPU from another host).
     return _OrderedRule(normal, order, shape[0] // order.shards)
-  if normal.window is None:
+  if normal == Band(hi=0):
     return sm.CausalMask(shape).mask_function
-  # ours: p - w < k <= p, i.e. w - 1 keys to the left
-  return sm.LocalMask(shape, window_size=(normal.window - 1, 0), offset=0).mask_function
+  # Splash's window: q + offset - left <= k <= q + offset + right, sizes >= 0, so the offset
+  # is the one of the band nearest 0. A side beyond the sequence bounds nothing: dropped, so
+  # the sums of indices stay far from int32's limits (a band that allows nothing in the
+  # sequence has no kernel).
+  lo = None if normal.lo is None or normal.lo <= 1 - shape[0] else normal.lo
+  hi = None if normal.hi is None or normal.hi >= shape[1] - 1 else normal.hi
+  offset = lo if lo is not None and lo > 0 else hi if hi is not None and hi < 0 else 0
+  return sm.LocalMask(shape, window_size=(None if lo is None else offset - lo,
+                                          None if hi is None else hi - offset),
+                      offset=offset).mask_function
 
 
 def block_size(length: int, requested: int) -> int:
@@ -160,8 +170,7 @@ def _kernel(normal: Band, order: TokenOrder, q_len: int, kv_len: int, groups: in
   shape, mask and block sizes, so retracing costs nothing): a `ShardedKernel` where the
   queries are split over devices. None when the mask allows nothing (a ring step whose keys
   no query may see)."""
-  sizes = sk.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq,
-                        block_kv_dkv=bkv, block_kv_dkv_compute=bkv, use_fused_bwd_kernel=True)
+  sizes = _sizes(bq, bkv)
   del groups  # every head has the same mask: splash keeps one copy of its metadata
   mask_function = _mask_function(normal, (q_len, kv_len), order)
   # The block metadata in closed form (blocks, splash_blocks), exactly what splash's `process_mask`
@@ -188,12 +197,22 @@ def _kernel(normal: Band, order: TokenOrder, q_len: int, kv_len: int, groups: in
   # Host (numpy) constants, concrete inside any trace: a jax array made under `jax.set_mesh`
   # would be replicated on every device of the mesh (128 host copies on simulated devices).
   fwd, dkv = (info._replace(q_sequence=q_sequence) for info in infos)
-  kernel = sk.SplashAttentionKernel(
-      fwd, None, dkv, block_sizes=sizes, is_mqa=True, save_residuals=True,
-      mask_value=sk.DEFAULT_MASK_VALUE, attn_logits_soft_cap=soft_cap,
-      residual_checkpoint_name=None, mask_function=mask_function,
-      interpret=interpret)
+  kernel = sk.SplashAttentionKernel(fwd, None, dkv, **_options(sizes, soft_cap, mask_function,
+                                                               interpret))
   return kernel if which is None else ShardedKernel(kernel, which, q_len // order.shards // bq)
+
+
+def _sizes(bq: int, bkv: int) -> sk.BlockSizes:
+  """One block size for queries and one for keys, in every pass."""
+  return sk.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq,
+                       block_kv_dkv=bkv, block_kv_dkv_compute=bkv, use_fused_bwd_kernel=True)
+
+
+def _options(sizes: sk.BlockSizes, soft_cap: float | None, mask_function, interpret: bool):
+  """A `SplashAttentionKernel`'s options beside its block metadata."""
+  return dict(block_sizes=sizes, is_mqa=True, save_residuals=True,
+              mask_value=sk.DEFAULT_MASK_VALUE, attn_logits_soft_cap=soft_cap,
+              residual_checkpoint_name=None, mask_function=mask_function, interpret=interpret)
 
 
 def _check_smem(infos, devices: int, rows: int, kv_len: int, bq: int, bkv: int):
@@ -225,6 +244,16 @@ def _q_sequence(q_len: int, shards: int, load_balance: bool) -> np.ndarray:
   original = order.original(rows // shard_len, rows % shard_len, shard_len).astype(np.int32)
   original.flags.writeable = False  # shared by every kernel of this order
   return original
+
+
+def _has_band(mask: Mask) -> bool:
+  """Whether `mask` has a normal form (`masks.band`): lazy splash masks and closed-form
+  block metadata; else a block map found on device (`BlockMap`)."""
+  try:
+    band(mask)
+  except NoBand:
+    return False
+  return True
 
 
 def _kernel_spec(kernel: Kernel | None, axis: str | None):
@@ -260,11 +289,33 @@ def _segment_ids(q_seg, kv_seg):
   return None if q_seg is None else sk.SegmentIds(q=q_seg, kv=kv_seg)
 
 
+def _per_call(kernel, fn, heads_args, seg):
+  """`fn(kernel, *args, seg)` for every batch row and KV head, stacked `[B, K, ...]`:
+  `heads_args` `[B, K, ...]` each, `seg` per row (`SegmentIds` of `[B, T]`, or None). One
+  kernel for all calls: vmapped (Pallas adds rows and heads to its grid). A `MapKernels`:
+  a loop over rows (and KV heads, where the mask differs between heads), each call's
+  kernel built inside it (`MapKernels.at`), so one call's masks are held at a time."""
+  if not isinstance(kernel, MapKernels):
+    over_heads = jax.vmap(lambda *a: fn(kernel, *a), in_axes=(*(0,) * len(heads_args), None))
+    return jax.vmap(over_heads)(*heads_args, seg)
+
+  def row(at):
+    b, seg, *args = at
+    if not kernel.per_head:
+      one = kernel.at(b, 0)
+      return jax.vmap(lambda *a: fn(one, *a, seg))(*args)
+    return jax.lax.map(lambda at: fn(kernel.at(b, at[0]), *at[1:], seg),
+                       (jnp.arange(args[0].shape[0], dtype=jnp.int32), *args))
+  return jax.lax.map(row, (jnp.arange(heads_args[0].shape[0], dtype=jnp.int32), seg,
+                           *heads_args))
+
+
 def forward(kernel, q, k, v, q_seg, kv_seg, *, scale: float):
   """One splash call: q `[B, T, H, D]`, k `[B, S, Hkv, D]`, v `[B, S, Hkv, Dv]`, segment ids
   `[B, T]`/`[B, S]` or None. Returns out `[B, T, H, Dv]` in q's dtype and lse `[B, T, H]`
   float32; rows with no key (padding included) get zeros and lse -inf. The kernel carries
-  the soft cap; a `ShardedKernel` is called inside its shard_map."""
+  the soft cap; a `ShardedKernel` is called inside its shard_map, `MapKernels` one per row
+  (and head) (`_per_call`)."""
   b, t, h, d = q.shape
   kernel = _local(kernel)
   if kernel is None:  # no query sees any key under index masking
@@ -273,10 +324,9 @@ def forward(kernel, q, k, v, q_seg, kv_seg, *, scale: float):
   q_BKGTD = ((q * jnp.asarray(scale, q.dtype)).reshape(b, t, hkv, h // hkv, d)
              .transpose(0, 2, 3, 1, 4))
   k_BKSD, v_BKSD = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-  over_heads = jax.vmap(lambda q, k, v, seg: kernel(q, k, v, segment_ids=seg),
-                        in_axes=(0, 0, 0, None))
-  out_BKGTD, (lse_BKGT,) = jax.vmap(over_heads)(q_BKGTD, k_BKSD, v_BKSD,
-                                                _segment_ids(q_seg, kv_seg))
+  out_BKGTD, (lse_BKGT,) = _per_call(
+      kernel, lambda kernel, q, k, v, seg: kernel(q, k, v, segment_ids=seg),
+      (q_BKGTD, k_BKSD, v_BKSD), _segment_ids(q_seg, kv_seg))
   out = out_BKGTD.transpose(0, 3, 1, 2, 4).reshape(b, t, h, v.shape[-1])
   lse = lse_BKGT.transpose(0, 3, 1, 2).reshape(b, t, h).astype(jnp.float32)
   empty = ~(lse > _EMPTY_LSE)  # NaN too
@@ -306,18 +356,21 @@ def backward(kernel, q, k, v, q_seg, kv_seg, out, lse, dout, dlse, *, scale: flo
   # d lse / d s = p: an lse cotangent enters exactly as a shift of the row term di.
   di_BKGT = (jnp.einsum("bkgtd,bkgtd->bkgt", out_BKGTD.astype(jnp.float32),
                         dout_BKGTD.astype(jnp.float32)) - to_kernel(dlse.astype(jnp.float32)))
-  sizes, kw, dkv_info = kernel.kwargs["block_sizes"], kernel.kwargs, kernel.dkv_mask_info
-  assert dkv_info is not None  # built with the dK/dV kernel's metadata
+  sizes, kw = kernel.kwargs["block_sizes"], kernel.kwargs
   fused, _ = fused_backward(q.shape, k.shape[1], q.dtype.itemsize, sizes.block_kv_dkv,
                             fused_dq_budget)
-  # The dQ kernel's grid is the forward's (same blocks), so it reads the forward's metadata.
-  one = functools.partial(_backward, dkv_info, None if fused else kernel.fwd_mask_info,
-                          sizes=sizes, mask_value=kw["mask_value"],
+  one = functools.partial(_backward, sizes=sizes, mask_value=kw["mask_value"],
                           soft_cap=kw["attn_logits_soft_cap"],
                           mask_function=kw["mask_function"], interpret=kw["interpret"])
-  over_heads = jax.vmap(one, in_axes=(0, 0, 0, None, 0, 0, 0))
-  dq, dk, dv = jax.vmap(over_heads)(q_BKGTD, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3),
-                                    _segment_ids(q_seg, kv_seg), lse_BKGT, dout_BKGTD, di_BKGT)
+
+  def call(kernel, q, k, v, lse, dout, di, seg):
+    assert kernel.dkv_mask_info is not None  # built with the dK/dV kernel's metadata
+    # The dQ kernel's grid is the forward's (same blocks), so it reads the forward's metadata.
+    return one((kernel.dkv_mask_info, None if fused else kernel.fwd_mask_info), q, k, v, seg,
+               lse, dout, di)
+  dq, dk, dv = _per_call(kernel, call, (q_BKGTD, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3),
+                                        lse_BKGT, dout_BKGTD, di_BKGT),
+                         _segment_ids(q_seg, kv_seg))
   dq = dq.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d) * jnp.asarray(scale, dq.dtype)
   return (dq.astype(q.dtype), dk.transpose(0, 2, 1, 3).astype(k.dtype),
           dv.transpose(0, 2, 1, 3).astype(v.dtype))
@@ -325,13 +378,14 @@ def backward(kernel, q, k, v, q_seg, kv_seg, out, lse, dout, dlse, *, scale: flo
 
 @functools.partial(jax.jit, static_argnames=("sizes", "mask_value", "soft_cap", "mask_function",
                                              "interpret"))
-def _backward(dkv_info, dq_info, q, k, v, seg, lse, dout, di, *, sizes, mask_value, soft_cap,
+def _backward(infos, q, k, v, seg, lse, dout, di, *, sizes, mask_value, soft_cap,
               mask_function, interpret):
   """Splash's backward kernels for one query head group: the fused dK/dV/dQ kernel with
   `dq_info` None, else the dK/dV kernel and the dQ kernel on `dq_info`. Splash's own VJP
   cannot take an lse cotangent (it refuses to differentiate with save_residuals), so this
   calls the kernels directly (jax 0.10 internals). Jitted like splash's forward: ring steps
-  with the same shapes and mask function trace it once."""
+  with the same shapes and mask function trace it once. `infos`: (dK/dV's, dQ's or None)."""
+  dkv_info, dq_info = infos
   dq, dk, dv = sk._splash_attention_bwd_dkv(  # pylint: disable=protected-access
       q, k, v, seg, None, lse, dout, di, bq=sizes.block_q_dkv, bkv=sizes.block_kv_dkv,
       bkv_compute=sizes.block_kv_dkv_compute, is_mqa=True, mask_info=dkv_info,
@@ -366,6 +420,140 @@ class Passes:
                     dout, dlse, scale=self.scale, fused_dq_budget=self.fused_dq_budget)
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["mask", "kinds", "toks"],
+                   meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class BlockMap:
+  """What splash runs a mask without a band on (a `MaskMod`, `|`, `~`): the mask (a pytree:
+  a MaskMod's operands stay traced), its block map found on device (`blocks.schedule`),
+  int8 `[B, K', G', nq, nk]` (K' x G' the query heads as KV heads x group where the mask
+  differs between heads, else 1 x 1), and the tokens its blocks are evaluated on."""
+
+  mask: Mask
+  kinds: Any
+  toks: blocks.Tokens
+
+  @classmethod
+  def of(cls, mask: Mask, layout: Layout, q_shape, kv_heads: int, bq: int, bkv: int) -> BlockMap:
+    """The block map of one call (self attention) on q `[B, T, H, D]`."""
+    b, t, h, _ = q_shape
+    toks = blocks.tokens(mask, layout, b, t, t, t, t)
+    kinds = blocks.schedule(mask, toks, h, bq, bkv, by_head=True)
+    heads = (kv_heads, h // kv_heads) if mask.per_head else (1, 1)
+    return cls(mask, kinds.reshape(b, *heads, *kinds.shape[2:]).astype(jnp.int8), toks)
+
+  def partial_counts(self):
+    """int32 `[B, K']`: each kernel call's PARTIAL blocks, whose masks it builds."""
+    return (self.kinds == blocks.PARTIAL).sum((2, 3, 4), dtype=jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class MapPasses:
+  """Splash's passes on a `BlockMap`: one kernel call per batch row (and KV head, where the
+  mask differs between heads), each with MaskInfos built on device
+  (`splash_blocks.device_infos`) and the masks of its PARTIAL blocks, at most `per_call`
+  (the caller's run-time check), built on device from the mask and the tokens, `[bq, bkv]`
+  each; the backward builds its own (transposed for dK/dV) rather than keeping the
+  forward's. Segment ids go to the kernel as on a band mask."""
+
+  scale: float
+  bq: int
+  bkv: int
+  per_call: int
+  soft_cap: float | None
+  interpret: bool
+  fused_dq_budget: int | None = FUSED_DQ_BUDGET
+
+  def forward(self, operands: BlockMap, q, k, v, layout: Layout):
+    return forward(self._kernels(operands, fwd=True, dkv=False), q, k, v, layout.q_segment_ids,
+                   layout.kv_segment_ids, scale=self.scale)
+
+  def backward(self, operands: BlockMap, q, k, v, layout: Layout, out, lse, dout, dlse):
+    dlse = jnp.zeros(lse.shape, jnp.float32) if dlse is None else dlse
+    fused, _ = fused_backward(q.shape, k.shape[1], q.dtype.itemsize, self.bkv,
+                              self.fused_dq_budget)
+    return backward(self._kernels(operands, fwd=not fused, dkv=True), q, k, v,
+                    layout.q_segment_ids, layout.kv_segment_ids, out, lse, dout, dlse,
+                    scale=self.scale, fused_dq_budget=self.fused_dq_budget)
+
+  def _kernels(self, operands: BlockMap, fwd: bool, dkv: bool) -> MapKernels:
+    return MapKernels(operands, self.bq, self.bkv, self.per_call, fwd, dkv, _options(
+        _sizes(self.bq, self.bkv), self.soft_cap, None, self.interpret))
+
+
+@dataclasses.dataclass(frozen=True)
+class MapKernels:
+  """The kernels of a `BlockMap`, one per call, built where the call runs (`_per_call`):
+  `fwd` / `dkv` say which passes' masks to build (a pass reads one of them, the separate
+  dQ kernel the forward's)."""
+
+  operands: BlockMap
+  bq: int
+  bkv: int
+  per_call: int
+  fwd: bool
+  dkv: bool
+  kwargs: dict
+
+  @property
+  def per_head(self) -> bool:
+    return self.operands.kinds.shape[1] > 1
+
+  def at(self, b, kv_head) -> sk.SplashAttentionKernel:
+    """The kernel of batch row `b` and KV head `kv_head` (traced ints)."""
+    kinds = self.operands.kinds[b, kv_head]  # [G', nq, nk]
+    flags = (kinds == blocks.PARTIAL).reshape(-1)
+    # Slots in row-major order; a block that is not PARTIAL holds the last PARTIAL one's
+    # (what `device_infos` repeats so as to copy no mask block for it).
+    slots = jnp.clip(jnp.cumsum(flags, dtype=jnp.int32) - 1, 0, self.per_call - 1)
+    fwd, dkv = splash_blocks.device_infos(kinds, slots.reshape(kinds.shape), self.per_call)
+    if not self.kwargs["interpret"]:
+      _check_smem((fwd, dkv), 1, kinds.shape[1] * self.bq, kinds.shape[2] * self.bkv, self.bq,
+                  self.bkv)
+    g_, i, j = jnp.unravel_index(jnp.nonzero(flags, size=self.per_call, fill_value=0)[0],
+                                 kinds.shape)
+    # Each block's query head (0 where the mask is the same for all: kv_head 0, G' 1).
+    at = (b, kv_head * kinds.shape[0] + g_, i, j)
+    fwd = fwd._replace(partial_mask_blocks=self._masks(at, False) if self.fwd else None)
+    dkv = dkv._replace(partial_mask_blocks=self._masks(at, True) if self.dkv else None)
+    return sk.SplashAttentionKernel(fwd, None, dkv, **self.kwargs)
+
+  def _masks(self, at, transposed: bool):
+    """bool `[P, bq, bkv]` (`[P, bkv, bq]` `transposed`): the masks of the blocks `at`
+    (batch row, and per block query head, query block, key block), segment ids
+    included, built a few at a time."""
+    mask, toks = self.operands.mask, self.operands.toks
+    b, *per_block = at
+
+    def block(at):
+      h, i, j = at
+      q, kv = (i * self.bq, self.bq), (j * self.bkv, self.bkv)
+      ok = jnp.broadcast_to(allowed(mask, toks.coords(b, h, q, kv, (1,), (0,)),
+                                    blocks.slice_tokens(toks.q_seg, b, *q)[:, None],
+                                    blocks.slice_tokens(toks.kv_seg, b, *kv)[None, :]),
+                            (self.bq, self.bkv))
+      return ok.T if transposed else ok
+    return jax.lax.map(block, tuple(per_block), batch_size=8)
+
+
+@dataclasses.dataclass(frozen=True)
+class _BlockwiseOn:
+  """The blockwise passes on a `BlockMap`'s mask: a call with more PARTIAL blocks than
+  `MapPasses` holds runs these (its mask's operands are traced, so they travel with the
+  operands rather than in the static passes)."""
+
+  scale: float
+  soft_cap: float | None
+
+  def forward(self, operands: BlockMap, q, k, v, layout: Layout):
+    return blockwise.Passes(operands.mask, self.scale, self.soft_cap).forward(None, q, k, v,
+                                                                              layout)
+
+  def backward(self, operands: BlockMap, q, k, v, layout: Layout, out, lse, dout, dlse):
+    return blockwise.Passes(operands.mask, self.scale, self.soft_cap).backward(
+        None, q, k, v, layout, out, lse, dout, dlse)
+
+
 @dataclasses.dataclass(frozen=True)
 class Splash(registry.Kernel):
   """The "splash" kernel. Block sizes default to `default_block(head_dim)` fitted to the
@@ -377,15 +565,23 @@ class Splash(registry.Kernel):
   device (B x H x T x D x S / block_kv in q's dtype, `fused_dq_bytes`); above it the
   backward runs splash's separate dK/dV and dQ kernels, O(T) in memory, which recompute the
   scores (docs/kernels.md has the FLOPs of each). Default `FUSED_DQ_BUDGET` (256 MiB);
-  0: always separate; None: always fused."""
+  0: always separate; None: always fused.
+
+  `partial_blocks`: for a mask without a band (a `MaskMod`, `|`, `~`), the PARTIAL blocks
+  per batch row (and query head, where the mask differs between heads) whose masks a call
+  builds on device, bool `[block_q, block_kv]` each; a batch where a row needs more runs
+  the blockwise kernel (a run-time check; `explain` says so). Default None: 2 x (T / block_q +
+  T / block_kv), which causal-like masks over packed documents stay within."""
 
   block_q: int | None = None
   block_kv: int | None = None
   interpret: bool | None = None
   fused_dq_budget: int | None = FUSED_DQ_BUDGET
+  partial_blocks: int | None = None
   name: str = "splash"
   ring: bool = True
   soft_cap: bool = True  # splash's attn_logits_soft_cap, after our scale as everywhere
+  mask_mod: bool = True  # through a block map found on device (`BlockMap`, `MapPasses`)
 
   def on(self, platform: str) -> Splash:
     # Interpret mode off its platform; on it, as asked (None: compiled).
@@ -403,6 +599,17 @@ class Splash(registry.Kernel):
       checks.integer("Splash(fused_dq_budget=...)", self.fused_dq_budget,
                      "bytes as an int >= 0 (0: always the separate dQ kernel) or None (always"
                      " fused)", lambda x: x >= 0)
+    if self.partial_blocks is not None:
+      checks.integer("Splash(partial_blocks=...)", self.partial_blocks, "a positive int (blocks"
+                     " per batch row and head) or None (2 x the query and key blocks)",
+                     lambda x: x > 0)
+
+  def unsupported_reason(self, call: registry.Call) -> str | None:
+    if call.cp_strategy is not None and not _has_band(call.mask):
+      return (f"splash runs a mask without a band ({call.mask!r}) through a block map of the"
+              " whole call, not per context shard; use 'blockwise', which runs it under"
+              " context parallelism.")
+    return super().unsupported_reason(call)
 
   def reason(self, call: registry.Call) -> str | None:
     """None if splash serves `call` exactly (docs/design.md), else why not."""
@@ -415,10 +622,11 @@ class Splash(registry.Kernel):
       return (f"splash needs a sequence length{per} that is a multiple of {LANES}, got"
               f" {t // call.cp_size if t % call.cp_size == 0 else t / call.cp_size}; pad the"
               " sequence (padding as segment 0) or use 'fused'.")
-    try:
-      band(call.mask)
-    except NoBand as e:
-      return f"splash has no lazy mask for {call.mask!r}: {e}"
+    if call.score_mod is not None:
+      return (f"splash (JAX's Pallas TPU kernel) changes scores only by a logit soft cap, not"
+              f" by a function (score_mod={call.score_mod}); on TPU the blockwise kernel runs"
+              " it: flash attention in JAX, O(T) memory, skipping the blocks its block map"
+              " rules out.")
     return None
 
   def for_tests_on(self, platform: str) -> str | None:
@@ -439,7 +647,15 @@ class Splash(registry.Kernel):
     _, backward = fused_backward((call.q_shape[0], t, *call.q_shape[2:]), s,
                                  np.dtype(call.dtype).itemsize, bkv, self.fused_dq_budget)
     notes = [self.for_tests_on(call.platform)]
-    if needs_index_check(call.mask, call.has_positions):
+    if not _has_band(call.mask):  # never under context parallelism (`unsupported_reason`)
+      bq, _ = self.blocks(t, s, call.q_shape[3])
+      notes.append(f"{call.mask!r} has no band: its block map is found on device per call and"
+                   f" the masks of its PARTIAL blocks built there, at most"
+                   f" {self._per_row(t, bq, bkv)} per batch row"
+                   f"{' and query head' if call.mask.per_head else ''} ({bq} x {bkv} each); a"
+                   " call with more runs the blockwise kernel, checked at run time; the forward"
+                   " grid keeps every key block of a row")
+    elif needs_index_check(call.mask, call.has_positions):
       notes.append("index masks; positions checked per batch at run time, a batch whose"
                    " documents are not the token index shifted runs the blockwise kernel")
     notes.append(f"{backward} (block_kv {bkv}; batch {call.q_shape[0]} and"
@@ -451,6 +667,9 @@ class Splash(registry.Kernel):
     default = default_block(head_dim)
     return (block_size(q_len, self.block_q or default),
             block_size(kv_len, self.block_kv or default))
+
+  def _per_row(self, t: int, bq: int, bkv: int) -> int:
+    return self.partial_blocks or 2 * (t // bq + t // bkv)
 
   def kernel(self, mask: Mask, order: TokenOrder, q_shape, kv_shape, soft_cap=None):
     """The cached kernel for global shapes q `[B, T, H, D]`, k `[B, S, Hkv, D]` whose
@@ -479,11 +698,13 @@ class Splash(registry.Kernel):
     Returns:
       `[B, T, H, D]` in q's dtype; with `return_lse` also lse `[B, T, H]` float32.
     Raises:
-      ValueError: a call `unsupported_reason` declines (mask without a lazy splash
-        equivalent, T not a multiple of 128, query and key lengths differ).
+      ValueError: a call `unsupported_reason` declines (T not a multiple of 128, query and
+        key lengths differ).
     """
     if k.shape[1] != q.shape[1]:
       raise ValueError(f"splash serves self attention only, got q {q.shape} and k {k.shape}.")
+    if not _has_band(mask):
+      return self._by_block_map(q, k, v, layout, mask, float(scale), return_lse, soft_cap)
     kernel = self.kernel(mask, TokenOrder(), q.shape, k.shape, soft_cap)
     index = layout.index(*q.shape[:2])
     exact = index_check(mask, layout, index, index)
@@ -492,6 +713,26 @@ class Splash(registry.Kernel):
     attend = sharding.per_batch_and_head(attend, q.shape, k.shape[2], layout,
                                          (P(), _kernel_spec(kernel, None)))
     out, lse = attend(exact, kernel, q, k, v, layout)
+    return (out, lse) if return_lse else out
+
+  def _by_block_map(self, q, k, v, layout: Layout, mask: Mask, scale: float, return_lse: bool,
+                    soft_cap: float | None):
+    """`__call__` for a mask without a band: per device (batch and head shard) its
+    `BlockMap`, then `MapPasses`, or blockwise where it holds more PARTIAL blocks than
+    `partial_blocks` allows."""
+    t, d = q.shape[1], q.shape[3]
+    bq, bkv = self.blocks(t, t, d)
+    interpret = jax.default_backend() != "tpu" if self.interpret is None else self.interpret
+
+    def local(q, k, v, layout):
+      group = q.shape[2] // k.shape[2] if mask.per_head else 1  # query heads of one call
+      passes = MapPasses(scale, bq, bkv, self._per_row(t, bq, bkv) * group, soft_cap,
+                         interpret, self.fused_dq_budget)
+      operands = BlockMap.of(mask, layout, q.shape, k.shape[2], bq, bkv)
+      exact = operands.partial_counts().max() <= passes.per_call
+      return checked.attention(passes, _BlockwiseOn(scale, soft_cap), exact, operands, q, k, v,
+                               layout)
+    out, lse = sharding.per_batch_and_head(local, q.shape, k.shape[2], layout)(q, k, v, layout)
     return (out, lse) if return_lse else out
 
   def ring_step(self, *, strategy: str, mask: Mask, scale: float, shards: int, axis: str,

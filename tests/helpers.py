@@ -262,7 +262,8 @@ def compare(kernel, layout, mask, q, k, v, dtype):
 
 CP_BF16_TOL = 2e-2  # bfloat16 inputs, relative to the largest reference magnitude
 CP_MASKS = {"causal": flaxattn.Causal(), "local": flaxattn.Local(3),
-            "chunked": flaxattn.Chunked(24), "full": flaxattn.Full()}
+            "chunked": flaxattn.Chunked(24), "full": flaxattn.Full(),
+            "window": flaxattn.Window(1, 4, offset=1)}  # keys p .. p + 5
 
 
 def cp_cases(n: int) -> list[dict]:
@@ -335,6 +336,8 @@ def cp_cases(n: int) -> list[dict]:
           case(c4, u, mask="local", hkv=2, features=True),
           case(c4, mask="causal", hkv=2, features=True, dtype="bfloat16"),
           case(c4, mask="local", h=8, hkv=4, groups=4),  # the window-aware ring
+          case(c4, mask="window", hkv=2),  # the window-aware ring, keys ahead too
+          case(c4, lb=False, mask="window", hkv=1, t=512, backend="splash"),
           case(r2c2, u, mask="causal", h=8, hkv=4, groups=2)],
       8: [case(c8, mask="causal", hkv=2, t=128),
           case(c8, mask="local", hkv=2, packed=False, t=16),  # Local(3) reaches 2 chunks of 1

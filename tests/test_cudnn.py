@@ -172,6 +172,13 @@ def test_mask_band():
   assert cudnn.mask_band(flaxattn.Local(9) & flaxattn.Causal() & flaxattn.Local(4)) == (True, 4)
   with pytest.raises(ValueError, match="no chunked mask"):
     cudnn.mask_band(flaxattn.Chunked(4) & flaxattn.Causal())
+  # A causal window in Window's terms is Local's; others have no cuDNN mask.
+  assert cudnn.mask_band(flaxattn.Window(8, 0)) == (True, 9)
+  assert cudnn.mask_band(flaxattn.Window(3, 5) & flaxattn.Causal()) == (True, 4)
+  for mask in (flaxattn.Window(3, 5), flaxattn.Window(0, 7), flaxattn.Window(4, 0, offset=-1),
+               flaxattn.Window(None, 0, offset=2)):
+    with pytest.raises(ValueError, match=r"cuDNN's masks are causal.*pallas_gpu and blockwise"):
+      cudnn.mask_band(mask)
   x = jnp.zeros((1, 16, 2, 8), jnp.bfloat16)
   with pytest.raises(ValueError, match="chunked"):
     cudnn.cudnn_attention(x, x, x, Layout(), mask=flaxattn.Chunked(4), scale=1.0, return_lse=False)

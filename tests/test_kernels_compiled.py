@@ -53,6 +53,48 @@ def test_splash_compiles_for_v5p(mask, dtype):
   _splash("v5p-8", mask, dtype)
 
 
+@pytest.mark.parametrize("mask", [flaxattn.Window(256, 256), flaxattn.Window(0, 384),
+                                  flaxattn.Window(100, 0, offset=-64)], ids=str)
+def test_splash_windows_compile_for_v5p(mask):
+  """Two-sided, right-only and shifted windows stay on splash's kernels (its LocalMask)."""
+  _splash("v5p-8", mask, jnp.bfloat16)
+
+
+def test_splash_compiles_a_mask_mod_for_v5p():
+  """A prefix-LM MaskMod with per-row lengths (a traced operand) over packed documents:
+  splash's forward and fused backward kernels, their metadata and partial blocks' masks
+  built on device; the blockwise kernel beside them only as the exact fallback (XLA ops)."""
+  t = 1024
+  q = jax.ShapeDtypeStruct((2, t, 4, 128), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((2, t, 2, 128), jnp.bfloat16)
+
+  def loss(q, k, v, prefix_len):
+    mask = flaxattn.MaskMod(lambda b, h, q, k, n: (k <= q) | (k < n[b]), prefix_len)
+    out = flaxattn.attention(q, k, v, mask=mask, segment_ids=_packed(2, t))
+    return jnp.sum(out.astype(jnp.float32) ** 2)
+  compiled = compile_for("v5p-8", jax.grad(loss, (0, 1, 2)), q, kv, kv,
+                         jax.ShapeDtypeStruct((2,), jnp.int32))
+  found = aot.kernels(compiled.as_text())
+  assert found == {"splash_mqa_fwd_segmented_residuals": 1,
+                   "splash_mqa_dkv_segmented_no_residuals": 1}, found
+
+
+def test_a_score_mod_on_tpu_compiles_to_blockwise():
+  """ALiBi on TPU: splash declines (no score function in its kernel), so the program holds
+  the blockwise kernel (XLA ops, no Pallas call), slopes' gradients included."""
+  t = 1024
+  q = jax.ShapeDtypeStruct((2, t, 4, 128), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((2, t, 2, 128), jnp.bfloat16)
+
+  def loss(q, k, v, slopes):
+    alibi = flaxattn.ScoreMod(lambda s, b, h, q, k, m: s - m[h] * jnp.abs(q - k), slopes)
+    out = flaxattn.attention(q, k, v, score_mod=alibi, segment_ids=_packed(2, t))
+    return jnp.sum(out.astype(jnp.float32) ** 2)
+  compiled = compile_for("v5p-8", jax.grad(loss, (0, 1, 2, 3)), q, kv, kv,
+                         jax.ShapeDtypeStruct((4,), jnp.float32))
+  assert aot.kernels(compiled.as_text()) == {}
+
+
 @pytest.mark.parametrize("target", ["v5e-8", "v6e-8"])
 @pytest.mark.parametrize("mask, dtype", [(flaxattn.Causal(), jnp.bfloat16),
                                          (flaxattn.Chunked(128), jnp.float32)],

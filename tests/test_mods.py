@@ -141,7 +141,7 @@ def test_or_and_not_combine_built_ins_exactly():
   assert ~~local == local
   for lo, hi in ((-40, -33), (-8, 7), (0, 31)):  # block kinds stay conservative
     for mask in (local | chunked, ~local, ~(local | chunked)):
-      skip, full = mask.block_kinds(lo, hi, lo - 6, hi - 6)
+      skip, full = mask.block_kinds(*np.array([lo, hi, lo - 6, hi - 6]))
       allowed = mask.allows(np.arange(lo, hi + 1)[:, None], np.arange(lo - 6, hi - 5)[None])
       assert not (skip and allowed.any()) and not (full and not allowed.all()), (mask, lo)
 

@@ -40,6 +40,17 @@ def test_ring_fetches():
   assert ring.ring_fetches(flaxattn.Chunked(40) & flaxattn.Local(200), 1024, 8,
                            False) == ((1, None),)
   assert ring.ring_fetches(flaxattn.Causal(), 1024, 8, True) is None
+  # Keys ahead: the chunks after a device's own, alone or with those before.
+  window = flaxattn.Window
+  assert ring.ring_fetches(window(0, 64), 1024, 8, True) == ((1, 1), (7, 0))
+  assert ring.ring_fetches(window(64, 64), 1024, 8, True) == ((1, None), (7, None))
+  assert ring.ring_fetches(window(0, 0, offset=-64), 1024, 8, True) == ((1, 0), (7, 1))
+  assert ring.ring_fetches(window(10, 65), 1024, 8, True) == (
+      (1, None), (2, None), (6, None), (7, None))
+  assert ring.ring_fetches(window(1, 128), 1024, 8, False) == ((1, None), (7, None))
+  assert ring.ring_fetches(window(0, 129), 1024, 8, False) == ((6, None), (7, None))
+  assert ring.ring_fetches(window(0, 0), 1024, 8, False) == ()  # the own shard only
+  assert ring.ring_fetches(window(None, 1), 1024, 8, False) is None
 
 
 # Documented choices with the nominal numbers: B=1, 32 query heads on 8 KV heads, D=128, bf16,

@@ -18,7 +18,7 @@ import flaxattn
 from flaxattn import blocks, splash
 from flaxattn.layout import Layout
 from flaxattn.masks import Band
-from helpers import as_layout, compare, qkv, random_packing
+from helpers import as_layout, compare, mesh, qkv, random_packing
 
 B, T, H, HKV, D = 2, 256, 4, 2, 64
 
@@ -47,6 +47,151 @@ def test_packed_documents_match_reference(mask):
   q, k, v = qkv(2, B, T, T, H, HKV, D, jnp.float32)
   _, _, layout = _packed(2, pad_tail=20)
   compare(_splash_128, layout, mask, q, k, v, jnp.float32)
+
+
+WINDOWS = [flaxattn.Window(20, 10), flaxattn.Window(0, 40), flaxattn.Window(30, 0, offset=-5)]
+
+
+def _window_oracle(q, k, v, seg, pos, window, scale):
+  """Out and lse of `window` written out from its definition: a query at position p sees the
+  keys of its non-zero segment at p + offset - left <= k <= p + offset + right."""
+  d = pos[:, None, :].astype(np.int64) - pos[:, :, None]  # k - p, [B, T, S]
+  lo = -np.inf if window.left is None else window.offset - window.left
+  hi = np.inf if window.right is None else window.offset + window.right
+  seen = (seg[:, :, None] == seg[:, None, :]) & (seg[:, :, None] != 0) & (d >= lo) & (d <= hi)
+  g = q.shape[2] // k.shape[2]
+  k, v = (jnp.repeat(x, g, axis=2) for x in (k, v))
+  scores = jnp.where(seen[:, None], jnp.einsum("bthd,bshd->bhts", q, k) * scale, -jnp.inf)
+  lse = jax.nn.logsumexp(scores, axis=-1)
+  p = jnp.exp(scores - jnp.where(jnp.isinf(lse), 0, lse)[..., None])
+  return jnp.einsum("bhts,bshd->bthd", p, v), lse.transpose(0, 2, 1)
+
+
+@pytest.mark.parametrize("kernel", [flaxattn.reference.Reference(),
+                                    flaxattn.blockwise.Blockwise(block_q=64, block_kv=64),
+                                    _splash_128], ids=lambda k: k.name)
+@pytest.mark.parametrize("window", WINDOWS, ids=str)
+def test_windows_match_a_dense_oracle(window, kernel):
+  """Two-sided, right-only and shifted windows over packed documents crossing block edges:
+  out and lse as written out from the definition; splash's gradients as the reference's
+  (blockwise's: tests/test_peer_splash_cases.py)."""
+  q, k, v = qkv(7, 1, T, T, H, HKV, D, jnp.float32)
+  seg, pos = random_packing(7, 1, T, max_docs=4, pad_tail=10)
+  layout = as_layout(seg, pos)
+  out, lse = kernel(q, k, v, layout, mask=window, scale=0.3, return_lse=True)
+  want_out, want_lse = _window_oracle(q, k, v, seg, pos, window, 0.3)
+  np.testing.assert_allclose(out, want_out, atol=2e-5, rtol=2e-5)
+  np.testing.assert_array_equal(np.isinf(lse), np.isinf(want_lse))
+  np.testing.assert_allclose(np.where(np.isinf(lse), 0, lse),
+                             np.where(np.isinf(want_lse), 0, want_lse), atol=2e-5, rtol=2e-5)
+  if kernel.name == "splash":
+    compare(kernel, layout, window, q, k, v, jnp.float32)
+
+
+def test_explain_names_splash_for_windows_on_tpu():
+  """Two-sided, right-only and shifted windows on TPU: splash, not its blockwise fallback."""
+  q = jax.ShapeDtypeStruct((1, 4096, 8, 128), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((1, 4096, 2, 128), jnp.bfloat16)
+  seg = np.repeat(np.arange(1, 5, dtype=np.int32), 1024)[None]
+  for window in (*WINDOWS, flaxattn.Window(256, 256), flaxattn.Window(None, 0, offset=-1)):
+    with flaxattn.lowering_for("tpu"):
+      text = flaxattn.explain(q, kv, kv, mask=window, segment_ids=seg, print_fn=None)
+    assert "backend='auto' -> splash (" in text and "  splash: accepts" in text, text
+    assert text.endswith("tpu: splash"), text
+
+
+def _prefix_lm(prefix_len):
+  """Bidirectional over each row's first `prefix_len[b]` tokens, causal after them."""
+  return flaxattn.MaskMod(lambda b, h, q, k, n: (k <= q) | (k < n[b]), prefix_len)
+
+
+def _documents(doc_ids):
+  """Causal inside documents given as an operand `[B, T]` (no segment ids)."""
+  return flaxattn.MaskMod(lambda b, h, q, k, d: (d[b, q] == d[b, k]) & (k <= q), doc_ids)
+
+
+def _window_per_head(windows):
+  return flaxattn.MaskMod(lambda b, h, q, k, w: (k <= q) & (k > q - w[h]), windows)
+
+
+# (mask, batch rows): one row where the mask does not read the row (a row of its own is
+# one more kernel call per row in interpret mode).
+MASK_MODS = {
+    "prefix_lm": (lambda: _prefix_lm(jnp.array([40, 170], jnp.int32)), 2),
+    "documents": (lambda: _documents(jnp.asarray(
+        np.repeat(np.arange(5), [30, 70, 60, 90, 6])[None], jnp.int32)), 1),
+    "local_or_prefix": (lambda: flaxattn.Local(20) | flaxattn.MaskMod(
+        lambda b, h, q, k, n: k < n[b], jnp.array([100], jnp.int32)), 1),
+    "window_per_head": (lambda: _window_per_head(jnp.array([3, 40], jnp.int32)), 1),
+}
+
+
+@pytest.mark.parametrize("name", MASK_MODS)
+def test_programmable_masks_run_on_splash_exactly(name):
+  """MaskMods (per batch row, per head, documents as an operand, OR-ed with a window) over
+  packed documents: splash's block map found on device, the masks of its partial blocks
+  built there, within the default bound (so the kernel, not its fallback, runs): out, lse
+  and gradients as the reference's."""
+  make, b = MASK_MODS[name]
+  mask = make()
+  q, k, v = qkv(14, b, T, T, 2, 1, 32, jnp.float32)
+  seg, pos = random_packing(14, b, T, max_docs=5, pad_tail=6)
+  layout = as_layout(seg, pos)
+  kernel = splash.Splash(block_q=128, block_kv=128)
+  held = splash.BlockMap.of(mask, layout, q.shape, 1, 128, 128).partial_counts()
+  assert 0 < int(held.max()) <= kernel._per_row(T, 128, 128) * (2 if mask.per_head else 1)
+  compare(kernel, layout, mask, q, k, v, jnp.float32)
+
+
+def test_programmable_mask_past_the_bound_runs_blockwise():
+  """More PARTIAL blocks than `partial_blocks` holds: the run-time check sends the call to
+  the blockwise kernel, still exact."""
+  mask = _prefix_lm(jnp.array([40], jnp.int32))
+  q, k, v = qkv(15, 1, T, T, 2, 1, 32, jnp.float32)
+  seg, pos = random_packing(15, 1, T, max_docs=5)
+  layout = as_layout(seg, pos)
+  assert int(splash.BlockMap.of(mask, layout, q.shape, 1, 128, 128).partial_counts().max()) > 1
+  compare(splash.Splash(block_q=128, block_kv=128, partial_blocks=1), layout, mask, q, k, v,
+          jnp.float32)
+
+
+def test_batch_and_head_dependent_masks_under_a_mesh():
+  """Splash runs per (batch, head) shard of a data x tensor mesh: each shard's block map
+  and masks see the global batch row and head."""
+  mask = flaxattn.MaskMod(lambda b, h, q, k, n, w: ((k <= q) & (k > q - w[h])) | (k < n[b]),
+                          jnp.array([40, 170], jnp.int32), jnp.array([3, 9, 30, 70], jnp.int32))
+  q, k, v = qkv(16, 2, T, T, 4, 2, 32, jnp.float32)
+  seg, pos, _ = _packed(16)
+
+  def attend(backend):
+    return jax.jit(lambda q, k, v: flaxattn.attention(q, k, v, mask=mask, segment_ids=seg,
+                                                      positions=pos, backend=backend))
+  want = attend("reference")(q, k, v)
+  with jax.set_mesh(mesh({"data": 2, "tensor": 2})):
+    got = attend(splash.Splash(block_q=128, block_kv=128))(q, k, v)
+  np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_explain_on_tpu_for_mask_and_score_mods():
+  """A MaskMod runs on splash through its block map; a ScoreMod on blockwise, and splash
+  says why; under context parallelism a MaskMod is blockwise's."""
+  q = jax.ShapeDtypeStruct((2, 4096, 8, 128), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((2, 4096, 2, 128), jnp.bfloat16)
+  prefix = _prefix_lm(jnp.array([300, 1000], jnp.int32))
+  alibi = flaxattn.ScoreMod(lambda s, b, h, q, k, slopes: s - slopes[h] * jnp.abs(q - k),
+                            jnp.ones(8))
+  with flaxattn.lowering_for("tpu"):
+    text = flaxattn.explain(q, kv, kv, mask=prefix, print_fn=None)
+    assert "tpu: splash (MaskMod(" in text and "has no band: its block map is found on device" \
+           in text and "at most 32 per batch row (512 x 512 each)" in text, text
+    text = flaxattn.explain(q, kv, kv, score_mod=alibi, print_fn=None)
+    assert "tpu: blockwise (" in text and "splash declines: splash (JAX's Pallas TPU kernel)" \
+           " changes scores only by a logit soft cap" in text, text
+    call = flaxattn.registry.Call(platform="tpu", q_shape=q.shape, kv_shape=kv.shape,
+                                  dtype="bfloat16", mask=prefix, has_segment_ids=False,
+                                  has_positions=False, return_lse=False, cp_size=4,
+                                  cp_strategy="ulysses")
+    assert "not per context shard; use 'blockwise'" in splash.Splash().unsupported_reason(call)
 
 
 def test_public_entry_point_bfloat16_default_blocks():
@@ -88,7 +233,8 @@ def test_decline_reasons():
   seg, pos = seg[:1], pos[:1]
   _declines("multiple of 128, got 200", q[:, :200], k[:, :200], v[:, :200])
   _declines("query length 256 != key length 128", q, k[:, :128], v[:, :128], mask=flaxattn.Full())
-  _declines("different sizes", q, k, v, mask=flaxattn.Chunked(64) & flaxattn.Chunked(32))
+  _declines("changes scores only by a logit soft cap", q, k, v,
+            score_mod=flaxattn.ScoreMod(lambda s, b, h, q, k: s * 2))
   # Full ignores positions, so explicit positions are fine without segment ids.
   flaxattn.attention(q, k, v, mask=flaxattn.Full(), positions=pos, backend="splash")
 
@@ -109,7 +255,7 @@ def test_long_causal_kernel_builds_without_dense_mask(monkeypatch):
   tracemalloc.start()
   try:
     # uncached
-    splash._kernel.__wrapped__(Band(causal=True), blocks.TokenOrder(), t, t, 4, 512, 512, True)
+    splash._kernel.__wrapped__(Band(hi=0), blocks.TokenOrder(), t, t, 4, 512, 512, True)
     peak = tracemalloc.get_traced_memory()[1]
   finally:
     tracemalloc.stop()

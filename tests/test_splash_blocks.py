@@ -19,7 +19,9 @@ from flaxattn.masks import band
 
 T = 1024
 MASKS = [flaxattn.Full(), flaxattn.Causal(), flaxattn.Local(200), flaxattn.Chunked(256),
-         flaxattn.Chunked(384) & flaxattn.Local(300), flaxattn.Chunked(128) & flaxattn.Local(64)]
+         flaxattn.Chunked(384) & flaxattn.Local(300), flaxattn.Chunked(128) & flaxattn.Local(64),
+         flaxattn.Window(100, 50), flaxattn.Window(0, 300, offset=40),
+         flaxattn.Window(None, 0, offset=-130), flaxattn.Chunked(256) & flaxattn.Window(50, 0, -20)]
 ORDERS = ([blocks.TokenOrder()]
           + [blocks.TokenOrder(4, lb, step) for lb in (False, True) for step in (None, 0, 1, 2, 3)]
           + [blocks.TokenOrder(2, True, step) for step in (None, 0, 1)])

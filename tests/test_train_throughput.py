@@ -16,7 +16,9 @@ from models.llama import Llama, LlamaConfig, flops_per_token, layer_masks
 from train import throughput
 
 MASKS = [flaxattn.Causal(), flaxattn.Local(5), flaxattn.Chunked(8), flaxattn.Full(),
-         flaxattn.Chunked(8) & flaxattn.Local(3), flaxattn.Local(40)]
+         flaxattn.Chunked(8) & flaxattn.Local(3), flaxattn.Local(40), flaxattn.Window(3, 5),
+         flaxattn.Window(0, 7, offset=2), flaxattn.Window(None, 2, offset=-6),
+         flaxattn.Chunked(8) & flaxattn.Window(4, 0, offset=-1)]
 
 
 def _packed(rng, rows: int, t: int) -> tuple[np.ndarray, np.ndarray]:
@@ -50,7 +52,7 @@ def test_pairs_per_document_equal_a_count_of_every_pair(mask):
   n = throughput.document_lengths(seg)
   assert n.sum() == (seg != 0).sum() and len(n) >= 8
   want = _brute_force_pairs(mask, seg, pos)
-  assert int(throughput.pairs(band(mask), n).sum()) == want
+  assert int(band(mask).pairs(n).sum()) == want
   # the closed form is the per-token count the load balancing weighs tokens with
   assert int(flaxattn.balance.token_work(seg, [mask]).sum()) == want
 

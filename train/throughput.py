@@ -33,7 +33,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from flaxattn.masks import Band, Mask, band
+from flaxattn.masks import Mask, band
 from models.llama import Llama
 
 log = logging.getLogger(__name__)
@@ -67,25 +67,6 @@ def document_lengths(segment_ids) -> np.ndarray:
   return lengths[ids.reshape(-1)[starts] != 0].astype(np.int64)
 
 
-def pairs(normal: Band, n: np.ndarray) -> np.ndarray:
-  """The (query, key) pairs that a mask of normal form `normal` allows in documents of `n`
-  tokens: per document the sum over its queries of the keys each sees
-  (`flaxattn.balance.token_work`: Full n; causal p + 1, at most the window, counted from
-  the start of the query's chunk)."""
-  n = np.asarray(n, np.int64)
-  if not normal.causal:
-    return n * n
-
-  def causal(m):  # the sum over p < m of min(p + 1, window)
-    k = m if normal.window is None else np.minimum(m, normal.window)
-    return k * (k + 1) // 2 + (m - k) * k
-
-  if normal.chunk is None:
-    return causal(n)
-  chunks, rest = np.divmod(n, normal.chunk)
-  return chunks * causal(np.int64(normal.chunk)) + causal(rest)
-
-
 class Flops:
   """Training FLOPs of `model` (a `models.llama.Llama`, real or abstract) on a batch, with
   `masks`, one per layer (`models.llama.layer_masks`); see the module docstring."""
@@ -107,7 +88,7 @@ class Flops:
     """FLOPs of a batch of `[..., T]` segment ids, in O(documents) after one pass over the
     ids."""
     n = document_lengths(segment_ids)
-    allowed = sum(count * int(pairs(normal, n).sum()) for normal, count in self.layers.items())
+    allowed = sum(count * int(normal.pairs(n).sum()) for normal, count in self.layers.items())
     return self.per_token * float(n.sum()) + self.per_pair * float(allowed)
 
 
