@@ -307,7 +307,9 @@ class Tokens:
   """A kernel's per-token arrays, padded to whole blocks (padding as segment 0): segment ids
   and positions of queries `[B, Tp]` and keys `[B, Sp]`, and where a programmable mask or
   score reads them, token indices (`flaxattn.masks.Coords`; else None) and the global index
-  of the first batch row and query head (`Layout.offsets`)."""
+  of the first batch row and query head (`Layout.offsets`). Where a kernel's query rows fold
+  the `groups` query heads of a KV head (`flaxattn.rows`), the query arrays are per row and
+  `q_head` gives each row's query head among its KV head's (with the token indices)."""
 
   q_seg: Any
   kv_seg: Any
@@ -317,20 +319,26 @@ class Tokens:
   kv_index: Any = None
   row_offset: Any = 0
   head_offset: Any = 0
+  q_head: Any = None
+  groups: int = 1
 
   def coords(self, b, h, q: tuple, kv: tuple, q_axes, kv_axes) -> Coords:
-    """`Coords` of a tile: row `b` (local), heads `h` (local, broadcasting), the `q =
-    (start, size)` query tokens and `kv = (start, size)` keys of the padded axes, placed on
-    axes `q_axes` / `kv_axes` of the tile (`jnp.expand_dims` axes, e.g. (0, 2, 3))."""
+    """`Coords` of a tile: row `b` (local), heads `h` (local, broadcasting: query heads, or
+    KV heads where rows fold query heads), the `q = (start, size)` query tokens (rows) and
+    `kv = (start, size)` keys of the padded axes, placed on axes `q_axes` / `kv_axes` of
+    the tile (`jnp.expand_dims` axes, e.g. (0, 2, 3))."""
     def side(x, at, axes):
       return None if x is None else jnp.expand_dims(slice_tokens(x, b, *at), axes)
+    if self.q_head is not None:
+      h = h * self.groups + side(self.q_head, q, q_axes)
     return Coords(b + self.row_offset, h + self.head_offset,
                   side(self.q_index, q, q_axes), side(self.kv_index, kv, kv_axes),
                   side(self.q_pos, q, q_axes), side(self.kv_pos, kv, kv_axes))
 
 
 jax.tree_util.register_dataclass(
-    Tokens, data_fields=[f.name for f in dataclasses.fields(Tokens)], meta_fields=[])
+    Tokens, data_fields=[f.name for f in dataclasses.fields(Tokens) if f.name != "groups"],
+    meta_fields=["groups"])
 
 
 def slice_tokens(x_BL, b, start, size: int):
@@ -377,6 +385,7 @@ def refine(mask: Mask, kinds, toks: Tokens, heads: int, bq: int, bk: int):
   parts (`Mask.needs_tiles`): each block still PARTIAL is classified from the mask itself,
   evaluated on its `[heads, bq, bk]` tile (one head where the mask is the same for all) on
   device; blocks the segments or the built-in parts rule out or fill are never evaluated.
+  `heads`: query heads, or KV heads where rows fold query heads (`Tokens.q_head`).
   Memory: one tile at a time besides the schedule. Other masks: `kinds` as they are."""
   if not mask.needs_tiles:
     return kinds
@@ -398,3 +407,15 @@ def refine(mask: Mask, kinds, toks: Tokens, heads: int, bq: int, bk: int):
     return jax.lax.fori_loop(lo[bi, i], hi[bi, i], tile, kinds[bi, i])
 
   return jax.lax.map(row, jnp.arange(b * nq, dtype=jnp.int32)).reshape(b, nq, nk)
+
+
+def merge(kinds, rows: int, cols: int):
+  """`kinds` `[B, nq, nk]` with each `rows` x `cols` blocks merged into one: EMPTY where all
+  of them are, FULL where all are, else PARTIAL (exact: a merged block's pairs are its
+  parts'). How kernels whose passes use different blocks read one block map."""
+  if rows == cols == 1:
+    return kinds
+  b, nq, nk = kinds.shape
+  parts = kinds.reshape(b, nq // rows, rows, nk // cols, cols)
+  empty, full = ((parts == kind).all((2, 4)) for kind in (EMPTY, FULL))
+  return jnp.where(empty, EMPTY, jnp.where(full, FULL, PARTIAL)).astype(kinds.dtype)
