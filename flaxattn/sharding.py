@@ -13,8 +13,11 @@ Model code names axes logically (`batch`, `seq`, `embed`, `heads`, `kv_heads`, `
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax.core import spmd as flax_spmd
 from jax.sharding import PartitionSpec
 
@@ -74,12 +77,16 @@ def dividing_axes(mesh, axes, *sizes: int) -> tuple[str, ...]:
   return tuple(kept)
 
 
-def per_batch_and_head(fn, q_shape, kv_heads: int, layout, leading_specs=()):
+def per_batch_and_head(fn, q_shape, kv_heads: int, layout,
+                       leading_specs=()) -> Callable[..., Any]:
   """`fn(*leading, q, k, v, layout) -> (out, lse)` run per (batch, head) shard of the
   current mesh's automatic axes, the batch over `default_axes("batch")` and the heads over
   `default_axes("heads")` where they divide q `q_shape` `[B, T, H, D]` and the `kv_heads`;
   `fn` itself without a mesh. A Pallas call is opaque to automatic partitioning, which
-  would gather its operands whole. `leading_specs`: the specs of `fn`'s leading arguments."""
+  would gather its operands whole. `leading_specs`: the specs of `fn`'s leading arguments
+  (prefixes: `PartitionSpec()` gives every shard a whole tree). Each shard's `layout`
+  carries the global index of its first batch row and head (`Layout.shifted`), which
+  programmable masks and scores read."""
   mesh = jax.sharding.get_abstract_mesh()
   auto = frozenset(mesh.axis_names) - frozenset(mesh.manual_axes)  # empty without a mesh
   if not auto:
@@ -87,8 +94,15 @@ def per_batch_and_head(fn, q_shape, kv_heads: int, layout, leading_specs=()):
   batch = dividing_axes(mesh, default_axes("batch"), q_shape[0]) or None
   heads = dividing_axes(mesh, default_axes("heads"), q_shape[2], kv_heads) or None
   qkv, seq = PartitionSpec(batch, None, heads), PartitionSpec(batch, None)
-  return jax.shard_map(fn, in_specs=(*leading_specs, qkv, qkv, qkv,
-                                     jax.tree.map(lambda _: seq, layout)),
+
+  def shard(*args):
+    *leading, q, k, v, layout = args
+    rows = jax.lax.axis_index(batch) * q.shape[0] if batch else 0
+    first_head = jax.lax.axis_index(heads) * q.shape[2] if heads else 0
+    return fn(*leading, q, k, v, layout.shifted(rows, first_head))
+  # Per-token ids `[B, T]` split with the batch; the offsets (scalars) are whole.
+  layout_specs = jax.tree.map(lambda x: seq if jnp.ndim(x) == 2 else PartitionSpec(), layout)
+  return jax.shard_map(shard, in_specs=(*leading_specs, qkv, qkv, qkv, layout_specs),
                        out_specs=(qkv, PartitionSpec(batch, None, heads)), axis_names=auto,
                        check_vma=False)
 
