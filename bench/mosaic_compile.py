@@ -38,6 +38,8 @@ CASES = (
     Case("causal bf16 D=128", "bfloat16", 128, 128, "causal"),
     Case("chunked&local f16 D=64 Dv=128 cap", "float16", 64, 128, "chunked-local", 30.0),
     Case("full bf16 D=128 Dv=64", "bfloat16", 128, 64, "full"),
+    Case("local|prefix alibi*w bf16 D=128", "bfloat16", 128, 128, "local|prefix",
+         score="alibi-scaled"),
 )
 # `--tilings`: (block_kv, block_kv_dq, block_q_dkv, stages) of `MosaicGpu`: those
 # `bench.gpu --tilings` times (the first is the default), then two that do not fit.
@@ -101,7 +103,7 @@ def _child(case: dict, t: int, tiling: list[int]) -> None:
 
   def loss(q, k, v):
     out = flaxattn.attention(q, k, v, mask=mask, segment_ids=seg, backend=kernel,
-                             logit_soft_cap=c.soft_cap)
+                             logit_soft_cap=c.soft_cap, score_mod=c.score_mod())
     return jnp.sum(out.astype(jnp.float32) ** 2)
   mesh = jax.make_mesh((1,), ("data",), axis_types=(AxisType.Auto,),
                        devices=aot.devices(aot.target("h100"))[:1])

@@ -51,14 +51,32 @@ class Case:
   dtype: str
   d: int
   dv: int
-  mask: str  # "causal", "full" or "chunked-local"
+  mask: str  # "causal", "full", "chunked-local" or "local|prefix"
   soft_cap: float | None = None
+  score: str | None = None  # None or "alibi-scaled"
 
   def attention_mask(self):
-    """The flaxattn mask `mask` names."""
+    """The flaxattn mask `mask` names ("local|prefix": a window OR'ed with a MaskMod, a
+    prefix of 512 bidirectional tokens per row, its length an operand)."""
+    import jax.numpy as jnp
+
     import flaxattn
+    if self.mask == "local|prefix":
+      return flaxattn.Local(300) | flaxattn.MaskMod(lambda b, h, q, k, n: k < n[b],
+                                                    jnp.full((1,), 512, jnp.int32))
     return {"causal": flaxattn.Causal(), "full": flaxattn.Full(),
             "chunked-local": flaxattn.Chunked(1024) & flaxattn.Local(300)}[self.mask]
+
+  def score_mod(self):
+    """The flaxattn.ScoreMod `score` names, or None ("alibi-scaled": ALiBi's slopes from the
+    head, times a learned scale read at one index, `w[()]`)."""
+    import jax.numpy as jnp
+
+    import flaxattn
+    if self.score is None:
+      return None
+    return flaxattn.ScoreMod(lambda s, b, h, q, k, w: s - w[()] * jnp.exp2(-1.0 - h) * jnp.abs(
+        q - k).astype(jnp.float32), jnp.float32(0.5))
 
 
 CASES = (

@@ -323,7 +323,9 @@ class Tokens:
   """A kernel's per-token arrays, padded to whole blocks (padding as segment 0): segment ids
   and positions of queries `[B, Tp]` and keys `[B, Sp]`, and where a programmable mask or
   score reads them, token indices (`flaxattn.masks.Coords`; else None) and the global index
-  of the first batch row and query head (`Layout.offsets`)."""
+  of the first batch row and query head (`Layout.offsets`). Where a kernel's query rows fold
+  the `groups` query heads of a KV head (`flaxattn.rows`), the query arrays are per row and
+  `q_head` gives each row's query head among its KV head's (with the token indices)."""
 
   q_seg: Any
   kv_seg: Any
@@ -333,20 +335,26 @@ class Tokens:
   kv_index: Any = None
   row_offset: Any = 0
   head_offset: Any = 0
+  q_head: Any = None
+  groups: int = 1
 
   def coords(self, b, h, q: tuple, kv: tuple, q_axes, kv_axes) -> Coords:
-    """`Coords` of a tile: row `b` (local), heads `h` (local, broadcasting), the `q =
-    (start, size)` query tokens and `kv = (start, size)` keys of the padded axes, placed on
-    axes `q_axes` / `kv_axes` of the tile (`jnp.expand_dims` axes, e.g. (0, 2, 3))."""
+    """`Coords` of a tile: row `b` (local), heads `h` (local, broadcasting: query heads, or
+    KV heads where rows fold query heads), the `q = (start, size)` query tokens (rows) and
+    `kv = (start, size)` keys of the padded axes, placed on axes `q_axes` / `kv_axes` of
+    the tile (`jnp.expand_dims` axes, e.g. (0, 2, 3))."""
     def side(x, at, axes):
       return None if x is None else jnp.expand_dims(slice_tokens(x, b, *at), axes)
+    if self.q_head is not None:
+      h = h * self.groups + side(self.q_head, q, q_axes)
     return Coords(b + self.row_offset, h + self.head_offset,
                   side(self.q_index, q, q_axes), side(self.kv_index, kv, kv_axes),
                   side(self.q_pos, q, q_axes), side(self.kv_pos, kv, kv_axes))
 
 
 jax.tree_util.register_dataclass(
-    Tokens, data_fields=[f.name for f in dataclasses.fields(Tokens)], meta_fields=[])
+    Tokens, data_fields=[f.name for f in dataclasses.fields(Tokens) if f.name != "groups"],
+    meta_fields=["groups"])
 
 
 def slice_tokens(x_BL, b, start, size: int):
@@ -405,7 +413,8 @@ def refine(mask: Mask, kinds, toks: Tokens, heads: int, bq: int, bk: int, by_hea
   parts (`Mask.needs_tiles`): each block still PARTIAL is classified from the mask itself,
   evaluated on its `[heads, bq, bk]` tile (one head where the mask is the same for all) on
   device. Per query block only its range of open key blocks (`visit_bounds`) is evaluated,
-  C key blocks a step, R query blocks side by side, C x R tiles within `REFINE_ELEMENTS`;
+  C key blocks a step, R query blocks side by side, C x R tiles within `REFINE_ELEMENTS`
+  (`heads`: query heads, or KV heads where rows fold query heads, `Tokens.q_head`);
   the blocks the segments or the built-in parts rule out or fill keep their kinds. Memory:
   those tiles besides the schedule. Other masks: `kinds` as they are.
   `by_head`: `[B, H', nq, nk]`, each head's kinds (H' = `heads` where the mask differs
@@ -449,6 +458,18 @@ def refine(mask: Mask, kinds, toks: Tokens, heads: int, bq: int, bk: int, by_hea
     return kinds_BHNM
   return jnp.where((kinds_BHNM == EMPTY).all(1), EMPTY,
                    jnp.where((kinds_BHNM == FULL).all(1), FULL, PARTIAL)).astype(kinds.dtype)
+
+def merge(kinds, rows: int, cols: int):
+  """`kinds` `[B, nq, nk]` with each `rows` x `cols` blocks merged into one: EMPTY where all
+  of them are, FULL where all are, else PARTIAL (exact: a merged block's pairs are its
+  parts'). How kernels whose passes use different blocks read one block map."""
+  if rows == cols == 1:
+    return kinds
+  b, nq, nk = kinds.shape
+  parts = kinds.reshape(b, nq // rows, rows, nk // cols, cols)
+  empty, full = ((parts == kind).all((2, 4)) for kind in (EMPTY, FULL))
+  return jnp.where(empty, EMPTY, jnp.where(full, FULL, PARTIAL)).astype(kinds.dtype)
+
 
 def block_map(mask: Mask, q_len: int, kv_len: int | None = None, *, segment_ids=None,
               positions=None, kv_segment_ids=None, kv_positions=None, batch: int = 1,
@@ -559,12 +580,10 @@ class Shared(Mask):
     b, nq, nk = self.kinds.shape
     fq, fk = bq // self.block_q, bk // self.block_kv
     tq, tk = toks.q_seg.shape[1] // bq, toks.kv_seg.shape[1] // bk
-    # Blocks of fq x fk of the map's: EMPTY where all are, FULL where all are, else PARTIAL
-    # (the padding past the map's end is EMPTY: segment 0).
+    # The padding past the map's end is EMPTY (segment 0).
     kinds = jnp.pad(self.kinds, ((0, 0), (0, tq * fq - nq), (0, tk * fk - nk)),
-                    constant_values=EMPTY).reshape(b, tq, fq, tk, fk)
-    empty, full = (kinds == EMPTY).all((2, 4)), (kinds == FULL).all((2, 4))
-    return jnp.where(empty, EMPTY, jnp.where(full, FULL, PARTIAL)).astype(jnp.int32)
+                    constant_values=EMPTY)
+    return merge(kinds, fq, fk).astype(jnp.int32)
 
   def __repr__(self):
     return f"Shared({self.mask!r}, blocks {self.block_q} x {self.block_kv})"

@@ -27,7 +27,7 @@ from flaxattn.blocks import (
 )
 from flaxattn.layout import Layout
 from flaxattn.masks import Mask, allowed, values_apart
-from flaxattn.mods import ScoreMod, zero_cotangents
+from flaxattn.mods import ScoreMod, change_scores, zero_cotangents
 from flaxattn.ring import RingStep
 
 DEFAULT_BLOCK_Q = 512
@@ -79,26 +79,12 @@ def _allowed(mask: Mask, toks: Tokens, bi, q, kv, hkv: int, g: int):
 
 
 def _scores(q_blk, k_blk, allowed, soft_cap: float | None, mod=None):
-  """Scores of a block `[K, bq * G, bk]`: soft-capped, then changed by `mod` (a function of
-  the scores laid out `[K, bq, G, bk]`, or None), then masked where `allowed` is given (a
-  partial block); and the pullback of the scores before masking, for the backward pass:
-  `back(ds) -> (ds of q.k, [d of each float operand of the mod])`."""
+  """Scores of a block `[K, bq * G, bk]` (`mods.change_scores`: soft-capped, then changed by
+  `mod`, a function of the scores laid out `[K, bq, G, bk]`, or None), masked where
+  `allowed` is given (a partial block); and the pullback of the scores before masking, for
+  the backward pass: `back(ds) -> (ds of q.k, [d of each float operand of the mod])`."""
   s = jnp.einsum("hmd,hkd->hmk", q_blk, k_blk, preferred_element_type=jnp.float32)
-  tanh = mod_back = None
-  if soft_cap is not None:
-    tanh = jnp.tanh(s / soft_cap)
-    s = soft_cap * tanh
-  if mod is not None:
-    s, mod_back = mod(s)
-
-  def back(ds):
-    d_ops = []
-    if mod_back is not None:
-      ds, d_ops = mod_back(ds)
-    if tanh is not None:  # a soft cap: d(cap * tanh(x / cap)) / dx = 1 - tanh^2
-      ds = ds * (1.0 - tanh * tanh)
-    return ds, d_ops
-
+  s, back = change_scores(s, soft_cap, mod)
   if allowed is not None:
     s = jnp.where(allowed, s, -jnp.inf)
   return s, back

@@ -31,6 +31,7 @@ evaluated per element on the host.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -38,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flaxattn.masks import Coords, Mask
+from flaxattn.masks import And, Coords, Mask, Not, Or
 
 # Probe sizes of the batch, head, query and key axes: distinct, so the probe's result shape
 # tells which coordinates a function reads.
@@ -194,25 +195,55 @@ class ScoreMod:
     """The operands' floating leaves (the ones that receive gradients), in leaf order."""
     return [x for x in jax.tree.leaves(self.operands) if jnp.issubdtype(x.dtype, jnp.floating)]
 
-  def vjp(self, score, coords: Coords):
-    """(new scores, pullback): `pullback(d_new)` gives (d_score, [d_operand] float32 for
-    each of `float_operands`)."""
+  def vjp(self, score, coords: Coords, reads: list | None = None, spread: bool = False):
+    """(new scores, pullback): `pullback(d_new)` gives (d_score, [d_read float32 for each
+    float read]). An array leaf of the operands is read whole: its reads are
+    `float_operands`, its d the operand's gradient. A leaf that is an `Operand` (in a
+    kernel's memory) is read by each indexing: its d is the gradient at that index, and
+    `reads` receives (which of `float_operands`, index) of each such read, in order
+    (None: these reads get no gradient). `spread`: each such read's d per score, of the
+    score's shape (the read broadcast to it), for a kernel that sums them itself."""
     leaves, treedef = jax.tree.flatten(self.operands)
-    at = [i for i, x in enumerate(leaves) if jnp.issubdtype(x.dtype, jnp.floating)]
+    whole = [i for i, x in enumerate(leaves)
+             if not isinstance(x, Operand) and jnp.issubdtype(x.dtype, jnp.floating)]
+    found = []  # (position, index, value) of each indexing of an Operand leaf
 
-    def apply(score, floats):
-      ops = list(leaves)
-      for i, x in zip(at, floats, strict=True):
-        ops[i] = x
+    def with_hooks(ops, hook):
+      return [dataclasses.replace(x, hook=functools.partial(hook, i))
+              if isinstance(x, Operand) else x for i, x in enumerate(ops)]
+
+    def call(score, ops):
       out = self.fn(score, coords.b, coords.h, coords.q_index, coords.kv_index,
                     *jax.tree.unflatten(treedef, ops))
       return out.astype(jnp.float32)
 
-    out, pullback = jax.vjp(apply, score, [leaves[i] for i in at])
+    def record(i, op, index):
+      found.append((i, index, op.load(index)))
+      return found[-1][2]
+    if any(isinstance(x, Operand) for x in leaves):  # finds the reads, each loaded once
+      call(score, with_hooks(leaves, record))
+    parts = [n for n, (_, _, x) in enumerate(found)
+             if reads is not None and jnp.issubdtype(x.dtype, jnp.floating)]
+
+    def apply(score, floats, read_floats):
+      ops = list(leaves)
+      for i, x in zip(whole, floats, strict=True):
+        ops[i] = x
+      values = [x for _, _, x in found]
+      for n, x in zip(parts, read_floats, strict=True):
+        values[n] = x
+      replay = iter(values)
+      return call(score, with_hooks(ops, lambda i, op, index: next(replay)))
+
+    out, pullback = jax.vjp(apply, score, [leaves[i] for i in whole], [
+        jnp.broadcast_to(found[n][2], score.shape) if spread else found[n][2] for n in parts])
+    if reads is not None:
+      floats = [i for i, x in enumerate(leaves) if jnp.issubdtype(x.dtype, jnp.floating)]
+      reads.extend((floats.index(found[n][0]), found[n][1]) for n in parts)
 
     def back(d_new):
-      d_score, d_floats = pullback(d_new)
-      return d_score, [d.astype(jnp.float32) for d in d_floats]
+      d_score, d_whole, d_parts = pullback(d_new)
+      return d_score, [d.astype(jnp.float32) for d in (*d_whole, *d_parts)]
     return out, back
 
   def cotangent(self, d_floats: list) -> ScoreMod:
@@ -263,3 +294,164 @@ def check_score_mod(score_mod) -> ScoreMod | None:
   raise TypeError(f"score_mod expects a flaxattn.ScoreMod(fn, *operands) or None, got"
                   f" {score_mod!r} ({type(score_mod).__name__}); wrap a function"
                   " fn(score, b, h, q_idx, kv_idx, *operands) in flaxattn.ScoreMod.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Operand:
+  """A leaf of a mod's operands inside a GPU kernel: the ref that holds it, which the mod's
+  function reads by indexing (`prefix_len[b]`, `slopes[h]`, `table[bucket, h]`, `w[()]`),
+  each read a load from memory at the indices (a gather where they are arrays), as
+  FlexAttention's functions read the tensors they capture. An index wraps once when
+  negative and is clamped to its axis, as jnp's indexing reads it. `hook(operand, index)`,
+  where set, stands for the load (how `ScoreMod.vjp` records and replays the reads)."""
+
+  ref: Any
+  hook: Callable[..., Any] | None = None
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return tuple(self.ref.shape)
+
+  @property
+  def dtype(self):
+    return self.ref.dtype
+
+  @property
+  def ndim(self) -> int:
+    return len(self.shape)
+
+  def load(self, index):
+    """The values at `index` (normalized by `__getitem__`), read from the ref."""
+    return self.ref[index]
+
+  def __getitem__(self, index):
+    index = _in_bounds(index, self.shape)
+    return self.load(index) if self.hook is None else self.hook(self, index)
+
+
+def _in_bounds(index, shape: tuple[int, ...]) -> tuple:
+  """`index` of an array of `shape` as a tuple of one entry per leading axis: integers and
+  integer arrays wrapped once when negative and clamped to the axis, slices as they are."""
+  index = index if isinstance(index, tuple) else (index,)
+  if any(i is Ellipsis for i in index):
+    at = index.index(Ellipsis)
+    index = index[:at] + (slice(None),) * (len(shape) - len(index) + 1) + index[at + 1:]
+  if len(index) > len(shape):
+    raise IndexError(f"an operand of shape {shape} read inside a kernel with {len(index)}"
+                     f" indices {index}; index it with at most one entry per axis.")
+
+  def entry(i, n):
+    if isinstance(i, slice):
+      return i
+    if isinstance(i, (int, np.integer)):
+      i = int(i)
+      return min(max(i + n if i < 0 else i, 0), n - 1)
+    if not jnp.issubdtype(i.dtype, jnp.integer):
+      raise TypeError(f"an operand read inside a kernel takes integers, integer arrays and"
+                      f" slices as indices, got {i!r}; index it with integer arrays.")
+    return jnp.clip(jnp.where(i < 0, i + n, i), 0, n - 1)
+  return tuple(entry(i, n) for i, n in zip(index, shape, strict=False))
+
+
+def in_kernel(mod, refs: list):
+  """`mod` (a mask or a `ScoreMod`, a pytree) with its operand leaves replaced by
+  `Operand`s of `refs` (a kernel's refs of those leaves, in leaf order)."""
+  return jax.tree.unflatten(jax.tree.structure(mod), [Operand(r) for r in refs])
+
+
+def change_scores(s, soft_cap: float | None, mod=None):
+  """Scores `s` (float32, scaled) as the softmax reads them before masking: soft-capped
+  (`soft_cap * tanh(s / soft_cap)`; None: not), then changed by `mod` (`s -> (new s,
+  pullback)`, `ScoreMod.vjp` on the block's coordinates, the pullback None where no
+  backward pass follows; None: not); and their pullback `back(d) -> (d of s, [d of each
+  float read of the mod])` for a backward pass."""
+  tanh = mod_back = None
+  if soft_cap is not None:
+    tanh = jnp.tanh(s / soft_cap)
+    s = soft_cap * tanh
+  if mod is not None:
+    s, mod_back = mod(s)
+
+  def back(ds):
+    d_reads = []
+    if mod_back is not None:
+      ds, d_reads = mod_back(ds)
+    if tanh is not None:  # d(cap * tanh(x / cap)) / dx = 1 - tanh^2
+      ds = ds * (1.0 - tanh * tanh)
+    return ds, d_reads
+  return s, back
+
+
+@dataclasses.dataclass(frozen=True)
+class Read:
+  """One read of an operand by a mod's function on a kernel's block (`reads`): whose
+  function (`mask_mod` or `score_mod` and its name), the operand leaf read (`leaf`, its
+  shape) and the shape of the values read (() where one index serves the whole block)."""
+
+  owner: str
+  leaf: tuple[int, ...]
+  shape: tuple[int, ...]
+
+
+def reads(mask, score_mod: ScoreMod | None) -> list[Read]:
+  """The reads of their operands that `mask` and `score_mod` make on a block laid out
+  `[rows, keys]` (the batch row one index, the head, token index and position one per
+  row or per key), found by tracing them abstractly with their operands as `Operand`s.
+
+  Raises:
+    TypeError: a function that uses an operand other than by indexing it (inside a kernel
+      an operand is memory, read by indexing), naming the function and the error.
+  """
+  shapes = [(), (2, 1), (2, 1), (1, 3), (2, 1), (1, 3)]  # b, h, q_idx, kv_idx, positions
+  where = [jax.ShapeDtypeStruct(shape, jnp.int32) for shape in shapes]
+  score = jax.ShapeDtypeStruct((2, 3), jnp.float32)
+  found: list[Read] = []
+
+  def trace(mod, name, run):
+    leaves, treedef = jax.tree.flatten(mod)
+    if not leaves:
+      return
+
+    def record(op, index):
+      value = op.load(index)
+      found.append(Read(name, op.shape, tuple(value.shape)))
+      return value
+
+    def go(score, where, leaves):
+      run(jax.tree.unflatten(treedef, [Operand(x, record) for x in leaves]), score,
+          Coords(*where))
+    try:
+      jax.eval_shape(go, score, where, [jax.ShapeDtypeStruct(x.shape, x.dtype)
+                                        for x in leaves])
+    except Exception as e:  # any error inside the user's function: say whose it is
+      raise TypeError(f"{name} failed on its operands as a kernel holds them: memory that the"
+                      " function reads by indexing (x[b], x[h], x[i, h], w[()] for a 0-d"
+                      f" one), not arrays; {type(e).__name__}: {e}") from e
+  for part in _parts_of(mask):
+    trace(part, f"mask_mod {_name(part.fn)}", lambda m, s, c: m.evaluate(c))
+  if score_mod is not None:
+    trace(score_mod, f"score_mod {_name(score_mod.fn)}", lambda m, s, c: m(s, c))
+  return found
+
+
+def _parts_of(mask) -> list[MaskMod]:
+  """The `MaskMod`s inside `mask` (a combination of masks)."""
+  if isinstance(mask, MaskMod):
+    return [mask]
+  inner = mask.masks if isinstance(mask, (And, Or)) else [mask.mask] if isinstance(
+      mask, Not) else []
+  return [m for part in inner for m in _parts_of(part)]
+
+
+def batch_reads(score_mod: ScoreMod, b) -> list:
+  """The float reads of `score_mod` as `ScoreMod.vjp` lists them, where each reads at an
+  index that depends on the batch row alone (what a kernel that loads only scalars runs,
+  `reads`), evaluated for batch rows `b` (int32 `[B]`, global): (which of
+  `float_operands`, index of arrays `[B]`) each."""
+  leaves, treedef = jax.tree.flatten(score_mod)
+  zero = jnp.zeros((), jnp.int32)
+  coords = Coords(b, zero, zero, zero, zero, zero)
+  found: list = []
+  jax.tree.unflatten(treedef, [Operand(x) for x in leaves]).vjp(
+      jnp.zeros(b.shape, jnp.float32), coords, found)
+  return found

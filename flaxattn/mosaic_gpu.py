@@ -6,7 +6,10 @@ A thread block holds three warpgroups: a producer that copies with TMA the block
 schedule lists into a ring of `stages` shared-memory slots (FULL blocks first, then PARTIAL;
 EMPTY blocks are never loaded), and two consumers of 64 rows each (keys, in dK/dV) that
 multiply with WGMMA on the tensor cores and mask the partial blocks from segment ids and
-positions with the mask's own `allows`, as blockwise and pallas_gpu do. In the forward the
+the mask itself (`masks.allowed`), as blockwise and pallas_gpu do; a score mod changes every
+block's scores. The mods read their operands at one index per block (scalar loads: its
+lowering has no gather), and dQ sums a score mod's operands' gradients per row
+(`_backward`). In the forward the
 consumers take turns on the tensor cores (a barrier both arrive at twice a block), so one's
 softmax runs beside the other's matmuls.
 
@@ -30,15 +33,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from flaxattn import aot, checks, registry
-from flaxattn.blocks import block_schedule, round_up, visit_order
-from flaxattn.masks import Mask
-from flaxattn.rows import RowKernel, Rows
+from flaxattn.blocks import round_up, visit_order
+from flaxattn.mods import ScoreMod, batch_reads, change_scores
+from flaxattn.rows import Bound, Ids, Mods, RowKernel, Rows
 
 ROWS = 64  # a consumer warpgroup's rows (WGMMA's M): query rows, or keys in dK/dV
 CONSUMERS = 2  # consumer warpgroups of a thread block, beside its producer
@@ -93,12 +95,18 @@ class Tiling:
             round_up(keys, math.lcm(TILE, self.keys, self.dq_keys)),
             round_up(d, DIM_UNIT), round_up(dv, DIM_UNIT))
 
-  def forward(self, rows: Rows, *, mask: Mask, scale: float, soft_cap: float | None):
-    return _forward(rows, self, mask=mask, scale=scale, soft_cap=soft_cap)
+  @property
+  def unit(self) -> tuple[int, int]:  # the passes' blocks divide into these
+    return (math.gcd(TILE, self.dkv_rows), math.gcd(TILE, self.keys, self.dq_keys))
 
-  def backward(self, rows: Rows, lse, dout, delta, *, mask: Mask, scale: float,
+  def forward(self, rows: Rows, *, score_mod: ScoreMod | None, scale: float,
+              soft_cap: float | None):
+    return _forward(rows, self, score_mod=score_mod, scale=scale, soft_cap=soft_cap)
+
+  def backward(self, rows: Rows, lse, dout, delta, *, score_mod: ScoreMod | None, scale: float,
                soft_cap: float | None):
-    return _backward(rows, self, lse, dout, delta, mask=mask, scale=scale, soft_cap=soft_cap)
+    return _backward(rows, self, lse, dout, delta, score_mod=score_mod, scale=scale,
+                     soft_cap=soft_cap)
 
 
 # Pieces of the three kernels.
@@ -132,12 +140,11 @@ def _matmul(a, b, shape, meanwhile=None):
 
 def _accumulated(loop, *shapes):
   """The float32 accumulators of `shapes` (zeros) that `loop(*accumulators)` adds WGMMA
-  products into in place, as registers once it is done."""
+  products into in place, as registers once it is done, and what `loop` returns."""
   def body(*accumulators):
-    loop(*accumulators)
-    return tuple(acc[...] for acc in accumulators)
-  out = pl.run_scoped(body, *(_ACC(shape, jnp.float32) for shape in shapes))
-  return out[0] if len(shapes) == 1 else out
+    out = loop(*accumulators)
+    return tuple(acc[...] for acc in accumulators), out
+  return pl.run_scoped(body, *(_ACC(shape, jnp.float32) for shape in shapes))
 
 
 def _spread(x, shape, axis: int):
@@ -145,21 +152,50 @@ def _spread(x, shape, axis: int):
   return lax.broadcast_in_dim(x, shape, [axis])
 
 
-def _scores(s, scale: float, soft_cap: float | None):
-  """Scores in log2 units (exp2 of them is e^(scale x s), soft-capped), and tanh of the
-  capped scores (None without a cap), whose 1 - tanh^2 the backward passes need."""
+def _scores(s, scale: float, soft_cap: float | None, mod=None):
+  """Scores in log2 units (exp2 of them is e^(scale x s), soft-capped, changed by `mod`:
+  `mods.change_scores`) and their pullback for the backward passes. Without a score mod
+  the scale (and cap) fold into one multiply with log2(e)."""
+  if mod is not None:
+    s, back = change_scores(s * scale, soft_cap, mod)
+    return s * _LOG2E, back
   if soft_cap is None:
-    return s * (scale * _LOG2E), None
+    return s * (scale * _LOG2E), lambda ds: (ds, [])
   tanh = jnp.tanh(s * (scale / soft_cap))
-  return tanh * (soft_cap * _LOG2E), tanh
+  # d(cap * tanh(x / cap)) / dx = 1 - tanh^2
+  return tanh * (soft_cap * _LOG2E), lambda ds: (ds * (1.0 - tanh * tanh), [])
 
 
-def _allowed(mask: Mask, q_seg, q_pos, kv_seg, kv_pos, shape, q_axis: int):
-  """bool `shape`: the same non-zero segment id and positions the mask allows, queries
-  along `q_axis` (0: rows; 1: columns, as dK/dV holds them)."""
-  qs, ks = _spread(q_seg, shape, q_axis), _spread(kv_seg, shape, 1 - q_axis)
-  return (qs == ks) & (qs != 0) & mask.allows(_spread(q_pos, shape, q_axis),
-                                              _spread(kv_pos, shape, 1 - q_axis))
+def _ids(batch, block, layout, seg_ref, pos_ref, index_ref=None, head_ref=None) -> Ids:
+  """The `Ids` of batch row `batch`'s rows or keys `block`, in `layout` (`_ROW`: one a row
+  of a WGMMA tile; `_COL`: one a column)."""
+  return Ids.load(lambda ref: _load(ref.at[batch, block], layout), seg_ref, pos_ref,
+                  index_ref, head_ref)
+
+
+def _block_scores(s, scale: float, soft_cap: float | None, at: Bound, partial, ids,
+                  backward: bool = False, reads: list | None = None):
+  """A block's scores `s` (q.k) as `_scores` gives them, masked where `partial` (a
+  run-time bool, `_masked`), and their pullback (`backward`; the score mod's reads'
+  gradients per score where `reads` collects them: `ScoreMod.vjp`, `spread`). `ids()`
+  gives the block's (`Coords`, rows' `Ids`, keys' `Ids`, placing of a vector on the
+  block), loaded only where something reads them: with a score mod every block, else a
+  partial block's mask."""
+  found = None if at.score_mod is None else ids()
+  mod = None if found is None else at.mod(found[0], backward, reads, spread=True)
+  s, back = _scores(s, scale, soft_cap, mod)
+
+  def allowed():
+    return at.allowed(*(found or ids()))
+  return _masked(partial, allowed, s), back
+
+
+def _block_ids(at: Bound, program, groups: int, rows: Ids, keys: Ids, shape, rows_axis: int):
+  """What `_block_scores`'s `ids()` gives for a block of `shape` whose rows (queries) lie
+  along `rows_axis` (0; 1 as dK/dV holds the block, keys along rows)."""
+  def place(x, side):  # side 0: a row's vector, 1: a key's
+    return _spread(x, shape, rows_axis if side == 0 else 1 - rows_axis)
+  return at.coords(program, groups, rows, keys, place), rows, keys, place
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,18 +279,19 @@ def _store(pairs):
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, q_pos_ref, kv_seg_ref, kv_pos_ref, order_ref,
-                    full_ref, partial_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, p_smem,
-                    o_smem, lse_smem, q_loaded, k_loaded, v_loaded, free, turn, *, mask, scale,
-                    soft_cap, tiling):
+                    full_ref, partial_ref, mod_refs, out_ref, lse_ref, q_smem, k_smem, v_smem,
+                    p_smem, o_smem, lse_smem, q_loaded, k_loaded, v_loaded, free, turn, *,
+                    mods: Mods, scale, soft_cap, tiling, groups):
   at = _Tile.here(order_ref, full_ref, partial_ref)
   b, h, wg = at.batch, at.head, at.wg
   keys, stages = tiling.keys, tiling.stages
+  bound = mods.bind(mod_refs)
 
   def consumer():
     rows = at.own()
     q = q_smem.at[wg]
     plgpu.copy_gmem_to_smem(q_ref.at[b, h, rows], q, q_loaded.at[wg])
-    q_seg, q_pos = _load(q_seg_ref.at[b, rows], _ROW), _load(q_pos_ref.at[b, rows], _ROW)
+    row_ids = _ids(b, rows, _ROW, q_seg_ref, q_pos_ref, bound.q_index_ref, bound.q_head_ref)
     plgpu.barrier_wait(q_loaded.at[wg])
     dv = v_smem.shape[-1]
 
@@ -266,13 +303,13 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, q_pos_ref, kv_seg_ref, kv_po
       m, denom, acc = carry
       slot = lax.rem(i, stages)
       plgpu.barrier_wait(k_loaded.at[slot])
-      s, _ = _scores(_matmul(q, k_smem.at[slot].T, (ROWS, keys), take_turn), scale, soft_cap)
+      cols = pl.ds(at.block(i) * keys, keys)
 
-      def allowed():
-        cols = pl.ds(at.block(i) * keys, keys)
-        return _allowed(mask, q_seg, q_pos, _load(kv_seg_ref.at[b, cols], _COL),
-                        _load(kv_pos_ref.at[b, cols], _COL), s.shape, 0)
-      s = _masked(i >= at.full, allowed, s)
+      def ids():
+        keys_ = _ids(b, cols, _COL, kv_seg_ref, kv_pos_ref, bound.kv_index_ref)
+        return _block_ids(bound, (b, h), groups, row_ids, keys_, (ROWS, keys), 0)
+      s, _ = _block_scores(_matmul(q, k_smem.at[slot].T, (ROWS, keys), take_turn), scale,
+                           soft_cap, bound, i >= at.full, ids)
       m_new = jnp.maximum(m, s.max(axis=1))
       # A row that has seen no allowed key keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
       m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -304,71 +341,76 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, q_pos_ref, kv_seg_ref, kv_po
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, q_pos_ref,
-               kv_seg_ref, kv_pos_ref, order_ref, full_ref, partial_ref, dq_ref, q_smem, do_smem,
-               k_smem, v_smem, ds_smem, q_loaded, k_loaded, v_loaded, free, *, mask, scale,
-               soft_cap, tiling):
+               kv_seg_ref, kv_pos_ref, order_ref, full_ref, partial_ref, mod_refs, dq_ref,
+               sums_ref, q_smem, do_smem, k_smem, v_smem, ds_smem, sums_smem, q_loaded, k_loaded,
+               v_loaded, free, *, mods: Mods, scale, soft_cap, tiling, groups, reads: int):
   at = _Tile.here(order_ref, full_ref, partial_ref)
   b, h, wg = at.batch, at.head, at.wg
   keys, stages = tiling.dq_keys, tiling.stages
+  bound = mods.bind(mod_refs)
 
   def consumer():
     rows = at.own()
     q, do = q_smem.at[wg], do_smem.at[wg]
     plgpu.copy_gmem_to_smem(q_ref.at[b, h, rows], q, q_loaded.at[2 * wg])
     plgpu.copy_gmem_to_smem(do_ref.at[b, h, rows], do, q_loaded.at[2 * wg + 1])
-    q_seg, q_pos = _load(q_seg_ref.at[b, rows], _ROW), _load(q_pos_ref.at[b, rows], _ROW)
+    row_ids = _ids(b, rows, _ROW, q_seg_ref, q_pos_ref, bound.q_index_ref, bound.q_head_ref)
     lse = _load(lse_ref.at[b, h, rows], _ROW) * _LOG2E
     delta = _load(delta_ref.at[b, h, rows], _ROW)
     plgpu.barrier_wait(q_loaded.at[2 * wg])
     plgpu.barrier_wait(q_loaded.at[2 * wg + 1])
     dp = q_smem.shape[-1]
 
-    def step(dq, i, carry):
+    def step(dq, i, sums):
       slot = lax.rem(i, stages)
       plgpu.barrier_wait(k_loaded.at[slot])
       s = _matmul(q, k_smem.at[slot].T, (ROWS, keys))
       plgpu.barrier_wait(v_loaded.at[slot])
       dprob = _matmul(do, v_smem.at[slot].T, (ROWS, keys))
-      s, tanh = _scores(s, scale, soft_cap)
+      cols = pl.ds(at.block(i) * keys, keys)
 
-      def allowed():
-        cols = pl.ds(at.block(i) * keys, keys)
-        return _allowed(mask, q_seg, q_pos, _load(kv_seg_ref.at[b, cols], _COL),
-                        _load(kv_pos_ref.at[b, cols], _COL), s.shape, 0)
-      s = _masked(i >= at.full, allowed, s)
+      def ids():
+        keys_ = _ids(b, cols, _COL, kv_seg_ref, kv_pos_ref, bound.kv_index_ref)
+        return _block_ids(bound, (b, h), groups, row_ids, keys_, (ROWS, keys), 0)
+      found = [] if reads else None
+      s, back = _block_scores(s, scale, soft_cap, bound, i >= at.full, ids, True, found)
       p = jnp.exp2(s - _spread(lse, s.shape, 0))
-      ds = p * (dprob - _spread(delta, s.shape, 0))
-      if tanh is not None:  # d(cap * tanh(x / cap)) / dx = 1 - tanh^2
-        ds = ds * (1.0 - tanh * tanh)
+      ds, d_reads = back(p * (dprob - _spread(delta, s.shape, 0)))
       ds_smem.at[wg][...] = ds.astype(ds_smem.dtype)
       plgpu.commit_smem()
       plgpu.wgmma(dq, ds_smem.at[wg], k_smem.at[slot])
       plgpu.wgmma_wait(0)  # done reading the slot
       plgpu.barrier_arrive(free.at[slot])
-      return carry
+      # The score mod's reads' gradients, summed per row (the lowering reduces one axis at
+      # a time); `_backward` sums the rows and adds them at the reads' indices.
+      return tuple(total + d.sum(axis=1) for total, d in zip(sums, d_reads, strict=True))
 
-    dq = _accumulated(lambda dq: lax.fori_loop(0, at.n, functools.partial(step, dq), None),
-                      (ROWS, dp))
-    _store([(dq * scale, q, dq_ref.at[b, h, rows])])
+    zeros = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), _ROW)
+    (dq,), sums = _accumulated(lambda dq: lax.fori_loop(
+        0, at.n, functools.partial(step, dq), (zeros,) * reads), (ROWS, dp))
+    _store([(dq * scale, q, dq_ref.at[b, h, rows]),  # the sums' refs: a list of one or none
+            *((total, sums_smem[0].at[n, wg], sums_ref[0].at[n, b, h, rows])
+              for n, total in enumerate(sums))])
 
   at.run(keys, stages, [(k_ref, k_smem, k_loaded), (v_ref, v_smem, v_loaded)], free, consumer)
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, q_pos_ref,
-                kv_seg_ref, kv_pos_ref, order_ref, full_ref, partial_ref, dk_ref, dv_ref, k_smem,
-                v_smem, q_smem, do_smem, lse_smem, delta_smem, p_smem, ds_smem, kv_loaded,
-                q_loaded, do_loaded, lse_loaded, delta_loaded, free, *, mask, scale, soft_cap,
-                tiling):
+                kv_seg_ref, kv_pos_ref, order_ref, full_ref, partial_ref, mod_refs, dk_ref, dv_ref,
+                k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, p_smem, ds_smem, kv_loaded,
+                q_loaded, do_loaded, lse_loaded, delta_loaded, free, *, mods: Mods, scale,
+                soft_cap, tiling, groups):
   at = _Tile.here(order_ref, full_ref, partial_ref)
   b, h, wg = at.batch, at.head, at.wg
   block, stages = tiling.dkv_rows, tiling.stages
+  bound = mods.bind(mod_refs)
 
   def consumer():
     keys = at.own()
     k, v = k_smem.at[wg], v_smem.at[wg]
     plgpu.copy_gmem_to_smem(k_ref.at[b, h, keys], k, kv_loaded.at[2 * wg])
     plgpu.copy_gmem_to_smem(v_ref.at[b, h, keys], v, kv_loaded.at[2 * wg + 1])
-    kv_seg, kv_pos = _load(kv_seg_ref.at[b, keys], _ROW), _load(kv_pos_ref.at[b, keys], _ROW)
+    key_ids = _ids(b, keys, _ROW, kv_seg_ref, kv_pos_ref, bound.kv_index_ref)
     plgpu.barrier_wait(kv_loaded.at[2 * wg])
     plgpu.barrier_wait(kv_loaded.at[2 * wg + 1])
     dp, dvp = k_smem.shape[-1], v_smem.shape[-1]
@@ -377,13 +419,13 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, q_po
     def step(dk, dv, i, carry):
       slot = lax.rem(i, stages)
       plgpu.barrier_wait(q_loaded.at[slot])
-      s, tanh = _scores(_matmul(k, q_smem.at[slot].T, shape), scale, soft_cap)
+      cols = pl.ds(at.block(i) * block, block)
 
-      def allowed():
-        cols = pl.ds(at.block(i) * block, block)
-        return _allowed(mask, _load(q_seg_ref.at[b, cols], _COL),
-                        _load(q_pos_ref.at[b, cols], _COL), kv_seg, kv_pos, shape, 1)
-      s = _masked(i >= at.full, allowed, s)
+      def ids():
+        rows = _ids(b, cols, _COL, q_seg_ref, q_pos_ref, bound.q_index_ref, bound.q_head_ref)
+        return _block_ids(bound, (b, h), groups, rows, key_ids, shape, 1)
+      s, back = _block_scores(_matmul(k, q_smem.at[slot].T, shape), scale, soft_cap, bound,
+                              i >= at.full, ids, backward=True)
       plgpu.barrier_wait(lse_loaded.at[slot])
       p = jnp.exp2(s - _spread(_load(lse_smem.at[slot], _COL) * _LOG2E, shape, 1))
       p_smem.at[wg][...] = p.astype(p_smem.dtype)
@@ -392,9 +434,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, q_po
       plgpu.wgmma(dv, p_smem.at[wg], do_smem.at[slot])  # runs on while dP is computed
       dprob = _matmul(v, do_smem.at[slot].T, shape)
       plgpu.barrier_wait(delta_loaded.at[slot])
-      ds = p * (dprob - _spread(_load(delta_smem.at[slot], _COL), shape, 1))
-      if tanh is not None:  # d(cap * tanh(x / cap)) / dx = 1 - tanh^2
-        ds = ds * (1.0 - tanh * tanh)
+      ds, _ = back(p * (dprob - _spread(_load(delta_smem.at[slot], _COL), shape, 1)))
       ds_smem.at[wg][...] = ds.astype(ds_smem.dtype)
       plgpu.commit_smem()
       plgpu.wgmma(dk, ds_smem.at[wg], q_smem.at[slot])
@@ -404,7 +444,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, q_po
 
     def loop(dk, dv):
       lax.fori_loop(0, at.n, functools.partial(step, dk, dv), None)
-    dk, dv = _accumulated(loop, (ROWS, dp), (ROWS, dvp))
+    (dk, dv), _ = _accumulated(loop, (ROWS, dp), (ROWS, dvp))
     _store([(dk * scale, k, dk_ref.at[b, h, keys]), (dv, v, dv_ref.at[b, h, keys])])
 
   at.run(block, stages, [(q_ref, q_smem, q_loaded), (do_ref, do_smem, do_loaded),
@@ -415,14 +455,11 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, q_po
 # The calls.
 
 
-def _schedule(ops: Rows, mask: Mask, q_block: int, kv_block: int, axis: int):
+def _schedule(ops: Rows, q_block: int, kv_block: int, axis: int):
   """The visiting order (int32 `[B, tiles, m]`) and the counts of FULL and PARTIAL blocks
   (`[B, tiles]`) of query blocks of `q_block` rows against key blocks of `kv_block`, for
   tiles along axis 3 - `axis` (`blocks.visit_order`)."""
-  q_seg, q_pos, kv_seg, kv_pos = ops.ids
-  kinds = block_schedule(jnp, mask, q_seg, kv_seg, q_pos, kv_pos, q_block,
-                         kv_block).astype(np.int8)
-  order, full, partial = visit_order(jnp, kinds, axis)
+  order, full, partial = visit_order(jnp, ops.kinds(q_block, kv_block), axis)
   return order.astype(jnp.int32), full, partial
 
 
@@ -457,13 +494,15 @@ def _call(body, name: str, ops: Rows, tiling: Tiling, tiles: int, inputs, output
                       interpret=_interpret_params() if tiling.interpret else None)(*inputs)
 
 
-def _forward(ops: Rows, tiling: Tiling, *, mask: Mask, scale: float, soft_cap: float | None):
+def _forward(ops: Rows, tiling: Tiling, *, score_mod: ScoreMod | None, scale: float,
+             soft_cap: float | None):
   """out `[B, K, Rp, Dvp]` (q's dtype) and lse `[B, K, Rp]` float32: a thread block per
   tile of 128 rows, looping over its key blocks."""
   b, hkv, rows_pad, dp = ops.q_BKRD.shape
   dvp, dtype, stages = ops.v_BKSD.shape[-1], ops.q_BKRD.dtype, tiling.stages
   ops = _apart(ops, forward=True)
-  order, full, partial = _schedule(ops, mask, TILE, tiling.keys, axis=2)
+  order, full, partial = _schedule(ops, TILE, tiling.keys, axis=2)
+  mods, toks = Mods(ops.mask, score_mod), ops.toks
   scratch = [_smem((CONSUMERS, ROWS, dp), dtype), _smem((stages, tiling.keys, dp), dtype),
              _smem((stages, tiling.keys, dvp), dtype), _smem((CONSUMERS, ROWS, tiling.keys), dtype),
              None if dvp == dp else _smem((CONSUMERS, ROWS, dvp), dtype),  # else q's
@@ -471,38 +510,51 @@ def _forward(ops: Rows, tiling: Tiling, *, mask: Mask, scale: float, soft_cap: f
              plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
              plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
              plgpu.Barrier(num_arrivals=CONSUMERS)]
-  body = functools.partial(_forward_kernel, mask=mask, scale=scale, soft_cap=soft_cap,
-                           tiling=tiling)
+  body = functools.partial(_forward_kernel, mods=mods, scale=scale, soft_cap=soft_cap,
+                           tiling=tiling, groups=toks.groups)
   outputs = (jax.ShapeDtypeStruct((b, hkv, rows_pad, dvp), dtype),
              jax.ShapeDtypeStruct((b, hkv, rows_pad), jnp.float32))
   return _call(body, "mosaic_forward", ops, tiling, rows_pad // TILE,
-               (ops.q_BKRD, ops.k_BKSD, ops.v_BKSD, *ops.ids, order, full, partial), outputs,
-               scratch)
+               (ops.q_BKRD, ops.k_BKSD, ops.v_BKSD, toks.q_seg, toks.q_pos, toks.kv_seg,
+                toks.kv_pos, order, full, partial, mods.inputs(toks)), outputs, scratch)
 
 
-def _backward(ops: Rows, tiling: Tiling, lse, dout, delta, *, mask: Mask, scale: float,
-              soft_cap: float | None):
-  """dq `[B, K, Rp, Dp]`, dk `[B, K, Sp, Dp]`, dv `[B, K, Sp, Dvp]` (`RowTiling.backward`):
-  dQ a thread block per tile of 128 rows looping over its key blocks, dK/dV one per tile
-  of 128 keys looping over its query blocks."""
+def _backward(ops: Rows, tiling: Tiling, lse, dout, delta, *, score_mod: ScoreMod | None,
+              scale: float, soft_cap: float | None):
+  """dq `[B, K, Rp, Dp]`, dk `[B, K, Sp, Dp]`, dv `[B, K, Sp, Dvp]` and the score mod's
+  operands' gradients (`RowTiling.backward`): dQ a thread block per tile of 128 rows
+  looping over its key blocks, dK/dV one per tile of 128 keys looping over its query
+  blocks. dQ sums the gradient of each of the score mod's float reads per row `[reads, B,
+  K, Rp]` (O(T) memory each); each read's index depends on the batch row alone (scalar
+  loads, `MosaicGpu.reason`), so the rows' sums of a batch row are added at the index the
+  score mod reads for it (`mods.batch_reads`)."""
   dp, dvp = ops.q_BKRD.shape[-1], ops.v_BKSD.shape[-1]
   dtype, stages, keys, block = ops.q_BKRD.dtype, tiling.stages, tiling.dq_keys, tiling.dkv_rows
-  options = dict(mask=mask, scale=scale, soft_cap=soft_cap, tiling=tiling)
   ops = _apart(ops, forward=False)
-  operands = (ops.q_BKRD, ops.k_BKSD, ops.v_BKSD, dout.astype(dtype), lse, delta, *ops.ids)
+  mods, toks = Mods(ops.mask, score_mod), ops.toks
+  b = ops.q_BKRD.shape[0]
+  found = [] if score_mod is None else batch_reads(
+      score_mod, toks.row_offset + jnp.arange(b, dtype=jnp.int32))
+  options = dict(mods=mods, scale=scale, soft_cap=soft_cap, tiling=tiling, groups=toks.groups)
+  operands = (ops.q_BKRD, ops.k_BKSD, ops.v_BKSD, dout.astype(dtype), lse, delta, toks.q_seg,
+              toks.q_pos, toks.kv_seg, toks.kv_pos)
   slots = plgpu.Barrier(num_barriers=stages)
   free = plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages)
-  dq = _call(functools.partial(_dq_kernel, **options), "mosaic_dq", ops, tiling,
-             ops.q_BKRD.shape[2] // TILE,
-             (*operands, *_schedule(ops, mask, TILE, keys, axis=2)),
-             jax.ShapeDtypeStruct(ops.q_BKRD.shape, dtype),
-             [_smem((CONSUMERS, ROWS, dp), dtype), _smem((CONSUMERS, ROWS, dvp), dtype),
-              _smem((stages, keys, dp), dtype), _smem((stages, keys, dvp), dtype),
-              _smem((CONSUMERS, ROWS, keys), dtype),
-              plgpu.Barrier(num_barriers=CONSUMERS * 2), slots, slots, free])
+  sums = [(len(found), *ops.q_BKRD.shape[:3])] if found else []
+  dq, sums = _call(
+      functools.partial(_dq_kernel, reads=len(found), **options), "mosaic_dq", ops, tiling,
+      ops.q_BKRD.shape[2] // TILE,
+      (*operands, *_schedule(ops, TILE, keys, axis=2), mods.inputs(toks)),
+      (jax.ShapeDtypeStruct(ops.q_BKRD.shape, dtype),
+       [jax.ShapeDtypeStruct(shape, jnp.float32) for shape in sums]),
+      [_smem((CONSUMERS, ROWS, dp), dtype), _smem((CONSUMERS, ROWS, dvp), dtype),
+       _smem((stages, keys, dp), dtype), _smem((stages, keys, dvp), dtype),
+       _smem((CONSUMERS, ROWS, keys), dtype),
+       [plgpu.SMEM((len(found), CONSUMERS, ROWS), jnp.float32) for _ in sums],
+       plgpu.Barrier(num_barriers=CONSUMERS * 2), slots, slots, free])
   dk, dv = _call(functools.partial(_dkv_kernel, **options), "mosaic_dkv", ops, tiling,
                  ops.k_BKSD.shape[2] // TILE,
-                 (*operands, *_schedule(ops, mask, block, TILE, axis=1)),
+                 (*operands, *_schedule(ops, block, TILE, axis=1), mods.inputs(toks)),
                  (jax.ShapeDtypeStruct(ops.k_BKSD.shape, dtype),
                   jax.ShapeDtypeStruct(ops.v_BKSD.shape, dtype)),
                  [_smem((CONSUMERS, ROWS, dp), dtype), _smem((CONSUMERS, ROWS, dvp), dtype),
@@ -511,14 +563,21 @@ def _backward(ops: Rows, tiling: Tiling, lse, dout, delta, *, mask: Mask, scale:
                   plgpu.SMEM((stages, block), jnp.float32),
                   _smem((CONSUMERS, ROWS, block), dtype), _smem((CONSUMERS, ROWS, block), dtype),
                   plgpu.Barrier(num_barriers=CONSUMERS * 2), slots, slots, slots, slots, free])
-  return dq, dk, dv
+  d_ops = mods.gradients()
+  for (operand, index), total in zip(found, [x.sum((2, 3)) for x in sums][0] if sums else [],
+                                     strict=True):
+    # An index without arrays reads the same element for every batch row.
+    batched = any(jnp.ndim(i) for i in index)
+    d_ops[operand] = d_ops[operand].at[index].add(total if batched else total.sum())
+  return dq, dk, dv, d_ops
 
 
 @dataclasses.dataclass(frozen=True)
 class MosaicGpu(RowKernel):
   """`backend="mosaic_gpu"`: flash attention as warp-specialized Mosaic GPU kernels for
   Hopper (sm_90) in bfloat16 or float16, head dims up to 128 (GPU interpret mode elsewhere);
-  every mask, packed rows, GQA, soft cap, Dv != D and the ring.
+  every mask, packed rows, GQA, soft cap, Dv != D and the ring; programmable masks and
+  scores whose operands are read at one index per block (`RowKernel.mods_reason`).
 
   `block_kv`: keys per block of the forward, `block_kv_dq`: of dQ, `block_q_dkv`: query
   rows per block of dK/dV (a row is one query head of one token), multiples of 64 up to
@@ -538,6 +597,7 @@ class MosaicGpu(RowKernel):
   interpret: bool | None = None
   name: str = "mosaic_gpu"
   interpreter = "GPU interpret mode"
+  gathers = False  # Mosaic GPU's lowering loads scalars or whole tiles (`mods_reason`)
   ring: bool = True
   soft_cap: bool = True
 
@@ -576,7 +636,7 @@ class MosaicGpu(RowKernel):
               " several interpreted kernels (a forward and backward hung in 3 of 4 runs);"
               " start JAX with XLA_FLAGS=--xla_force_host_platform_device_count=2 or more,"
               " or use 'pallas_gpu'.")
-    return None
+    return self.mods_reason(call)
 
   def tiling(self, q, k, v, chunk: int | None = None) -> Tiling:
     """This kernel's `Tiling`: its block sizes where set, else `Tiling`'s (blocks do not

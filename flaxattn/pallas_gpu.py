@@ -3,8 +3,11 @@
 Three `pallas_call`s, forward, dQ and dK/dV, on the run-time block schedule of
 `flaxattn.blocks` (the blockwise kernel's): each query block loops over its key blocks
 (each key block over its query blocks in dK/dV) in two loops, the full blocks unmasked,
-then the partial ones masked from segment ids and positions with the mask's own `allows`;
-empty blocks are never visited. Neither loop branches, so Triton pipelines each loop's
+then the partial ones masked from segment ids and the mask itself (`masks.allowed`: a
+MaskMod's function evaluated on the block); empty blocks are never visited. A score mod
+changes every block's scores; the mods read their operands by gathers, and dQ adds the
+score mod's operands' gradients by atomic adds (`flaxattn.rows`, `Mods`). Neither loop
+branches, so Triton pipelines each loop's
 reads ahead of its matmuls (`blocks.visit_order`). GQA folds the G query heads of a KV head
 into the rows of a query block, ordered (token, group), so K/V are never repeated; each row
 carries its token's segment id and position. Lowered for "gpu" it is compiled Triton
@@ -19,14 +22,15 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
+from jax.ref import addupdate
 
 from flaxattn import aot, checks, registry
-from flaxattn.blocks import block_schedule, round_up, visit_order
-from flaxattn.masks import Mask, values_apart
-from flaxattn.rows import RowKernel, Rows
+from flaxattn.blocks import round_up, visit_order
+from flaxattn.masks import Coords, values_apart
+from flaxattn.mods import ScoreMod, change_scores
+from flaxattn.rows import Bound, Ids, Mods, RowKernel, Rows
 
 # Triton's dots take operands of at least 16 x 16, and its tensors have power-of-two sizes.
 MIN_BLOCK = 16
@@ -80,12 +84,17 @@ class Tiling:
   def padding(self, rows: int, keys: int, d: int, dv: int) -> tuple[int, int, int, int]:
     return round_up(rows, self.rows), round_up(keys, self.keys), _pow2(d), _pow2(dv)
 
-  def forward(self, rows: Rows, *, mask: Mask, scale: float, soft_cap: float | None):
-    return _forward_rows(rows, self, mask=mask, scale=scale, soft_cap=soft_cap)
+  @property
+  def unit(self) -> tuple[int, int]:  # every pass's blocks
+    return self.rows, self.keys
 
-  def backward(self, rows: Rows, lse, dout, delta, *, mask: Mask, scale: float,
+  def forward(self, rows: Rows, *, score_mod: ScoreMod | None, scale: float,
+              soft_cap: float | None):
+    return _forward_rows(rows, self, score_mod=score_mod, scale=scale, soft_cap=soft_cap)
+
+  def backward(self, rows: Rows, lse, dout, delta, *, score_mod: ScoreMod | None, scale: float,
                soft_cap: float | None):
-    return _backward_rows(rows, self, lse, dout, delta, mask=mask, scale=scale,
+    return _backward_rows(rows, self, lse, dout, delta, score_mod=score_mod, scale=scale,
                           soft_cap=soft_cap)
 
 
@@ -100,20 +109,46 @@ def _dot(a, b, contract: tuple[int, int]):
                              preferred_element_type=jnp.float32)
 
 
-def _scores(q, k, scale: float, soft_cap: float | None):
-  """Scaled scores `[rows, keys]` float32, soft-capped, and tanh of the capped scores (None
-  without a cap), whose 1 - tanh^2 the backward passes need."""
-  s = _dot(q, k, (1, 1)) * scale
-  if soft_cap is None:
-    return s, None
-  tanh = jnp.tanh(s / soft_cap)
-  return soft_cap * tanh, tanh
+def _scores(q, k, scale: float, soft_cap: float | None, mod=None):
+  """Scaled scores `[rows, keys]` float32 as the softmax reads them before masking
+  (`mods.change_scores`: soft-capped, then changed by `mod`), and their pullback for the
+  backward passes."""
+  return change_scores(_dot(q, k, (1, 1)) * scale, soft_cap, mod)
 
 
-def _allowed(mask: Mask, q_seg, kv_seg, q_pos, kv_pos):
-  """`[rows, keys]` bool: the same non-zero segment id, and positions the mask allows."""
-  same = (q_seg[:, None] == kv_seg[None, :]) & (q_seg[:, None] != 0)
-  return same & mask.allows(q_pos[:, None], kv_pos[None, :])
+def _program():
+  """The program's (batch row, KV head), read at the kernel's top: Pallas interpret mode
+  resolves program ids there, not inside a loop's body."""
+  return pl.program_id(0), pl.program_id(1)
+
+
+def _place(x, side: int):
+  """A row's (side 0) or key's (side 1) vector on a block's `[rows, keys]` axes."""
+  return x[:, None] if side == 0 else x[None, :]
+
+
+def _ids(block, seg_ref, pos_ref, index_ref=None, head_ref=None) -> Ids:
+  """The `Ids` of a block (`pl.ds`, or `slice(None)` for the whole block the program holds)."""
+  return Ids.load(lambda ref: ref[block], seg_ref, pos_ref, index_ref, head_ref)
+
+
+def _allowed(at: Bound, where: Coords, rows: Ids, keys: Ids):
+  """`[rows, keys]` bool: the same non-zero segment id, and the mask allows the pair."""
+  return at.allowed(where, rows, keys, _place)
+
+
+def _block_mods(at: Bound, masked: bool, program, groups: int, load_ids,
+                backward: bool = False, reads: list | None = None):
+  """What a block needs of the mask and score mod: its `allowed` (a function; None for a
+  full block) and score `mod` (`Bound.mod`, for a `backward` pass, `reads` collecting its
+  reads; None without a score mod). `load_ids()` gives the rows' and keys' `Ids`, loaded
+  only where something reads them (a full block without a score mod reads no ids)."""
+  if not masked and at.score_mod is None:
+    return None, None
+  rows, keys = load_ids()
+  where = at.coords(program, groups, rows, keys, _place)
+  allowed = (lambda: _allowed(at, where, rows, keys)) if masked else None
+  return allowed, at.mod(where, backward, reads)
 
 
 def _visit(order_ref, full_ref, partial_ref, update, carry):
@@ -128,17 +163,22 @@ def _visit(order_ref, full_ref, partial_ref, update, carry):
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, q_pos_ref, kv_seg_ref, kv_pos_ref, order_ref,
-                    full_ref, partial_ref, out_ref, lse_ref, *, mask, scale, soft_cap, keys):
-  q, q_seg, q_pos = q_ref[...], q_seg_ref[...], q_pos_ref[...]
-  rows, dv = q.shape[0], v_ref.shape[-1]
+                    full_ref, partial_ref, *refs, mods: Mods, scale, soft_cap, keys, groups):
+  *mod_refs, out_ref, lse_ref = refs
+  at, program = mods.bind(mod_refs), _program()
+  q = q_ref[...]
+  rows = _ids(slice(None), q_seg_ref, q_pos_ref, at.q_index_ref, at.q_head_ref)
+  dv = v_ref.shape[-1]
 
   def update(masked, j, carry):
     m, denom, acc = carry
     cols = pl.ds(j * keys, keys)
-    s, _ = _scores(q, k_ref[cols, :], scale, soft_cap)
+    allowed, mod = _block_mods(at, masked, program, groups, lambda: (rows, _ids(
+        cols, kv_seg_ref, kv_pos_ref, at.kv_index_ref)))
+    s, _ = _scores(q, k_ref[cols, :], scale, soft_cap, mod)
     v = v_ref[cols, :]
-    if masked:
-      allowed = _allowed(mask, q_seg, kv_seg_ref[cols], q_pos, kv_pos_ref[cols])
+    if allowed is not None:
+      allowed = allowed()
       s = jnp.where(allowed, s, -jnp.inf)
       v, seen_bad = values_apart(v, allowed)
     m_new = jnp.maximum(m, s.max(-1))
@@ -151,8 +191,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, q_pos_ref, kv_seg_ref, kv_po
       pv = jnp.where(seen_bad[:, None], jnp.nan, pv)
     return m_new, alpha * denom + p.sum(-1), alpha[:, None] * acc + pv
 
-  init = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32),
-          jnp.zeros((rows, dv), jnp.float32))
+  init = (jnp.full((q.shape[0],), -jnp.inf, jnp.float32),
+          jnp.zeros((q.shape[0],), jnp.float32), jnp.zeros((q.shape[0], dv), jnp.float32))
   m, denom, acc = _visit(order_ref, full_ref, partial_ref, update, init)
   empty = denom == 0.0
   safe = jnp.where(empty, 1.0, denom)
@@ -160,37 +200,46 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, q_pos_ref, kv_seg_ref, kv_po
   lse_ref[...] = jnp.where(empty, -jnp.inf, m + jnp.log(safe))
 
 
-def _probs_and_grads(q, k, v, do, lse, delta, allowed, scale, soft_cap):
+def _probs_and_grads(q, k, v, do, lse, delta, allowed, scale, soft_cap, mod):
   """p and dS of one block (dS: the loss's gradient w.r.t. the scaled scores before the
-  cap; the scale itself is applied to dQ and dK once, at the end), and k as dQ takes it.
-  `allowed` (a partial block): masked-out keys' non-finite keys and values are zeroed, so
-  they reach neither dP nor dQ."""
+  cap; the scale itself is applied to dQ and dK once, at the end), k as dQ takes it, and
+  the gradients of the score mod's float reads (`mods.change_scores`). `allowed` (a
+  partial block): masked-out keys' non-finite keys and values are zeroed, so they reach
+  neither dP nor dQ."""
   if allowed is not None:
     ok = allowed()
     k, v = (values_apart(x, ok)[0] for x in (k, v))
-  s, tanh = _scores(q, k, scale, soft_cap)
+  s, back = _scores(q, k, scale, soft_cap, mod)
   if allowed is not None:
     s = jnp.where(ok, s, -jnp.inf)
   p = jnp.exp(s - lse[:, None])
-  ds = p * (_dot(do, v, (1, 1)) - delta[:, None])
-  if tanh is not None:  # d(cap * tanh(x / cap)) / dx = 1 - tanh^2
-    ds = ds * (1.0 - tanh * tanh)
-  return p, ds, k
+  ds, d_reads = back(p * (_dot(do, v, (1, 1)) - delta[:, None]))
+  return p, ds, k, d_reads
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, q_pos_ref, kv_seg_ref,
-               kv_pos_ref, order_ref, full_ref, partial_ref, dq_ref, *, mask, scale, soft_cap,
-               keys):
+               kv_pos_ref, order_ref, full_ref, partial_ref, *refs, mods: Mods, scale, soft_cap,
+               keys, groups):
+  # The score mod's gradients are added into outputs aliased to zeros inputs (`_pass`).
+  n = mods.floats
+  mod_refs, dq_ref, grad_refs = refs[:len(refs) - 1 - 2 * n], refs[-1 - n], refs[len(refs) - n:]
+  at, program = mods.bind(mod_refs), _program()
   q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
-  q_seg, q_pos = q_seg_ref[...], q_pos_ref[...]
+  rows = _ids(slice(None), q_seg_ref, q_pos_ref, at.q_index_ref, at.q_head_ref)
 
   def update(masked, j, dq):
     cols = pl.ds(j * keys, keys)
-    k = k_ref[cols, :]
-    def allowed():
-      return _allowed(mask, q_seg, kv_seg_ref[cols], q_pos, kv_pos_ref[cols])
-    _, ds, k = _probs_and_grads(q, k, v_ref[cols, :], do, lse, delta,
-                                allowed if masked else None, scale, soft_cap)
+    reads = []
+    allowed, mod = _block_mods(at, masked, program, groups, lambda: (rows, _ids(
+        cols, kv_seg_ref, kv_pos_ref, at.kv_index_ref)), True, reads)
+    _, ds, k, d_reads = _probs_and_grads(q, k_ref[cols, :], v_ref[cols, :], do, lse, delta,
+                                         allowed, scale, soft_cap, mod)
+    # Each read's gradient is added at the indices it read, which elements of a block and
+    # other programs share: atomic adds in Triton, a scatter-add in interpret mode
+    # (`addupdate`; interpret mode's `pl_triton.atomic_add` counts an index that
+    # repeats within one add once).
+    for (operand, index), d in zip(reads, d_reads, strict=True):
+      addupdate(grad_refs[operand], (0, *index), d)
     return dq + _dot(ds.astype(k.dtype), k, (1, 0))
 
   dq = _visit(order_ref, full_ref, partial_ref, update, jnp.zeros(q.shape, jnp.float32))
@@ -198,18 +247,21 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, q_pos
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, q_pos_ref, kv_seg_ref,
-                kv_pos_ref, order_ref, full_ref, partial_ref, dk_ref, dv_ref, *, mask, scale,
-                soft_cap, rows):
-  k, v, kv_seg, kv_pos = k_ref[...], v_ref[...], kv_seg_ref[...], kv_pos_ref[...]
+                kv_pos_ref, order_ref, full_ref, partial_ref, *refs, mods: Mods, scale, soft_cap,
+                rows, groups):
+  *mod_refs, dk_ref, dv_ref = refs
+  at, program = mods.bind(mod_refs), _program()
+  k, v = k_ref[...], v_ref[...]
+  keys = _ids(slice(None), kv_seg_ref, kv_pos_ref, at.kv_index_ref)
 
   def update(masked, i, carry):
     dk, dv = carry
     block = pl.ds(i * rows, rows)
     q, do = q_ref[block, :], do_ref[block, :]
-    def allowed():
-      return _allowed(mask, q_seg_ref[block], kv_seg, q_pos_ref[block], kv_pos)
-    p, ds, _ = _probs_and_grads(q, k, v, do, lse_ref[block], delta_ref[block],
-                                allowed if masked else None, scale, soft_cap)
+    allowed, mod = _block_mods(at, masked, program, groups, lambda: (_ids(
+        block, q_seg_ref, q_pos_ref, at.q_index_ref, at.q_head_ref), keys), True)
+    p, ds, _, _ = _probs_and_grads(q, k, v, do, lse_ref[block], delta_ref[block], allowed,
+                                   scale, soft_cap, mod)
     return dk + _dot(ds.astype(q.dtype), q, (0, 0)), dv + _dot(p.astype(do.dtype), do, (0, 0))
 
   init = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
@@ -220,11 +272,15 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, q_po
 
 # The three calls on rows (`flaxattn.rows`).
 
+WHOLE = "whole"  # a `_spec` block: the whole array for every program (an operand, its gradient)
 
-def _spec(x, block: int | None) -> pl.BlockSpec:
+
+def _spec(x, block: int | str | None) -> pl.BlockSpec:
   """The BlockSpec of `x` on the grid (batch, KV head, n): `[B, K, L, ...]` per (batch, KV
   head) or `[B, L]` per batch row, cut along L into blocks of `block` (block n), or whole
-  (None)."""
+  (None); or `x` whole for every program (`WHOLE`)."""
+  if isinstance(block, str):  # WHOLE
+    return pl.BlockSpec(x.shape, lambda b, h, n: (0,) * x.ndim)
   lead = 2 if x.ndim >= 3 else 1
   tail = x.shape[lead + 1:]
   def index(b, h, n):
@@ -240,14 +296,21 @@ def _schedule_operands(kinds, axis: int):
   return order.reshape(order.shape[0], -1), full, partial
 
 
-def _pass(kernel, ops: Rows, tiling: Tiling, name: str, blocks: int, inputs, outputs):
+def _pass(kernel, ops: Rows, tiling: Tiling, name: str, blocks: int, inputs, outputs,
+          added=()):
   """One `pallas_call` on the grid (batch, KV head, `blocks`); `inputs` and `outputs` are
-  (array or ShapeDtypeStruct, block size or None) pairs (see `_spec`)."""
+  (array or ShapeDtypeStruct, block size or None) pairs (see `_spec`). `added`: float32
+  arrays the kernel adds into whole (atomic adds), outputs after `outputs`, each aliased
+  to an input of its initial value after `inputs`."""
   b, hkv = ops.q_BKRD.shape[:2]
+  inputs = [*inputs, *((x, WHOLE) for x in added)]
+  outputs = [*outputs, *((x, WHOLE) for x in added)]
   call = pl.pallas_call(
       kernel, grid=(b, hkv, blocks), in_specs=[_spec(x, n) for x, n in inputs],
       out_specs=[_spec(x, n) for x, n in outputs],
       out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x, _ in outputs],
+      input_output_aliases={len(inputs) - len(added) + i: len(outputs) - len(added) + i
+                            for i in range(len(added))},
       compiler_params=pl_triton.CompilerParams(num_warps=tiling.num_warps,
                                                num_stages=tiling.num_stages),
       interpret=tiling.interpret, name=name)
@@ -256,58 +319,65 @@ def _pass(kernel, ops: Rows, tiling: Tiling, name: str, blocks: int, inputs, out
     return call(*[x for x, _ in inputs])
 
 
-def _schedule(ops: Rows, mask: Mask, tiling: Tiling):
-  """The block schedule `[B, nq, nk]` int8 (`blocks.block_schedule`): (T x G / block_q) x
-  (S / block_kv) entries per batch row."""
-  q_seg, q_pos, kv_seg, kv_pos = ops.ids
-  return block_schedule(jnp, mask, q_seg, kv_seg, q_pos, kv_pos, tiling.rows,
-                        tiling.keys).astype(np.int8)
+def _mod_inputs(mods: Mods, ops: Rows, row_block: int | None, key_block: int | None):
+  """`mods.inputs` with their blocks: rows' and keys' ids as `row_block` and `key_block`,
+  the rest whole."""
+  found = mods.inputs(ops.toks)
+  return [(x, n) for x, n in zip(found, [row_block, row_block, key_block], strict=False)] + [
+      (x, WHOLE) for x in found[3:]]
 
 
-def _forward_rows(ops: Rows, tiling: Tiling, *, mask: Mask, scale: float,
+def _forward_rows(ops: Rows, tiling: Tiling, *, score_mod: ScoreMod | None, scale: float,
                   soft_cap: float | None):
   """out `[B, K, Rp, Dvp]` (q's dtype) and lse `[B, K, Rp]` float32: a grid over query
   blocks, each looping over its key-block range."""
   b, hkv, rows_pad, _ = ops.q_BKRD.shape
   rows, keys = tiling.rows, tiling.keys
-  kinds = _schedule(ops, mask, tiling)
+  kinds = ops.kinds(rows, keys)
   nk = kinds.shape[2]
-  q_seg, q_pos, kv_seg, kv_pos = ops.ids
+  toks = ops.toks
+  mods = Mods(ops.mask, score_mod)
   order, full, partial = _schedule_operands(kinds, axis=2)
   out = jax.ShapeDtypeStruct((b, hkv, rows_pad, ops.v_BKSD.shape[-1]), ops.q_BKRD.dtype)
   lse = jax.ShapeDtypeStruct((b, hkv, rows_pad), jnp.float32)
-  kernel = functools.partial(_forward_kernel, mask=mask, scale=scale, soft_cap=soft_cap,
-                             keys=keys)
+  kernel = functools.partial(_forward_kernel, mods=mods, scale=scale, soft_cap=soft_cap,
+                             keys=keys, groups=toks.groups)
   return _pass(kernel, ops, tiling, "flash_forward", rows_pad // rows,
-               [(ops.q_BKRD, rows), (ops.k_BKSD, None), (ops.v_BKSD, None), (q_seg, rows),
-                (q_pos, rows), (kv_seg, None), (kv_pos, None), (order, nk), (full, 1),
-                (partial, 1)],
+               [(ops.q_BKRD, rows), (ops.k_BKSD, None), (ops.v_BKSD, None), (toks.q_seg, rows),
+                (toks.q_pos, rows), (toks.kv_seg, None), (toks.kv_pos, None), (order, nk),
+                (full, 1), (partial, 1), *_mod_inputs(mods, ops, rows, None)],
                [(out, rows), (lse, rows)])
 
 
-def _backward_rows(ops: Rows, tiling: Tiling, lse, dout, delta, *, mask: Mask, scale: float,
-                   soft_cap: float | None):
-  """dq `[B, K, Rp, Dp]`, dk `[B, K, Sp, Dp]`, dv `[B, K, Sp, Dvp]` (`RowTiling.backward`)."""
+def _backward_rows(ops: Rows, tiling: Tiling, lse, dout, delta, *, score_mod: ScoreMod | None,
+                   scale: float, soft_cap: float | None):
+  """dq `[B, K, Rp, Dp]`, dk `[B, K, Sp, Dp]`, dv `[B, K, Sp, Dvp]` and the score mod's
+  operands' gradients (`RowTiling.backward`)."""
   rows, keys = tiling.rows, tiling.keys
-  kinds = _schedule(ops, mask, tiling)
+  kinds = ops.kinds(rows, keys)
   nq, nk = kinds.shape[1:]
-  q_seg, q_pos, kv_seg, kv_pos = ops.ids
-  options = dict(mask=mask, scale=scale, soft_cap=soft_cap)
+  toks = ops.toks
+  mods = Mods(ops.mask, score_mod)
+  options = dict(mods=mods, scale=scale, soft_cap=soft_cap, groups=toks.groups)
 
   def inputs(q_block, kv_block, visits):  # the operands of both passes, with their blocks
     return [(ops.q_BKRD, q_block), (ops.k_BKSD, kv_block), (ops.v_BKSD, kv_block),
-            (dout, q_block), (lse, q_block), (delta, q_block), (q_seg, q_block),
-            (q_pos, q_block), (kv_seg, kv_block), (kv_pos, kv_block),
-            (visits[0], nk if q_block else nq), (visits[1], 1), (visits[2], 1)]
+            (dout, q_block), (lse, q_block), (delta, q_block), (toks.q_seg, q_block),
+            (toks.q_pos, q_block), (toks.kv_seg, kv_block), (toks.kv_pos, kv_block),
+            (visits[0], nk if q_block else nq), (visits[1], 1), (visits[2], 1),
+            *_mod_inputs(mods, ops, q_block, kv_block)]
 
-  # dQ: a grid over query blocks, each looping over its key-block range.
-  dq = _pass(functools.partial(_dq_kernel, keys=keys, **options), ops, tiling, "flash_dq", nq,
-             inputs(rows, None, _schedule_operands(kinds, axis=2)), [(ops.q_BKRD, rows)])[0]
+  # dQ: a grid over query blocks, each looping over its key-block range; it adds the score
+  # mod's operands' gradients, each with a leading axis of one (Triton's lowering adds into
+  # no 0-d ref).
+  dq, *d_ops = _pass(functools.partial(_dq_kernel, keys=keys, **options), ops, tiling,
+                     "flash_dq", nq, inputs(rows, None, _schedule_operands(kinds, axis=2)),
+                     [(ops.q_BKRD, rows)], [x[None] for x in mods.gradients()])
   # dK/dV: a grid over key blocks, each looping over its query-block range.
   dk, dv = _pass(functools.partial(_dkv_kernel, rows=rows, **options), ops, tiling, "flash_dkv",
                  nk, inputs(None, keys, _schedule_operands(kinds, axis=1)),
                  [(ops.k_BKSD, keys), (ops.v_BKSD, keys)])
-  return dq, dk, dv
+  return dq, dk, dv, [x[0] for x in d_ops]
 
 
 def choose_tiling(q_shape, kv_shape, dv: int, *, itemsize: int = 2, block_q: int | None = None,
@@ -346,7 +416,8 @@ def choose_tiling(q_shape, kv_shape, dv: int, *, itemsize: int = 2, block_q: int
 @dataclasses.dataclass(frozen=True)
 class PallasGpu(RowKernel):
   """`backend="pallas_gpu"`: flash attention in Pallas, compiled by Triton on NVIDIA GPUs
-  (interpret mode elsewhere); every mask, packed rows, GQA, soft cap, Dv != D and the ring.
+  (interpret mode elsewhere); every mask, programmable masks and scores (`flaxattn.mods`),
+  packed rows, GQA, soft cap, Dv != D and the ring.
 
   `block_q`: query rows per block (a row is one query head of one token: a KV head's G
   query heads fold into rows) and `block_kv`: keys per block, powers of two >= 16 (None:
@@ -395,7 +466,7 @@ class PallasGpu(RowKernel):
     if max(d, call.dv) > MAX_HEAD_DIM:
       return (f"pallas_gpu's tiles are sized for head dims up to {MAX_HEAD_DIM}, got D={d},"
               f" Dv={call.dv}; the blockwise kernel serves wider heads.")
-    return None
+    return self.mods_reason(call)
 
   def tiling(self, q, k, v, chunk: int | None = None) -> Tiling:
     """This kernel's `Tiling` for these operands (`choose_tiling`)."""

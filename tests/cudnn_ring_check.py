@@ -25,13 +25,13 @@ def poison(monkeypatch):
   def forward(q, k, v, layout, **kw):
     return (nan(q), jnp.full(q.shape[:3], jnp.nan, jnp.float32))
   def backward(q, k, v, layout, out, lse, dout, dlse, **kw):
-    return (nan(q), nan(k), nan(v))
+    return (nan(q), nan(k), nan(v), [])  # and no score mod's operands' gradients
   monkeypatch.setattr(blockwise, "forward", forward)
   monkeypatch.setattr(blockwise, "backward", backward)
   monkeypatch.setattr(blockwise.BlockwiseStep, "forward",
                       lambda self, step, q, k, v, layout: forward(q, k, v, layout))
   monkeypatch.setattr(blockwise.BlockwiseStep, "backward",
-                      lambda self, step, q, k, v, layout, *a: backward(q, k, v, layout, *a))
+                      lambda self, step, q, k, v, layout, *a: backward(q, k, v, layout, *a)[:3])
 
 
 def _loss(out, lse):

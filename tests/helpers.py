@@ -257,6 +257,76 @@ def compare(kernel, layout, mask, q, k, v, dtype):
                                np.asarray(want, np.float32) / scale, err_msg=f"d{name}", **tol)
 
 
+# Programmable masks and scores (flaxattn.mods): patterns of attention-gym's gallery, their
+# operands drawn on the host.
+
+
+def t5_bucket(distance, buckets: int = 8, max_distance: int = 64):
+  """T5's relative-position bucket of `distance` = q_idx - kv_idx (int32, keys before the
+  query): exact up to buckets / 2, then logarithmic up to `max_distance`."""
+  exact = buckets // 2
+  d = jnp.maximum(distance, 0)
+  scaled = jnp.log(jnp.maximum(d, 1).astype(jnp.float32) / exact) / np.log(max_distance / exact)
+  far = exact + (scaled * (buckets - exact)).astype(jnp.int32)
+  return jnp.where(d < exact, d, jnp.minimum(far, buckets - 1))
+
+
+def mod_patterns(batch: int, heads: int, length: int, seed: int = 0) -> dict:
+  """name -> (mask, score_mod or None) for `batch` rows, `heads` query heads and rows of
+  `length` tokens: prefix-LM with a prefix length per row (an int operand), a window per
+  head, `Local | MaskMod`, ALiBi (slopes an operand, `slopes[h]`), a T5 bias table
+  (`table[bucket, h]`), and two whose operands are read at one index per block (what
+  kernels without gathers run): ALiBi slopes computed from the head times a learned scale
+  `w[()]`, and a bias per batch row `bias[b]`."""
+  rng = np.random.default_rng(seed)
+  prefix = jnp.asarray(rng.integers(1, length // 2, batch), jnp.int32)
+  slopes = jnp.asarray(2.0 ** -rng.uniform(1, 8, heads), jnp.float32)
+  table = jnp.asarray(rng.standard_normal((8, heads)), jnp.float32)
+  scale, bias = jnp.float32(0.7), jnp.asarray(rng.standard_normal(batch), jnp.float32)
+
+  def distance(q, k):
+    return jnp.abs(q - k).astype(jnp.float32)
+  prefix_lm = flaxattn.MaskMod(lambda b, h, q, k, n: (k <= q) | (k < n[b]), prefix)
+  return {
+      "prefix_lm": (prefix_lm, None),
+      "per_head_window": (flaxattn.MaskMod(lambda b, h, q, k: (k <= q) & (k > q - 4 * (h + 1))),
+                          None),
+      "local_or_prefix": (flaxattn.Local(5) | flaxattn.MaskMod(
+          lambda b, h, q, k, n: k < n[b], prefix), None),
+      "alibi": (flaxattn.Causal(), flaxattn.ScoreMod(
+          lambda s, b, h, q, k, m: s - m[h] * distance(q, k), slopes)),
+      "t5": (flaxattn.Causal(), flaxattn.ScoreMod(
+          lambda s, b, h, q, k, t: s + t[t5_bucket(q - k), h], table)),
+      "alibi_scaled": (flaxattn.Causal(), flaxattn.ScoreMod(
+          lambda s, b, h, q, k, w: s - w[()] * jnp.exp2(-1.0 - h) * distance(q, k), scale)),
+      "row_bias": (prefix_lm, flaxattn.ScoreMod(
+          lambda s, b, h, q, k, c: s + c[b] * (q - k).astype(jnp.float32) / length, bias)),
+  }
+
+
+def compare_mods(backend, layout, mask, score_mod, q, k, v, dtype=jnp.float32):
+  """`backend` against `backend="reference"` with `mask` and `score_mod` on out, lse, the
+  gradients of `loss` for q, k, v and the score mod's (float) operands, within
+  `TOL[dtype]`; gradients relative to their largest magnitude (at least 1)."""
+  def attend(backend):
+    def run(q, k, v, score_mod):
+      return flaxattn.attention(q, k, v, mask=mask, layout=layout, scale=0.3, backend=backend,
+                                score_mod=score_mod, return_lse=True)
+    return run
+  want_g, (want_o, want_l) = grads_of(attend("reference"), 4)(q, k, v, score_mod)
+  got_g, (got_o, got_l) = grads_of(attend(backend), 4)(q, k, v, score_mod)
+  tol = TOL[dtype]
+  np.testing.assert_allclose(got_o, want_o, **tol)
+  np.testing.assert_array_equal(np.isinf(got_l), np.isinf(want_l))
+  np.testing.assert_allclose(np.where(np.isinf(got_l), 0, got_l),
+                             np.where(np.isinf(want_l), 0, want_l), **tol)
+  names = ["dq", "dk", "dv"] + [f"d operand {i}" for i in range(len(jax.tree.leaves(want_g[3])))]
+  for name, got, want in zip(names, jax.tree.leaves(got_g), jax.tree.leaves(want_g), strict=True):
+    scale = max(1.0, float(jnp.abs(want.astype(jnp.float32)).max()))
+    np.testing.assert_allclose(np.asarray(got, np.float32) / scale,
+                               np.asarray(want, np.float32) / scale, err_msg=name, **tol)
+
+
 # Context parallelism: the cases cp_check.py runs on N simulated devices, one process per N,
 # and test_context_parallel.py collects by name.
 

@@ -1,6 +1,7 @@
 """The kernels compiled, not only lowered: splash for TPU v5e, v5p and v6e by libtpu (Mosaic
 included), pallas_gpu for H100 (sm_90) and A100 (sm_80) by XLA's GPU compiler (its Triton and
-ptxas), mosaic_gpu for H100 (Mosaic GPU and ptxas), split_k's decode step for both, each on
+ptxas), mosaic_gpu for H100 (Mosaic GPU and ptxas), both GPU kernels with programmable masks
+and scores, split_k's decode step for both, each on
 one compile-only device of the target (`helpers.compile_for`). Each test finds its kernels in
 the compiled program. Skipped, naming the package, without libtpu / the CUDA plugin (`pip
 install "flaxattn[aot]"`)."""
@@ -18,7 +19,7 @@ from bench import mosaic_compile
 from flaxattn import aot, cudnn
 from flaxattn.cudnn import Cudnn
 from flaxattn.layer import MultiHeadAttention
-from helpers import compile_for, target_devices
+from helpers import compile_for, mod_patterns, target_devices
 
 # The lowering tests' masks (tests/test_lowering.py).
 MASKS = [flaxattn.Full(), flaxattn.Causal(), flaxattn.Local(100), flaxattn.Chunked(128),
@@ -126,6 +127,27 @@ def test_pallas_gpu_compiles_for_sm90_and_sm80(target, mask, dtype, d, dv, cap):
   assert found == {"flash_forward": 1, "flash_dq": 1, "flash_dkv": 1}, found
 
 
+@pytest.mark.parametrize("target", ["h100", "a100-80g"])
+def test_pallas_gpu_compiles_mods_for_sm90_and_sm80(target):
+  """A window OR'ed with a MaskMod (per-row prefix lengths) and a T5 bias table, forward
+  and backward with the table's gradient: the functions inside the three Triton kernels
+  (the table gathered, its gradient added by atomic adds in dQ), compiled by ptxas."""
+  t = 2048
+  q = jax.ShapeDtypeStruct((1, t, 8, 128), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((1, t, 2, 128), jnp.bfloat16)
+  patterns = mod_patterns(1, 8, t)
+  mask, t5 = patterns["local_or_prefix"][0], patterns["t5"][1]
+
+  def loss(q, k, v, table):
+    out = flaxattn.attention(q, k, v, mask=mask, score_mod=flaxattn.ScoreMod(t5.fn, table),
+                             segment_ids=_packed(1, t), backend="pallas_gpu")
+    return jnp.sum(out.astype(jnp.float32) ** 2)
+  table = jax.ShapeDtypeStruct(t5.operands[0].shape, jnp.float32)
+  compiled = compile_for(target, jax.grad(loss, (0, 1, 2, 3)), q, kv, kv, table)
+  found = aot.kernels(compiled.as_text())
+  assert found == {"flash_forward": 1, "flash_dq": 1, "flash_dkv": 1}, found
+
+
 def test_pallas_gpu_32k_packed_on_one_h100_plans_under_1_gib():
   """16 documents in T = 32768, H = 16 on 8 KV heads, D = 128, bf16, forward and backward:
   the temporaries stay O(T) (at most 1 GiB; a [T, T] score matrix alone would be 32 GiB)."""
@@ -153,6 +175,22 @@ def test_mosaic_gpu_compiles_for_sm90_within_registers_and_shared_memory(case):
   for row in result["kernels"]:
     assert row["spill_stores"] == row["spill_loads"] == 0, row
     assert 0 < row["smem"] <= mosaic_compile.SMEM_LIMIT, row
+  assert result["temporaries"] <= aot.GIB, result
+
+
+def test_mosaic_gpu_compiles_mods_for_sm90():
+  """A window OR'ed with a MaskMod and ALiBi times a learned scale (`bench.mosaic_compile`'s
+  last case), forward and backward at T = 32768, compiled for an H100: the three kernels
+  within an sm_90 block's shared memory, the forward and dK/dV spilling no register (dQ,
+  which also sums the scale's gradient per row, spilled 20 bytes with ptxas 12.9), the
+  temporaries O(T)."""
+  target_devices("h100")  # skipped without the CUDA plugin
+  result = mosaic_compile.compile_case(mosaic_compile.CASES[3], t=32768)
+  assert result["found"] == {name: 1 for name in mosaic_compile.KERNELS}, result
+  for row in result["kernels"]:
+    assert 0 < row["smem"] <= mosaic_compile.SMEM_LIMIT, row
+    if row["kernel"] != "mosaic_dq":
+      assert row["spill_stores"] == row["spill_loads"] == 0, row
   assert result["temporaries"] <= aot.GIB, result
 
 

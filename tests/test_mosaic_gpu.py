@@ -1,9 +1,9 @@
 """The `mosaic_gpu` kernel in GPU interpret mode on this CPU host (jax 0.12 and later: the
 interpreter simulates its shared memory, barriers, TMA copies and WGMMA) against attention
 written out from the definitions: every conformance case in bfloat16, blocks the schedule
-skips never loaded, the warp-specialized pipeline free of data races, the ring's step;
-its declines and options; programs lowered for CUDA that hold its kernels. Compiled for
-sm_90: tests/test_kernels_compiled.py."""
+skips never loaded, the warp-specialized pipeline free of data races, the ring's step,
+programmable masks and scores against the reference; its declines and options; programs
+lowered for CUDA that hold its kernels. Compiled for sm_90: tests/test_kernels_compiled.py."""
 
 import dataclasses
 
@@ -18,7 +18,18 @@ from bench import triton_compile
 from flaxattn import mosaic_gpu, registry
 from flaxattn.attention import apply_sinks
 from flaxattn.ring import merge_partials
-from helpers import TOL, as_layout, dense_oracle, devices, grads_of, normal, qkv, random_packing
+from helpers import (
+  TOL,
+  as_layout,
+  compare_mods,
+  dense_oracle,
+  devices,
+  grads_of,
+  mod_patterns,
+  normal,
+  qkv,
+  random_packing,
+)
 from test_conformance import KernelConformance
 
 SCALE = 0.3
@@ -193,6 +204,38 @@ def test_ring_step_in_document_order_merges_to_the_whole_call():
            ["out", "lse", "dq", "dk", "dv"])
 
 
+@interprets
+@pytest.mark.parametrize("mask_of,score_of", [("prefix_lm", "alibi_scaled"),
+                                               ("per_head_window", "row_bias"),
+                                               ("local_or_prefix", None)])
+def test_mask_and_score_mods_match_the_reference(mask_of, score_of):
+  """A MaskMod (alone, or OR'ed with a built-in) applied elementwise inside the kernels'
+  partial blocks, and a ScoreMod on every block visited, whose operands are read at one
+  index per block (`w[()]`, `bias[b]`), on packed rows with padding and GQA: out, lse, dq,
+  dk, dv and the score mod's operands' gradients against the reference."""
+  b, t, h = 1, 256, 4
+  q, k, v = qkv(12, b, t, t, h, 2, 64, jnp.bfloat16)
+  seg, pos = random_packing(12, b, t, max_docs=3, pad_tail=9)
+  patterns = mod_patterns(b, h, t)
+  score_mod = None if score_of is None else patterns[score_of][1]
+  compare_mods("mosaic_gpu", as_layout(seg, pos), patterns[mask_of][0], score_mod, q, k, v,
+               jnp.bfloat16)
+
+
+def test_mods_it_cannot_read_decline_with_the_reason():
+  """Mosaic GPU loads scalars or whole tiles, no gather: a mod that reads its operand at
+  indices varying within a block (ALiBi's `slopes[h]`, a T5 table) declines with the
+  reason, and "auto" takes pallas_gpu on a GPU; one read at an index per batch row runs."""
+  patterns = mod_patterns(2, 4, 256)
+  kernel = registry.get("mosaic_gpu").on("gpu")
+  for name in ("alibi", "t5"):
+    call = _gpu_call(score_mod=patterns[name][1])
+    assert "pallas_gpu gathers them" in kernel.unsupported_reason(call), name
+    assert registry.select("auto", call).name == "pallas_gpu"
+  for mask, score_mod in (patterns["local_or_prefix"], patterns["row_bias"]):
+    assert kernel.unsupported_reason(_gpu_call(mask=mask, score_mod=score_mod)) is None
+
+
 def _on_hopper() -> bool:
   device = jax.devices()[0]
   return device.platform == "gpu" and str(getattr(device, "compute_capability", "")) == "9.0"
@@ -330,6 +373,20 @@ def test_lowers_mosaic_kernels_for_cuda(strategy, kernels):
   cp = flaxattn.ContextParallel(strategy=strategy)
   with jax.set_mesh(mesh):
     assert _cuda_calls(jax.grad(_loss(context_parallel=cp), (0, 1, 2)), q, k, v) == kernels
+
+
+def test_mods_lower_into_the_mosaic_kernels():
+  """A MaskMod OR'ed with a built-in and a score mod with a learned scale, forward and
+  backward (the scale's gradient too), lowered for CUDA from this host: the three Mosaic
+  GPU kernels hold them."""
+  q = jax.ShapeDtypeStruct((2, 1024, 8, 128), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((2, 1024, 2, 128), jnp.bfloat16)
+  patterns = mod_patterns(2, 8, 1024)
+  mask, score_mod = patterns["local_or_prefix"][0], patterns["alibi_scaled"][1]
+
+  def loss(q, k, v, w):
+    return _loss(mask=mask, score_mod=flaxattn.ScoreMod(score_mod.fn, w))(q, k, v)
+  assert _cuda_calls(jax.grad(loss, (0, 1, 2, 3)), q, kv, kv, score_mod.operands[0]) == 3
 
 
 def test_default_tiling_pads_to_its_blocks():

@@ -1,8 +1,10 @@
 """The `pallas_gpu` kernel: in Pallas interpret mode on this CPU host against attention written
 out from the definitions (every mask, packed rows, padding, GQA, sinks, soft cap, Dv != D,
-bfloat16, cross attention), as the ring's local step, its block schedule (skipped blocks are
+bfloat16, cross attention), programmable masks and scores against the reference (their
+operands' gradients too), as the ring's local step, its block schedule (skipped blocks are
 never visited), and programs lowered for CUDA that hold its Triton kernels."""
 
+import dataclasses
 import re
 
 import jax
@@ -18,10 +20,12 @@ from flaxattn.layout import Layout
 from helpers import (
   TOL,
   as_layout,
+  compare_mods,
   dense_oracle,
   devices,
   grads_of,
   legal_layout,
+  mod_patterns,
   normal,
   qkv,
   random_packing,
@@ -121,6 +125,36 @@ def test_default_layout_and_rows_with_nothing_to_see():
     assert np.all(np.asarray(g)[empty] == 0)
 
 
+@pytest.mark.parametrize("mask_of,score_of", [("prefix_lm", "alibi"), ("per_head_window", "t5"),
+                                               ("local_or_prefix", "row_bias")])
+def test_mask_and_score_mods_match_the_reference(mask_of, score_of):
+  """A MaskMod (alone, or OR'ed with a built-in) applied elementwise inside the kernels'
+  partial blocks, and a ScoreMod on every block visited, whose operands the kernels gather
+  (`slopes[h]`, `table[bucket(q - k), h]`, `bias[b]`), on packed rows with padding and GQA:
+  out, lse, dq, dk, dv and the score mod's operands' gradients against the reference."""
+  b, t, h = 2, 48, 4
+  q, k, v = qkv(12, b, t, t, h, 2, 16)
+  seg, pos = random_packing(12, b, t, max_docs=3, pad_tail=3)
+  patterns = mod_patterns(b, h, t)
+  compare_mods(KERNEL, as_layout(seg, pos), patterns[mask_of][0], patterns[score_of][1], q, k, v)
+
+
+def test_mods_it_cannot_read_decline_with_the_reason():
+  """An operand used other than by indexing (a kernel holds it in memory) declines, naming
+  the function, and "auto" runs the next kernel; so do mods under context parallelism (the
+  steps pass them no global indices)."""
+  w = jnp.float32(2.0)
+  call = _gpu_call(score_mod=flaxattn.ScoreMod(lambda s, b, h, q, k, w: s * w, w))
+  reason = registry.get("pallas_gpu").unsupported_reason(call)
+  assert "score_mod <lambda> failed on its operands as a kernel holds them" in reason
+  assert registry.select("auto", call).name == "blockwise"
+  fine = _gpu_call(score_mod=flaxattn.ScoreMod(lambda s, b, h, q, k, w: s * w[()], w))
+  assert registry.get("pallas_gpu").unsupported_reason(fine) is None
+  ring = dataclasses.replace(fine, cp_size=2, cp_strategy="ring")
+  assert "without context parallelism only" in registry.get("pallas_gpu").unsupported_reason(
+      ring)
+
+
 def _counting(monkeypatch):
   """Counts, at run time (a callback in the interpreted kernels), the blocks whose scores
   the kernels compute ("live") and those of them they mask ("masked")."""
@@ -139,14 +173,18 @@ def _counting(monkeypatch):
   return visits
 
 
-def test_schedule_visits_only_live_blocks(monkeypatch):
+@pytest.mark.parametrize("mask", [flaxattn.Causal(),
+                                  flaxattn.MaskMod(lambda b, h, q, k: k <= q)],
+                         ids=["Causal", "MaskMod"])
+def test_schedule_visits_only_live_blocks(monkeypatch, mask):
   """A causal mask over 4 query and 4 key blocks visits 10 pairs in each of the forward, dQ
-  and dK/dV passes, not 16, and masks only the 4 on the diagonal."""
+  and dK/dV passes, not 16, and masks only the 4 on the diagonal: the built-in from its
+  block bounds, the same mask as a function from its block map found on device."""
   visits = _counting(monkeypatch)
   q, k, v = qkv(5, 1, 64, 64, 1, 1, 16)
   def loss(q, k, v):
-    return flaxattn.attention(q, k, v, backend=COUNTED).sum()
-  jax.block_until_ready(flaxattn.attention(q, k, v, backend=COUNTED))
+    return flaxattn.attention(q, k, v, mask=mask, backend=COUNTED).sum()
+  jax.block_until_ready(flaxattn.attention(q, k, v, mask=mask, backend=COUNTED))
   assert visits == {"live": 10, "masked": 4}
   visits.update(live=0, masked=0)
   jax.block_until_ready(jax.grad(loss, (0, 1, 2))(q, k, v))
@@ -230,27 +268,34 @@ def test_context_parallel_document_order(strategy):
                                atol=1e-5 * np.abs(w[finite]).max())
 
 
-def test_under_a_mesh_runs_per_batch_and_head_shard():
+@pytest.mark.parametrize("mods", [None, ("prefix_lm", "alibi")], ids=["builtin", "mods"])
+def test_under_a_mesh_runs_per_batch_and_head_shard(mods):
   """Without context parallelism on a (data, fsdp, tensor) mesh: per batch and head shard
-  (shard_map), nothing floating-point gathered; against the reference."""
+  (shard_map), nothing floating-point gathered; against the reference. A mask and score
+  mod read each shard's global batch rows and heads (`prefix[b]`, `slopes[h]`), and the
+  score mod's operands' gradients sum over the shards."""
   import cp_check  # pylint: disable=import-outside-toplevel
   mesh = cp_check.mesh_of(dict(data=2, fsdp=2, tensor=2))
   b, t = 4, 32
   q, k, v = qkv(7, b, t, t, 4, 2, 8)
   seg, pos = random_packing(7, b, t, max_docs=4, pad_tail=5)
+  patterns = mod_patterns(b, 4, t)
+  mask, score_mod = ((flaxattn.Causal(), None) if mods is None else
+                     (patterns[mods[0]][0], patterns[mods[1]][1]))
   def attend(backend):
-    return lambda q, k, v: flaxattn.attention(q, k, v, segment_ids=seg, positions=pos,
-                                              backend=backend, return_lse=True)
-  want = grads_of(attend("reference"))(q, k, v)
+    return lambda q, k, v, score_mod: flaxattn.attention(
+        q, k, v, segment_ids=seg, positions=pos, mask=mask, score_mod=score_mod,
+        backend=backend, return_lse=True)
+  want = grads_of(attend("reference"), 4)(q, k, v, score_mod)
   spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "fsdp"), None,
                                                                      "tensor"))
   with jax.set_mesh(mesh):
     args = [jax.device_put(x, spec) for x in (q, k, v)]
-    compiled = grads_of(attend(KERNEL)).lower(*args).compile()
-    got = compiled(*args)
+    compiled = grads_of(attend(KERNEL), 4).lower(*args, score_mod).compile()
+    got = compiled(*args, score_mod)
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-    np.testing.assert_allclose(np.where(np.isinf(w), 0, g), np.where(np.isinf(w), 0, w),
-                               atol=1e-5)
+    w = np.where(np.isinf(w), 0, w)
+    np.testing.assert_allclose(np.where(w == 0, 0, g), w, atol=1e-5 * max(1, np.abs(w).max()))
   assert not re.search(r"f32\[[^\]]*\]\S* all-gather", compiled.as_text())
   assert got[1][0].sharding.spec == spec.spec
 
@@ -294,6 +339,34 @@ def test_lowers_triton_kernels_for_cuda(mask, dtype, d, dv, cap):
     assert text.count(TRITON) == kernels, (fn.__name__, text.count(TRITON))
     assert "stablehlo.while" not in text, fn.__name__
     assert not re.search(rf"tensor<[^>]*{t}x{t}", text), fn.__name__
+
+
+def test_mods_lower_into_the_triton_kernels():
+  """A MaskMod OR'ed with a built-in and a T5 bias table, forward and backward, lowered
+  for CUDA: the functions inside the three Triton kernels, the table gathered in each and
+  its gradient added in dQ by atomic adds; no [T, T] array at T = 8192 (the block map is
+  found from tiles, one at a time)."""
+  b, t = 2, 8192
+  q = jax.ShapeDtypeStruct((b, t, 8, 64), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((b, t, 2, 64), jnp.bfloat16)
+  patterns = mod_patterns(b, 8, t)
+  options = dict(mask=patterns["local_or_prefix"][0])
+
+  def loss(q, k, v, table):
+    return _loss(score_mod=flaxattn.ScoreMod(patterns["t5"][1].fn, table), **options)(q, k, v)
+
+  def grads(q, k, v, table):
+    return jax.grad(loss, (0, 1, 2, 3))(q, k, v, table)
+  table = patterns["t5"][1].operands[0]
+  kernels = triton_compile.triton_modules(grads, q, kv, kv, table)
+  assert [name for name, _ in kernels] == ["flash_forward", "flash_dq", "flash_dkv"]
+  for name, ir in kernels:
+    gathers = re.findall(r"tt.load %\S+ : tensor<\d+x\d+x!tt.ptr<f32>>", ir)
+    assert gathers, name  # the table, read at each score's bucket and head
+    assert ("tt.atomic_rmw fadd" in ir) == (name == "flash_dq"), name
+  text = cuda_program(grads, q, kv, kv, table)
+  assert text.count(TRITON) == 3
+  assert not re.search(rf"tensor<[^>]*{t}x{t}", text)
 
 
 def test_program_size_does_not_grow_with_the_sequence():
