@@ -16,9 +16,9 @@ lists a directory tree and `read_range` reads a byte range in one request, where
 object of gcsfs would also read ahead megabytes that a random read never uses.
 
 A bucket goes through gcsfs (etils' backend for `gs://`; the `train` extra installs it)
-and orbax's TensorStore. `check` refuses, before anything is written, a URL whose scheme is
-not `gs`, a machine without Google Cloud credentials, an endpoint that does not answer and a
-bucket that does not exist.
+and orbax's TensorStore. `check` refuses, before anything is written, a location the clients
+would read differently (see `path`), a machine without Google Cloud credentials, an endpoint
+that does not answer and a bucket that does not exist.
 
 The GCS emulator: `STORAGE_EMULATOR_HOST` (the standard variable, `host:port` or a URL) is
 all a user sets. The first use of a `gs://` path derives from it what the other clients
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import socket
 import tempfile
@@ -44,6 +45,17 @@ from etils import epath
 from train.config import ConfigError
 
 SCHEMES = ("gs",)
+# Storage schemes (fsspec's names) that a location is taken to mean where it starts with one
+# and a colon without "//" after it (`gs:/bucket/run`, `gs:bucket`): else a local directory
+# named `gs:` would take the run.
+_URL_SCHEMES = SCHEMES + ("gcs", "s3", "s3a", "az", "abfs", "abfss", "hf", "http", "https",
+                          "file")
+# Characters of a path that a client reads differently from the others: urllib's URL parsing,
+# through which orbax passes a checkpoint's path to TensorStore, ends the path at "#" or "?"
+# and drops tabs and newlines; fsspec's glob, recursive copy and delete read "*", "?", "["
+# and "]" as wildcards. Two run_dirs could share objects either way.
+_UNSAFE = re.compile(r"[#?*\[\]\x00-\x1f\x7f]")
+_BUCKET = re.compile(r"[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]")  # GCS's bucket names
 _PUBLIC_ENDPOINT = "https://storage.googleapis.com"
 _CONNECT_TIMEOUT_S = 10.0
 _configured = False
@@ -59,25 +71,54 @@ def path(location: str) -> epath.Path:
   absolute.
 
   Raises:
-    ConfigError: a URL whose scheme is not in `SCHEMES`.
+    ConfigError: a location that `check` refuses by its form alone: a URL whose scheme is not
+      in `SCHEMES`, a malformed URL (also one missing its "//", as `gs:/bucket/run`), or a
+      path with characters the clients read differently.
   """
+  _check_form(location, "path")
   if not is_url(location):
     return epath.Path(os.path.abspath(location))
-  _check_scheme(location, "path")
   _configure_gcs()
   return epath.Path(location)
 
 
-def _check_scheme(location: str, key: str) -> None:
-  scheme = location.split("://", 1)[0]
-  bucket = location.split("://", 1)[1].split("/", 1)[0]
+def _check_form(location: str, key: str) -> None:
+  """Refuses, naming `key`, a `location` that is neither a local path nor a gs://BUCKET/PATH
+  URL that every client reads as the same objects."""
+  if not is_url(location):
+    head = re.match(r"([A-Za-z][A-Za-z0-9+.-]*):", location)
+    if head and head.group(1).lower() in _URL_SCHEMES:
+      raise ConfigError(
+          f"{key} expects a local path or a gs://BUCKET/PATH URL, got {location!r}, a URL"
+          f" without '//' after {head.group(0)!r} (it would be a local directory named"
+          f" {head.group(0)!r}); write gs://BUCKET/PATH.")
+    return
+  scheme, rest = location.split("://", 1)
   if scheme not in SCHEMES:
+    case = (f" (scheme names are lowercase: {scheme.lower()}://)"
+            if scheme.lower() in SCHEMES else "")
     raise ConfigError(f"{key} expects a local path or a gs://BUCKET/PATH URL, got {location!r}"
-                      f" (scheme {scheme!r}); the trainer's storage speaks "
+                      f" (scheme {scheme!r}){case}; the trainer's storage speaks "
                       + ", ".join(f"{s}://" for s in SCHEMES) + " only: pass a gs:// URL or a"
                       " local path.")
+  bucket, _, name = rest.partition("/")
   if not bucket:
     raise ConfigError(f"{key} expects gs://BUCKET/PATH, got {location!r} without a bucket.")
+  if not _BUCKET.fullmatch(bucket):
+    raise ConfigError(f"{key} expects gs://BUCKET/PATH with a bucket name of lowercase letters,"
+                      f" digits, '-', '_' and '.' (first and last a letter or digit), got"
+                      f" {location!r} (bucket {bucket!r}); fix the name.")
+  if unsafe := sorted(set(_UNSAFE.findall(name))):
+    raise ConfigError(
+        f"{key} expects a gs:// URL whose path has no '#', '?', '*', '[', ']' or control"
+        f" character, got {location!r} (with {', '.join(map(repr, unsafe))}): the storage"
+        " clients read them differently (TensorStore's path ends at '#' or '?', gcsfs reads"
+        " '*?[]' as wildcards), so two runs could share their objects; rename it, e.g. with"
+        " '-' in their place.")
+  if {".", ".."} & set(name.split("/")):
+    raise ConfigError(f"{key} expects a gs:// URL without '.' or '..' in its path (a bucket"
+                      f" has no directories to resolve them in), got {location!r}; write the"
+                      " path without them.")
 
 
 def _configure_gcs() -> None:
@@ -120,15 +161,15 @@ def _gcs():
 
 
 def check(location: str, key: str) -> None:
-  """Refuses, with a one-line ConfigError naming `key`, a URL `location` that the run
-  cannot use: a scheme other than gs, no Google Cloud credentials (not asked of an
-  emulator), an endpoint that does not answer within 10 s, or a bucket that does not exist
-  or that the credentials may not list. Local paths are left to their users. Writes
-  nothing.
+  """Refuses, with a one-line ConfigError naming `key`, a `location` that the run cannot
+  use: one of a form `path` refuses (also a local path that is a URL missing its "//"), no
+  Google Cloud credentials (not asked of an emulator), an endpoint that does not answer
+  within 10 s, or a bucket that does not exist or that the credentials may not list. Other
+  local paths are left to their users. Writes nothing.
   """
+  _check_form(location, key)
   if not is_url(location):
     return
-  _check_scheme(location, key)
   _configure_gcs()
   bucket = location.split("://", 1)[1].split("/", 1)[0]
   endpoint = _emulator()
