@@ -1,7 +1,7 @@
 """A run_dir on a bucket that is odd, slow, damaged or restricted (the `gcs_emulator`
 fixture): each gives an exact resume or a one-line error that names the value and the fix,
-before anything is written. The cases call `train.storage` in this process, or the command
-lines that would otherwise write.
+before anything is written. The cases call `train.storage` and `train.checkpoint` in this
+process on a run saved without training, or the command lines that would otherwise write.
 """
 
 from __future__ import annotations
@@ -9,11 +9,35 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import jax
 import pytest
+from flax import nnx
 
-from gcs import create_bucket, objects
+from gcs import checkpoints, create_bucket, delete, objects
+from train import checkpoint, config
 from train.config import ConfigError
-from trainer import ROOT, clean_env
+from train.state import make_state
+from trainer import ROOT, TINY, clean_env
+
+
+def _saved_run(run: str, *overrides, steps=(2, 4)) -> config.TrainConfig:
+  """Run `run` (a gs:// URL) as the trainer leaves it, without training: its config.json
+  and a checkpoint of a fresh tiny model and optimizer at each of `steps`."""
+  cfg = config.load(str(ROOT / "configs/demo.yaml"),
+                    [f"run_dir={run}", *TINY, "checkpoint.async_save=false", *overrides])
+  state = nnx.state(make_state(cfg.model, cfg.optimizer, cfg.steps))
+  ckpts = checkpoint.Checkpoints(cfg)
+  for step in steps:
+    ckpts.save(step, state, {"step": step})
+  ckpts.close()
+  return cfg
+
+
+def _abstract(cfg: config.TrainConfig):
+  """The abstract state a resume of run `cfg` restores into, on this host's first device."""
+  where = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  abstract = nnx.state(nnx.eval_shape(lambda: make_state(cfg.model, cfg.optimizer, cfg.steps)))
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=where), abstract)
 
 
 @pytest.fixture(scope="module")
@@ -79,3 +103,22 @@ def test_malformed_locations_are_refused_before_anything_is_written(runs, tmp_pa
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-4000:]
     assert lines[-1].startswith(prefix) and value in lines[-1], lines[-1]
   assert list(tmp_path.iterdir()) == [] and objects(runs, "runs") == []
+
+
+def test_a_damaged_step_set_aside_on_a_bucket_is_saved_again(gcs_emulator, storage_env,
+                                                             monkeypatch):
+  """The newest checkpoint on a bucket lacks its data position: it is moved whole to
+  checkpoints_unusable/, the run resumes from the one before, and the step saves again when
+  the run reaches it (as on a local disk)."""
+  create_bucket(gcs_emulator, "damaged")
+  monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_emulator)
+  cfg = _saved_run("gs://damaged/run")
+  delete(gcs_emulator, "damaged", "run/checkpoints/4/data/process_0-of-1.json")
+  ckpts = checkpoint.Checkpoints(cfg)
+  step, state, _ = ckpts.restore_latest(_abstract(cfg))
+  assert step == 2 and not objects(gcs_emulator, "damaged", "run/checkpoints/4/")
+  assert {n.split("/")[2].split("-")[0] for n in objects(
+      gcs_emulator, "damaged", "run/checkpoints_unusable/")} == {"4"}
+  ckpts.save(4, state, {"step": 4})
+  ckpts.close()
+  assert checkpoints(gcs_emulator, "damaged", "run") == [2, 4]

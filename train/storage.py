@@ -18,7 +18,9 @@ object of gcsfs would also read ahead megabytes that a random read never uses.
 A bucket goes through gcsfs (etils' backend for `gs://`; the `train` extra installs it)
 and orbax's TensorStore. `check` refuses, before anything is written, a location the clients
 would read differently (see `path`), a machine without Google Cloud credentials, an endpoint
-that does not answer and a bucket that does not exist.
+that does not answer and a bucket that does not exist. A listing is never cached (`ls`
+asks the bucket each time): TensorStore, the other processes of a job and etils' own gcsfs
+instance write beside it.
 
 The GCS emulator: `STORAGE_EMULATOR_HOST` (the standard variable, `host:port` or a URL) is
 all a user sets. The first use of a `gs://` path derives from it what the other clients
@@ -127,13 +129,16 @@ def _configure_gcs() -> None:
   global _configured
   if _configured:
     return
+  from fsspec.config import conf
+
   os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")  # read at gcsfs' import
+  gcs = conf.setdefault("gcs", {})
+  gcs["use_listings_cache"] = False
   emulator = _emulator()
   if emulator:
-    from fsspec.config import conf
     os.environ.setdefault("TENSORSTORE_GCS_HTTP_URL", emulator)
     os.environ.setdefault("GOOGLE_AUTH_TOKEN_FOR_TESTING", "emulator")
-    conf.setdefault("gcs", {}).setdefault("token", "anon")
+    gcs.setdefault("token", "anon")
   _configured = True
 
 
