@@ -1,11 +1,14 @@
 """A run_dir on a bucket that is odd, slow, damaged or restricted (the `gcs_emulator`
-fixture): each gives an exact resume or a one-line error that names the value and the fix,
-before anything is written. The cases call `train.storage` and `train.checkpoint` in this
-process on a run saved without training, or the command lines that would otherwise write.
+fixture, with `gcs.Proxy` in front of it where a role narrower than the emulator's matters):
+each gives an exact resume or a one-line error that names the value and the fix, before
+anything is written. Most cases call `train.storage`, `train.checkpoint`, `train.export`
+and `train.sample` in this process on a run saved without training; one run of the
+trainer shows the same end to end.
 """
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -13,11 +16,19 @@ import jax
 import pytest
 from flax import nnx
 
-from gcs import checkpoints, create_bucket, delete, objects
-from train import checkpoint, config
+from gcs import Proxy, checkpoints, create_bucket, delete, losses, objects
+from train import checkpoint, config, export, sample
 from train.config import ConfigError
 from train.state import make_state
-from trainer import ROOT, TINY, clean_env
+from trainer import ROOT, TIMEOUT, TINY, clean_env, start, wait
+
+# The bucket's own metadata (storage.buckets.get), which object roles do not grant.
+BUCKET_METADATA = re.compile(r"/storage/v1/b/[^/?]+(\?.*)?$")
+
+
+def metadata_refused(method: str, path: str) -> bool:
+  """roles/storage.objectAdmin: objects listed, read, written and deleted; not the bucket."""
+  return method == "GET" and bool(BUCKET_METADATA.match(path))
 
 
 def _saved_run(run: str, *overrides, steps=(2, 4)) -> config.TrainConfig:
@@ -105,6 +116,43 @@ def test_malformed_locations_are_refused_before_anything_is_written(runs, tmp_pa
   assert list(tmp_path.iterdir()) == [] and objects(runs, "runs") == []
 
 
+def test_object_roles_resume_export_and_sample(gcs_emulator, storage_env, monkeypatch,
+                                               tmp_path):
+  """Credentials with object roles only (roles/storage.objectAdmin, which the check
+  recommends; no read of the bucket's metadata): checkpoints save and an old one is deleted,
+  a resume restores the newest, export writes it and sample loads it."""
+  create_bucket(gcs_emulator, "objects")
+  with Proxy(gcs_emulator, metadata_refused) as proxy:
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"http://{proxy.address}")
+    cfg = _saved_run("gs://objects/run", "checkpoint.max_to_keep=1")
+    assert checkpoints(gcs_emulator, "objects", "run") == [4]  # step 2 deleted
+    ckpts = checkpoint.Checkpoints(cfg)
+    step, _, position = ckpts.restore_latest(_abstract(cfg))
+    ckpts.close()
+    assert (step, position) == (4, {"step": 4})
+    assert export.main(["gs://objects/run", str(tmp_path / "export")]) == 0
+    assert (tmp_path / "export" / "model.safetensors").is_file()
+    assert sample.load("gs://objects/run")[2] == 4
+  assert proxy.refusals  # orbax asked for the bucket's metadata, and did without it
+
+
+def test_an_emulator_address_without_scheme_serves_every_client(gcs_emulator, storage_env,
+                                                                monkeypatch):
+  """`STORAGE_EMULATOR_HOST=host:port`: checkpoints save, delete an old step and resume
+  (orbax and TensorStore), and google-cloud-storage (which orbax uses for a bucket's
+  metadata) reaches the emulator too."""
+  from google.cloud import storage as cloud_storage
+
+  create_bucket(gcs_emulator, "hostport")
+  monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_emulator.removeprefix("http://"))
+  cfg = _saved_run("gs://hostport/run", "checkpoint.max_to_keep=1")
+  ckpts = checkpoint.Checkpoints(cfg)
+  assert ckpts.restore_latest(_abstract(cfg))[0] == 4
+  ckpts.close()
+  assert checkpoints(gcs_emulator, "hostport", "run") == [4]
+  assert cloud_storage.Client().get_bucket("hostport").name == "hostport"
+
+
 def test_a_damaged_step_set_aside_on_a_bucket_is_saved_again(gcs_emulator, storage_env,
                                                              monkeypatch):
   """The newest checkpoint on a bucket lacks its data position: it is moved whole to
@@ -122,3 +170,36 @@ def test_a_damaged_step_set_aside_on_a_bucket_is_saved_again(gcs_emulator, stora
   ckpts.save(4, state, {"step": 4})
   ckpts.close()
   assert checkpoints(gcs_emulator, "damaged", "run") == [2, 4]
+
+
+@pytest.mark.slow  # runs the trainer
+def test_a_resume_on_a_bucket_with_object_roles_and_a_damaged_step(gcs_emulator, tmp_path):
+  """The trainer on a bucket through credentials with object roles only, the emulator's
+  address without scheme: 4 steps; the step-4 checkpoint loses a data position; a run of 6
+  steps sets it aside, resumes at step 2, saves step 4 again and finishes with the losses of
+  the first run; export and sample read it."""
+  url, bucket, run = gcs_emulator, "resume", "gs://resume/run"
+  create_bucket(url, bucket)
+  log = tmp_path / "log.txt"
+  constant_lr = ["optimizer.min_lr_ratio=1", "checkpoint.max_to_keep=2"]  # 4 or 6 steps alike
+  with Proxy(url, metadata_refused) as proxy:
+    env = clean_env(STORAGE_EMULATOR_HOST=proxy.address)
+    proc = start(run, *constant_lr, "steps=4", log=log, env=env)
+    out = wait(proc, log)
+    assert proc.returncode == 0, out[-4000:]
+    first = losses(url, bucket, "run")
+    assert checkpoints(url, bucket, "run") == [2, 4]
+    delete(url, bucket, "run/checkpoints/4/data/process_0-of-1.json")
+    proc = start(run, *constant_lr, "steps=6", log=log, env=env)
+    out = wait(proc, log)
+    assert proc.returncode == 0, out[-4000:]
+    assert "checkpoint step 4 in " in out and "resumed from step 2 " in out, out[-4000:]
+    assert checkpoints(url, bucket, "run") == [4, 6]
+    assert {s: v for s, v in losses(url, bucket, "run").items() if s <= 4} == first
+    for args in (["train.export", run, "gs://resume/export"],
+                 ["train.sample", run, "--prompt", "def ", "--max_new_tokens", "2"]):
+      proc = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=TIMEOUT)
+      assert proc.returncode == 0, proc.stderr[-4000:]
+  assert "export/model.safetensors" in objects(url, bucket, "export/")
+  assert proxy.refusals

@@ -23,17 +23,20 @@ asks the bucket each time): TensorStore, the other processes of a job and etils'
 instance write beside it.
 
 The GCS emulator: `STORAGE_EMULATOR_HOST` (the standard variable, `host:port` or a URL) is
-all a user sets. The first use of a `gs://` path derives from it what the other clients
-need, where the user has not set them: `TENSORSTORE_GCS_HTTP_URL`, a placeholder token for
-TensorStore (`GOOGLE_AUTH_TOKEN_FOR_TESTING`; an emulator checks none) and gcsfs's
-anonymous access. gcsfs's experimental zonal-bucket support (`GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT`)
-is off unless set: it asks a gRPC control API about every bucket, which an emulator does not
+all a user sets. The first use of a `gs://` path rewrites it as a URL (google-cloud-storage,
+which orbax uses, takes it as one) and derives from it what the other clients need, where
+the user has not set them: `TENSORSTORE_GCS_HTTP_URL`, a placeholder token for TensorStore
+(`GOOGLE_AUTH_TOKEN_FOR_TESTING`; an emulator checks none) and gcsfs's anonymous access.
+gcsfs's experimental zonal-bucket support (`GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT`) is off
+unless set: it asks a gRPC control API about every bucket, which an emulator does not
 serve (a minute's timeout per bucket) and a standard bucket does not need.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 import os
 import re
 import shutil
@@ -45,6 +48,8 @@ import uuid
 from etils import epath
 
 from train.config import ConfigError
+
+log = logging.getLogger(__name__)
 
 SCHEMES = ("gs",)
 # Storage schemes (fsspec's names) that a location is taken to mean where it starts with one
@@ -124,8 +129,8 @@ def _check_form(location: str, key: str) -> None:
 
 
 def _configure_gcs() -> None:
-  """Settings for gcsfs and TensorStore derived from `STORAGE_EMULATOR_HOST` (see the module
-  docstring); once per process, before either opens a bucket."""
+  """Settings for gcsfs, TensorStore and google-cloud-storage (see the module docstring);
+  once per process, before any of them opens a bucket."""
   global _configured
   if _configured:
     return
@@ -136,6 +141,7 @@ def _configure_gcs() -> None:
   gcs["use_listings_cache"] = False
   emulator = _emulator()
   if emulator:
+    os.environ["STORAGE_EMULATOR_HOST"] = emulator
     os.environ.setdefault("TENSORSTORE_GCS_HTTP_URL", emulator)
     os.environ.setdefault("GOOGLE_AUTH_TOKEN_FOR_TESTING", "emulator")
     gcs.setdefault("token", "anon")
@@ -163,6 +169,11 @@ def _gcs():
   except ImportError:
     raise ConfigError("gs:// paths need gcsfs, which the trainer's extra installs: pip install"
                       " -e '.[train]'.") from None
+
+
+def _forbidden(error: BaseException) -> bool:
+  """Whether `error` (of gcsfs) is the server's 403: the credentials lack a permission."""
+  return type(error) is OSError and str(error).startswith("Forbidden")
 
 
 def check(location: str, key: str) -> None:
@@ -213,6 +224,36 @@ def check(location: str, key: str) -> None:
 
 def _first_line(error: BaseException) -> str:
   return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+def hierarchical_namespace(location) -> bool:
+  """Whether `location` is on a bucket with a hierarchical namespace (orbax asks, to list
+  and delete a checkpoint's folders there), from the bucket's metadata. Credentials with
+  object roles only (roles/storage.objectAdmin) may not read it: their bucket is taken for
+  a flat one, where the same listings and deletes work, and a hierarchical bucket keeps the
+  empty folders of deleted checkpoints (no listing shows them). False for a local path.
+
+  Raises:
+    OSError: the metadata does not read for another reason than a permission.
+  """
+  text = str(location)
+  if not text.startswith("gs://"):
+    return False
+  return _hierarchical(_emulator() or _PUBLIC_ENDPOINT, text[len("gs://"):].split("/", 1)[0])
+
+
+@functools.cache
+def _hierarchical(endpoint: str, bucket: str) -> bool:
+  del endpoint  # a key of the cache only: a bucket of this name elsewhere is another bucket
+  try:
+    meta = _gcs().call("GET", "b/{}", bucket, fields="hierarchicalNamespace", json_out=True)
+  except OSError as e:
+    if not _forbidden(e):
+      raise
+    log.info("bucket %r: its metadata may not be read (%s); taking it for a flat namespace.",
+             bucket, _first_line(e))
+    return False
+  return bool(meta.get("hierarchicalNamespace", {}).get("enabled"))
 
 
 def files(root: epath.Path) -> list[str]:
