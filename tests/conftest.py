@@ -98,7 +98,8 @@ def storage_env(monkeypatch):
   monkeypatch.setattr(storage, "_configured", False)
   monkeypatch.setitem(conf, "gcs", {})
   for var in ("STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL",
-              "GOOGLE_AUTH_TOKEN_FOR_TESTING", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"):
+              "GOOGLE_AUTH_TOKEN_FOR_TESTING", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT",
+              "TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS", "TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES"):
     monkeypatch.delenv(var, raising=False)
   return storage
 

@@ -8,9 +8,13 @@ trainer shows the same end to end.
 
 from __future__ import annotations
 
+import contextlib
 import re
+import socket
 import subprocess
 import sys
+import threading
+import time
 
 import jax
 import pytest
@@ -170,6 +174,43 @@ def test_a_damaged_step_set_aside_on_a_bucket_is_saved_again(gcs_emulator, stora
   ckpts.save(4, state, {"step": 4})
   ckpts.close()
   assert checkpoints(gcs_emulator, "damaged", "run") == [2, 4]
+
+
+@contextlib.contextmanager
+def _silent_endpoint():
+  """A server on loopback that accepts connections and never answers; yields its
+  `host:port`."""
+  server = socket.create_server(("127.0.0.1", 0))
+  held, stop = [], threading.Event()
+
+  def accept():
+    while not stop.is_set():
+      with contextlib.suppress(OSError):
+        held.append(server.accept()[0])
+
+  thread = threading.Thread(target=accept, daemon=True)
+  thread.start()
+  try:
+    yield f"127.0.0.1:{server.getsockname()[1]}"
+  finally:
+    stop.set()
+    server.close()
+    for conn in held:
+      conn.close()
+
+
+def test_an_endpoint_that_never_answers_is_refused_in_bounded_time(storage_env, monkeypatch):
+  """An endpoint that accepts the connection and never answers: the check ends within
+  about 20 s with one line naming it (it used to wait forever)."""
+  with _silent_endpoint() as address:
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", address)
+    began = time.monotonic()
+    message = _refused(lambda: storage_env.check("gs://silent/run", "config key 'run_dir'"),
+                       "gs://silent/run", "config key 'run_dir'",
+                       "accepts connections but did not answer a request within 20 s")
+    seconds = time.monotonic() - began
+  print(f"refused after {seconds:.1f} s: {message}")
+  assert f"http://{address}" in message and seconds < 30
 
 
 @pytest.mark.slow  # runs the trainer

@@ -16,11 +16,15 @@ lists a directory tree and `read_range` reads a byte range in one request, where
 object of gcsfs would also read ahead megabytes that a random read never uses.
 
 A bucket goes through gcsfs (etils' backend for `gs://`; the `train` extra installs it)
-and orbax's TensorStore. `check` refuses, before anything is written, a location the clients
-would read differently (see `path`), a machine without Google Cloud credentials, an endpoint
-that does not answer and a bucket that does not exist. A listing is never cached (`ls`
-asks the bucket each time): TensorStore, the other processes of a job and etils' own gcsfs
-instance write beside it.
+and orbax's TensorStore. `check` refuses, before anything is written and within about 30
+s, a location the clients would read differently (see `path`), a machine without Google
+Cloud credentials, an endpoint that does not answer and a bucket that does not exist. A
+listing is never cached (`ls` asks the bucket each time): TensorStore, the other processes
+of a job and etils' own gcsfs instance write beside it.
+
+A request that gets no byte for `REQUEST_TIMEOUT_S` fails and is retried by its client
+(gcsfs sets no timeout itself; TensorStore gets the values JAX sets on Cloud TPU VMs), so no
+call waits forever on an endpoint that accepts connections and never answers.
 
 The GCS emulator: `STORAGE_EMULATOR_HOST` (the standard variable, `host:port` or a URL) is
 all a user sets. The first use of a `gs://` path rewrites it as a URL (google-cloud-storage,
@@ -34,6 +38,7 @@ serve (a minute's timeout per bucket) and a standard bucket does not need.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import logging
@@ -65,6 +70,8 @@ _UNSAFE = re.compile(r"[#?*\[\]\x00-\x1f\x7f]")
 _BUCKET = re.compile(r"[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]")  # GCS's bucket names
 _PUBLIC_ENDPOINT = "https://storage.googleapis.com"
 _CONNECT_TIMEOUT_S = 10.0
+REQUEST_TIMEOUT_S = 60  # a request that gets no byte for this long fails (and is retried)
+_CHECK_TIMEOUT_S = 20.0  # each request of `check`
 _configured = False
 
 
@@ -134,10 +141,15 @@ def _configure_gcs() -> None:
   global _configured
   if _configured:
     return
+  import aiohttp
   from fsspec.config import conf
 
   os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")  # read at gcsfs' import
+  os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS", str(REQUEST_TIMEOUT_S))
+  os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES", "256")
   gcs = conf.setdefault("gcs", {})
+  gcs.setdefault("requests_timeout", aiohttp.ClientTimeout(sock_connect=_CONNECT_TIMEOUT_S,
+                                                           sock_read=REQUEST_TIMEOUT_S))
   gcs["use_listings_cache"] = False
   emulator = _emulator()
   if emulator:
@@ -178,10 +190,11 @@ def _forbidden(error: BaseException) -> bool:
 
 def check(location: str, key: str) -> None:
   """Refuses, with a one-line ConfigError naming `key`, a `location` that the run cannot
-  use: one of a form `path` refuses (also a local path that is a URL missing its "//"), no
-  Google Cloud credentials (not asked of an emulator), an endpoint that does not answer
-  within 10 s, or a bucket that does not exist or that the credentials may not list. Other
-  local paths are left to their users. Writes nothing.
+  use, within about 30 s: one of a form `path` refuses (also a local path that is a URL
+  missing its "//"), no Google Cloud credentials (not asked of an emulator), an endpoint
+  that does not answer (a connection within 10 s, a request within 20 s), or a bucket that
+  does not exist or that the credentials may not list. Other local paths are left to their
+  users. Writes nothing.
   """
   _check_form(location, key)
   if not is_url(location):
@@ -190,6 +203,7 @@ def check(location: str, key: str) -> None:
   bucket = location.split("://", 1)[1].split("/", 1)[0]
   endpoint = _emulator()
   what = f"{key} {location!r}"
+  fix = ", or STORAGE_EMULATOR_HOST (the emulator's address)" if endpoint else ""
   if endpoint is None:
     endpoint = _PUBLIC_ENDPOINT
     import google.auth
@@ -207,19 +221,34 @@ def check(location: str, key: str) -> None:
     socket.create_connection((host.hostname, port), timeout=_CONNECT_TIMEOUT_S).close()
   except OSError as e:
     raise ConfigError(f"{what}: the storage endpoint {endpoint} does not answer ({e}); check the"
-                      " network" + (", or STORAGE_EMULATOR_HOST (the emulator's address)"
-                                    if _emulator() else "") + ".") from None
+                      f" network{fix}.") from None
   fs = _gcs()
-  try:  # listing one object: the permission a run needs, where reading the bucket's own
-    # metadata takes another (storage.buckets.get) that object roles lack
-    fs.call("GET", "b/{}/o", bucket, maxResults=1, json_out=True)
-  except FileNotFoundError:
-    raise ConfigError(f"{what}: bucket {bucket!r} does not exist at {endpoint}; create it"
-                      f" (gcloud storage buckets create gs://{bucket}) or fix the name.") from None
-  except Exception as e:  # gcsfs: OSError for 403, its HttpError for 401 and others
-    raise ConfigError(f"{what}: listing bucket {bucket!r} failed ({_first_line(e)}); give"
-                      " the credentials a storage role on it (roles/storage.objectAdmin)."
-                      ) from None
+
+  def ask(request, failed):
+    """`request` (a coroutine of gcsfs) run on gcsfs's loop and cancelled after 20 s;
+    ConfigError `failed(error)` where it fails."""
+    import fsspec.asyn
+
+    async def bounded():
+      return await asyncio.wait_for(request, _CHECK_TIMEOUT_S)
+    try:
+      fsspec.asyn.sync(fs.loop, bounded)
+    except TimeoutError:
+      raise ConfigError(f"{what}: the storage endpoint {endpoint} accepts connections but did"
+                        f" not answer a request within {_CHECK_TIMEOUT_S:.0f} s; check the"
+                        f" network{fix}.") from None
+    except FileNotFoundError:
+      raise ConfigError(f"{what}: bucket {bucket!r} does not exist at {endpoint}; create it"
+                        f" (gcloud storage buckets create gs://{bucket}) or fix the name."
+                        ) from None
+    except Exception as e:  # gcsfs: OSError for 403, its HttpError for 401 and others
+      raise ConfigError(failed(_first_line(e))) from None
+
+  # Listing one object: the permission a run needs, where reading the bucket's own metadata
+  # takes another (storage.buckets.get) that object roles lack.
+  ask(fs._call("GET", "b/{}/o", bucket, maxResults=1, json_out=True),
+      lambda e: f"{what}: listing bucket {bucket!r} failed ({e}); give the credentials a"
+                " storage role on it (roles/storage.objectAdmin).")
 
 
 def _first_line(error: BaseException) -> str:
