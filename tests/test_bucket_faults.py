@@ -35,6 +35,11 @@ def metadata_refused(method: str, path: str) -> bool:
   return method == "GET" and bool(BUCKET_METADATA.match(path))
 
 
+def uploads_refused(method: str, path: str) -> bool:
+  """roles/storage.objectViewer: objects listed and read; no upload."""
+  return path.startswith("/upload/")
+
+
 def _saved_run(run: str, *overrides, steps=(2, 4)) -> config.TrainConfig:
   """Run `run` (a gs:// URL) as the trainer leaves it, without training: its config.json
   and a checkpoint of a fresh tiny model and optimizer at each of `steps`."""
@@ -211,6 +216,33 @@ def test_an_endpoint_that_never_answers_is_refused_in_bounded_time(storage_env, 
     seconds = time.monotonic() - began
   print(f"refused after {seconds:.1f} s: {message}")
   assert f"http://{address}" in message and seconds < 30
+
+
+def test_a_bucket_that_may_not_be_written_is_refused_before_anything_is_written(
+    gcs_emulator, storage_env, monkeypatch, tmp_path):
+  """Credentials that may list and read but not write (roles/storage.objectViewer): the
+  check of a location the run writes refuses it in one line naming the role to grant, and
+  writes nothing; the same location read only passes. The trainer and export refuse it
+  before writing anything."""
+  create_bucket(gcs_emulator, "viewer")
+  with Proxy(gcs_emulator, uploads_refused) as proxy:
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.address)
+    env = clean_env(STORAGE_EMULATOR_HOST=proxy.address)
+    for args, prefix in (
+        (["-m", "train", str(ROOT / "configs/demo.yaml"), "run_dir=gs://viewer/run"],
+         "config error: config key 'run_dir' 'gs://viewer/run': the credentials may list"),
+        (["-m", "train.export", str(tmp_path), "gs://viewer/export"],
+         "export error: OUT_DIR 'gs://viewer/export': the credentials may list")):
+      proc = subprocess.run([sys.executable, *args], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=120)
+      assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-4000:]
+      assert proc.stderr.strip().splitlines()[-1].startswith(prefix), proc.stderr[-2000:]
+    storage_env.check("gs://viewer/run", "config key 'data.source'")
+    _refused(lambda: storage_env.check("gs://viewer/run", "config key 'run_dir'", write=True),
+             "gs://viewer/run", "config key 'run_dir'",
+             r"may list bucket 'viewer' but not write there .*roles/storage\.objectAdmin")
+  assert objects(gcs_emulator, "viewer") == [] and list(tmp_path.iterdir()) == []
+  assert proxy.refusals
 
 
 @pytest.mark.slow  # runs the trainer

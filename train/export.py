@@ -143,8 +143,8 @@ def export(run_dir: str, out_dir: str, dtype: str = "bfloat16", force: bool = Fa
   from train import run_dir as run_dir_lib
   from train import storage
 
-  for location, key in ((run_dir, "RUN_DIR"), (out_dir, "OUT_DIR")):
-    storage.check(location, key)
+  storage.check(run_dir, "RUN_DIR")
+  storage.check(out_dir, "OUT_DIR", write=True)
   check_out_dir(run_dir, out_dir, force)
   tok = None
   if (storage.path(run_dir) / "config.json").is_file():

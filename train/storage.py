@@ -18,7 +18,8 @@ object of gcsfs would also read ahead megabytes that a random read never uses.
 A bucket goes through gcsfs (etils' backend for `gs://`; the `train` extra installs it)
 and orbax's TensorStore. `check` refuses, before anything is written and within about 30
 s, a location the clients would read differently (see `path`), a machine without Google
-Cloud credentials, an endpoint that does not answer and a bucket that does not exist. A
+Cloud credentials, an endpoint that does not answer, a bucket that does not exist or may
+not be listed, and (for a location the run writes) one that may not be written. A
 listing is never cached (`ls` asks the bucket each time): TensorStore, the other processes
 of a job and etils' own gcsfs instance write beside it.
 
@@ -188,13 +189,14 @@ def _forbidden(error: BaseException) -> bool:
   return type(error) is OSError and str(error).startswith("Forbidden")
 
 
-def check(location: str, key: str) -> None:
+def check(location: str, key: str, write: bool = False) -> None:
   """Refuses, with a one-line ConfigError naming `key`, a `location` that the run cannot
   use, within about 30 s: one of a form `path` refuses (also a local path that is a URL
   missing its "//"), no Google Cloud credentials (not asked of an emulator), an endpoint
-  that does not answer (a connection within 10 s, a request within 20 s), or a bucket that
-  does not exist or that the credentials may not list. Other local paths are left to their
-  users. Writes nothing.
+  that does not answer (a connection within 10 s, each request within 20 s), a bucket that
+  does not exist or that the credentials may not list, and, with `write` (a location the
+  run writes), one where they may not create and delete an object: a probe object is
+  written there and deleted. Other local paths are left to their users.
   """
   _check_form(location, key)
   if not is_url(location):
@@ -223,6 +225,8 @@ def check(location: str, key: str) -> None:
     raise ConfigError(f"{what}: the storage endpoint {endpoint} does not answer ({e}); check the"
                       f" network{fix}.") from None
   fs = _gcs()
+  role = ("give the credentials roles/storage.objectAdmin on it (objects listed, read,"
+          " written and deleted)")
 
   def ask(request, failed):
     """`request` (a coroutine of gcsfs) run on gcsfs's loop and cancelled after 20 s;
@@ -247,8 +251,17 @@ def check(location: str, key: str) -> None:
   # Listing one object: the permission a run needs, where reading the bucket's own metadata
   # takes another (storage.buckets.get) that object roles lack.
   ask(fs._call("GET", "b/{}/o", bucket, maxResults=1, json_out=True),
-      lambda e: f"{what}: listing bucket {bucket!r} failed ({e}); give the credentials a"
-                " storage role on it (roles/storage.objectAdmin).")
+      lambda e: f"{what}: listing bucket {bucket!r} failed ({e}); {role}.")
+  if not write:
+    return
+  probe = f"{location.rstrip('/')}/.write-check-{uuid.uuid4().hex[:12]}"
+  ask(fs._pipe_file(probe, b""),
+      lambda e: f"{what}: the credentials may list bucket {bucket!r} but not write there ({e});"
+                f" {role}, or choose a location they may write.")
+  ask(fs._rm_file(probe),
+      lambda e: f"{what}: the credentials may write to bucket {bucket!r} but not delete there"
+                f" ({e}), as a run does (old checkpoints, files set aside); {role}, then"
+                f" delete the probe object {probe}.")
 
 
 def _first_line(error: BaseException) -> str:
