@@ -245,6 +245,24 @@ def test_a_bucket_that_may_not_be_written_is_refused_before_anything_is_written(
   assert proxy.refusals
 
 
+def test_export_names_a_failure_to_read_the_run_as_such(gcs_emulator, storage_env,
+                                                        monkeypatch, tmp_path, capsys):
+  """Export of a run whose objects may be listed but not read: one line that says reading
+  RUN_DIR failed and that nothing was written (it used to say that writing OUT_DIR
+  failed)."""
+  create_bucket(gcs_emulator, "unread")
+  monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_emulator)
+  _saved_run("gs://unread/run", steps=(2,))
+  with Proxy(gcs_emulator, lambda method, path: method == "GET" and (
+      "/o/run%2F" in path)) as proxy:
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.address)
+    assert export.main(["gs://unread/run", str(tmp_path / "export")]) == 1
+  last = capsys.readouterr().err.strip().splitlines()[-1]
+  assert last.startswith("export error: reading RUN_DIR 'gs://unread/run' failed: Forbidden")
+  assert last.endswith("; nothing was written.") and list(tmp_path.iterdir()) == []
+  assert proxy.refusals
+
+
 @pytest.mark.slow  # runs the trainer
 def test_a_resume_on_a_bucket_with_object_roles_and_a_damaged_step(gcs_emulator, tmp_path):
   """The trainer on a bucket through credentials with object roles only, the emulator's
