@@ -1,9 +1,9 @@
 """A run_dir on a bucket that is odd, slow, damaged or restricted (the `gcs_emulator`
 fixture, with `gcs.Proxy` in front of it where a role narrower than the emulator's matters):
 each gives an exact resume or a one-line error that names the value and the fix, before
-anything is written. Most cases call `train.storage`, `train.checkpoint`, `train.export`
-and `train.sample` in this process on a run saved without training; one run of the
-trainer shows the same end to end.
+anything is written, within a bounded time. Most cases call `train.storage`,
+`train.checkpoint`, `train.export` and `train.sample` in this process on a run saved
+without training; one run of the trainer shows the same end to end.
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ import jax
 import pytest
 from flax import nnx
 
-from gcs import Proxy, checkpoints, create_bucket, delete, losses, objects
-from train import checkpoint, config, export, sample
+from gcs import Proxy, checkpoints, create_bucket, delete, losses, objects, write
+from train import checkpoint, config, export, run_dir, sample
 from train.config import ConfigError
+from train.data import list_documents
 from train.state import make_state
 from trainer import ROOT, TIMEOUT, TINY, clean_env, start, wait
 
@@ -261,6 +262,28 @@ def test_export_names_a_failure_to_read_the_run_as_such(gcs_emulator, storage_en
   assert last.startswith("export error: reading RUN_DIR 'gs://unread/run' failed: Forbidden")
   assert last.endswith("; nothing was written.") and list(tmp_path.iterdir()) == []
   assert proxy.refusals
+
+
+def test_folder_placeholders_are_not_files(gcs_emulator, storage_env, monkeypatch, caplog):
+  """A bucket's "create folder" placeholders (zero-byte objects named `folder/`, as the
+  Cloud console writes them) are neither files of a corpus (no warning names them) nor
+  entries of their folder: an empty tensorboard/ with one is not archived."""
+  create_bucket(gcs_emulator, "folders")
+  monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_emulator)
+  for name in ("corpus/", "corpus/sub/", "corpus/empty/", "run/", "run/tensorboard/"):
+    write(gcs_emulator, "folders", name, b"")
+  write(gcs_emulator, "folders", "corpus/sub/a.txt", b"def f(): pass\n")
+  write(gcs_emulator, "folders", "corpus/notes.md", b"# notes\n")
+  write(gcs_emulator, "folders", "run/metrics.jsonl", b"{}\n")
+  docs = list_documents("gs://folders/corpus")
+  assert [d.name for d in docs] == ["sub/a.txt"]
+  warned, = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+  assert warned.startswith("data.source 'gs://folders/corpus': 1 file(s) not read"), warned
+  assert warned.endswith(": notes.md"), warned
+  caplog.clear()
+  run_dir.archive("gs://folders/run", run_dir.OUTPUT_FILES, "resume=false")
+  moved, = [r.getMessage() for r in caplog.records if "moved the earlier run's" in r.getMessage()]
+  assert "moved the earlier run's metrics.jsonl to " in moved, moved
 
 
 @pytest.mark.slow  # runs the trainer

@@ -183,7 +183,8 @@ class Checkpoints:
       state = self._agreed(step, restore)
       if state is not None:
         return step, state, position
-    set_aside = sorted(p.name for p in self.unusable.iterdir()) if self.unusable.is_dir() else []
+    set_aside = ([p.name for p in storage.iterdir(self.unusable)] if self.unusable.is_dir()
+                 else [])
     if set_aside:
       raise NoUsableCheckpoint(
           f"{self.directory} holds no checkpoint that restores, and {self.unusable} holds"

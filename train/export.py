@@ -114,7 +114,7 @@ def check_out_dir(run_dir: str, out_dir: str, force: bool = False) -> None:
                       f" {out_dir!r}, but {str(parent)!r} is"
                       f" {'not a directory' if not parent.is_dir() else 'not writable'};"
                       " pass another path.")
-  entries = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+  entries = [p.name for p in storage.iterdir(out)] if out.is_dir() else []
   if not entries:
     return
   others = [n for n in entries if not (EXPORT_FILES.fullmatch(n) and (out / n).is_file())]
@@ -199,7 +199,7 @@ def _upload(local: pathlib.Path, out) -> None:
   removes what it uploaded."""
   from train import storage
 
-  for old in list(out.iterdir()) if out.is_dir() else []:
+  for old in storage.iterdir(out) if out.is_dir() else []:
     old.unlink()
   done = []
   try:

@@ -21,7 +21,9 @@ s, a location the clients would read differently (see `path`), a machine without
 Cloud credentials, an endpoint that does not answer, a bucket that does not exist or may
 not be listed, and (for a location the run writes) one that may not be written. A
 listing is never cached (`ls` asks the bucket each time): TensorStore, the other processes
-of a job and etils' own gcsfs instance write beside it.
+of a job and etils' own gcsfs instance write beside it. A folder's placeholder object (a
+zero-byte `name/`, as the Cloud console's "create folder" makes) is neither a file nor an
+entry of its folder (`iterdir`, `files`).
 
 A request that gets no byte for `REQUEST_TIMEOUT_S` fails and is retried by its client
 (gcsfs sets no timeout itself; TensorStore gets the values JAX sets on Cloud TPU VMs), so no
@@ -298,16 +300,29 @@ def _hierarchical(endpoint: str, bucket: str) -> bool:
   return bool(meta.get("hierarchicalNamespace", {}).get("enabled"))
 
 
+def iterdir(directory: epath.Path) -> list[epath.Path]:
+  """The entries of `directory`, sorted. On a bucket a folder's placeholder object (`name/`,
+  which the Cloud console's "create folder" writes) is not an entry: gcsfs lists it as an
+  entry of itself."""
+  if not is_url(str(directory)):
+    return sorted(directory.iterdir())
+  own = str(directory).split("://", 1)[1].rstrip("/")
+  return sorted(directory / name.rstrip("/").rsplit("/", 1)[-1]
+                for name in _gcs().ls(str(directory), detail=False)
+                if name.rstrip("/") != own)
+
+
 def files(root: epath.Path) -> list[str]:
   """The files under directory `root`, recursively, as paths relative to it ("a/b.txt"),
-  sorted."""
+  sorted; on a bucket without the placeholder objects of folders (see `iterdir`)."""
   # gcsfs walks folders named without their protocol ("bucket/x"), so a folder's path below
   # `root` is taken from the names, not from `relative_to`.
   top = str(root).split("://", 1)[-1].rstrip("/")
   out = []
   for folder, _, names in root.walk():
     below = str(folder).split("://", 1)[-1].removeprefix(top).strip("/")
-    out += [f"{below}/{name}" if below else name for name in names]
+    out += [f"{below}/{name}" if below else name for name in names
+            if name and not name.endswith("/")]  # not a folder's placeholder (`iterdir`)
   return sorted(out)
 
 
@@ -410,7 +425,7 @@ def local_dir(location: str, names: tuple[str, ...] | None = None):
     return
   source = path(location)
   with tempfile.TemporaryDirectory(prefix="flaxattn-") as local:
-    for file in source.iterdir():
+    for file in iterdir(source):
       if (names is None or file.name in names) and file.is_file():
         _gcs().get(str(file), os.path.join(local, file.name))
     yield local
