@@ -91,15 +91,21 @@ def gcs_emulator():
 @pytest.fixture
 def storage_env(monkeypatch):
   """`train.storage` as in a fresh process (set `STORAGE_EMULATOR_HOST` before its first
-  gs:// path), and what it derives from the environment undone afterwards."""
+  gs:// path), and what it derives from the environment undone afterwards: a variable it
+  sets would otherwise reach the processes later tests start (a trainer whose TensorStore
+  asks an emulator that has gone retries for minutes)."""
   from fsspec.config import conf
 
   from train import storage
   monkeypatch.setattr(storage, "_configured", False)
   monkeypatch.setitem(conf, "gcs", {})
-  for var in ("STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL",
-              "GOOGLE_AUTH_TOKEN_FOR_TESTING", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"):
-    monkeypatch.delenv(var, raising=False)
+  for name in ("STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL",
+               "GOOGLE_AUTH_TOKEN_FOR_TESTING", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT",
+               "TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS", "TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES"):
+    # setenv first: delenv of an unset variable records nothing to restore, and what
+    # `storage` sets later would stay
+    monkeypatch.setenv(name, "")
+    monkeypatch.delenv(name)
   return storage
 
 

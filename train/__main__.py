@@ -49,8 +49,8 @@ def _main(argv: list[str]) -> int:
   path, overrides = (None, argv) if "=" in argv[0] else (argv[0], argv[1:])
   try:
     cfg = config.load(path, overrides)
-    for key in ("run_dir", "init_from", "data.source", "data.tokenizer"):
-      storage.check(str(config.get(cfg, key)), f"config key {key!r}")  # before any read
+    for key in ("run_dir", "init_from", "data.source", "data.tokenizer"):  # before any read
+      storage.check(str(config.get(cfg, key)), f"config key {key!r}", write=key == "run_dir")
     cfg = init_from.resolve(cfg, config.set_keys(path, overrides))
     run_dir.check(cfg)
     if cfg.overlap_flags:  # XLA reads them once, when its backend starts

@@ -30,12 +30,20 @@ import re
 import jax
 import orbax.checkpoint as ocp
 from etils import epath
+from orbax.checkpoint._src.path import gcs_utils
 
 from train import distributed, storage
 from train import run_dir as run_dir_lib
 from train.config import TrainConfig
 
 log = logging.getLogger(__name__)
+
+# Orbax asks whether a bucket has a hierarchical namespace before it lists or deletes steps
+# there, by reading the bucket's metadata through google-cloud-storage: a permission
+# (storage.buckets.get) that object roles lack, so a resume, an export or a deletion of an
+# old step would stop with a 403. `storage` answers instead, taking such a bucket for a flat
+# one.
+gcs_utils.is_hierarchical_namespace_enabled = storage.hierarchical_namespace
 
 ITEMS = ("state", "data")
 # TensorStore error messages start with a status code. These say that stored bytes are
@@ -175,7 +183,8 @@ class Checkpoints:
       state = self._agreed(step, restore)
       if state is not None:
         return step, state, position
-    set_aside = sorted(p.name for p in self.unusable.iterdir()) if self.unusable.is_dir() else []
+    set_aside = ([p.name for p in storage.iterdir(self.unusable)] if self.unusable.is_dir()
+                 else [])
     if set_aside:
       raise NoUsableCheckpoint(
           f"{self.directory} holds no checkpoint that restores, and {self.unusable} holds"

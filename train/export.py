@@ -12,8 +12,8 @@ else. The files are written beside OUT_DIR and moved into place when complete, s
 export leaves OUT_DIR as it was. Exit status 0, or 2 with a one-line message when OUT_DIR
 is refused, RUN_DIR is not a run with a checkpoint, or its model has an option no Hugging
 Face architecture here holds (`models.hf.ExportError`, naming it); nothing is written.
-Exit status 1 with a one-line message when writing fails midway (a full disk): OUT_DIR is
-as it was.
+Exit status 1 with a one-line message when reading RUN_DIR fails (a permission, the
+network; nothing is written) or writing fails midway (a full disk): OUT_DIR is as it was.
 
 RUN_DIR and OUT_DIR may be `gs://` URLs (`train.storage`). An export to a bucket is written
 to a local temporary directory first, then uploaded into OUT_DIR, file by file (a bucket
@@ -41,6 +41,10 @@ EXPORT_FILES = re.compile(r"config\.json|model\.safetensors(\.index\.json)?"
                           r"|model-\d{5}-of-\d{5}\.safetensors"
                           r"|tokenizer\.json|tokenizer_config\.json|special_tokens_map\.json"
                           r"|tokenizer\.model")
+
+
+class ReadError(Exception):
+  """RUN_DIR did not read (a permission, the network); nothing was written."""
 
 
 def restore_model(run_dir: str, cfg=None, device=None):
@@ -110,7 +114,7 @@ def check_out_dir(run_dir: str, out_dir: str, force: bool = False) -> None:
                       f" {out_dir!r}, but {str(parent)!r} is"
                       f" {'not a directory' if not parent.is_dir() else 'not writable'};"
                       " pass another path.")
-  entries = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+  entries = [p.name for p in storage.iterdir(out)] if out.is_dir() else []
   if not entries:
     return
   others = [n for n in entries if not (EXPORT_FILES.fullmatch(n) and (out / n).is_file())]
@@ -136,6 +140,7 @@ def export(run_dir: str, out_dir: str, dtype: str = "bfloat16", force: bool = Fa
     ConfigError: a URL the export cannot use (`train.storage.check`), `out_dir` refused
       (`check_out_dir`); see also `restore_model`.
     CheckpointError: as `restore_model`.
+    ReadError: reading `run_dir` failed otherwise (an OSError: a permission, the network).
     models.hf.ExportError: an option no architecture holds (before the checkpoint is read).
     ValueError: unknown dtype.
   """
@@ -143,15 +148,18 @@ def export(run_dir: str, out_dir: str, dtype: str = "bfloat16", force: bool = Fa
   from train import run_dir as run_dir_lib
   from train import storage
 
-  for location, key in ((run_dir, "RUN_DIR"), (out_dir, "OUT_DIR")):
-    storage.check(location, key)
+  storage.check(run_dir, "RUN_DIR")
+  storage.check(out_dir, "OUT_DIR", write=True)
   check_out_dir(run_dir, out_dir, force)
   tok = None
-  if (storage.path(run_dir) / "config.json").is_file():
-    cfg = run_dir_lib.saved_config(run_dir)
-    hf.architecture(cfg.model)  # refuse before restoring
-    tok = run_dir_lib.load_tokenizer(run_dir, cfg)
-  step, model = restore_model(run_dir)
+  try:
+    if (storage.path(run_dir) / "config.json").is_file():
+      cfg = run_dir_lib.saved_config(run_dir)
+      hf.architecture(cfg.model)  # refuse before restoring
+      tok = run_dir_lib.load_tokenizer(run_dir, cfg)
+    step, model = restore_model(run_dir)
+  except OSError as e:
+    raise ReadError(f"reading RUN_DIR {run_dir!r} failed: {_one_line(e)}") from e
   if storage.is_url(out_dir):
     with tempfile.TemporaryDirectory(prefix="flaxattn-export-") as local:
       hf.save(model, local, dtype=dtype)
@@ -181,13 +189,17 @@ def export(run_dir: str, out_dir: str, dtype: str = "bfloat16", force: bool = Fa
   return step
 
 
+def _one_line(error: BaseException) -> str:
+  return " ".join(str(error).split()) or type(error).__name__
+
+
 def _upload(local: pathlib.Path, out) -> None:
   """Copies the files of export `local` into `out` (an `epath.Path` on a bucket), after
   removing the files there (a previous export, which `check_out_dir` allowed); on failure
   removes what it uploaded."""
   from train import storage
 
-  for old in list(out.iterdir()) if out.is_dir() else []:
+  for old in storage.iterdir(out) if out.is_dir() else []:
     old.unlink()
   done = []
   try:
@@ -253,8 +265,11 @@ def main(argv: list[str]) -> int:
   except KeyboardInterrupt:
     print(f"export interrupted: {args.out_dir} is as it was.", file=sys.stderr)
     return 130
+  except ReadError as e:
+    print(f"export error: {e}; nothing was written.", file=sys.stderr)
+    return 1
   except OSError as e:  # a disk full or a directory that went away while writing
-    print(f"export error: writing {args.out_dir!r} failed: {e}; it is as it was.",
+    print(f"export error: writing {args.out_dir!r} failed: {_one_line(e)}; it is as it was.",
           file=sys.stderr)
     return 1
   print(f"wrote step {step} of {args.run_dir} to {args.out_dir} ({args.dtype})")

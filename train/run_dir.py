@@ -243,7 +243,7 @@ def archive(run_dir: str, names: tuple[str, ...], why: str) -> None:
   returns once it is done)."""
   if jax.process_index() == 0:
     paths = [storage.path(run_dir) / n for n in names]
-    present = [p for p in paths if p.is_file() or (p.is_dir() and any(p.iterdir()))]
+    present = [p for p in paths if p.is_file() or (p.is_dir() and storage.iterdir(p))]
     if present:
       target = storage.path(run_dir) / "archive" / timestamp()
       for p in present:
