@@ -135,13 +135,21 @@ class MeshConfig:
   """Mesh axis sizes; one may be -1 (fill with the remaining devices). Their product must
   equal the number of devices (`train.mesh` checks it). The sequence is sharded over
   (context_ring, context): context_ring > 1 runs a ring over it inside Ulysses over context
-  (strategy "ulysses")."""
+  (strategy "ulysses").
+
+  fsdp_over_context: parameters and optimizer state sharded over the context axes too
+  (their `embed` dimension over fsdp x context_ring x context), as MaxText shards them over
+  its context axis: each device holds 1 / (fsdp x context_ring x context) of them, which
+  is what lets batch 1 with the whole slice on the sequence fit; the layers gather their
+  weights over those axes as FSDP does. The checkpoint is the same either way: a run
+  resumes with it changed, or on another mesh."""
 
   data: int = -1
   fsdp: int = 1
   tensor: int = 1
   context_ring: int = 1
   context: int = 1
+  fsdp_over_context: bool = False
 
 
 MESH_AXES = ("data", "fsdp", "tensor", "context_ring", "context")
@@ -220,7 +228,7 @@ class TrainConfig:
     Llama, Mistral, Qwen2, Qwen3) or a run_dir of this trainer (its newest checkpoint; a
     gs:// URL too). See `train.init_from`.
   peak_tflops_per_device: the dense peak TFLOP/s of one device in the compute dtype, for
-    MFU; 0 = from `train.throughput.PEAK_TFLOPS` (or measured on CPU).
+    MFU; 0 = the chip's (`train.throughput.peak`; measured on CPU).
   overlap_flags: true: the platform's compiler flags for hiding collectives behind compute
     (`train.xla_flags`: LIBTPU_INIT_ARGS on TPU, XLA_FLAGS on GPU, as the published recipes
     set them) are added where the environment does not set them, and logged at start;
