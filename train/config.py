@@ -169,20 +169,27 @@ PLATFORMS = ("cpu", "gpu", "cuda", "rocm", "tpu")
 @dataclasses.dataclass(frozen=True)
 class ContextParallelConfig:
   """`flaxattn.ContextParallel` over the mesh's `context` axis (used when it or
-  `context_ring` is > 1). strategy: "ring", "all_gather", "ulysses" or "auto" (per attention
-  layer, the strategy `flaxattn.planner` estimates fastest); with mesh `context_ring` > 1
-  it must be "ulysses" (or "auto", which then has only it), which runs a ring over
-  `context_ring` (`ContextParallel(ring_axis="context_ring")`). Its token order (load
-  balancing) is `data.balance`. grad_dtype: what a ring sums its steps' partial gradients
-  in, "float32" (exact) or "inputs" (the compute dtype: half the gradient bytes held and
-  sent; `ContextParallel(grad_dtype=None)`). head_groups: how many groups of heads a ring
-  takes round one after the other (`ContextParallel(head_groups=...)`); null: chosen per
-  layer call. It must divide the K/V heads each device's ring holds (`train.mesh.make`
-  checks it, under "auto" too, which may choose the ring)."""
+  `context_ring` is > 1). strategy: "ring", "all_gather", "ulysses" or "auto" (below); with
+  mesh `context_ring` > 1 it must be "ulysses" (or "auto", which then has only it), which
+  runs a ring over `context_ring` (`ContextParallel(ring_axis="context_ring")`). Its token
+  order (load balancing) is `data.balance`. grad_dtype: what a ring sums its steps' partial
+  gradients in, "float32" (exact) or "inputs" (the compute dtype: half the gradient bytes
+  held and sent; `ContextParallel(grad_dtype=None)`). head_groups: how many groups of heads
+  a ring takes round one after the other (`ContextParallel(head_groups=...)`); null: chosen
+  per layer call. It must divide the K/V heads each device's ring holds (`train.mesh.make`
+  checks it, under "auto" too, which may choose the ring).
+
+  "auto" chooses one strategy for the run when it starts, the fastest by an estimate of the
+  whole step, and logs it with its reason (`train.strategy`): with auto_compile (default)
+  on devices whose chip has published peak figures (`flaxattn.aot.TARGETS`), the step
+  compiled once per strategy the mesh can run and `flaxattn.aot.estimate` read from each
+  (as `python -m train.compile` reports it); else the attention's analytic model
+  (`flaxattn.planner`, its TPU and GPU numbers calibrated against such estimates)."""
 
   strategy: str = "ring"
   grad_dtype: str = "float32"
   head_groups: int | None = None
+  auto_compile: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
