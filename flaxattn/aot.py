@@ -936,11 +936,15 @@ class _Schedule:
         total += max((self._bytes(b, inside) for b in self._runs(instruction)), default=0)
       elif op in ("call", "async-start") and not self.kind(instruction):
         total += sum(self._bytes(c, inside) for c in instruction.called)
-      elif (op in _PLUMBING or op in _NOT_MEMORY or self._marker(instruction)
+      elif (op in _PLUMBING or op in _NOT_MEMORY or op in _DONES or self._marker(instruction)
             or (self.kind(instruction) and not self._chained(instruction))):
         continue  # collectives move their bytes over the links: `estimate`'s comm_s
       elif op == "fusion":
         total += self._fusion_bytes(instruction, shapes)
+      elif op in ("dynamic-update-slice", "dynamic-slice"):  # in place: the update's bytes
+        part = shapes.get(instruction.operands[1], "") if op == "dynamic-update-slice" and len(
+            instruction.operands) > 1 else instruction.shape
+        total += 2 * _memory_bytes(part)
       elif op == "copy-start":  # a prefetch: the source read, the destination written
         total += sum(_memory_bytes(shapes.get(o, "")) for o in instruction.operands[:1])
         total += _memory_bytes(_tuple_elements(instruction.shape)[0])
@@ -953,7 +957,9 @@ class _Schedule:
     """A fusion's bytes: each operand read once, but of an operand the fusion only slices,
     the slices; its result written, but of a result updated in place (a
     dynamic-update-slice of an operand), the update. So a loop's body that reads layer i
-    of a stacked parameter, or writes row i of a stacked result, counts that layer or row."""
+    of a stacked parameter, or writes row i of a stacked result, counts that layer or row.
+    The buffers of a collective stepped through the fusion (libtpu's collective fusions),
+    and results passed through, count nothing here."""
     inner = self.computations.get(fusion.called[0], []) if fusion.called else []
     by_name = {i.name: i for i in inner}
     users: dict[str, list[_Instruction]] = {}
@@ -971,6 +977,8 @@ class _Schedule:
           part = _memory_bytes(user.shape)
         elif user.opcode == "dynamic-update-slice" and user.operands[0] == name:
           part = 0  # written in place: the update is counted as the result
+        elif self.kind(user) or (user is root and user.opcode == "tuple"):
+          part = 0  # a collective's step (its bytes are the links'), or passed through
         else:
           part = None
         if part is None:
@@ -978,6 +986,7 @@ class _Schedule:
         total += part
       return total
 
+    root = inner[-1] if inner else None
     total = 0
     params = {int(i.arguments): i.name for i in inner
               if i.opcode == "parameter" and i.arguments.strip().isdigit()}
@@ -985,7 +994,6 @@ class _Schedule:
       whole = _memory_bytes(shapes.get(operand, ""))
       sliced = reads(params[index]) if index in params else None
       total += whole if sliced is None else min(sliced, whole)
-    root = inner[-1] if inner else None
     outputs = ([by_name.get(o) for o in root.operands] if root is not None
                and root.opcode == "tuple" else [root])
     pieces = _tuple_elements(fusion.shape)
@@ -996,6 +1004,8 @@ class _Schedule:
       if out is not None and out.opcode == "dynamic-update-slice" and len(out.operands) > 1:
         update = by_name.get(out.operands[1])
         total += _memory_bytes(update.shape) if update is not None else 0
+      elif out is not None and (out.opcode == "parameter" or self.kind(out)):
+        continue  # passed through, or a collective's result (a step of a chain)
       else:
         total += _memory_bytes(piece)
     return total

@@ -340,6 +340,12 @@ def test_a_chain_stepped_through_a_loop_counts_once_at_its_start():
       aot.Collective("all-gather", 32 * 4, False, 0, 1, "acf-start", "main")]
 
 
+def test_hbm_bytes_leave_a_chains_buffers_to_the_links():
+  """The chain's step fusion: the add's operands and result in each of 4 iterations; the
+  all-gather's operand and result, stepped through it, are the collective's."""
+  assert aot.hbm_bytes(CHAINED) == 4 * 3 * 64 * 128 * 4
+
+
 def test_sums_collectives_by_kind():
   kv = 8 * 128 * 2
   assert aot.collectives(SCHEDULED) == {
@@ -408,7 +414,7 @@ tuple(%next, %w, %y, %o)
 }
 
 ENTRY %main (w: f32[3,128,128], x: f32[128,128], out: f32[3,128,128], ok: pred[]) -> \
-f32[128,128] {
+f32[3,128,128] {
   %w = f32[3,128,128]{2,1,0} parameter(0)
   %x = f32[128,128]{1,0} parameter(1)
   %out = f32[3,128,128]{2,1,0} parameter(2)
@@ -422,7 +428,9 @@ while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"
   %chosen = f32[128,128]{1,0} conditional(%ok, %last, %last), \
 branch_computations={%kernel, %fallback}
   %near = f32[128,128]{1,0:S(1)} copy(%chosen)
-  ROOT %r = f32[128,128]{1,0} negate(%near)
+  %r = f32[128,128]{1,0} negate(%near)
+  %row0 = f32[1,128,128]{2,1,0} bitcast(%r)
+  ROOT %put = f32[3,128,128]{2,1,0} dynamic-update-slice(%out, %row0, %zero, %zero, %zero)
 }
 """
 
@@ -433,8 +441,9 @@ def test_hbm_bytes_count_slices_updates_in_place_and_the_kernel_branch():
   row = tile + 4 + tile  # the row written in place (of 3), the index; the stacked array: 0
   step = layer + row + 3 * 4  # and the counter's add
   # The kernel branch (its operand and result), not the fallback's three passes; the copy
-  # into on-chip memory reads HBM only; the negate reads on-chip memory and writes HBM.
-  after = 2 * tile + tile + tile
+  # into on-chip memory reads HBM only; the negate reads on-chip memory and writes HBM; the
+  # unfused update in place reads and writes its row.
+  after = 2 * tile + tile + tile + 2 * tile
   assert aot.hbm_bytes(STACKED) == 3 * step + after
 
 
