@@ -4,6 +4,8 @@ TPU slice or NVIDIA GPUs, answered from any host by the target's own compiler.
   python -m train.compile configs/tpu_v5p_8b.yaml --target v5p-128
   python -m train.compile configs/gpu_8x_8b.yaml --target 8xh100 --json
   python -m train.compile configs/gpu_demo.yaml --target h100 --fit seq_len
+  python -m train.compile configs/tpu_v5p_8b_cp64.yaml --target v5p-128 \
+      --compare context_parallel.strategy=ring,all_gather
 
 The trainer's step (`train.loop.train_step` on the state and batch `python -m train` builds:
 `train.mesh.make`, `train.state.abstract_state`, `train.data.abstract_batch`) is compiled
@@ -46,7 +48,19 @@ Reported (a table, or one JSON line with --json):
                     their start and their done;
   xla_flags         the compiler flags it compiled with: the platform's overlap flags
                     (`train.xla_flags`, as `python -m train` sets them; config key
-                    overlap_flags) added to the environment's.
+                    overlap_flags) added to the environment's;
+  estimate          a roofline estimate of the step (`flaxattn.aot.estimate`: step_s,
+                    compute_s, memory_s, comm_s, exposed_comm_s, mfu, tokens_per_s,
+                    flops, model_flops, hbm_bytes, bound) from the compiled program and
+                    the chip's published peaks: the step's FLOPs at peak, its HBM traffic
+                    at the memory bandwidth, its collectives at the links' bandwidth, the
+                    exposed ones added. A lower bound, not a measurement: kernels at peak
+                    whatever their size, no launch or host costs, no imbalance
+                    (docs/design.md, "The step estimate");
+  choice            with context_parallel.strategy auto: the strategy chosen as the
+                    trainer chooses it (`train.strategy`: each strategy the mesh runs
+                    compiled, the lowest step_s), why, and each one's estimate; the
+                    report is the chosen one's.
 
 The environment: JAX_PLATFORMS must be unset or cpu (it is set to cpu); JAX's GPU client
 variables (XLA_CLIENT_MEM_FRACTION, XLA_PYTHON_CLIENT_*) are checked as JAX would read them
@@ -61,6 +75,11 @@ compiler's own out-of-memory refusal counts); 2 bad input (config, target, a mes
 cannot hold, an environment variable, the compiler not installed: the extra to install; a
 step the compiler refuses for another reason than memory, with the variables set that
 change the program).
+
+--compare SPEC (repeatable): one compile and one row (with --json one JSON line, its
+"alternative" the overrides) per alternative: `key=a,b,c` is one per value, several
+`key=value` items in quotes one together (`--compare "mesh.context=16 mesh.context_ring=4
+context_parallel.strategy=ulysses"`); exit status 0 when every one fits, else 1.
 
 --fit seq_len: the longest seq_len that fits (model.max_seq_len raised with it), among the
 lengths the mesh splits (multiples of `train.mesh.seq_multiple`: 1, or e.g. 3 for a context
