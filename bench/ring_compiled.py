@@ -10,7 +10,8 @@ B=1, H=16 query heads on 8 K/V heads, D=128, bfloat16, `ContextParallel(strategy
 (and "all_gather" beside it), load balanced; "causal" is one document per row, "packed"
 takes segment ids (the program is the same for 16 documents or any number); `--cases
 local`: a causal window of a quarter of the tokens per device (the window-aware ring);
-`--strategies ulysses_ring`: Ulysses over 2 devices around a ring over cp / 2. Tokens per
+`--strategies ulysses`: Ulysses over cp; `ulysses_ring`: Ulysses over 2 devices around a
+ring over cp / 2. Each compile's `flaxattn.aot.estimate` is in the JSON rows. Tokens per
 device: 32768 on v5p, 16384 on H100 (`--tokens` sets both). cp devices of v5p-8 (cp 2, 4)
 or v5p-16 (cp 8), of 4xh100 (cp 2, 4) or 8xh100 (cp 8). The kernels are the platform's:
 splash on TPU; on H100 cuDNN where its library is installed on this host (pip install
@@ -72,6 +73,7 @@ class Row:
   compile_s: float
   grad_dtype: str = "float32"
   head_groups: int = 1  # the ring's (`ring_head_groups`); 1 for all_gather
+  estimate: dict = dataclasses.field(default_factory=dict)  # `flaxattn.aot.estimate`'s
 
 
 def compile_case(platform: str, cp: int, case: str, strategy: str, tokens: int,
@@ -84,7 +86,7 @@ def compile_case(platform: str, cp: int, case: str, strategy: str, tokens: int,
   from jax.sharding import PartitionSpec as P
 
   import flaxattn
-  from flaxattn import aot, context_parallel
+  from flaxattn import aot, context_parallel, planner
 
   target = TARGETS[platform][cp]
   from train.config import GRAD_DTYPES
@@ -114,7 +116,7 @@ def compile_case(platform: str, cp: int, case: str, strategy: str, tokens: int,
   h, hkv = heads
   # The ring's groups: Ulysses's ring sees 2 x the tokens and half the heads of a device.
   inner = 2 if strategy == "ulysses_ring" else 1
-  groups = (1 if strategy == "all_gather" else
+  groups = (1 if strategy in ("all_gather", "ulysses") else
             context_parallel.ring_head_groups(context, tokens * inner, h // inner, hkv // inner))
   # Mosaic refuses bf16 matmuls at float32 precision: the default, as a real run has it.
   with jax.set_mesh(mesh), jax.default_matmul_precision("default"):
@@ -129,6 +131,12 @@ def compile_case(platform: str, cp: int, case: str, strategy: str, tokens: int,
     seconds = time.perf_counter() - begin
   text = compiled.as_text()
   found = aot.collectives_in(text)
+  # The FLOPs the program runs (`planner.Shapes.flops`: forward 2 matmuls, backward 5) and
+  # the model's (backward 4), per visible (query, key) pair.
+  runs = planner.Shapes(1, t, h, hkv, head_dim, 2, mask, True).flops()
+  chip = aot.TARGETS[platform]
+  estimate = aot.estimate(text, chip, list(mesh.devices.flat), flops=runs,
+                          model_flops=runs * 12 / 14, tokens=t)
   shard = tokens * hkv * head_dim * 2 // groups  # one K shard's bytes, of one group of heads
   kv_moves = [c for c in found if c.kind == "collective-permute" and 2 * c.bytes >= shard]
   bare = [c for c in kv_moves if c.kernels == 0]
@@ -141,7 +149,8 @@ def compile_case(platform: str, cp: int, case: str, strategy: str, tokens: int,
              collective_bytes=sum(c.bytes * c.times for c in found),
              exposed_bytes=sum(c.bytes * c.times for c in found if c.exposed),
              temporaries=aot.memory(compiled).temporaries, kernels=aot.kernels(text),
-             compile_s=seconds, grad_dtype=grad_dtype, head_groups=groups)
+             compile_s=seconds, grad_dtype=grad_dtype, head_groups=groups,
+             estimate=dataclasses.asdict(estimate))
 
 
 def goals(rows: list[Row]) -> list[str]:
@@ -187,7 +196,7 @@ def main(argv=None) -> int:
   parser.add_argument("--cases", nargs="+", default=["causal", "packed"],
                       choices=["causal", "packed", "local"])
   parser.add_argument("--strategies", nargs="+", default=["ring", "all_gather"],
-                      choices=["ring", "all_gather", "ulysses_ring"])
+                      choices=["ring", "all_gather", "ulysses", "ulysses_ring"])
   parser.add_argument("--tokens", type=int, help="tokens per device (default: per platform)")
   parser.add_argument("--heads", type=int, nargs=2, default=[16, 8], metavar=("H", "HKV"))
   parser.add_argument("--grad-dtype", default="float32", choices=["float32", "inputs"],

@@ -14,7 +14,8 @@ process with `JAX_PLATFORMS=cpu` so neither looks for a local chip.
 TARGETS is the one table of targets: Cloud TPU accelerator types (`v5e-N`, `v6e-N`: N
 chips; `v5p-N`: N TensorCores, two per chip) and NVIDIA GPUs (`h100`, `h200`, `a100-80g`,
 with `8xh100` for eight per host), each with its memory per device and what a program may
-use of it.
+use of it, and its published peak figures, which `estimate` turns a compiled program into
+a roofline step time with.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ import os
 import re
 import subprocess
 import sys
+
+import numpy as np
 
 GIB = 2**30
 # The extra that installs both compilers (pyproject.toml).
@@ -63,6 +66,12 @@ class Chip:
   TPU compiler lets a program plan, the rest being the runtime's reserve. count: what N of an
   accelerator type counts ("chips" or "cores" (two per chip, one device per chip)); for GPUs
   "gpus". dims: the torus's dimensions (TPU). config: the GpuTargetConfigProto file (GPU).
+
+  The published peak figures of one device (chip or GPU), as its vendor states them:
+  peak_flops, dense bfloat16 FLOP/s; hbm_bandwidth, bytes/s; ici_bandwidth, the
+  interconnect's bytes/s per device counting both directions of every link (TPU ICI,
+  NVLink); ici_ports, the links it is spread over (TPU: 2 per torus dimension; GPU: 1, the
+  NVLink switch gives any one peer the whole of it).
   """
 
   name: str
@@ -75,6 +84,10 @@ class Chip:
   config: str = ""
   kind: str = ""  # GPU: the device kind its compile-only devices report
   capability: tuple[int, int] | None = None  # GPU: CUDA compute capability
+  peak_flops: float = 0.0
+  hbm_bandwidth: float = 0.0
+  ici_bandwidth: float = 0.0
+  ici_ports: int = 1
 
   @property
   def reserve_bytes(self) -> int:
@@ -87,16 +100,30 @@ class Chip:
 # 31.25G, in GiB). hbm_bytes: Google Cloud's TPU pages (v5e 16 GiB, v6e 32 GiB per chip; v5p
 # is listed as 95 GB, and the compiler's 95.74 GiB available leaves 96 GiB less the 0.25 GiB
 # that v5e keeps back) and the GPU target configs' device_memory_size.
+# Peak figures, from the vendors' pages: Google Cloud's "TPU v5e", "TPU v5p" and "TPU v6e"
+# pages (cloud.google.com/tpu/docs/v5e, /v5p, /v6e: peak compute per chip (bf16), HBM
+# bandwidth per chip, bidirectional inter-chip interconnect (ICI) bandwidth per chip, ICI
+# ports per chip or the torus's dimensions: v5e 197 TFLOP/s, 819 GB/s, 400 GB/s, 4 ports;
+# v5p 459 TFLOP/s, 2765 GB/s, 1200 GB/s, 3D torus; v6e 918 TFLOP/s, 1638 GB/s, 800 GB/s, 4
+# ports); NVIDIA's data sheets (nvidia.com/en-us/data-center/h100, /h200, /a100: SXM, BF16
+# Tensor Core without sparsity 989.4 / 989.4 / 312 TFLOP/s, GPU memory bandwidth 3.35 /
+# 4.8 / 2.039 TB/s, NVLink 900 / 900 / 600 GB/s).
 TARGETS: dict[str, Chip] = {
-    "v5e": Chip("v5e", "tpu", 16 * GIB, int(15.75 * GIB), "chips", 2, "v5e"),
-    "v5p": Chip("v5p", "tpu", 96 * GIB, int(95.74 * GIB), "cores", 3, "v5p"),
-    "v6e": Chip("v6e", "tpu", 32 * GIB, int(31.25 * GIB), "chips", 2, "v6e"),
+    "v5e": Chip("v5e", "tpu", 16 * GIB, int(15.75 * GIB), "chips", 2, "v5e", peak_flops=197e12,
+                hbm_bandwidth=819e9, ici_bandwidth=400e9, ici_ports=4),
+    "v5p": Chip("v5p", "tpu", 96 * GIB, int(95.74 * GIB), "cores", 3, "v5p", peak_flops=459e12,
+                hbm_bandwidth=2765e9, ici_bandwidth=1200e9, ici_ports=6),
+    "v6e": Chip("v6e", "tpu", 32 * GIB, int(31.25 * GIB), "chips", 2, "v6e", peak_flops=918e12,
+                hbm_bandwidth=1638e9, ici_bandwidth=800e9, ici_ports=4),
     "h100": Chip("h100", "gpu", 84978434048, count="gpus", config="h100.txtpb",
-                 kind="NVIDIA H100 80GB HBM3", capability=(9, 0)),
+                 kind="NVIDIA H100 80GB HBM3", capability=(9, 0), peak_flops=989.4e12,
+                 hbm_bandwidth=3.35e12, ici_bandwidth=900e9),
     "h200": Chip("h200", "gpu", 150754820096, count="gpus", config="h200.txtpb",
-                 kind="NVIDIA H200", capability=(9, 0)),
+                 kind="NVIDIA H200", capability=(9, 0), peak_flops=989.4e12,
+                 hbm_bandwidth=4.8e12, ici_bandwidth=900e9),
     "a100-80g": Chip("a100-80g", "gpu", 85899345920, count="gpus", config="a100-80g.txtpb",
-                     kind="NVIDIA A100-SXM4-80GB", capability=(8, 0)),
+                     kind="NVIDIA A100-SXM4-80GB", capability=(8, 0), peak_flops=312e12,
+                     hbm_bandwidth=2.039e12, ici_bandwidth=600e9),
 }
 # Refused by name: the compile-only v4 topology has one device per TensorCore (two per chip),
 # and JAX's mesh helpers refuse it; a v4 slice runs megacore, one device per chip, so a plan
@@ -170,6 +197,20 @@ def gpu_mem_fraction() -> float:
   if os.environ.get("XLA_PYTHON_CLIENT_ALLOCATOR", "").lower() == "platform":
     return 1.0
   return fraction
+
+
+# Device kinds as `jax.Device.device_kind` spells them (a v5p chip reports "TPU v5", a v5e
+# "TPU v5 lite"), to their chip; the first that the kind contains wins.
+DEVICE_KINDS = (("TPU v6 lite", "v6e"), ("TPU v6e", "v6e"), ("TPU v5 lite", "v5e"),
+                ("TPU v5e", "v5e"), ("TPU v5p", "v5p"), ("TPU v5", "v5p"), ("H200", "h200"),
+                ("H100", "h100"), ("A100-SXM4-80GB", "a100-80g"))
+
+
+def chip_of(device_kind: str) -> Chip | None:
+  """The chip of `TARGETS` that devices of `device_kind` are, or None (the CPU, a kind the
+  table lacks)."""
+  found = next((c for k, c in DEVICE_KINDS if k.lower() in device_kind.lower()), None)
+  return TARGETS[found] if found else None
 
 
 def gpu_capability(device_kind: str) -> tuple[int, int] | None:
@@ -464,6 +505,12 @@ ITEMSIZE = {"pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "
             "u32": 4, "s64": 8, "u64": 8, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2,
             "f32": 4, "f64": 8, "c64": 8, "c128": 16}
 _ARRAY = re.compile(r"\b([a-z]+[0-9]*(?:e[0-9]m[0-9]\w*)?)\[([0-9,]*)\]")
+_LAID_OUT = re.compile(r"\b([a-z]+[0-9]*(?:e[0-9]m[0-9]\w*)?)\[([0-9,]*)\](\{[^}]*\})?")
+_SPACE = re.compile(r"S\([1-9]\d*\)")
+# Instructions that touch no memory of their own (their parts are counted where they run).
+_NOT_MEMORY = {"copy-done", "async-done", "async-update", "send", "send-done", "recv",
+               "recv-done", "while", "conditional", "call", "partition-id", "replica-id",
+               "iota", "add-dependency"}
 _HEADER = re.compile(r"^(ENTRY )?%?([\w.\-]+) \(.*\) -> .*\{$")
 _LINE = re.compile(r"^\s+(?:ROOT )?%?([\w.\-]+) = (.*)$")
 _CALLED = re.compile(r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)"
@@ -498,7 +545,9 @@ class Collective:
   scheduled between its start and its done, so nothing can hide the transfer; a synchronous
   collective is exposed. kernels: the kernels (custom calls, or control flow holding one,
   each counted once) scheduled between its start and its done. name: its start's name;
-  computation: the computation whose schedule holds it.
+  computation: the computation whose schedule holds it. group: the devices (partition ids)
+  of its first replica group; () for a collective-permute, or where the program names none
+  (every device).
   """
 
   kind: str
@@ -508,6 +557,7 @@ class Collective:
   times: int
   name: str
   computation: str
+  group: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -580,11 +630,65 @@ def _array_bytes(shape: str) -> int:
              for dtype, dims in _ARRAY.findall(shape) if dtype in ITEMSIZE)
 
 
+def _memory_bytes(shape: str) -> int:
+  """The bytes of the arrays of `shape` that live in the device's main memory: those whose
+  layout names no other memory space (TPU: S(1) on-chip VMEM, S(2) synchronization flags,
+  S(5) the host's memory)."""
+  return sum(ITEMSIZE[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+             for dtype, dims, layout in _LAID_OUT.findall(shape)
+             if dtype in ITEMSIZE and not _SPACE.search(layout))
+
+
+def _tuple_elements(shape: str) -> list[str]:
+  """The top-level elements of a (possibly tuple) shape's text."""
+  shape = shape.strip()
+  if not shape.startswith("("):
+    return [shape]
+  parts, depth, start = [], 0, 1
+  for i, ch in enumerate(shape):
+    if ch in "({[":
+      depth += 1
+    elif ch in ")}]":
+      depth -= 1
+    if (ch == "," and depth == 1) or (depth == 0 and ch == ")"):
+      parts.append(shape[start:i].strip())
+      start = i + 1
+  return [p.removeprefix("/*index=").split("*/")[-1].strip() for p in parts if p]
+
+
+def _first_group(attributes: str) -> tuple[int, ...] | None:
+  """The partition ids of the first replica group in an instruction's attributes, in any of
+  the three spellings XLA prints (explicit `{{0,1},{2,3}}`, iota `[2,2]<=[4]` with an
+  optional transpose `T(1,0)`, and `mesh['axis_0'=2,'axis_1'=2] {'axis_1'}`); None where
+  it names none, () for an empty list (every device)."""
+  explicit = re.search(r"replica_groups=\{(\{[\d,\s]*\})?", attributes)
+  if explicit:
+    first = explicit.group(1)
+    return tuple(int(x) for x in re.findall(r"\d+", first)) if first else ()
+  iota = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attributes)
+  if iota:
+    groups = [int(x) for x in iota.group(1).split(",")]
+    dims = [int(x) for x in iota.group(2).split(",")]
+    ids = np.arange(math.prod(dims)).reshape(dims)
+    if iota.group(3):
+      ids = ids.transpose([int(x) for x in iota.group(3).split(",")])
+    return tuple(int(x) for x in ids.reshape(groups[0], -1)[0])
+  mesh = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attributes)
+  if mesh:
+    sizes = dict((a, int(n)) for a, n in re.findall(r"'(\w+)'=(\d+)", mesh.group(1)))
+    spanned = set(re.findall(r"'(\w+)'", mesh.group(2)))
+    ids = np.arange(math.prod(sizes.values())).reshape(list(sizes.values()))
+    index = tuple(slice(None) if a in spanned else 0 for a in sizes)
+    return tuple(int(x) for x in ids[index].reshape(-1))
+  return None
+
+
 def collectives_in(hlo_text: str) -> list[Collective]:
   """Every collective of a compiled program's scheduled text (`compiled.as_text()`) that
   runs, with its bytes and whether compute hides it (`Collective`); loops' bodies are read
   in their own schedules. Of a conditional's branches, the one that moves the most bytes
-  counts (the others run instead of it).
+  counts (the others run instead of it), of those that call a kernel where any does (the
+  fast path a run-time check guards, not its fallback).
 
   A done is paired with its start through its operands (the start itself, or the steps of
   an asynchronous collective fusion in between), else across a loop's back edge (started
@@ -735,18 +839,26 @@ class _Schedule:
           found += self._walk(body.group(1), times * self._trips(instruction, schedule),
                               (*seen, name))
       elif op == "conditional":
-        branches = [self._walk(b, times, (*seen, name)) for b in instruction.called]
+        branches = [self._walk(b, times, (*seen, name)) for b in self._runs(instruction)]
         if branches:
           found += max(branches, key=lambda b: sum(c.bytes * c.times for c in b))
       elif i not in steps and not self._is_done(instruction) and (
           op in COLLECTIVES or (op == "fusion" and self.kind(instruction)
                                 and not self._chained(instruction))):
         found.append(Collective(self.kind(instruction) or op, _array_bytes(instruction.shape),
-                                True, 0, times, instruction.name, name))
+                                True, 0, times, instruction.name, name, self.group(instruction)))
       elif op in ("call", "async-start"):
         for called in instruction.called:
           found += self._walk(called, times, (*seen, name))
     return found
+
+  def _runs(self, conditional: _Instruction) -> list[str]:
+    """The branches of `conditional` that may be the one that runs: those that call a
+    kernel where any does, else all. A kernel's branch is the path the condition guards
+    (`flaxattn.checked`: the blockwise fallback, kernel-free, runs only for data the kernel
+    cannot serve; the ring's steps: a kernel or nothing); readers take the largest of these."""
+    kernels = [b for b in conditional.called if self._computation_computes(b)[0]]
+    return kernels or list(conditional.called)
 
   def _trips(self, loop: _Instruction, schedule) -> int:
     """How many times `loop` runs its body: XLA's known trip count where the program says
@@ -791,7 +903,112 @@ class _Schedule:
     start = schedule[s]
     return Collective(self.kind(start) or start.opcode, _array_bytes(done.shape),
                       not any(c for _, c in parts), sum(k for k, _ in parts), times,
-                      start.name, name)
+                      start.name, name, self.group(start))
+
+  def group(self, instruction: _Instruction) -> tuple[int, ...]:
+    """The first replica group of the collective `instruction` is, starts or wraps."""
+    found = _first_group(instruction.attributes)
+    if found is None:
+      found = next((g for c in instruction.called for inner in self.computations.get(c, [])
+                    if self.kind(inner) for g in [_first_group(inner.attributes)]
+                    if g is not None), None)
+    return found or ()
+
+  def hbm_bytes(self) -> int:
+    """The bytes one run of the program reads and writes in the device's memory
+    (`hbm_bytes`)."""
+    return self._bytes(self.entry, ()) if self.entry else 0
+
+  def _bytes(self, name: str, seen: tuple[str, ...]) -> int:
+    if name in seen:
+      return 0
+    schedule = self.computations.get(name, [])
+    shapes = {instruction.name: instruction.shape for instruction in schedule}
+    total = 0
+    for instruction in schedule:
+      op = instruction.opcode
+      inside = (*seen, name)
+      if op == "while":
+        body = re.search(r"\bbody=%?([\w.\-]+)", instruction.attributes)
+        if body:
+          total += self._trips(instruction, schedule) * self._bytes(body.group(1), inside)
+      elif op == "conditional":
+        total += max((self._bytes(b, inside) for b in self._runs(instruction)), default=0)
+      elif op in ("call", "async-start") and not self.kind(instruction):
+        total += sum(self._bytes(c, inside) for c in instruction.called)
+      elif (op in _PLUMBING or op in _NOT_MEMORY or op in _DONES or self._marker(instruction)
+            or (self.kind(instruction) and not self._chained(instruction))):
+        continue  # collectives move their bytes over the links: `estimate`'s comm_s
+      elif op == "fusion":
+        total += self._fusion_bytes(instruction, shapes)
+      elif op in ("dynamic-update-slice", "dynamic-slice"):  # in place: the update's bytes
+        part = shapes.get(instruction.operands[1], "") if op == "dynamic-update-slice" and len(
+            instruction.operands) > 1 else instruction.shape
+        total += 2 * _memory_bytes(part)
+      elif op == "copy-start":  # a prefetch: the source read, the destination written
+        total += sum(_memory_bytes(shapes.get(o, "")) for o in instruction.operands[:1])
+        total += _memory_bytes(_tuple_elements(instruction.shape)[0])
+      else:
+        total += _memory_bytes(instruction.shape) + sum(
+            _memory_bytes(shapes.get(o, "")) for o in instruction.operands)
+    return total
+
+  def _fusion_bytes(self, fusion: _Instruction, shapes: dict[str, str]) -> int:
+    """A fusion's bytes: each operand read once, but of an operand the fusion only slices,
+    the slices; its result written, but of a result updated in place (a
+    dynamic-update-slice of an operand), the update. So a loop's body that reads layer i
+    of a stacked parameter, or writes row i of a stacked result, counts that layer or row.
+    The buffers of a collective stepped through the fusion (libtpu's collective fusions),
+    and results passed through, count nothing here."""
+    inner = self.computations.get(fusion.called[0], []) if fusion.called else []
+    by_name = {i.name: i for i in inner}
+    users: dict[str, list[_Instruction]] = {}
+    for i in inner:
+      for o in i.operands:
+        users.setdefault(o, []).append(i)
+
+    def reads(name: str) -> int | None:
+      """Bytes read of value `name` when only slices of it are used; None otherwise."""
+      total = 0
+      for user in users.get(name, []):
+        if user.opcode in ("bitcast", "reshape"):
+          part = reads(user.name)
+        elif user.opcode in ("dynamic-slice", "slice", "gather") and user.operands[0] == name:
+          part = _memory_bytes(user.shape)
+        elif user.opcode == "dynamic-update-slice" and user.operands[0] == name:
+          part = 0  # written in place: the update is counted as the result
+        elif self.kind(user) or (user is root and user.opcode == "tuple"):
+          part = 0  # a collective's step (its bytes are the links'), or passed through
+        else:
+          part = None
+        if part is None:
+          return None
+        total += part
+      return total
+
+    root = inner[-1] if inner else None
+    total = 0
+    params = {int(i.arguments): i.name for i in inner
+              if i.opcode == "parameter" and i.arguments.strip().isdigit()}
+    for index, operand in enumerate(fusion.operands):
+      whole = _memory_bytes(shapes.get(operand, ""))
+      sliced = reads(params[index]) if index in params else None
+      total += whole if sliced is None else min(sliced, whole)
+    outputs = ([by_name.get(o) for o in root.operands] if root is not None
+               and root.opcode == "tuple" else [root])
+    pieces = _tuple_elements(fusion.shape)
+    for k, piece in enumerate(pieces):
+      out = outputs[k] if k < len(outputs) else None
+      while out is not None and out.opcode in ("bitcast", "reshape") and out.operands:
+        out = by_name.get(out.operands[0])
+      if out is not None and out.opcode == "dynamic-update-slice" and len(out.operands) > 1:
+        update = by_name.get(out.operands[1])
+        total += _memory_bytes(update.shape) if update is not None else 0
+      elif out is not None and (out.opcode == "parameter" or self.kind(out)):
+        continue  # passed through, or a collective's result (a step of a chain)
+      else:
+        total += _memory_bytes(piece)
+    return total
 
 
 def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
@@ -805,3 +1022,109 @@ def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
     row["bytes"] += c.bytes * c.times
     row["exposed_bytes"] += c.bytes * c.times if c.exposed else 0
   return found
+
+
+# The estimate -------------------------------------------------------------------------------
+
+# Bytes each device sends per byte of a collective's result, over a group of g devices, as
+# the ring (bucket) algorithms move them: an all-gather receives the g - 1 shards it lacks; a
+# reduce-scatter's result is one shard of the g it sums; an all-reduce is both.
+_WIRE = {"all-gather": lambda g: (g - 1) / g, "reduce-scatter": lambda g: g - 1,
+         "all-reduce": lambda g: 2 * (g - 1) / g, "all-to-all": lambda g: (g - 1) / g,
+         "collective-permute": lambda g: 1.0}
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+  """A roofline estimate of one run of a compiled program (`estimate`), per device.
+
+  compute_s: `flops` at the chip's peak. memory_s: `hbm_bytes` at its memory bandwidth.
+  comm_s: every collective at its links' bandwidth; exposed_comm_s: those with no compute
+  scheduled beside them (`Collective.exposed`). step_s: max(compute_s, memory_s, comm_s -
+  exposed_comm_s) + exposed_comm_s, so at least each part. mfu: `model_flops` / (step_s x
+  peak x devices). tokens_per_s: `tokens` / step_s. bound: the largest term of the max.
+  flops, model_flops: per step, all devices; hbm_bytes: per device.
+  """
+
+  step_s: float
+  compute_s: float
+  memory_s: float
+  comm_s: float
+  exposed_comm_s: float
+  mfu: float
+  tokens_per_s: float
+  flops: float
+  model_flops: float
+  hbm_bytes: int
+  bound: str
+
+  def line(self) -> str:
+    return (f"step {self.step_s:.3f} s ({self.bound} bound): compute {self.compute_s:.3f} s,"
+            f" memory {self.memory_s:.3f} s, collectives {self.comm_s:.3f} s of which exposed"
+            f" {self.exposed_comm_s:.3f} s; MFU {self.mfu:.1%}, {self.tokens_per_s:,.0f}"
+            " tokens/s")
+
+
+def hbm_bytes(hlo_text: str) -> int:
+  """The bytes a compiled program (`compiled.as_text()`) reads and writes in a device's main
+  memory per run: each kernel, fusion and unfused instruction its operands and results
+  (slices of what it only slices, updates of what it updates in place), times the trip
+  counts of the loops around it; of a conditional the branch with the most, among those
+  that call a kernel where any does (as `collectives_in`); collectives and the on-chip and
+  host memory spaces not counted."""
+  return _Schedule(hlo_text).hbm_bytes()
+
+
+def link_bandwidth(chip: Chip, devices, group: tuple[int, ...]) -> float:
+  """Bytes/s one device sends to the others of `group` (partition ids into `devices`, the
+  program's devices in order; () all of them): on TPU one direction of 2 ICI ports per torus
+  dimension the group spans (at most the chip's ports); on GPU one direction of its NVLink,
+  which a switch gives any peer whole."""
+  per_port = chip.ici_bandwidth / 2 / chip.ici_ports
+  if chip.platform != "tpu":
+    return per_port
+  members = [devices[i] for i in group] if group else list(devices)
+  coords = np.asarray([d.coords for d in members])
+  spanned = int((coords != coords[:1]).any(axis=0).sum()) if len(coords) > 1 else 0
+  return per_port * min(chip.ici_ports, max(2 * spanned, 1))
+
+
+def estimate(hlo_text: str, chip: Chip, devices, *, flops: float, model_flops: float,
+             tokens: int) -> Estimate:
+  """The roofline step time of a compiled program (`compiled.as_text()`) on `devices` (its
+  devices in the program's order, of `chip`), from `chip`'s published peak figures:
+  compute at peak FLOP/s, memory traffic (`hbm_bytes`) at the HBM bandwidth, each collective
+  of the schedule (`collectives_in`) at the bandwidth of the links its group spans
+  (`link_bandwidth`; a collective-permute sends to one neighbour over one port), overlapped
+  ones hidden up to the larger of compute and memory, exposed ones added.
+
+  `flops`: the FLOPs the step runs, all devices (XLA's cost analysis counts a loop's body
+  once, a Pallas kernel as nothing and both branches of a conditional as the larger, so the
+  caller counts them); `model_flops`: the model's FLOPs for MFU; `tokens`: per step.
+  A lower bound, not a measurement: every unit at its peak at once, kernels at peak FLOP/s
+  whatever their size, a kernel's operands read once, no launch or synchronization costs,
+  no load imbalance, collectives over GPU hosts at NVLink speed.
+  """
+  schedule = _Schedule(hlo_text)
+  n = len(devices)
+  compute = flops / n / chip.peak_flops
+  memory_bytes = schedule.hbm_bytes()
+  memory = memory_bytes / chip.hbm_bandwidth
+  comm = exposed = 0.0
+  for c in schedule.collectives():
+    g = len(c.group) or n
+    wire = c.bytes * _WIRE.get(c.kind, lambda g: 1.0)(g) * c.times
+    one_port = c.kind == "collective-permute"
+    seconds = wire / (chip.ici_bandwidth / 2 / chip.ici_ports if one_port
+                      else link_bandwidth(chip, devices, c.group))
+    comm += seconds
+    exposed += seconds if c.exposed else 0.0
+  parts = {"compute": compute, "memory": memory, "communication": comm - exposed}
+  bound = max(parts, key=lambda k: parts[k])
+  step = parts[bound] + exposed
+  if exposed > parts[bound]:
+    bound = "communication"
+  return Estimate(step_s=step, compute_s=compute, memory_s=memory, comm_s=comm,
+                  exposed_comm_s=exposed, mfu=model_flops / (step * chip.peak_flops * n),
+                  tokens_per_s=tokens / step, flops=flops, model_flops=model_flops,
+                  hbm_bytes=memory_bytes, bound=bound)

@@ -3,8 +3,9 @@
 Each strategy gets an estimate per device, forward+backward: compute seconds, bytes moved
 and the seconds they take, peak K/V memory, and a total that overlaps what the strategy
 overlaps (the ring overlaps each step's transfer with the step's compute; all-gather and
-all-to-all move first, then compute). The platform numbers are nominal, not measured:
-override them with `dataclasses.replace(PLATFORMS["tpu"], link=...)` and pass `platform=`.
+all-to-all move first, then compute). The platform numbers are TPU v5p's and H100's fitted to
+compiled step estimates (`PLATFORMS`), the CPU's nominal; none is measured: override them
+with `dataclasses.replace(PLATFORMS["tpu"], link=...)` and pass `platform=`.
 Derivations: docs/design.md, "Choosing a strategy".
 """
 
@@ -78,7 +79,8 @@ def _transfers(strategy, load_balance, mask, t, n, has_positions, n_ring) -> str
 
 @dataclasses.dataclass(frozen=True)
 class Platform:
-  """Per-device numbers the cost model uses (nominal; replace them with measured ones).
+  """Per-device numbers the cost model uses (`PLATFORMS`: fitted to compiled estimates, not
+  measured; replace them with measured ones where there are some).
 
   flops: attention FLOP/s a device sustains on long sequences; half_rate_tokens: the query
   length per kernel call at which it sustains half of that (short calls keep fewer cores
@@ -99,15 +101,19 @@ class Platform:
 
 
 PLATFORMS = {
-    # TPU v5p: 459 TFLOP/s bf16 peak, about half of it in attention; ICI links of about
-    # 90 GB/s per direction, all-to-all on the torus about half of that per device.
-    "tpu": Platform(flops=2.3e14, half_rate_tokens=1024, link=9e10, all_to_all=4.5e10,
-                    step_overhead=3e-5),
-    # H100 SXM: 989 TFLOP/s bf16 dense peak, cuDNN attention about half; NVLink 4 450 GB/s
-    # per direction inside a node.
-    "gpu": Platform(flops=5e14, half_rate_tokens=1024, link=4.5e11, all_to_all=3.5e11,
-                    step_overhead=2e-5),
-    # Simulated devices sharing a host's cores: memory copies, slow compute.
+    # TPU v5p and H100 SXM calibrated against compiled estimates (`python -m bench.calibrate
+    # --platform v5p|h100`, bench/results/calibrate_v5p.json and calibrate_h100.json):
+    # attention alone, ring, all_gather and Ulysses at 2K, 8K and 32K tokens a device over
+    # 2, 4 and 8 devices, each compiled and estimated by `flaxattn.aot.estimate`. flops and
+    # link are the figures those estimates take (the chip's peak bf16 FLOP/s, one ICI port
+    # or NVLink one way), the rest fitted: RMS of log(model / estimate) 0.17 (v5p) and 0.15
+    # (H100), against 0.86 and 0.85 for the nominal numbers before. The estimates are
+    # rooflines: kernels at peak whatever their length, hence half_rate_tokens 0.
+    "tpu": Platform(flops=4.59e14, half_rate_tokens=0, link=1e11, all_to_all=1.92e11,
+                    step_overhead=0.0),
+    "gpu": Platform(flops=9.894e14, half_rate_tokens=0, link=4.5e11, all_to_all=8.66e11,
+                    step_overhead=2.3e-5),
+    # Simulated devices sharing a host's cores: memory copies, slow compute (nominal).
     "cpu": Platform(flops=5e10, half_rate_tokens=128, link=5e9, all_to_all=5e9,
                     step_overhead=1e-4),
 }
@@ -293,7 +299,7 @@ def _row_order_ring(s: Shapes, n: int, p: Platform, here: Cost) -> list[Cost]:
 def describe_plan(best: Cost, costs: list[Cost]) -> str:
   """The lines `explain` prints for `strategy="auto"`."""
   lines = [f"strategy='auto' chose {best.strategy}; per-device estimates, forward+backward"
-           " (nominal platform numbers: flaxattn.planner.PLATFORMS,"
+           " (platform numbers: flaxattn.planner.PLATFORMS,"
            " ContextParallel(cost_model=...)):"]
   lines += ["  " + c.line() for c in costs]
   others = [c for c in costs if c.seconds is not None and c is not best]

@@ -964,12 +964,35 @@ def flops_per_token(config: LlamaConfig, seq_len: int) -> float:
   Raises:
     ValueError: seq_len not a positive int.
   """
+  layers, head, attention = _per_token(config, seq_len)
+  return 6.0 * (layers + head) + 12.0 * attention
+
+
+def step_flops_per_token(config: LlamaConfig, seq_len: int) -> float:
+  """The FLOPs a training step runs per token, `flops_per_token`'s and what it recomputes:
+  under remat "full" or "offload" each layer's forward again (its matmuls, 2 x their
+  parameters, and its attention's QK^T and PV, 4 x dim x keys), under "dots" the
+  attention's; and in every attention's backward the scores again (QK^T, 2 x dim x keys:
+  flash attention keeps no [T, T] probabilities). The count `python -m train.compile`'s
+  estimate takes its compute time from.
+
+  Raises:
+    ValueError: seq_len not a positive int.
+  """
+  layers, _, attention = _per_token(config, seq_len)
+  again = {"none": 0.0, "dots": 4.0 * attention}.get(config.remat,
+                                                      2.0 * layers + 4.0 * attention)
+  return flops_per_token(config, seq_len) + again + 2.0 * attention
+
+
+def _per_token(config: LlamaConfig, seq_len: int) -> tuple[float, float, float]:
+  """(the layers' matmul parameters, the output projection's, and heads x head_dim x the
+  keys a query sees on average summed over the layers) for rows of `seq_len` tokens."""
   if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0:
     raise ValueError(f"flops_per_token(seq_len=...) expects a positive int, got {seq_len!r}.")
   d, hd = config.dim, config.attn_head_dim
   attn = d * config.n_heads * hd * 2 + d * config.n_kv_heads * hd * 2
   mlp = 3 * d * config.ffn_dim
-  matmul_params = config.n_layers * (attn + mlp) + config.vocab_size * d
   def mean_keys(m):  # keys a query sees, on average over a row
     if isinstance(m, flaxattn.Local):
       w = min(m.window, seq_len)
@@ -977,4 +1000,5 @@ def flops_per_token(config: LlamaConfig, seq_len: int) -> float:
     return seq_len / 2 if m == flaxattn.Causal() else min(m.size, seq_len) / 2
 
   keys = sum(mean_keys(m) for m in layer_masks(config))
-  return 6.0 * matmul_params + 12.0 * config.n_heads * hd * keys
+  return (float(config.n_layers * (attn + mlp)), float(config.vocab_size * d),
+          config.n_heads * hd * keys)

@@ -340,6 +340,12 @@ def test_a_chain_stepped_through_a_loop_counts_once_at_its_start():
       aot.Collective("all-gather", 32 * 4, False, 0, 1, "acf-start", "main")]
 
 
+def test_hbm_bytes_leave_a_chains_buffers_to_the_links():
+  """The chain's step fusion: the add's operands and result in each of 4 iterations; the
+  all-gather's operand and result, stepped through it, are the collective's."""
+  assert aot.hbm_bytes(CHAINED) == 4 * 3 * 64 * 128 * 4
+
+
 def test_sums_collectives_by_kind():
   kv = 8 * 128 * 2
   assert aot.collectives(SCHEDULED) == {
@@ -347,6 +353,142 @@ def test_sums_collectives_by_kind():
       "all-gather": {"count": 2, "bytes": 5 * kv, "exposed_bytes": 4 * kv},
       "all-reduce": {"count": 1, "bytes": 256, "exposed_bytes": 256},
       "reduce-scatter": {"count": 1, "bytes": 64, "exposed_bytes": 0}}
+
+
+# A scanned layer as XLA compiles one: each of 3 iterations slices its layer of a stacked
+# weight `[3, 128, 128]`, and writes its row of a stacked result in place; after the loop a
+# conditional whose kernel branch runs (its other branch is a kernel-free fallback), and an
+# array in on-chip memory (S(1)), which costs no HBM traffic.
+STACKED = """HloModule jit_s, is_scheduled=true
+
+%layer (p0: f32[3,128,128], p1: s32[], p2: f32[128,128]) -> f32[128,128] {
+  %p0 = f32[3,128,128]{2,1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %zero = s32[] constant(0)
+  %ds = f32[1,128,128]{2,1,0} dynamic-slice(%p0, %p1, %zero, %zero), \
+dynamic_slice_sizes={1,128,128}
+  %w = f32[128,128]{1,0} bitcast(%ds)
+  %p2 = f32[128,128]{1,0} parameter(2)
+  ROOT %d = f32[128,128]{1,0} dot(%p2, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%row (q0: f32[3,128,128], q1: f32[128,128], q2: s32[]) -> f32[3,128,128] {
+  %q0 = f32[3,128,128]{2,1,0} parameter(0)
+  %q1 = f32[128,128]{1,0} parameter(1)
+  %u = f32[1,128,128]{2,1,0} bitcast(%q1)
+  %q2 = s32[] parameter(2)
+  %z = s32[] constant(0)
+  ROOT %dus = f32[3,128,128]{2,1,0} dynamic-update-slice(%q0, %u, %q2, %z, %z)
+}
+
+%body (s: (s32[], f32[3,128,128], f32[128,128], f32[3,128,128])) -> (s32[], f32[3,128,128], \
+f32[128,128], f32[3,128,128]) {
+  %s = (s32[], f32[3,128,128]{2,1,0}, f32[128,128]{1,0}, f32[3,128,128]{2,1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%s), index=0
+  %w = f32[3,128,128]{2,1,0} get-tuple-element(%s), index=1
+  %x = f32[128,128]{1,0} get-tuple-element(%s), index=2
+  %out = f32[3,128,128]{2,1,0} get-tuple-element(%s), index=3
+  %y = f32[128,128]{1,0} fusion(%w, %i, %x), kind=kOutput, calls=%layer
+  %o = f32[3,128,128]{2,1,0} fusion(%out, %y, %i), kind=kLoop, calls=%row
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  ROOT %t = (s32[], f32[3,128,128]{2,1,0}, f32[128,128]{1,0}, f32[3,128,128]{2,1,0}) \
+tuple(%next, %w, %y, %o)
+}
+
+%cond (c: (s32[], f32[3,128,128], f32[128,128], f32[3,128,128])) -> pred[] {
+  %c = (s32[], f32[3,128,128]{2,1,0}, f32[128,128]{1,0}, f32[3,128,128]{2,1,0}) parameter(0)
+  ROOT %t = pred[] constant(true)
+}
+
+%kernel (k: f32[128,128]) -> f32[128,128] {
+  %k = f32[128,128]{1,0} parameter(0)
+  ROOT %splash = f32[128,128]{1,0} custom-call(%k), custom_call_target="tpu_custom_call"
+}
+
+%fallback (f: f32[128,128]) -> f32[128,128] {
+  %f = f32[128,128]{1,0} parameter(0)
+  %e = f32[128,128]{1,0} exponential(%f)
+  %l = f32[128,128]{1,0} log(%e)
+  ROOT %n = f32[128,128]{1,0} negate(%l)
+}
+
+ENTRY %main (w: f32[3,128,128], x: f32[128,128], out: f32[3,128,128], ok: pred[]) -> \
+f32[3,128,128] {
+  %w = f32[3,128,128]{2,1,0} parameter(0)
+  %x = f32[128,128]{1,0} parameter(1)
+  %out = f32[3,128,128]{2,1,0} parameter(2)
+  %ok = pred[] parameter(3)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[3,128,128]{2,1,0}, f32[128,128]{1,0}, f32[3,128,128]{2,1,0}) \
+tuple(%zero, %w, %x, %out)
+  %loop = (s32[], f32[3,128,128]{2,1,0}, f32[128,128]{1,0}, f32[3,128,128]{2,1,0}) \
+while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  %last = f32[128,128]{1,0} get-tuple-element(%loop), index=2
+  %chosen = f32[128,128]{1,0} conditional(%ok, %last, %last), \
+branch_computations={%kernel, %fallback}
+  %near = f32[128,128]{1,0:S(1)} copy(%chosen)
+  %r = f32[128,128]{1,0} negate(%near)
+  %row0 = f32[1,128,128]{2,1,0} bitcast(%r)
+  ROOT %put = f32[3,128,128]{2,1,0} dynamic-update-slice(%out, %row0, %zero, %zero, %zero)
+}
+"""
+
+
+def test_hbm_bytes_count_slices_updates_in_place_and_the_kernel_branch():
+  tile = 128 * 128 * 4
+  layer = tile + 4 + tile + tile  # its slice of the stacked weight, the index, x, the product
+  row = tile + 4 + tile  # the row written in place (of 3), the index; the stacked array: 0
+  step = layer + row + 3 * 4  # and the counter's add
+  # The kernel branch (its operand and result), not the fallback's three passes; the copy
+  # into on-chip memory reads HBM only; the negate reads on-chip memory and writes HBM; the
+  # unfused update in place reads and writes its row.
+  after = 2 * tile + tile + tile + 2 * tile
+  assert aot.hbm_bytes(STACKED) == 3 * step + after
+
+
+@pytest.mark.parametrize("attributes, group", [
+    ("replica_groups={{0,2},{1,3}}, to_apply=%add", (0, 2)),
+    ("replica_groups={}, to_apply=%add", ()),
+    ("replica_groups=[2,4]<=[8], dimensions={0}", (0, 1, 2, 3)),
+    ("replica_groups=[4,2]<=[2,4]T(1,0), dimensions={0}", (0, 4)),
+    ("replica_groups=mesh['axis_0'=2,'axis_1'=2,'axis_2'=2] {'axis_0','axis_2'}, dimensions={1}",
+     (0, 1, 4, 5)),
+    ("source_target_pairs={{0,1},{1,0}}", None),
+])
+def test_reads_replica_groups_in_each_spelling(attributes, group):
+  assert aot._first_group(attributes) == group
+
+
+class _Device:
+  def __init__(self, coords):
+    self.coords = coords
+
+
+def test_estimate_is_a_roofline_of_its_parts():
+  """On v5p figures, 4 devices of a 2 x 2 torus face: the all-reduce of `SCHEDULED` spans
+  both dimensions (4 ICI ports), its collective-permutes one port each."""
+  chip = aot.TARGETS["v5p"]
+  devices = [_Device(c) for c in ((0, 0, 0), (1, 0, 0), (0, 1, 0), (1, 1, 0))]
+  e = aot.estimate(SCHEDULED, chip, devices, flops=4 * 459e12 * 1e-6,
+                   model_flops=2 * 459e12 * 1e-6, tokens=1000)
+  assert e.compute_s == pytest.approx(1e-6)
+  assert e.memory_s == pytest.approx(aot.hbm_bytes(SCHEDULED) / 2765e9)
+  assert 0 < e.exposed_comm_s < e.comm_s
+  assert e.step_s == pytest.approx(
+      max(e.compute_s, e.memory_s, e.comm_s - e.exposed_comm_s) + e.exposed_comm_s)
+  assert e.mfu == pytest.approx(2 * 459e12 * 1e-6 / (e.step_s * 459e12 * 4))
+  assert e.tokens_per_s == pytest.approx(1000 / e.step_s)
+  port = 1200e9 / 2 / 6
+  assert aot.link_bandwidth(chip, devices, (0, 3)) == 4 * port
+  assert aot.link_bandwidth(chip, devices, (0, 1)) == 2 * port
+
+
+def test_chips_by_device_kind():
+  assert aot.chip_of("TPU v5").name == "v5p" and aot.chip_of("TPU v5 lite").name == "v5e"
+  assert aot.chip_of("TPU v6 lite").name == "v6e"
+  assert aot.chip_of("NVIDIA H100 80GB HBM3").name == "h100"
+  assert aot.chip_of("cpu") is None
 
 
 def test_reads_a_compiled_ring():

@@ -12,6 +12,7 @@ import collections
 import datetime
 import json
 import math
+import re
 import shutil
 import signal
 import sys
@@ -409,6 +410,31 @@ def test_config_change_is_refused_and_nothing_is_lost(reference, tmp_path):
   assert json.loads((archived / "config.json").read_text())["model"]["n_layers"] == 1
   assert checkpoints(run_dir) == [1] and list(losses(run_dir)) == [1]
   assert json.loads((run_dir / "config.json").read_text())["model"]["n_layers"] == 2
+
+
+@pytest.mark.slow  # runs the trainer
+def test_resume_sharded_over_the_context_axis_with_strategy_auto(reference, tmp_path):
+  """The reference's checkpoint at step 8 resumed with parameters and optimizer state
+  sharded over the context axis too (mesh.fsdp_over_context) and strategy auto: the
+  checkpoint, saved over fsdp only, restores into the new sharding and the run goes on as
+  the reference did (its losses, up to reduction order); the log names the strategy chosen
+  and why (on CPU: the analytic model; Ulysses cannot split 2 heads over 4 devices)."""
+  ref_dir, _, cached_env = reference
+  run_dir = tmp_path / "run"
+  shutil.copytree(ref_dir, run_dir)
+  for step in checkpoints(run_dir)[1:]:  # 8, 10, 12 are kept
+    shutil.rmtree(run_dir / "checkpoints" / str(step))
+  out = train(run_dir, "mesh.fsdp_over_context=true", "context_parallel.strategy=auto",
+              log=tmp_path / "log.txt", env=cached_env)
+  assert "resumed from step 8 " in out, out[-4000:]
+  line, = [x for x in out.splitlines() if "context_parallel.strategy auto: " in x]
+  assert re.search(r"auto: (ring|all_gather) \(the fastest by the attention's analytic model,"
+                   r" flaxattn.planner.PLATFORMS\['cpu'\]; no published peak figures for"
+                   r" 'cpu' devices: (ring|all_gather) [\d.e-]+ s, (ring|all_gather)"
+                   r" [\d.e-]+ s; ulysses cannot run \(", line), line
+  got, want = losses(run_dir), losses(ref_dir)
+  assert all(got[s] == pytest.approx(want[s], abs=1e-5) for s in range(9, STEPS + 1)), (
+      got, want)
 
 
 @pytest.mark.slow  # runs the trainer

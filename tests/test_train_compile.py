@@ -101,6 +101,81 @@ def test_fits_on_one_h100_with_the_gpu_kernels(capsys):
   assert {"mosaic_forward", "mosaic_dq", "mosaic_dkv"} <= set(r["kernels"])
   assert r["model"] == ("dim 2048, 1 layers, 16 heads (4 K/V), ffn 5632, vocab 256, from the"
                         " config's model.* keys")
+  _check_estimate(r["estimate"], aot.TARGETS["h100"], 1, 4096)
+
+
+ESTIMATE_KEYS = ("step_s", "compute_s", "memory_s", "exposed_comm_s", "mfu", "tokens_per_s")
+
+
+def _check_estimate(e: dict, chip, chips: int, tokens: int) -> None:
+  """An estimate's keys present and positive (exposed collectives on more than one chip),
+  and consistent: the step at least each part, MFU the model's FLOPs over the step at the
+  chips' peak."""
+  assert all(e[k] > 0 for k in ESTIMATE_KEYS if k != "exposed_comm_s"), e
+  assert e["exposed_comm_s"] > 0 if chips > 1 else e["exposed_comm_s"] == 0, e
+  assert e["step_s"] >= max(e["compute_s"], e["memory_s"], e["exposed_comm_s"]), e
+  assert e["mfu"] == pytest.approx(e["model_flops"] / (e["step_s"] * chip.peak_flops * chips))
+  assert e["tokens_per_s"] == pytest.approx(tokens / e["step_s"])
+  assert e["flops"] > e["model_flops"] > 0  # the step recomputes (remat, flash backward)
+
+
+# The 8B example cut to one layer of 2 heads on 1 K/V head, one row of 4096 tokens over a
+# context axis of 4 (v5p-8): the ring and all_gather run it; Ulysses cannot split 2 heads.
+TINY_CP4 = ["model.n_layers=1", "model.dim=256", "model.n_heads=2", "model.n_kv_heads=1",
+            "model.ffn_dim=512", "model.vocab_size=512", "seq_len=4096",
+            "model.max_seq_len=4096", "batch_size=1", "mesh.data=1", "mesh.fsdp=1",
+            "mesh.context=4", "model.remat=full"]
+
+
+def test_auto_compiles_each_strategy_and_takes_the_lowest_estimate(capsys):
+  """`context_parallel.strategy: auto` as the trainer chooses it: the step compiled once per
+  strategy the mesh runs, each estimated, the lowest taken. The estimate's keys, for each;
+  and parameters and optimizer state over the context axis (`mesh.fsdp_over_context`):
+  the plan's arguments hold a quarter of them and the batch."""
+  from models.llama import flops_per_token, num_params
+  from train.config import load as load_config
+
+  target_devices("v5p-8")
+  status, out, _ = run(capsys, "configs/tpu_v5p_8b.yaml", *TINY_CP4,
+                       "context_parallel.strategy=auto", "mesh.fsdp_over_context=true",
+                       "--target", "v5p-8", "--json")
+  r = json.loads(out)
+  assert status == 0 and r["fits"], r
+  choice = r["choice"]
+  estimates = choice["alternatives"]
+  assert set(estimates) == {"ring", "all_gather"} and choice["by"] == "compile", choice
+  for e in estimates.values():
+    _check_estimate(e, aot.TARGETS["v5p"], 4, 4096)
+  fastest = min(estimates, key=lambda s: estimates[s]["step_s"])
+  assert choice["strategy"] == fastest and r["estimate"] == estimates[fastest], choice
+  assert all(s in choice["reason"] for s in estimates) and "ulysses cannot run" in choice[
+      "reason"], choice["reason"]
+  cfg = load_config("configs/tpu_v5p_8b.yaml", TINY_CP4)
+  assert r["estimate"]["model_flops"] == pytest.approx(flops_per_token(cfg.model, 4096) * 4096)
+  # float32 parameters and two Adam moments, a quarter on each chip.
+  state = 3 * 4 * num_params(cfg.model)
+  assert state / 4 <= r["per_device_bytes"]["arguments"] < state / 4 * 1.05, r
+
+
+def test_fsdp_over_context_gives_each_chip_one_nth_of_the_state():
+  """The 8B example cut down on v5p-8 at context 4, fsdp 1: every parameter and optimizer
+  moment is whole on each chip over fsdp alone, a quarter with `mesh.fsdp_over_context`."""
+  import math
+
+  from train import state
+
+  devices = target_devices("v5p-8")
+  for over, parts in (("false", 1), ("true", 4)):
+    cfg = config.load("configs/tpu_v5p_8b.yaml", [*SCALED, "batch_size=1", "mesh.data=1",
+                                                  "mesh.fsdp=1", "mesh.context=4",
+                                                  f"mesh.fsdp_over_context={over}"])
+    parallel = mesh_lib.make(cfg, devices)
+    with jax.set_mesh(parallel.mesh), nnx.logical_axis_rules(parallel.rules):
+      _, _, abstract = state.abstract_state(cfg, parallel.mesh, parallel.cp)
+    arrays = [x for x in jax.tree.leaves(abstract) if x.ndim]
+    assert len(arrays) > 10
+    for x in arrays:
+      assert math.prod(x.sharding.shard_shape(x.shape)) * parts == math.prod(x.shape), x
 
 
 def _v5p_fsdp_context():
@@ -202,6 +277,7 @@ def test_v5p_slice_compiles_splash_the_ring_and_offload(capsys):
     assert permutes["count"] > 0 and 0 <= permutes["exposed_bytes"] <= permutes["bytes"]
     assert "--xla_tpu_enable_async_collective_fusion=true" in r["xla_flags"].split()
     assert r["hbm_bytes"] == int(95.74 * aot.GIB)
+    _check_estimate(r["estimate"], aot.TARGETS["v5p"], 4, 2 * 8192)
     # remat "offload" adds the host-offload flags (`xla_flags.OFFLOAD`) to the table's.
     offload = {f"--{name}={value}" for name, value in xla_flags.OFFLOAD["tpu"]}
     assert (offload <= set(r["xla_flags"].split())) == (remat == "offload"), r
@@ -260,6 +336,29 @@ def test_every_example_config_compiles_for_its_target(capsys, config, target, ov
   assert r["devices"] == aot.target(target).devices
   attention = ("splash",) if target[:2] in ("v5", "v6") else ("mosaic_", "flash_", "__cudnn")
   assert any(k.startswith(attention) for k in r["kernels"]), r["kernels"]
+
+
+@pytest.mark.parametrize("path, alternatives", [
+    ("configs/tpu_v5p_8b_cp64.yaml", [["context_parallel.strategy=ring"],
+                                      ["context_parallel.strategy=all_gather"],
+                                      ["mesh.context=16", "mesh.context_ring=4",
+                                       "context_parallel.strategy=ulysses"]]),
+    ("configs/tpu_v5p_8b_1m.yaml", [["context_parallel.strategy=ring"]]),
+    ("configs/tpu_v5p_7b_cp16.yaml", [[f"context_parallel.strategy={s}"]
+                                      for s in ("ulysses", "all_gather", "ring")]),
+])
+def test_the_long_context_examples_split_over_v5p_128(path, alternatives):
+  """The configs of MaxText's setups and of 1M tokens a row, with the alternatives their
+  comments compile at full size (docs/context_parallel.md, `python -m train.compile
+  --compare`): each passes the trainer's checks on v5p-128's 64 chips, at 64K to 256K for
+  the CP=64 one. (Compiled scaled down they would not be the same program: a scaled row
+  over 64 chips is too short for splash.)"""
+  lengths = [65536, 131072, 262144] if "cp64" in path else [None]
+  for alt in alternatives:
+    for n in lengths:
+      length = [f"seq_len={n}", f"model.max_seq_len={n}"] if n else []
+      cfg = config.load(path, [*alt, *length])
+      assert mesh_lib.check(cfg, 64) is not None
 
 
 def test_v6e_256_builds_fsdp_64_by_context_4_and_says_what_it_splits():
@@ -396,6 +495,42 @@ def test_fit_tries_the_lengths_the_mesh_splits(monkeypatch, target, overrides, t
   found = train_compile.fit_seq_len("configs/gpu_demo.yaml", overrides, aot.target(target),
                                     lambda r: None)
   assert (seen, found) == (tried, best)
+
+
+def test_compare_prints_a_row_per_alternative(capsys, monkeypatch):
+  """`--compare key=a,b` and a quoted set of keys: one compile and one row (or JSON line)
+  per alternative, in order, each compiled with its overrides after the config's."""
+  seen = []
+
+  def compile_step(cfg, t, model=""):
+    seen.append((cfg.context_parallel.strategy, cfg.mesh.context, cfg.mesh.context_ring))
+    e = dict(step_s=1.0 + len(seen), compute_s=1.0, memory_s=0.5, comm_s=0.2,
+             exposed_comm_s=0.1, mfu=0.4, tokens_per_s=100.0, flops=2.0, model_flops=1.0,
+             hbm_bytes=1, bound="compute")
+    return train_compile.Result(
+        target=t.name, devices=t.devices, mesh={}, physical_axes="", seq_len=cfg.seq_len,
+        model=model, per_device_bytes={"total": 2**30}, hbm_bytes=2**31, fits=True,
+        kernels={}, collectives={}, xla_flags="", compile_s=1.0, warnings=[], largest=[],
+        estimate=e)
+
+  monkeypatch.setattr(train_compile, "compile_step", compile_step)
+  argv = ["configs/demo_usp.yaml", "mesh.context_ring=1", "mesh.context=4", "mesh.fsdp=2",
+          "--target", "8xh100", "--compare", "context_parallel.strategy=ring,all_gather",
+          "--compare", "mesh.context=2 mesh.context_ring=2 context_parallel.strategy=ulysses"]
+  status, out, _ = run(capsys, *argv)
+  assert status == 0 and seen == [("ring", 4, 1), ("all_gather", 4, 1), ("ulysses", 2, 2)]
+  rows = out.splitlines()[2:]
+  assert [r.split(" | ")[0] for r in rows] == [
+      "| context_parallel.strategy=ring", "| context_parallel.strategy=all_gather",
+      "| mesh.context=2 mesh.context_ring=2 context_parallel.strategy=ulysses"]
+  assert rows[0].split(" | ")[3:5] == ["2", "1"]  # step s, compute s
+  seen.clear()
+  status, out, _ = run(capsys, *argv, "--json")
+  lines = [json.loads(x) for x in out.splitlines()]
+  assert status == 0 and [x["alternative"] for x in lines] == [
+      "context_parallel.strategy=ring", "context_parallel.strategy=all_gather",
+      "mesh.context=2 mesh.context_ring=2 context_parallel.strategy=ulysses"]
+  assert lines[2]["estimate"]["step_s"] == 4.0
 
 
 def test_hosts_are_a_physical_axis_of_their_own():

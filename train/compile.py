@@ -4,6 +4,8 @@ TPU slice or NVIDIA GPUs, answered from any host by the target's own compiler.
   python -m train.compile configs/tpu_v5p_8b.yaml --target v5p-128
   python -m train.compile configs/gpu_8x_8b.yaml --target 8xh100 --json
   python -m train.compile configs/gpu_demo.yaml --target h100 --fit seq_len
+  python -m train.compile configs/tpu_v5p_8b_cp64.yaml --target v5p-128 \
+      --compare context_parallel.strategy=ring,all_gather
 
 The trainer's step (`train.loop.train_step` on the state and batch `python -m train` builds:
 `train.mesh.make`, `train.state.abstract_state`, `train.data.abstract_batch`) is compiled
@@ -46,7 +48,19 @@ Reported (a table, or one JSON line with --json):
                     their start and their done;
   xla_flags         the compiler flags it compiled with: the platform's overlap flags
                     (`train.xla_flags`, as `python -m train` sets them; config key
-                    overlap_flags) added to the environment's.
+                    overlap_flags) added to the environment's;
+  estimate          a roofline estimate of the step (`flaxattn.aot.estimate`: step_s,
+                    compute_s, memory_s, comm_s, exposed_comm_s, mfu, tokens_per_s,
+                    flops, model_flops, hbm_bytes, bound) from the compiled program and
+                    the chip's published peaks: the step's FLOPs at peak, its HBM traffic
+                    at the memory bandwidth, its collectives at the links' bandwidth, the
+                    exposed ones added. A lower bound, not a measurement: kernels at peak
+                    whatever their size, no launch or host costs, no imbalance
+                    (docs/design.md, "The step estimate");
+  choice            with context_parallel.strategy auto: the strategy chosen as the
+                    trainer chooses it (`train.strategy`: each strategy the mesh runs
+                    compiled, the lowest step_s), why, and each one's estimate; the
+                    report is the chosen one's.
 
 The environment: JAX_PLATFORMS must be unset or cpu (it is set to cpu); JAX's GPU client
 variables (XLA_CLIENT_MEM_FRACTION, XLA_PYTHON_CLIENT_*) are checked as JAX would read them
@@ -61,6 +75,11 @@ compiler's own out-of-memory refusal counts); 2 bad input (config, target, a mes
 cannot hold, an environment variable, the compiler not installed: the extra to install; a
 step the compiler refuses for another reason than memory, with the variables set that
 change the program).
+
+--compare SPEC (repeatable): one compile and one row (with --json one JSON line, its
+"alternative" the overrides) per alternative: `key=a,b,c` is one per value, several
+`key=value` items in quotes one together (`--compare "mesh.context=16 mesh.context_ring=4
+context_parallel.strategy=ulysses"`); exit status 0 when every one fits, else 1.
 
 --fit seq_len: the longest seq_len that fits (model.max_seq_len raised with it), among the
 lengths the mesh splits (multiples of `train.mesh.seq_multiple`: 1, or e.g. 3 for a context
@@ -121,6 +140,8 @@ class Result:
   warnings: list
   largest: list
   error: str | None = None
+  estimate: dict = dataclasses.field(default_factory=dict)
+  choice: dict | None = None
 
   def summary(self) -> str:
     """One line: fits or not, total against HBM, the largest arrays."""
@@ -144,11 +165,10 @@ def compile_step(cfg, target, model: str = "the config's model.* keys") -> Resul
     ConfigError: the config does not fit the target's devices (its `keys` name the keys).
   """
   import jax
-  from flax import nnx
 
   from flaxattn import aot, cudnn
-  from train import data, loop, state, xla_flags
   from train import mesh as mesh_lib
+  from train import xla_flags
   from train.config import ConfigError
 
   try:
@@ -167,11 +187,8 @@ def compile_step(cfg, target, model: str = "the config's model.* keys") -> Resul
   substituted = _Collect()
   logging.getLogger("flaxattn").addHandler(substituted)
   try:
-    with _native_stderr(echo=False) as log, jax.set_mesh(mesh), \
-        nnx.logical_axis_rules(parallel.rules):
-      _, graphdef, abstract = state.abstract_state(cfg, mesh, parallel.cp)
-      batch = data.abstract_batch(mesh, cfg.batch_size, cfg.seq_len)
-      lowered = loop.train_step.lower(nnx.merge(graphdef, abstract), batch)
+    with _native_stderr(echo=False) as log, jax.set_mesh(mesh):
+      lowered = lower_step(cfg, parallel)
       try:
         compiled, refusal = lowered.compile(), None
       except Exception as e:  # Pallas re-raises the compiler's error as its own
@@ -191,13 +208,14 @@ def compile_step(cfg, target, model: str = "the config's model.* keys") -> Resul
   # then the partitioner's rematerializations.
   warnings = sorted(set(substituted.messages)) + sorted(set(_REMAT.findall("".join(log))))
   if compiled is None:
-    plan, text, fits = {}, "", False
+    plan, text, fits, estimate = {}, "", False, {}
     # The refusal names no buffers: the program's arrays before partitioning instead.
     largest = [f"{a} (global)" for a in _largest(_stablehlo_shapes(lowered))]
   else:
     memory = aot.memory(compiled)
     plan, text = memory.as_dict(), compiled.as_text() or ""
     fits, largest = memory.total + MARGIN * hbm <= hbm, _largest(text)
+    estimate = dataclasses.asdict(step_estimate(cfg, text, target.chip, mesh))
   kernels = aot.kernels(text)
   missing = cudnn.missing_here() if target.platform == "gpu" else None
   if missing:
@@ -213,7 +231,139 @@ def compile_step(cfg, target, model: str = "the config's model.* keys") -> Resul
                 xla_flags=os.environ.get(xla_flags.TABLE[target.platform][0], ""),
                 compile_s=seconds, warnings=warnings,
                 largest=largest,
-                error=refusal and refusal[refusal.find("RESOURCE_EXHAUSTED"):].rstrip("."))
+                error=refusal and refusal[refusal.find("RESOURCE_EXHAUSTED"):].rstrip("."),
+                estimate=estimate)
+
+
+def lower_step(cfg, parallel):
+  """The trainer's step (`train.loop.train_step`) of run `cfg` lowered on `parallel`
+  (`train.mesh.make`), on the state and batch `python -m train` builds
+  (`train.state.abstract_state`, `train.data.abstract_batch`): shapes only, no memory."""
+  from flax import nnx
+
+  from train import data, loop, state
+
+  with nnx.logical_axis_rules(parallel.rules):
+    _, graphdef, abstract = state.abstract_state(cfg, parallel.mesh, parallel.cp)
+    batch = data.abstract_batch(parallel.mesh, cfg.batch_size, cfg.seq_len)
+    return loop.train_step.lower(nnx.merge(graphdef, abstract), batch)
+
+
+def estimate_on(cfg, devices, chip):
+  """The estimate (`step_estimate`) of run `cfg`'s step compiled for `devices` (this
+  process's own, of `chip`), or None when its plan does not fit their memory (`MARGIN`
+  kept, as `compile_step` judges it). What the trainer's `strategy: auto` compiles.
+
+  Raises:
+    ConfigError: as `train.mesh.make`.
+  """
+  import jax
+
+  from flaxattn import aot
+  from train import mesh as mesh_lib
+
+  parallel = mesh_lib.make(cfg, devices)
+  with jax.set_mesh(parallel.mesh):
+    lowered = lower_step(cfg, parallel)
+    try:
+      compiled = lowered.compile()
+    except Exception as e:
+      if "RESOURCE_EXHAUSTED" in str(e):
+        return None
+      raise
+  hbm = aot.Target(chip.name, chip, len(devices), "").hbm_bytes()
+  if aot.memory(compiled).total + MARGIN * hbm > hbm:
+    return None
+  return step_estimate(cfg, compiled.as_text() or "", chip, parallel.mesh)
+
+
+def step_estimate(cfg, text: str, chip, mesh):
+  """`flaxattn.aot.estimate` of run `cfg`'s compiled step (`text`) on `mesh` of `chip`: its
+  FLOPs counted from the model (`models.llama.step_flops_per_token`, each row one causal
+  document), its memory traffic and collectives read from the program."""
+  from flaxattn import aot
+  from models.llama import flops_per_token, step_flops_per_token
+
+  tokens = cfg.batch_size * cfg.seq_len
+  return aot.estimate(text, chip, list(mesh.devices.flat),
+                      flops=step_flops_per_token(cfg.model, cfg.seq_len) * tokens,
+                      model_flops=flops_per_token(cfg.model, cfg.seq_len) * tokens,
+                      tokens=tokens)
+
+
+def compile_run(cfg, target, model: str = "the config's model.* keys") -> Result:
+  """`compile_step`, with `context_parallel.strategy: auto` chosen as the trainer chooses it
+  (`train.strategy.choose`): the step compiled once per strategy the mesh runs, the
+  fastest estimate's `Result` returned with `choice` (the strategy, why, and each
+  alternative's estimate; an alternative that does not fit has none). Where none fits,
+  the first alternative's `Result`, its `choice` saying so.
+
+  Raises:
+    as `compile_step`.
+  """
+  from train import strategy
+  from train.config import ConfigError
+
+  if not strategy.needed(cfg):
+    return compile_step(cfg, target, model)
+  results: dict[str, Result] = {}
+
+  def seconds(c) -> float | None:
+    r = results[c.context_parallel.strategy] = compile_step(c, target, model)
+    return r.estimate["step_s"] if r.fits else None
+
+  try:
+    choice = strategy.choose(cfg, target.devices, seconds)
+  except ConfigError:
+    if not results:  # no strategy runs on this mesh: a config error
+      raise
+    first = next(iter(results.values()))
+    first.choice = {"strategy": None, "by": "compile", "alternatives": {
+        s: r.estimate for s, r in results.items()}, "reason": "no strategy fits"}
+    return first
+  chosen = results.get(choice.strategy) or compile_step(
+      strategy.with_strategy(cfg, choice.strategy), target, model)
+  chosen.choice = {"strategy": choice.strategy, "by": choice.by, "reason": choice.reason,
+                   "alternatives": {s: (r.estimate if r.fits else {})
+                                    for s, r in results.items()}}
+  return chosen
+
+
+def alternatives(specs: list[str]) -> list[list[str]]:
+  """The alternatives of `--compare` SPECs, each a list of key=value overrides: a SPEC is
+  key=value items separated by spaces, one alternative, or one per value where an item's
+  value lists several with commas (`context_parallel.strategy=ring,all_gather`; several
+  such items: every combination).
+
+  Raises:
+    BadInput: an item that is not key=value.
+  """
+  found = []
+  for spec in specs:
+    combos: list[list[str]] = [[]]
+    for item in spec.split():
+      key, sep, values = item.partition("=")
+      if not sep or not key or not values:
+        raise BadInput(f"--compare expects key=value[,value...] items, got {item!r} in"
+                       f" {spec!r}; e.g. --compare context_parallel.strategy=ring,all_gather.")
+      combos = [[*c, f"{key}={v}"] for c in combos for v in values.split(",")]
+    found += combos
+  return found
+
+
+def _compare_row(label: str, r: Result) -> str:
+  e, total = r.estimate, r.per_device_bytes.get("total")
+  size = "-" if total is None else f"{total / GIB:.2f}"
+  if not e:
+    return f"| {label} | {'yes' if r.fits else 'no'} | {size} |" + " - |" * 7 + \
+        f" {r.compile_s:.0f} |"
+  return (f"| {label} | {'yes' if r.fits else 'no'} | {size} | {e['step_s']:.4g} |"
+          f" {e['compute_s']:.4g} | {e['memory_s']:.4g} | {e['exposed_comm_s']:.4g} |"
+          f" {e['comm_s']:.4g} | {e['mfu']:.1%} | {e['tokens_per_s']:,.0f} | {r.compile_s:.0f} |")
+
+
+COMPARE_HEADER = ("| alternative | fits | total GiB | step s | compute s | memory s | exposed s"
+                  " | collectives s | MFU | tokens/s | compile s |\n|" + "---|" * 11)
 
 
 class _Collect(logging.Handler):
@@ -320,10 +470,23 @@ def _table(r: Result) -> str:
            ("collectives", ", ".join(f"{k} x{v['count']} {v['bytes'] / GIB:.2f} GiB"
                                      for k, v in r.collectives.items()) or "none"),
            ("exposed", _exposed(r.collectives)),
+           ("estimate", _estimate_line(r.estimate)),
            ("xla flags", r.xla_flags or "none"),
            ("compile", f"{r.compile_s:.1f} s")]
+  if r.choice:
+    rows.append(("auto", f"{r.choice['strategy']}: {r.choice['reason']}"))
   rows += [("warning", w) for w in r.warnings]
   return "\n".join(f"{k:12s} {v}" for k, v in rows)
+
+
+def _estimate_line(e: dict) -> str:
+  """The estimate in one line, named for what it is."""
+  if not e:
+    return "none (not compiled)"
+  return (f"step {e['step_s']:.4g} s ({e['bound']} bound): compute {e['compute_s']:.4g} s,"
+          f" memory {e['memory_s']:.4g} s, exposed collectives {e['exposed_comm_s']:.4g} s of"
+          f" {e['comm_s']:.4g} s; MFU {e['mfu']:.1%}, {e['tokens_per_s']:,.0f} tokens/s"
+          " (a roofline from the chip's published peaks: a lower bound on the step time)")
 
 
 def _exposed(collectives: dict) -> str:
@@ -445,6 +608,9 @@ def main(argv: list[str]) -> int:
   parser.add_argument("--hosts", type=int, default=1, help="GPU hosts (default 1)")
   parser.add_argument("--json", action="store_true", help="one JSON line")
   parser.add_argument("--fit", choices=["seq_len"], help="search the longest seq_len that fits")
+  parser.add_argument("--compare", action="append", metavar="SPEC", default=[],
+                      help="compile one alternative per value, a row each: key=a,b,c, or"
+                      " several key=value items in quotes; may repeat")
   parser.add_argument("--model_config", metavar="PATH",
                       help="init_from's config.json (or a directory holding it) when init_from"
                       " is not on this host")
@@ -487,7 +653,9 @@ def main(argv: list[str]) -> int:
       print(json.dumps(line) if args.json else f"longest seq_len that fits {target.name}:"
             f" {best if best else 'none of those tried'}")
       return 0 if best else 1
-    result = compile_step(cfg, target, model)
+    if args.compare:
+      return _compare(path, overrides, target, alternatives(args.compare), args)
+    result = compile_run(cfg, target, model)
   except (ValueError, ConfigError, BadInput) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
@@ -496,6 +664,26 @@ def main(argv: list[str]) -> int:
   else:
     print(_table(result) if result.fits else result.summary())
   return 0 if result.fits else 1
+
+
+def _compare(path, overrides, target, alts: list[list[str]], args) -> int:
+  """Compiles each alternative (`compile_run`) and prints a row (or a JSON line) each, as it
+  finishes; 0 when every one fits.
+
+  Raises:
+    ConfigError, BadInput: as `load` and `compile_step`, for any alternative.
+  """
+  if not args.json:
+    print(COMPARE_HEADER, flush=True)
+  fits = True
+  for alt in alts:
+    cfg, model = load(path, [*overrides, *alt], args.model_config)
+    r = compile_run(cfg, target, model)
+    label = " ".join(alt)
+    fits = fits and r.fits
+    print(json.dumps({"alternative": label, **dataclasses.asdict(r)}) if args.json
+          else _compare_row(label, r), flush=True)
+  return 0 if fits else 1
 
 
 if __name__ == "__main__":

@@ -135,13 +135,21 @@ class MeshConfig:
   """Mesh axis sizes; one may be -1 (fill with the remaining devices). Their product must
   equal the number of devices (`train.mesh` checks it). The sequence is sharded over
   (context_ring, context): context_ring > 1 runs a ring over it inside Ulysses over context
-  (strategy "ulysses")."""
+  (strategy "ulysses").
+
+  fsdp_over_context: parameters and optimizer state sharded over the context axes too
+  (their `embed` dimension over fsdp x context_ring x context), as MaxText shards them over
+  its context axis: each device holds 1 / (fsdp x context_ring x context) of them, which
+  is what lets batch 1 with the whole slice on the sequence fit; the layers gather their
+  weights over those axes as FSDP does. The checkpoint is the same either way: a run
+  resumes with it changed, or on another mesh."""
 
   data: int = -1
   fsdp: int = 1
   tensor: int = 1
   context_ring: int = 1
   context: int = 1
+  fsdp_over_context: bool = False
 
 
 MESH_AXES = ("data", "fsdp", "tensor", "context_ring", "context")
@@ -161,20 +169,27 @@ PLATFORMS = ("cpu", "gpu", "cuda", "rocm", "tpu")
 @dataclasses.dataclass(frozen=True)
 class ContextParallelConfig:
   """`flaxattn.ContextParallel` over the mesh's `context` axis (used when it or
-  `context_ring` is > 1). strategy: "ring", "all_gather", "ulysses" or "auto" (per attention
-  layer, the strategy `flaxattn.planner` estimates fastest); with mesh `context_ring` > 1
-  it must be "ulysses" (or "auto", which then has only it), which runs a ring over
-  `context_ring` (`ContextParallel(ring_axis="context_ring")`). Its token order (load
-  balancing) is `data.balance`. grad_dtype: what a ring sums its steps' partial gradients
-  in, "float32" (exact) or "inputs" (the compute dtype: half the gradient bytes held and
-  sent; `ContextParallel(grad_dtype=None)`). head_groups: how many groups of heads a ring
-  takes round one after the other (`ContextParallel(head_groups=...)`); null: chosen per
-  layer call. It must divide the K/V heads each device's ring holds (`train.mesh.make`
-  checks it, under "auto" too, which may choose the ring)."""
+  `context_ring` is > 1). strategy: "ring", "all_gather", "ulysses" or "auto" (below); with
+  mesh `context_ring` > 1 it must be "ulysses" (or "auto", which then has only it), which
+  runs a ring over `context_ring` (`ContextParallel(ring_axis="context_ring")`). Its token
+  order (load balancing) is `data.balance`. grad_dtype: what a ring sums its steps' partial
+  gradients in, "float32" (exact) or "inputs" (the compute dtype: half the gradient bytes
+  held and sent; `ContextParallel(grad_dtype=None)`). head_groups: how many groups of heads
+  a ring takes round one after the other (`ContextParallel(head_groups=...)`); null: chosen
+  per layer call. It must divide the K/V heads each device's ring holds (`train.mesh.make`
+  checks it, under "auto" too, which may choose the ring).
+
+  "auto" chooses one strategy for the run when it starts, the fastest by an estimate of the
+  whole step, and logs it with its reason (`train.strategy`): with auto_compile (default)
+  on devices whose chip has published peak figures (`flaxattn.aot.TARGETS`), the step
+  compiled once per strategy the mesh can run and `flaxattn.aot.estimate` read from each
+  (as `python -m train.compile` reports it); else the attention's analytic model
+  (`flaxattn.planner`, its TPU and GPU numbers calibrated against such estimates)."""
 
   strategy: str = "ring"
   grad_dtype: str = "float32"
   head_groups: int | None = None
+  auto_compile: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,7 +235,7 @@ class TrainConfig:
     Llama, Mistral, Qwen2, Qwen3) or a run_dir of this trainer (its newest checkpoint; a
     gs:// URL too). See `train.init_from`.
   peak_tflops_per_device: the dense peak TFLOP/s of one device in the compute dtype, for
-    MFU; 0 = from `train.throughput.PEAK_TFLOPS` (or measured on CPU).
+    MFU; 0 = the chip's (`train.throughput.peak`; measured on CPU).
   overlap_flags: true: the platform's compiler flags for hiding collectives behind compute
     (`train.xla_flags`: LIBTPU_INIT_ARGS on TPU, XLA_FLAGS on GPU, as the published recipes
     set them) are added where the environment does not set them, and logged at start;

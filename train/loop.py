@@ -38,7 +38,7 @@ from flax import nnx
 
 import flaxattn
 from models.llama import loss_fn
-from train import data, distributed, evaluation, init_from, metrics, storage, throughput
+from train import data, distributed, evaluation, init_from, metrics, storage, strategy, throughput
 from train import mesh as mesh_lib
 from train import run_dir as run_dir_lib
 from train import state as state_lib
@@ -96,8 +96,9 @@ def _setup(cfg: TrainConfig, stop: StopRequest
 
   Raises:
     ConfigError: see `train.run_dir.load_tokenizer`, `train.init_from.check_tokenizer`,
-      `train.data.tokenizers.check_vocab`, `train.distributed.start_backend`, `train.mesh.make`,
-      `train.data.make` and `train.run_dir.check_corpus`.
+      `train.data.tokenizers.check_vocab`, `train.distributed.start_backend`,
+      `train.strategy.resolve`, `train.mesh.make`, `train.data.make` and
+      `train.run_dir.check_corpus`.
     Stopped: SIGTERM or SIGINT while reading documents.
   """
   # Before jax starts; a resumed run reads the copy its checkpoints were trained with.
@@ -105,7 +106,8 @@ def _setup(cfg: TrainConfig, stop: StopRequest
   init_from.check_tokenizer(cfg, tok)  # first: its errors name the checkpoint
   tokenizers.check_vocab(tok, cfg.model.vocab_size, cfg.data.tokenizer)
   distributed.start_backend(cfg.platform)
-  parallel = mesh_lib.make(cfg)
+  # Strategy "auto" becomes one strategy here, logged with its reason; the config keeps it.
+  parallel = mesh_lib.make(strategy.resolve(cfg, jax.devices()))
   _check_backend(cfg, parallel)
   run_data = data.make(cfg, tok, parallel.mesh, parallel.cp, stop.call)
   run_dir_lib.check_corpus(cfg, run_data.corpus)

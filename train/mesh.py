@@ -40,8 +40,22 @@ class Parallelism:
 
 def make(cfg: TrainConfig, devices=None) -> Parallelism:
   """The parallelism of `cfg.mesh` over `devices` (default: all of them), after checking
-  that the batch and the sequence split evenly over it. A ring runs over `context_ring`
-  inside Ulysses over `context` when `context_ring` > 1.
+  that the batch and the sequence split evenly over it (`check`). A ring runs over
+  `context_ring` inside Ulysses over `context` when `context_ring` > 1.
+
+  Raises:
+    ConfigError: as `check`.
+  """
+  devices = jax.devices() if devices is None else devices
+  cp = check(cfg, len(devices))
+  mesh = _device_mesh(axis_sizes(cfg.mesh, len(devices)), devices)
+  log.info("mesh %s; physical axes %s", dict(mesh.shape), describe_axes(mesh))
+  return Parallelism(mesh, rules(mesh, cfg.model, cfg.mesh.fsdp_over_context), cp)
+
+
+def check(cfg: TrainConfig, num_devices: int) -> flaxattn.ContextParallel | None:
+  """The context parallelism of run `cfg` on `num_devices` devices (None when the mesh does
+  not shard the sequence), after checking that the run splits over its mesh.
 
   Raises:
     ConfigError (its `keys` name the keys at fault): sizes that do not multiply to the
@@ -51,46 +65,45 @@ def make(cfg: TrainConfig, devices=None) -> Parallelism:
       `context_parallel.head_groups` that does not divide the K/V heads each device's ring
       holds (`flaxattn.context_parallel.ring_head_groups`).
   """
-  devices = jax.devices() if devices is None else devices
-  shape = _shape(cfg.mesh, len(devices))
+  shape = axis_sizes(cfg.mesh, num_devices)
   sizes = dict(zip(MESH_AXES, shape, strict=True))
   batch_parts = sizes["data"] * sizes["fsdp"]
   if cfg.batch_size % batch_parts:
     raise ConfigError(f"batch_size ({cfg.batch_size}) expects a multiple of mesh data x fsdp"
                       f" ({batch_parts}).", keys=("batch_size",))
-  mesh = _device_mesh(shape, devices)
+  mesh = jax.sharding.AbstractMesh(shape, MESH_AXES)
   cp = _context_parallel(cfg, sizes)
-  if cp is not None:
-    where = (f"over mesh {dict(mesh.shape)} with context_parallel.strategy="
-             f"{cfg.context_parallel.strategy!r} and data.balance={cfg.data.balance}")
-    multiple = _seq_multiple(cfg, cp, mesh)
-    if cfg.seq_len % multiple:
-      lower = cfg.seq_len // multiple * multiple
-      shards = math.prod(mesh.shape[a] for a in cp.seq_axes)
-      why = (f"{shards} sequence shards" if multiple == shards else
-             f"{shards} sequence shards, each holding 2 chunks under load balancing")
-      raise ConfigError(f"seq_len ({cfg.seq_len}) expects a multiple of {multiple} ({why}) {where};"
-                        f" set seq_len={lower + multiple}" + (f" or {lower}" if lower else "")
-                        + ".", keys=("seq_len",))
-    m = cfg.model
-    q_shape = (cfg.batch_size, cfg.seq_len, m.n_heads, m.attn_head_dim)
-    kv_shape = (cfg.batch_size, cfg.seq_len, m.n_kv_heads, m.attn_head_dim)
-    try:
-      cp.check_shapes(q_shape, kv_shape, mesh)
-    except ValueError as e:
-      raise ConfigError(f"model.n_heads ({m.n_heads}) and model.n_kv_heads ({m.n_kv_heads}) do"
-                        f" not split {where}: {e}",
-                        keys=("model.n_heads", "model.n_kv_heads")) from None
-    try:  # the ring's own rule, asked before anything is written rather than at step 1
-      head_groups_for(cp, q_shape, kv_shape, mesh)
-    except ValueError as e:
-      auto = (" (strategy 'auto' may choose the ring for any layer)"
-              if cp.strategy == "auto" else "")
-      raise ConfigError(f"config key 'context_parallel.head_groups' ({cp.head_groups}) with"
-                        f" model.n_kv_heads ({m.n_kv_heads}) {where}{auto}: {e}",
-                        keys=("context_parallel.head_groups", "model.n_kv_heads")) from None
-  log.info("mesh %s; physical axes %s", dict(mesh.shape), describe_axes(mesh))
-  return Parallelism(mesh, rules(mesh, cfg.model), cp)
+  if cp is None:
+    return None
+  where = (f"over mesh {sizes} with context_parallel.strategy="
+           f"{cfg.context_parallel.strategy!r} and data.balance={cfg.data.balance}")
+  multiple = _seq_multiple(cfg, cp, mesh)
+  if cfg.seq_len % multiple:
+    lower = cfg.seq_len // multiple * multiple
+    shards = math.prod(mesh.shape[a] for a in cp.seq_axes)
+    why = (f"{shards} sequence shards" if multiple == shards else
+           f"{shards} sequence shards, each holding 2 chunks under load balancing")
+    raise ConfigError(f"seq_len ({cfg.seq_len}) expects a multiple of {multiple} ({why}) {where};"
+                      f" set seq_len={lower + multiple}" + (f" or {lower}" if lower else "")
+                      + ".", keys=("seq_len",))
+  m = cfg.model
+  q_shape = (cfg.batch_size, cfg.seq_len, m.n_heads, m.attn_head_dim)
+  kv_shape = (cfg.batch_size, cfg.seq_len, m.n_kv_heads, m.attn_head_dim)
+  try:
+    cp.check_shapes(q_shape, kv_shape, mesh)
+  except ValueError as e:
+    raise ConfigError(f"model.n_heads ({m.n_heads}) and model.n_kv_heads ({m.n_kv_heads}) do"
+                      f" not split {where}: {e}",
+                      keys=("model.n_heads", "model.n_kv_heads")) from None
+  try:  # the ring's own rule, asked before anything is written rather than at step 1
+    head_groups_for(cp, q_shape, kv_shape, mesh)
+  except ValueError as e:
+    auto = (" (strategy 'auto' may choose the ring for any layer)"
+            if cp.strategy == "auto" else "")
+    raise ConfigError(f"config key 'context_parallel.head_groups' ({cp.head_groups}) with"
+                      f" model.n_kv_heads ({m.n_kv_heads}) {where}{auto}: {e}",
+                      keys=("context_parallel.head_groups", "model.n_kv_heads")) from None
+  return cp
 
 
 def seq_multiple(cfg: TrainConfig, num_devices: int) -> int:
@@ -101,7 +114,7 @@ def seq_multiple(cfg: TrainConfig, num_devices: int) -> int:
   Raises:
     ConfigError: mesh sizes that do not multiply to `num_devices`.
   """
-  shape = _shape(cfg.mesh, num_devices)
+  shape = axis_sizes(cfg.mesh, num_devices)
   cp = _context_parallel(cfg, dict(zip(MESH_AXES, shape, strict=True)))
   return _seq_multiple(cfg, cp, jax.sharding.AbstractMesh(shape, MESH_AXES))
 
@@ -175,7 +188,7 @@ def describe_axes(mesh: jax.sharding.Mesh) -> str:
   return text + (f" (split: {', '.join(sorted(shared))})" if shared else "")
 
 
-def _shape(sizes: MeshConfig, num_devices: int) -> tuple[int, ...]:
+def axis_sizes(sizes: MeshConfig, num_devices: int) -> tuple[int, ...]:
   """The axis sizes of `sizes` in `MESH_AXES` order, -1 filled.
 
   Raises:
@@ -198,10 +211,17 @@ def _shape(sizes: MeshConfig, num_devices: int) -> tuple[int, ...]:
   return tuple(shape)
 
 
-def rules(mesh, model: LlamaConfig) -> tuple:
+def rules(mesh, model: LlamaConfig, fsdp_over_context: bool = False) -> tuple:
   """The logical sharding rules of `Llama(model)` on `mesh` (`flaxattn.sharding.rules`
-  fitted to the model's sizes)."""
+  fitted to the model's sizes); with `fsdp_over_context` (`MeshConfig`), `embed` over the
+  context axes after fsdp. An activation's `embed` stays unsharded either way: its batch
+  and sequence take those axes first (`flaxattn.sharding.logical_to_spec`)."""
   m = model
+  base = flaxattn.sharding.DEFAULT_RULES
+  if fsdp_over_context:
+    embed = (*flaxattn.sharding.default_axes("embed"), *flaxattn.sharding.default_axes("seq"))
+    base = tuple((name, embed if name == "embed" else axes) for name, axes in base)
   # Stacked layers (scan_layers) are replicated: every device holds its part of each layer.
-  return (*flaxattn.sharding.rules(mesh, kv_heads=m.n_kv_heads, heads=m.n_heads, mlp=m.ffn_dim,
-                                   vocab=m.vocab_size, embed=m.dim), (LAYERS_AXIS, None))
+  return (*flaxattn.sharding.rules(mesh, base, kv_heads=m.n_kv_heads, heads=m.n_heads,
+                                   mlp=m.ffn_dim, vocab=m.vocab_size, embed=m.dim),
+          (LAYERS_AXIS, None))

@@ -10,11 +10,11 @@ norms, RoPE, softmax, activations, residual adds, rematerialization.
 rows is an upper bound of the attention term, not what the step does.
 
 MFU = model FLOPs per second per device / the device's dense peak FLOP/s. The peak comes
-from, in order: the config key `peak_tflops_per_device`; `PEAK_TFLOPS` by the device's
-kind; on CPU (no table entry: its peak depends on the host and on what else runs there)
-float32 matmuls timed once at start on all the run's devices at once, one each, so that
-simulated devices share the host's cores as the training step's do; named "measured" in
-every line that uses it.
+from, in order: the config key `peak_tflops_per_device`; the chip's in
+`flaxattn.aot.TARGETS`, or `PEAK_TFLOPS`, by the device's kind; on CPU (no table entry: its
+peak depends on the host and on what else runs there) float32 matmuls timed once at start
+on all the run's devices at once, one each, so that simulated devices share the host's
+cores as the training step's do; named "measured" in every line that uses it.
 """
 
 from __future__ import annotations
@@ -33,25 +33,19 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from flaxattn import aot
 from flaxattn.masks import Mask, band
 from models.llama import Llama
 
 log = logging.getLogger(__name__)
 
-# Dense bf16 peak TFLOP/s per device (chip or GPU), without sparsity, from the vendors'
-# spec sheets. Matched against `jax.Device.device_kind` in this order (first match wins).
+# Dense bf16 peak TFLOP/s per device (chip or GPU), without sparsity, from the vendors' spec
+# sheets, of the kinds `flaxattn.aot.TARGETS` does not hold (its chips' figures come from
+# there). Matched against `jax.Device.device_kind` in this order (first match wins).
 PEAK_TFLOPS = (
-    ("TPU v6 lite", 918.0),  # Trillium (v6e)
-    ("TPU v6e", 918.0),
-    ("TPU v5 lite", 197.0),  # v5e
-    ("TPU v5e", 197.0),
-    ("TPU v5p", 459.0),
-    ("TPU v5", 459.0),       # v5p reports "TPU v5"
     ("TPU v4", 275.0),
     ("B200", 2250.0),
-    ("H200", 989.0),
-    ("H100", 989.0),         # SXM; the PCIe card is lower: set peak_tflops_per_device
-    ("A100", 312.0),
+    ("A100", 312.0),         # the 40 GB card
 )
 
 
@@ -116,12 +110,16 @@ def measure_matmul_flops(mesh, size: int = 1024, repeats: int = 5) -> float:
 
 
 def peak(mesh, configured_tflops: float) -> Peak | None:
-  """The peak FLOP/s of one device of `mesh`: `configured_tflops` if > 0, else the
-  `PEAK_TFLOPS` entry of its kind, else on CPU measured (`measure_matmul_flops` on the
-  whole mesh); None (MFU not reported, logged once) for an accelerator with no entry."""
+  """The peak FLOP/s of one device of `mesh`: `configured_tflops` if > 0, else its chip's
+  (`flaxattn.aot.chip_of`) or the `PEAK_TFLOPS` entry of its kind, else on CPU measured
+  (`measure_matmul_flops` on the whole mesh); None (MFU not reported, logged once) for an
+  accelerator with no entry."""
   if configured_tflops > 0:
     return Peak(configured_tflops * 1e12, "config")
   device = mesh.devices.flat[0]
+  chip = aot.chip_of(device.device_kind)
+  if chip is not None:
+    return Peak(chip.peak_flops, "table")
   for name, tflops in PEAK_TFLOPS:
     if name.lower() in device.device_kind.lower():
       return Peak(tflops * 1e12, "table")
