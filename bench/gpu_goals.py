@@ -22,8 +22,7 @@
             `jax.nn.dot_product_attention(implementation="xla")` with a boolean mask from the
             cached ids and positions, and split_k at each of `CHUNKS` keys per chunk, timed in
             alternation; then the same step as one `jax.jit` over `nnx.split(layer)`'s state
-            (donated), without nnx.jit's host-side graph traversal, and that step with the
-            cache's refusals unlogged (no host callback; `checks.refuse_if`).
+            (donated), without nnx.jit's host-side graph traversal.
 
 The shapes are B=1, H=16 on 8 KV heads, D=128 (`bench.measure`) for the first two. TFLOP/s
 count useful work only (`bench.measure.flops`). Without a GPU it says why and exits 0.
@@ -36,7 +35,6 @@ import functools
 import json
 import sys
 import time
-from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -45,7 +43,7 @@ from flax import nnx
 
 import flaxattn
 from bench import measure
-from flaxattn import checks, registry
+from flaxattn import registry
 from flaxattn.layout import resolve
 from flaxattn.pallas_gpu import PallasGpu
 from flaxattn.split_k import SplitK
@@ -199,35 +197,25 @@ def decode(length: int, steps: int, bandwidth: float) -> dict:
       jax.block_until_ready(run())
       times[name].append(time.perf_counter() - start)
   # The same step as one jax.jit over the layer's split state (donated): no nnx.jit graph
-  # traversal on the host each call, what a serving loop compiles. Then that step compiled
-  # with the cache's refusals unlogged (`checks.refuse_if(log_error=False)`: no lax.cond
-  # around a host callback, whose predicate a GPU reads back each call; a refused call
-  # still writes nothing and returns NaN): what those callbacks cost.
+  # traversal on the host each call, what a serving loop compiles.
   graphdef, state = nnx.split(m)
 
   def functional(state, x):
     layer = nnx.merge(graphdef, state)
     return layer(x, decode=True), nnx.state(layer)
-  refuse_if = checks.refuse_if
-
-  def unlogged(*args, **kwargs):
-    return refuse_if(*args, **{**kwargs, "log_error": False})
-  for name, patched in (("step_jit", refuse_if), ("step_jit_unlogged", unlogged)):
-    step = jax.jit(functional, donate_argnums=0)
-    with mock.patch.object(checks, "refuse_if", patched):
-      y, state = step(state, x)  # compiled here, under the patch
+  step = jax.jit(functional, donate_argnums=0)
+  y, state = step(state, x)
+  jax.block_until_ready(y)
+  times["step_jit"] = []
+  for _ in range(steps // 2):
+    start = time.perf_counter()
+    y, state = step(state, x)
     jax.block_until_ready(y)
-    times[name] = []
-    for _ in range(steps // 2):
-      start = time.perf_counter()
-      y, state = step(state, x)
-      jax.block_until_ready(y)
-      times[name].append(time.perf_counter() - start)
+    times["step_jit"].append(time.perf_counter() - start)
   med = {name: float(np.median(t)) for name, t in times.items()}
   floor = (weights + cache_bytes) / bandwidth
   return dict(length=length, kernel=kernel, step_ms=med["step"] * 1e3,
               step_jit_ms=med["step_jit"] * 1e3,
-              step_jit_unlogged_ms=med["step_jit_unlogged"] * 1e3,
               attention_ms=med["ours"] * 1e3, jax_nn_xla_ms=med["dense"] * 1e3,
               split_k_chunk_ms={c: med[f"chunk{c}"] * 1e3 for c in CHUNKS},
               bytes_read=weights + cache_bytes, floor_ms=floor * 1e3,
