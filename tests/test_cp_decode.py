@@ -288,23 +288,26 @@ def test_explain_says_what_a_decode_step_moves():
 
 @pytest.mark.slow
 def test_greedy_sample_on_a_mesh_gives_the_same_tokens(tmp_path):
+  """Two prompts of 7 and 4 tokens, one batch, on 4 devices (the prefill padded to 8 and
+  load balanced, the cache sharded) as on one."""
   cfg = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64,
                     max_seq_len=32, sliding_window=3, global_every=2, attention_sinks=True)
   model = Llama(cfg, rngs=nnx.Rngs(0))
   for b in model.layers:
     b.attn.sinks[...] = normal(b.attn.sinks.shape, 5)
-  prompt = np.array([5, 17, 3, 40, 22, 9, 31], np.int32)
-  want = sample.generate(model, prompt, 8)
-  assert len(set(want.tolist())) > 2  # not a degenerate model
+  prompts = [np.array([5, 17, 3, 40, 22, 9, 31], np.int32), np.array([9, 1, 60, 2], np.int32)]
+  want = sample.generate(model, prompts, 8)
+  assert all(len(set(w.tolist())) > 2 for w in want)  # not a degenerate model
   # As `python -m train.sample --context_parallel 4` does, with the run's strategy.
   from train import config  # pylint: disable=import-outside-toplevel
   saved = config.to_dict(config.load(None, ["context_parallel.strategy=all_gather"]))
   (tmp_path / "config.json").write_text(json.dumps(saved))
   with sample.on_mesh(model, str(tmp_path), 4, helpers.devices(4)) as cp:
-    got = sample.generate(model, prompt, 8, context_parallel=cp)
+    got = sample.generate(model, prompts, 8, context_parallel=cp)
     assert model.layers[0].attn.cache.keys[...].addressable_shards[0].data.shape[1] == 16 // 4
   assert cp == ContextParallel(strategy="all_gather")
-  np.testing.assert_array_equal(got, want)
+  for g, w in zip(got, want, strict=True):
+    np.testing.assert_array_equal(g, w)
 
 
 def test_a_decode_step_moves_the_same_bytes_at_any_cache_length():
