@@ -64,7 +64,7 @@ def refusal(code: int, index: int, tokens: int, max_length: int) -> ValueError:
       " continue. Pass segment_ids (and positions).")
 
 
-def refused(error):
+def is_refused(error):
   """Whether a call is refused, from the cache's error record after it (`KVCache.new_tokens`):
   None where the record is None (an eager call, refused by raising), else a traced bool."""
   return None if error is None else error[0] != 0
@@ -252,7 +252,7 @@ class KVCache(nnx.Module):
     `MultiHeadAttention.__call__`), the cache's error record after the call): checked
     before anything is written. The record is None where the cache is concrete (an eager
     call, which raises instead); else a traced `[3]` int32 (`KVCache.error`), non-zero
-    where the call is refused (`refused`): the cache holds a refusal already, the tokens
+    where the call is refused (`is_refused`): the cache holds a refusal already, the tokens
     do not fit, or default segment ids follow padding.
 
     Raises:
@@ -330,13 +330,13 @@ class KVCache(nnx.Module):
     """(last `[B, 2]`, index, error) after T new tokens: the last of them in the original
     order, the new count and the call's error record, or what they were where the call
     was refused."""
-    i, last_B2, no = self.index[...], self.last[...], refused(error)
+    i, last_B2, refused = self.index[...], self.last[...], is_refused(error)
     if self.order != "document":  # document order never reads `last` (`new_tokens`)
       j = cp_decode.last_token(self.context_parallel if self.order == "row" else None, t,
                                prefill)
       new_B2 = jnp.stack([segment_ids[:, j], positions[:, j]], axis=1)
-      last_B2 = new_B2 if no is None else jnp.where(no, last_B2, new_B2)
-    index = i + (t if no is None else jnp.where(no, 0, t))
+      last_B2 = new_B2 if refused is None else jnp.where(refused, last_B2, new_B2)
+    index = i + (t if refused is None else jnp.where(refused, 0, t))
     return last_B2, index, self.error[...] if error is None else error
 
   def _variables(self) -> tuple[nnx.Cache, ...]:
@@ -363,7 +363,7 @@ class KVCache(nnx.Module):
                        (self.positions, positions)):
       start = (zero, i) + (zero,) * (new.ndim - 2)
       written.append(cp_decode.update_slice(cache[...], new.astype(cache.dtype), start,
-                                            refused(error)))
+                                            is_refused(error)))
     update = (*written, *self._advance(t, segment_ids, positions, error, prefill=False))
     keys, values, ids, pos = written
     return keys.astype(k.dtype), values.astype(v.dtype), ids, pos, update
@@ -408,15 +408,16 @@ class KVCache(nnx.Module):
     cache = tuple(c[...] for c in (self.keys, self.values, self.segment_ids, self.positions))
     new = (k.astype(cache[0].dtype), v.astype(cache[1].dtype), segment_ids, positions)
 
-    no = refused(error)
+    refused = is_refused(error)
     if prefill:  # the new tokens among themselves, then against what was cached before
       out, lse = attention_fn(q, k, v, segment_ids=segment_ids, positions=positions,
                               context_parallel=cp, **options)
       before = cp_decode.attend(local, q, cache, segment_ids, positions,
                                 specs.sequence_sharded(), sequence_sharded=True, when=i > 0)
       out, lse = merge_partials(out.astype(jnp.float32), lse, *before)
-      cache = cp_decode.write(cache, new, i, specs.sequence_sharded(), prefill=True, refused=no)
+      cache = cp_decode.write(cache, new, i, specs.sequence_sharded(), prefill=True,
+                              refused=refused)
     else:
-      cache = cp_decode.write(cache, new, i, specs, prefill=False, refused=no)
+      cache = cp_decode.write(cache, new, i, specs, prefill=False, refused=refused)
       out, lse = cp_decode.attend(local, q, cache, segment_ids, positions, specs)
     return out, lse, (*cache, *self._advance(t, segment_ids, positions, error, prefill))

@@ -33,7 +33,7 @@ from flax.nnx.nn.linear import default_kernel_init
 
 from flaxattn import checks
 from flaxattn.attention import apply_sinks, attention, check_soft_cap
-from flaxattn.kv_cache import KVCache, refused
+from flaxattn.kv_cache import KVCache, is_refused
 from flaxattn.layout import Layout, resolve, shape_error
 from flaxattn.masks import Causal, Full, Mask, check_mask
 from flaxattn.mods import ScoreMod, check_score_mod
@@ -398,8 +398,8 @@ class MultiHeadAttention(nnx.Module):
       x_BTHD = self.attention_fn(q_BTHD, k_BSKD, v_BSKD, mask=mask, backend=self.backend,
                                  context_parallel=self.context_parallel,
                                  **self._ids(layout), **extras)
-    if (no := refused(error)) is not None:
-      x_BTHD = jnp.where(no, jnp.nan, x_BTHD)
+    if (refused := is_refused(error)) is not None:
+      x_BTHD = jnp.where(refused, jnp.nan, x_BTHD)
     x_BTHD = constrain(x_BTHD, Q_NAMES)
     out_BTE = constrain(self.out(x_BTHD, out_sharding=out_sharding), X_NAMES)
     if cache is not None and update is not None:
