@@ -1,7 +1,9 @@
-"""Decoding with the KV cache sharded over the context axis, on simulated CPU devices.
+"""Decoding with the KV cache sharded over the context axis, on simulated CPU devices; and
+`train.sample.generate` against its own decode step dispatched from Python.
 
   python -m bench.decode [--json bench/results/decode_cpu.json] [--lengths 32768 131072]
       [--compare-only] [--backend auto]
+  python -m bench.decode --generate [--json bench/results/decode_generate_cpu.json]
 
 Sets XLA_FLAGS=--xla_force_host_platform_device_count=8 before importing jax (on a GPU host
 the GPUs are the devices: a cp or the prefill needing more than there are is skipped, with
@@ -28,6 +30,24 @@ the same cache (a boolean mask from the cached segment ids and positions), timed
 alternation: medians, bests (the least disturbed by other work on a shared host) and
 their ratios. `--compare-only` runs only this part; `--backend blockwise` gives the layer
 the kernel its decode steps ran before split_k.
+
+`--generate` runs only this: `train.sample.generate` (prefill and a loop of decode steps in
+one compiled program) against `train.sample.step` jitted alone (`jax.jit` over the model's
+split state, its cache donated, its next position computed inside) and called back to back
+from Python, feeding each step's outputs to the next without reading them, as a serving
+loop that dispatches each token would. The model has configs/demo.yaml's sizes (`GEN_CONFIG`:
+2 layers, dim 128, vocab 256, float32, the default backend), greedy. Batch 1 and 8 (prompts
+of 64, 60, ..., 36 tokens: rows of different lengths). generate runs for each count of new
+tokens in `GEN_TOKENS` (224 to 448: one cache bucket of 512 slots, so one compiled program);
+its time per token is the slope of a least-squares line through (tokens, seconds): the
+prefill, the dispatch and the host's reads are its intercept. The step runs 448 - 224 steps
+from the cache a call of 224 tokens leaves. Everything is timed `--repeats` times, in
+alternation, by two clocks: the process's CPU time (every thread's, dispatch included:
+what a busy shared host leaves steady) and wall time; each figure is the best of its runs
+(the least disturbed by other work).
+The ratio is generate's time per token over the step's (goal: at most 0.8); tokens/s are
+the batch over the time per token; end to end, the batch's tokens of the longest call over
+its time, prefill included.
 """
 
 from __future__ import annotations
@@ -38,7 +58,9 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8").strip()
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import json  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
@@ -49,6 +71,8 @@ from jax.sharding import AxisType  # noqa: E402
 
 from bench import devices  # noqa: E402
 from flaxattn import Causal, ContextParallel, MultiHeadAttention, aot  # noqa: E402
+from models.llama import Llama, LlamaConfig  # noqa: E402
+from train import sample  # noqa: E402
 
 E, H, HKV, D, B = 512, 8, 2, 64, 1
 MIB = 2**20
@@ -185,6 +209,101 @@ def sharded(args):
   return rows, prefill
 
 
+# generate's model: configs/demo.yaml's sizes. Its prompts and counts of new tokens whose
+# caches share one bucket (64 + 224 to 64 + 448 tokens: 512 slots, one program).
+GEN_CONFIG = LlamaConfig(vocab_size=256, dim=128, n_layers=2, n_heads=4, n_kv_heads=2,
+                         ffn_dim=384, max_seq_len=4096)
+GEN_PROMPT = 64
+GEN_TOKENS = (224, 280, 336, 392, 448)
+
+
+CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
+
+
+def _timed(run) -> dict[str, float]:
+  """Seconds of `run()` by each of `CLOCKS`."""
+  start = {name: clock() for name, clock in CLOCKS.items()}
+  run()
+  return {name: clock() - start[name] for name, clock in CLOCKS.items()}
+
+
+def generation(batch: int, repeats: int) -> dict:
+  """Seconds per token of `generate` and of its step called back to back, for `batch`
+  prompts, by each clock (see the module doc)."""
+  model = Llama(GEN_CONFIG, rngs=nnx.Rngs(0))
+  rng = np.random.default_rng(batch)
+  prompts = [rng.integers(0, GEN_CONFIG.vocab_size, GEN_PROMPT - 4 * i).astype(np.int32)
+             for i in range(batch)]
+  few, many = GEN_TOKENS[0], GEN_TOKENS[-1]
+  lengths = jnp.asarray([p.size for p in prompts], jnp.int32)
+
+  def after_few():
+    """The model split after a call of `few` tokens, its last tokens and their positions."""
+    last = sample.generate(model, prompts, few)
+    return (*nnx.split(model, nnx.Cache, ...), jnp.asarray([row[-1] for row in last], jnp.int32),
+            lengths + few - 1)
+
+  graphdef, *first = after_few()
+
+  def stepped(cache, rest, tokens_B, positions_B):  # the cache donated, as in generate
+    m = nnx.merge(graphdef, cache, rest)
+    next_B = sample.step(m, tokens_B, positions_B, jax.random.key(0), 0, 1.0)
+    return nnx.state(m, nnx.Cache), next_B, positions_B + 1
+  compiled = jax.jit(stepped, donate_argnums=0).lower(*first).compile()
+
+  def steps() -> dict[str, float]:
+    """Seconds of `many - few` steps from where a call of `few` tokens left the cache."""
+    _, cache, rest, tokens_B, positions_B = after_few()
+
+    def run():
+      nonlocal cache, tokens_B, positions_B
+      for _ in range(many - few):
+        cache, tokens_B, positions_B = compiled(cache, rest, tokens_B, positions_B)
+      jax.block_until_ready(tokens_B)
+    return _timed(run)
+
+  for n in GEN_TOKENS:
+    sample.generate(model, prompts, n)  # compiled and warmed up
+  times: dict[int | str, list[dict[str, float]]] = {n: [] for n in (*GEN_TOKENS, "step")}
+  for _ in range(repeats):
+    for n in GEN_TOKENS:
+      times[n].append(_timed(lambda n=n: sample.generate(model, prompts, n)))
+    times["step"].append(steps())
+  row: dict = dict(batch=batch, prompt_tokens=[p.size for p in prompts],
+                   new_tokens=list(GEN_TOKENS))
+  for clock in CLOCKS:
+    best = {n: min(t[clock] for t in runs) for n, runs in times.items()}
+    per_token, fixed = (float(x) for x in np.polyfit(GEN_TOKENS, [best[n] for n in GEN_TOKENS],
+                                                      1))
+    step = best["step"] / (many - few)
+    row[clock] = dict(generate_best_s=[best[n] for n in GEN_TOKENS], generate_per_token_s=per_token,
+                      generate_fixed_s=fixed, step_per_token_s=step, ratio=per_token / step,
+                      generate_tokens_per_s=batch / per_token, step_tokens_per_s=batch / step,
+                      generate_end_to_end_tokens_per_s=batch * many / best[many])
+  return row
+
+
+def generate_table(repeats: int) -> list[dict]:
+  c = GEN_CONFIG
+  print(f"\ngenerate against its step called back to back: Llama of {c.n_layers} layers, dim"
+        f" {c.dim}, vocab {c.vocab_size}, {c.dtype}, greedy; prompts of {GEN_PROMPT} tokens and"
+        f" fewer; {GEN_TOKENS} new tokens; bests of {repeats}")
+  print("| batch | clock | generate per token (ms) | step back to back (ms) | ratio |"
+        " generate tokens/s | step tokens/s | generate end to end tokens/s |")
+  print("|---:|---|---:|---:|---:|---:|---:|---:|")
+  rows = []
+  for batch in (1, 8):
+    row = generation(batch, repeats)
+    rows.append(row)
+    for clock in CLOCKS:
+      r = row[clock]
+      print(f"| {batch} | {clock} | {r['generate_per_token_s'] * 1e3:.3f} |"
+            f" {r['step_per_token_s'] * 1e3:.3f} | {r['ratio']:.2f} |"
+            f" {r['generate_tokens_per_s']:.0f} | {r['step_tokens_per_s']:.0f} |"
+            f" {r['generate_end_to_end_tokens_per_s']:.0f} |", flush=True)
+  return rows
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--lengths", type=int, nargs="+", default=[32768, 131072])
@@ -194,10 +313,23 @@ def main():
   parser.add_argument("--json", default=None)
   parser.add_argument("--compare-only", action="store_true",
                       help="only the dense comparison on one device")
+  parser.add_argument("--generate", action="store_true",
+                      help="only train.sample.generate against its step called back to back")
+  parser.add_argument("--repeats", type=int, default=9,
+                      help="timed runs of each figure in the --generate comparison")
   parser.add_argument("--backend", default="auto",
                       help="the layer's backend in the dense comparison (blockwise: what decode"
                       " steps ran before split_k)")
   args = parser.parse_args()
+  if args.generate:
+    rows = generate_table(args.repeats)
+    if args.json:
+      with open(args.json, "w") as f:
+        json.dump(dict(command=" ".join(["python -m bench.decode", *sys.argv[1:]]),
+                       jax=jax.__version__, device=jax.devices()[0].device_kind,
+                       load_average=os.getloadavg(), config=dataclasses.asdict(GEN_CONFIG),
+                       generate=rows), f, indent=1, default=str)
+    return
   rows, prefill = [], None
   if not args.compare_only:
     rows, prefill = sharded(args)

@@ -3,7 +3,7 @@ trainer step, on one NVIDIA GPU; every number from one run (meant to take under 
 one H100).
 
   python -m bench.gpu [--json PATH] [--quick] [--lengths T ...] [--repeats N]
-                      [--trainer-steps N] [--tilings]
+                      [--trainer-steps N] [--tilings] [--decode] [--rows [ROW ...]]
 
 Without a GPU (jax.default_backend() is not "gpu") it prints one line saying why, measures
 nothing and exits 0; with --json the file holds {"skipped": why}.
@@ -61,10 +61,26 @@ dQ, query rows per block of dK/dV, shared-memory stages), the first of each its 
 D=128 bf16, on the causal and packed cases at 32K, forward and forward+backward TFLOP/s as
 above, in a table per kernel and the JSON's "tilings" (cells with a "tiling" field).
 
+--decode: the decode row, against the bandwidth floor. One `flaxattn.MultiHeadAttention`
+layer of an 8B-class model (`DecodeShape`: E=4096, H=32 on 8 KV heads, D=128, bf16
+parameters and cache, RoPE, causal, B=1) over a cache of S = 32K and 128K slots holding
+S - 128 tokens. Timed in alternation, medians of --repeats x 3: the step, one `jax.jit` over
+the layer's split state with the cache donated, called back to back from Python (one
+dispatch per token); the step in a loop on the device (`DecodeShape.loop` steps in one
+`lax.fori_loop`, as `train.sample.generate` runs them, per step; its cache not donated, so
+every run starts from the same one); the new token's attention alone (`flaxattn.attention`,
+"auto"); and `jax.nn.dot_product_attention(implementation="xla")` over the same cache with
+a boolean mask. The floor: the bytes the step must read (the cache's keys, values, segment
+ids and positions and the layer's weights, once) over the rate of a device-to-device copy
+measured in the same run (bytes read plus written). Goal: the step within `DECODE_GOAL`
+(2x) of the floor. `--rows` with no row runs no kernel table (the decode row alone).
+
 JSON: {"device", "jax", "command", "shapes", "matmul_tflops", "lengths", "cells": [{"kernel",
 "case", "length", "status", "reason", "runs", "same_as", "pairs", "fwd_tflops", "fb_tflops",
 "fwd_of_matmul", "fb_of_matmul", "fwd_ms", "fb_ms", "temp_bytes", ...}], "tilings": [...],
-"trainer": {...}, "wall_s"}; status is one of ok, fallback, declined, absent, OOM, error.
+"decode": {"copy_bytes_per_s", "rows": [{"length", "kernel", "step_ms", "loop_step_ms",
+"floor_ms", "step_over_floor", "loop_over_floor", ...}]}, "trainer": {...}, "wall_s"};
+status is one of ok, fallback, declined, absent, OOM, error.
 """
 
 from __future__ import annotations
@@ -81,6 +97,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
+from jax import lax
 
 import flaxattn
 from bench import measure, peers
@@ -136,6 +154,21 @@ DEMO_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__fil
                            "configs", "demo.yaml")
 TRAINER_OVERRIDES = ("platform=", "num_devices=0", "mesh.context=1", "model.dtype=bfloat16",
                      "seq_len=32768", "model.max_seq_len=32768")
+DECODE_LENGTHS = (32768, 131072)
+DECODE_GOAL = 2.0  # the step's time over the bandwidth floor
+COPY_BYTES = 2 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeShape:
+  """The decode row's layer (head_dim = embed / heads), the empty slots its cache keeps for
+  the timed steps, and the steps of its device loop."""
+
+  embed: int = 4096
+  heads: int = 32
+  kv_heads: int = 8
+  room: int = 128
+  loop: int = 64
 
 
 def flaxattn_kernels() -> dict[str, registry.Kernel]:
@@ -514,6 +547,115 @@ def tables(cells: list[dict], lengths, matmul: float) -> list[str]:
   return lines
 
 
+def copy_bandwidth(repeats: int, nbytes: int = COPY_BYTES) -> float:
+  """Bytes read plus written per second of a device-to-device copy of `nbytes`."""
+  x = jnp.ones((nbytes // 4,), jnp.float32) * jax.random.normal(jax.random.key(0), ())
+  copy = jax.jit(lambda x: x + 1)  # one read and one write of every element
+  return 2 * nbytes / measure.median_seconds(copy, (x,), repeats)
+
+
+@jax.jit
+def _dense_decode(q, k, v, ids, pos, q_pos):
+  allowed = (ids == 1) & (pos <= q_pos[:, None])
+  return jax.nn.dot_product_attention(q, k, v, mask=allowed[:, None, None], implementation="xla")
+
+
+@jax.jit
+def _attention_decode(q, k, v, ids, pos, q_pos):
+  return flaxattn.attention(q, k, v, segment_ids=jnp.ones((1, 1), jnp.int32),
+                            positions=q_pos[:, None], kv_segment_ids=ids, kv_positions=pos)
+
+
+def decode_row(length: int, repeats: int, bandwidth: float,
+               shape: DecodeShape = DecodeShape()) -> dict:
+  """The decode row at cache length `length` (see the module doc), its floor from
+  `bandwidth` (bytes per second, `copy_bandwidth`)."""
+  e, h, hkv, room = shape.embed, shape.heads, shape.kv_heads, shape.room
+  d = e // h
+  m = flaxattn.MultiHeadAttention(h, e, num_kv_heads=hkv, mask=flaxattn.Causal(),
+                                  rope=flaxattn.RoPE(500000.0), dtype=jnp.bfloat16,
+                                  param_dtype=jnp.bfloat16, use_bias=False, rngs=nnx.Rngs(0))
+  m.init_cache((1, length, e), dtype=jnp.bfloat16)
+  filled = length - room
+  ids = np.zeros((1, length), np.int32)
+  pos = np.zeros((1, length), np.int32)
+  ids[:, :filled], pos[:, :filled] = 1, np.arange(filled)
+  k, v = (jax.random.normal(jax.random.key(i), (1, length, hkv, d), jnp.bfloat16)
+          * jnp.asarray(ids, jnp.bfloat16)[..., None, None] for i in range(2))
+  cache = m.cache
+  for var, value in ((cache.keys, k), (cache.values, v), (cache.segment_ids, ids),
+                     (cache.positions, pos)):
+    var[...] = jnp.asarray(value)
+  cache.last[...] = jnp.asarray([[1, filled - 1]], jnp.int32)
+  cache.index[...] = jnp.int32(filled)
+  weights = sum(x.nbytes for x in jax.tree.leaves(nnx.state(m, nnx.Param)))
+  cache_bytes = sum(c[...].nbytes for c in (cache.keys, cache.values, cache.segment_ids,
+                                             cache.positions))
+  # Copies for the attention alone: the step donates the cache's buffers.
+  kc, vc, idc, posc = (jnp.copy(c[...]) for c in (cache.keys, cache.values, cache.segment_ids,
+                                                   cache.positions))
+  q = jax.random.normal(jax.random.key(2), (1, 1, h, d), jnp.bfloat16)
+  q_pos = jnp.full((1,), filled, jnp.int32)
+  attention_args = (q, kc, vc, idc, posc, q_pos)
+  with flaxattn.lowering_for("gpu"):
+    kernel = registry.select("auto", registry.Call.of(
+        q, kc, vc, flaxattn.Causal(), resolve(q.shape, kc.shape, jnp.ones((1, 1), jnp.int32),
+                                              q_pos[:, None], idc, posc),
+        return_lse=False)).name
+  graphdef, cached, rest = nnx.split(m, nnx.Cache, ...)
+
+  def step(cached, rest, x):
+    layer = nnx.merge(graphdef, cached, rest)
+    return layer(x, decode=True), nnx.state(layer, nnx.Cache)
+
+  def loop(cached, rest, x):
+    def one(_, carry):
+      y, cached = step(carry[1], rest, carry[0])
+      return y, cached
+    return lax.fori_loop(0, shape.loop, one, (x, cached))[0]
+
+  stepped, looped = jax.jit(step, donate_argnums=0), jax.jit(loop)
+  x = jax.random.normal(jax.random.key(1), (1, 1, e), jnp.bfloat16)
+  state = {"cache": cached}
+
+  def run_step():
+    y, state["cache"] = stepped(state["cache"], rest, x)
+    return y
+  runs = {"step": run_step, "loop": lambda: looped(state["cache"], rest, x),
+          "attention": lambda: _attention_decode(*attention_args),
+          "jax_nn": lambda: _dense_decode(*attention_args)}
+  jax.block_until_ready([run() for run in runs.values()])  # compiled, warmed up
+  times: dict[str, list[float]] = {name: [] for name in runs}
+  for _ in range(min(repeats * 3, room - 2)):  # each step writes a slot of the room
+    for name, run in runs.items():
+      start = time.perf_counter()
+      jax.block_until_ready(run())
+      times[name].append(time.perf_counter() - start)
+  nnx.merge(graphdef, state["cache"], rest).cache.check()  # no step was refused
+  med = {name: float(np.median(t)) for name, t in times.items()}
+  med["loop"] /= shape.loop
+  floor = (weights + cache_bytes) / bandwidth
+  return dict(length=length, kernel=kernel, step_ms=med["step"] * 1e3,
+              loop_step_ms=med["loop"] * 1e3, attention_ms=med["attention"] * 1e3,
+              jax_nn_xla_ms=med["jax_nn"] * 1e3, bytes_read=weights + cache_bytes,
+              floor_ms=floor * 1e3, step_over_floor=med["step"] / floor,
+              loop_over_floor=med["loop"] / floor, goal=DECODE_GOAL,
+              best_step_ms=min(times["step"]) * 1e3)
+
+
+def decode_table(rows: list[dict]) -> list[str]:
+  lines = ["| S | attention runs | step (ms) | step in a device loop (ms) | floor (ms) |"
+           " step / floor | loop / floor | attention alone (ms) | jax.nn xla (ms) |",
+           "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+  for r in rows:
+    lines.append(f"| {_length(r['length'])} | {r['kernel']} | {r['step_ms']:.3f} |"
+                 f" {r['loop_step_ms']:.3f} | {r['floor_ms']:.3f} | {r['step_over_floor']:.2f} |"
+                 f" {r['loop_over_floor']:.2f} | {r['attention_ms']:.3f} |"
+                 f" {r['jax_nn_xla_ms']:.3f} |")
+  lines.append(f"(goal: the step within {DECODE_GOAL:g}x the floor)")
+  return lines
+
+
 def trainer_step(steps: int, matmul: float) -> dict:
   """One training step of the demo model on one GPU (`bench.train_step`), timed; or why
   not (the trainer's extra not installed, a failure)."""
@@ -566,8 +708,8 @@ def main(argv=None) -> int:
   parser.add_argument("--lengths", type=int, nargs="+",
                       help="sequence lengths, multiples of 4096 from 8192 (default 8K 32K 128K)")
   parser.add_argument("--repeats", type=int, default=10, help="most timed runs per figure")
-  parser.add_argument("--rows", nargs="+", choices=tuple(ROWS), default=tuple(ROWS),
-                      help="the rows to run (default all)")
+  parser.add_argument("--rows", nargs="*", choices=tuple(ROWS), default=tuple(ROWS),
+                      help="the rows to run (default all; none: no kernel table)")
   parser.add_argument("--cases", nargs="+", choices=tuple(CASES), default=tuple(CASES),
                       help="the cases to run (default all)")
   parser.add_argument("--tilings", action="store_true",
@@ -575,6 +717,9 @@ def main(argv=None) -> int:
                       " MOSAIC_TILINGS at 32K")
   parser.add_argument("--trainer-steps", type=int, default=10,
                       help="timed trainer steps (0: no trainer step)")
+  parser.add_argument("--decode", action="store_true",
+                      help="also the decode row: the layer's decode step against the bandwidth"
+                      " floor at 32K and 128K")
   args = parser.parse_args(argv)
   lengths = args.lengths or (QUICK_LENGTHS if args.quick else LENGTHS)
   if any(t % (measure.DOCS * RING * BALANCE_BLOCK) or t < 8192 for t in lengths):
@@ -607,15 +752,31 @@ def main(argv=None) -> int:
   for library, why in sorted(missing.items()):
     if why:
       print(f"  {library}: skipped, {why}")
-  cells = run_cells(lengths, args.repeats, matmul, missing, args.rows, args.cases)
-  lines = tables(cells, lengths, matmul)
-  print("\n".join(lines))
+  cells, lines = [], []
+  if args.rows:  # none: the decode row alone
+    cells = run_cells(lengths, args.repeats, matmul, missing, args.rows, args.cases)
+    lines = tables(cells, lengths, matmul)
+    print("\n".join(lines))
   tilings = []
   if args.tilings:
     print(f"\npallas_gpu and mosaic_gpu tilings at {_length(TILING_LENGTH)}", flush=True)
     tilings = run_tilings(args.repeats, matmul)
     lines += tiling_table(tilings)
     print("\n".join(tiling_table(tilings)))
+  decode = None
+  if args.decode:
+    print(f"\ndecode step: {DecodeShape()}, bf16, B=1", flush=True)
+    try:
+      bandwidth = copy_bandwidth(args.repeats)
+      decode = dict(copy_bytes_per_s=bandwidth, rows=[])
+      for length in DECODE_LENGTHS:
+        decode["rows"].append(decode_row(length, args.repeats, bandwidth))
+        print(json.dumps(decode["rows"][-1]), flush=True)
+      lines += decode_table(decode["rows"])
+      print("\n".join(decode_table(decode["rows"])))
+    except Exception as e:  # the report keeps what was measured
+      decode = dict(decode or {}, **_failure(e))
+      print(f"  decode: {decode['error']}")
   trainer = None
   if args.trainer_steps:
     print(f"\ntrainer: {DEMO_CONFIG} with {' '.join(TRAINER_OVERRIDES)}, one GPU", flush=True)
@@ -641,7 +802,7 @@ def main(argv=None) -> int:
                                  dtype="bfloat16", docs=measure.DOCS, window=WINDOW,
                                  chunk=CHUNK, ring=RING, balance_block=BALANCE_BLOCK),
                      matmul_tflops=matmul, lengths=list(lengths), missing=missing,
-                     cells=cells, tilings=tilings, table=lines, trainer=trainer,
+                     cells=cells, tilings=tilings, decode=decode, table=lines, trainer=trainer,
                      wall_s=elapsed), f, indent=2)
   return 0
 

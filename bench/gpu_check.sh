@@ -14,18 +14,23 @@
 #   3. `python -m bench.gpu_goals` (goals.json), then `python -m bench.masks` at 32K
 #      (masks.json: MaskMod against the built-ins, FlexAttention where torch has CUDA;
 #      GPU_CHECK_MASKS_S, default 120, its time limit);
+#   decode. `python -m bench.gpu --decode` alone (decode.json: the layer's decode step at 32K
+#      and 128K against the bandwidth floor, goal at most 2x; GPU_CHECK_DECODE_S, default 150,
+#      its time limit), then `python -m bench.decode --generate` (decode_generate.json:
+#      train.sample.generate's time per token against its step dispatched from Python);
 #   4. the trainer, `python -m train configs/gpu_demo.yaml steps=60` (GPU_CHECK_TRAINER_STEPS),
 #      its log with each
 #      line's seconds since this script started (trainer.log), its metrics.jsonl;
 #   5. with the time left (GPU_CHECK_BUDGET_S, default 420, counted from the start), the
 #      README's test command with -n 8 (suite.xml).
-#   bash bench/gpu_check.sh OUT_DIR [STAGE ...]     (default stages: 1 2 3 4 5)
+#   bash bench/gpu_check.sh OUT_DIR [STAGE ...]     (default stages: 1 2 3 decode 4 5)
 # GPU_CHECK_WHEELS=0 skips step 0's installs. check.json holds each stage's exit status and seconds. Without a GPU, stages 1-4 still run
-# (the benches say why they measure nothing), which rehearses the script.
+# (the benches say why they measure nothing; bench.decode --generate measures the CPU), which
+# rehearses the script.
 set -u
 out=${1:?usage: bash bench/gpu_check.sh OUT_DIR [STAGE ...]}
 shift
-stages=${*:-1 2 3 4 5}
+stages=${*:-1 2 3 decode 4 5}
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
 t0=$(date +%s.%N)
@@ -117,6 +122,13 @@ if has 3; then
   # the host's torch has CUDA (GPU_CHECK_MASKS_S, default 120).
   stage masks "${GPU_CHECK_MASKS_S:-120}" "$python" -m bench.masks --lengths 32768 \
     --build-lengths 131072 --repeats 3 --json "$out/masks.json"
+fi
+
+# --- decode. The decode step against the bandwidth floor; generate against its own step ---------
+if has decode; then
+  stage decode "${GPU_CHECK_DECODE_S:-150}" "$python" -m bench.gpu --decode --rows \
+    --trainer-steps 0 --json "$out/decode.json"
+  stage generate 120 "$python" -m bench.decode --generate --json "$out/decode_generate.json"
 fi
 
 # --- 4. The trainer: time to its first log line, steps, MFU -------------------------------------

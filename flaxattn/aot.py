@@ -496,6 +496,23 @@ def kernels(hlo_text: str) -> dict[str, int]:
   return found
 
 
+def host_syncs(hlo_text: str) -> dict[str, int]:
+  """How many instructions of a compiled program's text (`compiled.as_text()`) wait for the
+  host each time they run, by kind: "conditional" (a GPU copies the predicate to the host to
+  pick the branch), "while" (the same, every iteration) and "host_callback" (a Python
+  callback: a custom call on CPU and GPU, a host transfer on TPU, counted once each)."""
+  found = {"conditional": 0, "while": 0, "host_callback": 0}
+  computations, _ = _computations(hlo_text)
+  for instruction in (i for instructions in computations.values() for i in instructions):
+    if instruction.opcode in ("conditional", "while"):
+      found[instruction.opcode] += 1
+    elif ((instruction.opcode == "custom-call"
+           and any("callback" in t for t in _TARGET.findall(instruction.attributes)))
+          or (instruction.opcode == "send" and "is_host_transfer=true" in instruction.attributes)):
+      found["host_callback"] += 1
+  return found
+
+
 # The scheduled program ---------------------------------------------------------------------
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")

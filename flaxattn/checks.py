@@ -1,17 +1,16 @@
-"""Checks of arguments: numbers (`number`), and errors that depend on data (`raise_if`,
-`refuse_if`), raised at once where the values are known on the host, and from inside the
-compiled program where they are traced (jit, nnx.jit, scan).
+"""Checks of arguments: numbers (`number`), and errors that depend on data (`raise_if`),
+raised at once where the values are known on the host, and from inside the compiled program
+where they are traced (jit, nnx.jit, scan).
 
 Under a trace the check is a `lax.cond` whose true branch is a host callback, so a passing
-check costs one scalar comparison and no host round trip. `raise_if`'s callback raises: the
-program stops with the error's message (surfaced by JAX as a runtime error that contains
-it), and every array it returns fails. `refuse_if`, for calls that update state, logs
-instead and lets the caller keep the state as it was.
+check costs one scalar comparison on the device (on a GPU, the predicate's copy to the host).
+The callback raises: the program stops with the error's message (surfaced by JAX as a
+runtime error that contains it), and every array it returns fails. Calls that update state
+(a KV cache's decode step) record their refusals on the device instead (`flaxattn.kv_cache`).
 """
 
 from __future__ import annotations
 
-import logging
 import math
 import numbers
 from collections.abc import Callable
@@ -21,10 +20,9 @@ import jax.core  # jax.core.Tracer: jax imports the module but does not export t
 import jax.numpy as jnp
 import numpy as np
 
-log = logging.getLogger("flaxattn")
 
-
-def _traced(*xs) -> bool:
+def traced(*xs) -> bool:
+  """Whether any of `xs` is traced (inside jit, nnx.jit, scan), i.e. not known on the host."""
   return any(isinstance(x, jax.core.Tracer) for x in xs)
 
 
@@ -37,7 +35,7 @@ def raise_if(failed, error: Callable[..., Exception], *values) -> None:
       the value received and what was expected.
     values: arrays the message needs (traced or not).
   """
-  if not _traced(failed, *values):
+  if not traced(failed, *values):
     if bool(failed):
       raise error(*(np.asarray(x) for x in values))
     return
@@ -46,34 +44,6 @@ def raise_if(failed, error: Callable[..., Exception], *values) -> None:
     raise error(*host_values)
 
   jax.lax.cond(failed, lambda: jax.debug.callback(fail, *values), lambda: None)
-
-
-def refuse_if(failed, error: Callable[..., Exception], *values, log_error: bool = True):
-  """Refuses a call that would change state (a KV cache): `error(*values)` when the scalar
-  bool `failed` holds.
-
-  Concrete values: raises at once, before anything is written, and returns None. Traced
-  values: returns `failed` for the caller to write nothing and return NaN where it holds,
-  and logs the error to the `flaxattn` logger when the program runs. A program that raises
-  fails as a whole, asynchronously: every array it returns fails too, a layer's parameters
-  included (nnx.jit returns them all), and on a mesh the next collective then waits for a
-  device that never arrives. `log_error=False` leaves the log out (no host callback: a
-  program exported for another platform cannot hold one), refusing the same way.
-  """
-  if not _traced(failed, *values):
-    if bool(failed):
-      raise error(*(np.asarray(x) for x in values))
-    return None
-  if not log_error:
-    return failed
-
-  def report(*host_values):
-    log.error("%s The call ran inside a compiled program, where raising would discard every"
-              " variable the program returns: it wrote nothing, kept the cache as it was and"
-              " returned NaN.", error(*host_values))
-
-  jax.lax.cond(failed, lambda: jax.debug.callback(report, *values), lambda: None)
-  return failed
 
 
 def number(arg: str, value, expected: str, valid: Callable[[float], bool], hint: str = "") -> float:

@@ -114,31 +114,47 @@ def _filled(axes, index):
   return d, n, index // n + (d < index % n).astype(index.dtype)
 
 
-def write(cache, new, index, s: Specs, prefill: bool):
+def update_slice(cache, new, start, refused):
+  """`lax.dynamic_update_slice(cache, new, start)`, or `cache` unchanged where the scalar
+  bool `refused` holds (None: never), without a conditional: what is there is written back,
+  read at the same start (which clamps the same way where the tokens overflow)."""
+  if refused is not None:
+    new = jnp.where(refused, lax.dynamic_slice(cache, start, new.shape), new)
+  return lax.dynamic_update_slice(cache, new, start)
+
+
+def write(cache, new, index, s: Specs, prefill: bool, refused=None):
   """The cache after writing the new tokens at cache index `index` (see the module doc).
 
   Args:
     cache: (keys `[B, S, K, D]`, values `[B, S, K, Dv]`, segment ids `[B, S]`, positions
       `[B, S]`), sharded by `s`.
     new: the same four for the T new tokens (`[B, T, ...]`), in the cache's dtypes.
-    index: int32 scalar, tokens written before; the caller checks that T more fit.
+    index: int32 scalar, tokens written before; the caller refuses calls where T more do
+      not fit.
     prefill: the new tokens are sharded over the sequence axes (`is_prefill`); else
       replicated over them and placed round-robin.
+    refused: None, or a scalar bool (the same on every device): where it holds, the cache
+      is returned as it was.
   """
-  def body(index, cache, new):
+  def body(index, refused, cache, new):
     d, n, filled = _filled(s.axes, index)
     if prefill:  # this device's shard, next in its slots
       def at(x):
         return (0, filled) + (0,) * (x.ndim - 2)
-      return tuple(lax.dynamic_update_slice(c, x, at(x)) for c, x in zip(cache, new, strict=True))
+      return tuple(update_slice(c, x, at(x), refused) for c, x in zip(cache, new, strict=True))
     t, local = new[0].shape[1], cache[0].shape[1]
     logical_T = index + jnp.arange(t, dtype=index.dtype)
-    slots_T = jnp.where(logical_T % n == d, logical_T // n, local)  # others': out of range
+    mine_T = logical_T % n == d
+    if refused is not None:
+      mine_T = mine_T & ~refused
+    slots_T = jnp.where(mine_T, logical_T // n, local)  # others' (and refused): out of range
     return tuple(c.at[:, slots_T].set(x, mode="drop") for c, x in zip(cache, new, strict=True))
 
   cache_specs = (s.kv, s.kv, s.ids, s.ids)
   new_specs = (s.kv, s.kv, s.ids, s.ids) if prefill else (s.q, s.q, s.q_ids, s.q_ids)
-  return _shard_map(body, (P(), cache_specs, new_specs), cache_specs)(index, cache, new)
+  return _shard_map(body, (P(), P(), cache_specs, new_specs), cache_specs)(index, refused,
+                                                                          cache, new)
 
 
 def merge(out, lse, axes):

@@ -3,20 +3,29 @@
 It holds the keys and values of every token written so far, each slot's segment id and
 position (masks read them, so the order of the slots never matters), the segment id and
 position of the last token written (what default ids in decode continue), the number of
-tokens written, the context parallelism it was allocated for (its sharding) and the token
-order a prefill arrives in under it:
+tokens written, the refusal it has recorded, the context parallelism it was allocated for
+(its sharding) and the token order a prefill arrives in under it:
   - "none": the original order (one device, or no load balancing);
   - "row": `flaxattn.load_balance` row order, whose last token is known from the shape;
   - "document": per-document order, which only the data pipeline knows: decode calls must
     pass explicit segment ids and positions.
 
-A call that cannot be served is refused before anything is written (`checks.refuse_if`):
-a ValueError where the cache index is concrete (an eager call); inside a compiled program,
-where raising would fail every array the program returns, the call writes nothing, keeps
-the index, returns NaN and logs the error to the `flaxattn` logger. The cache after a call
-is computed as values (`append`, `attend_sharded` return an `Update`) and written by
-`commit` once the layer has its output, so a call that raises on the host for any other
-reason (a kernel that declines it, an `attention_fn` that raises) leaves the cache as it was.
+A call that cannot be served (new tokens that do not fit, default segment ids after a cache
+that ends in padding) is refused and writes nothing. Where the cache is concrete (an eager
+call) it raises a ValueError at once. Inside a compiled program the refusal is recorded on
+the device instead, with no conditional and no host callback in the program (raising there
+would fail every array the program returns, and a check on the host would cost a round trip
+per layer and step): the call writes nothing, keeps the index, returns NaN and sets the
+cache's sticky `error` (the reason, the cache index and the number of new tokens). Every
+later call is refused the same way, so the cache stays as it was before the first refused
+call, until the host reads the error: `KVCache.check()`, the layer's next eager decode call
+and `train.sample.generate`'s return raise it with the message the eager call would have
+raised, and clear it.
+
+The cache after a call is computed as values (`append`, `attend_sharded` return an `Update`)
+and written by `commit` once the layer has its output, so a call that raises on the host for
+any other reason (a kernel that declines it, an `attention_fn` that raises) leaves the cache
+as it was.
 """
 
 from __future__ import annotations
@@ -24,18 +33,41 @@ from __future__ import annotations
 import math
 
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax import lax
 
-from flaxattn import balance, checks, registry
+from flaxattn import balance, checks
 from flaxattn import decode as cp_decode
 from flaxattn.context_parallel import ContextParallel
 from flaxattn.ring import merge_partials
 
 ORDERS = ("none", "row", "document")
 # A cache's variables after a call, computed before any is written: keys, values, segment
-# ids, positions, last, index (`KVCache.commit` writes them).
+# ids, positions, last, index, error (`KVCache.commit` writes them).
 Update = tuple
+# Why a call was refused, the first entry of `KVCache.error` (0: nothing refused).
+FULL, AFTER_PADDING = 1, 2
+
+
+def refusal(code: int, index: int, tokens: int, max_length: int) -> ValueError:
+  """The error of a decode call of `tokens` new tokens at cache index `index` (tokens written
+  before it) refused for `code` (`FULL` or `AFTER_PADDING`), in a cache of `max_length`."""
+  if code == FULL:
+    return ValueError(
+        f"decode expects the new tokens to fit the KV cache: writing {tokens} token(s) at cache"
+        f" index {index} needs {index + tokens} slots, the cache has max_length {max_length}."
+        " Nothing was written; call init_cache with a larger max_length.")
+  return ValueError(
+      f"segment_ids expects the new tokens' segment ids in decode when the cache ends in"
+      f" padding (segment id 0 at cache index {index - 1}): there is no document to"
+      " continue. Pass segment_ids (and positions).")
+
+
+def is_refused(error):
+  """Whether a call is refused, from the cache's error record after it (`KVCache.new_tokens`):
+  None where the record is None (an eager call, refused by raising), else a traced bool."""
+  return None if error is None else error[0] != 0
 
 
 def token_order(cp: ContextParallel | None) -> str:
@@ -99,19 +131,15 @@ def _check_config(batch, max_length, kv_heads, head_dim, v_head_dim, heads,
   return batch_axes
 
 
-def _either(a, b):
-  if a is None:
-    return b
-  return a if b is None else a | b
-
-
 class KVCache(nnx.Module):
   """The KV cache of one `flaxattn.MultiHeadAttention` layer (`init_cache`).
 
   Variables (`nnx.Cache`): `keys` `[B, S, Hkv, D]`, `values` `[B, S, Hkv, Dv]`,
   `segment_ids` and `positions` `[B, S]` int32 (segment id 0: an empty slot, never
   attended), `last` `[B, 2]` int32 (segment id and position of the last token written in
-  the original order), `index` int32 scalar (tokens written). Static: `context_parallel`
+  the original order), `index` int32 scalar (tokens written), `error` `[3]` int32 (the
+  reason, cache index and new tokens of the first call refused inside a compiled program
+  since the host last read it, `refusal`'s arguments; zeros: none). Static: `context_parallel`
   (None: one device), `order` (see the module doc), `heads` (query heads, for the sharding
   of the heads).
 
@@ -164,12 +192,34 @@ class KVCache(nnx.Module):
     self.positions = nnx.Cache(zeros((batch, max_length), jnp.int32, ids_spec))
     self.last = nnx.Cache(jnp.zeros((batch, 2), jnp.int32))
     self.index = nnx.Cache(jnp.array(0, dtype=jnp.int32))
+    self.error = nnx.Cache(jnp.zeros((3,), jnp.int32))
 
   @property
   def max_length(self) -> int:
     return self.keys.shape[1]
 
-  def check(self, k, context_parallel) -> None:
+  def check(self) -> None:
+    """Raises the refusal recorded on the device by a call inside a compiled program, if any,
+    and clears it (see the module doc). It reads the device, so call it where the host
+    reads results anyway; the layer calls it at each eager decode call.
+
+    Raises:
+      ValueError: a call was refused, with the message an eager call would have raised
+        (naming the cache index the call was made at); the cache holds what it held before
+        that call. Also when called inside a compiled program, where nothing can be read.
+    """
+    error = self.error[...]
+    if checks.traced(error):
+      raise ValueError("KVCache.check() expects a cache on the host, got one traced inside a"
+                       " compiled program, which cannot read the device; call it after the"
+                       " program returns.")
+    # Replicated wherever it lives: any one device's copy is the whole record.
+    code, index, tokens = (int(x) for x in np.asarray(error.addressable_data(0)))
+    if code:
+      self.error[...] = jnp.zeros_like(error)
+      raise refusal(code, index, tokens, self.max_length)
+
+  def check_keys(self, k, context_parallel) -> None:
     """Raises ValueError unless new keys `k` `[B, T, Hkv, D]` fit this cache's shape and the
     layer decodes with the context parallelism the cache was allocated for."""
     b, max_length, hkv, d = self.keys.shape
@@ -199,14 +249,16 @@ class KVCache(nnx.Module):
 
   def new_tokens(self, t: int, segment_ids, positions, prefill: bool):
     """(segment ids, positions `[B, T]` of T new tokens with defaults filled in (see
-    `MultiHeadAttention.__call__`), the refusal of the call): checked before anything is
-    written. The refusal is None, or a traced bool where the index is traced (see
-    `checks.refuse_if`): the tokens do not fit, or default segment ids follow padding.
+    `MultiHeadAttention.__call__`), the cache's error record after the call): checked
+    before anything is written. The record is None where the cache is concrete (an eager
+    call, which raises instead); else a traced `[3]` int32 (`KVCache.error`), non-zero
+    where the call is refused (`is_refused`): the cache holds a refusal already, the tokens
+    do not fit, or default segment ids follow padding.
 
     Raises:
       ValueError: a default in document order; ids or positions not `[B, T]`; and, when
-        the cache is concrete, tokens that do not fit or default segment ids after a cache
-        that ends in padding.
+        the cache is concrete, a refusal recorded before (`check`), tokens that do not fit
+        or default segment ids after a cache that ends in padding.
     """
     if self.order == "document" and (segment_ids is None or positions is None):
       raise ValueError(
@@ -227,7 +279,25 @@ class KVCache(nnx.Module):
       ids_BT, pos_BT = (jnp.asarray(balance.load_balance(x, n)) for x in (ids_BT, pos_BT))
     else:
       ids_BT, pos_BT, after_padding = self._defaults(t, segment_ids, positions)
-    return ids_BT, pos_BT, _either(after_padding, self._room(t, ids_BT, pos_BT))
+    full = self._full(t, ids_BT, pos_BT)
+    return ids_BT, pos_BT, self._record(t, {AFTER_PADDING: after_padding, FULL: full})
+
+  def _record(self, t: int, reasons: dict):
+    """The error record after a call of T tokens (see `new_tokens`), from `reasons`, the
+    scalar bools (or None) of each refusal code, in the order they are reported."""
+    i = self.index[...]
+    if not checks.traced(i, *reasons.values()):
+      self.check()
+      for code, failed in reasons.items():
+        if failed is not None and bool(failed):
+          raise refusal(code, int(i), t, self.max_length)
+      return None
+    record = jnp.zeros((3,), jnp.int32)
+    for code, failed in reversed(reasons.items()):  # the first that holds is recorded
+      if failed is not None:
+        record = jnp.where(failed, jnp.stack([jnp.int32(code), i, jnp.int32(t)]), record)
+    before = self.error[...]
+    return jnp.where(before[0] != 0, before, record)  # sticky: the first refusal stays
 
   def _defaults(self, t: int, segment_ids, positions):
     b = self.keys.shape[0]
@@ -235,15 +305,9 @@ class KVCache(nnx.Module):
     empty = i == 0
     last_B2 = self.last[...]
     last_seg_B1, last_pos_B1 = last_B2[:, :1], last_B2[:, 1:]
-    refused = None
+    after_padding = None
     if segment_ids is None:
-      refused = checks.refuse_if(
-          ~empty & jnp.any(last_seg_B1 == 0),
-          lambda i: ValueError(
-              f"segment_ids expects the new tokens' segment ids in decode when the cache ends in"
-              f" padding (segment id 0 at cache index {i - 1}): there is no document to"
-              " continue. Pass segment_ids (and positions)."),
-          i, log_error=not registry.exporting())
+      after_padding = ~empty & jnp.any(last_seg_B1 == 0)
       segment_ids = jnp.broadcast_to(jnp.where(empty, 1, last_seg_B1), (b, t))
     if positions is None:
       iota_T = jnp.arange(t, dtype=jnp.int32)
@@ -252,36 +316,33 @@ class KVCache(nnx.Module):
       run_start_BT = lax.cummax(jnp.where(starts_BT, iota_T, 0), axis=1)
       continued_BT = (run_start_BT == 0) & ~starts_BT[:, :1]
       positions = iota_T - run_start_BT + jnp.where(continued_BT, last_pos_B1 + 1, 0)
-    return segment_ids, positions, refused
+    return segment_ids, positions, after_padding
 
-  def _room(self, t: int, segment_ids, positions):
+  def _full(self, t: int, segment_ids, positions):
+    """Whether T new tokens overflow the cache (a scalar bool), their ids checked."""
     for arg, ids in (("segment_ids", segment_ids), ("positions", positions)):
       if ids.shape != (self.keys.shape[0], t):
         raise ValueError(f"{arg} expects shape {(self.keys.shape[0], t)} [batch, new tokens] in"
                          f" decode, got {ids.shape}.")
-    i, max_length = self.index[...], self.max_length
-    return checks.refuse_if(
-        i + t > max_length,
-        lambda i: ValueError(
-            f"decode expects the new tokens to fit the KV cache: writing {t} token(s) at cache"
-            f" index {i} needs {i + t} slots, the cache has max_length {max_length}. Nothing was"
-            " written; call init_cache with a larger max_length."),
-        i, log_error=not registry.exporting())
+    return self.index[...] + t > self.max_length
 
-  def _advance(self, t: int, segment_ids, positions, refused, prefill: bool):
-    """(last `[B, 2]`, index) after T new tokens: the last of them in the original order and
-    the new count, or what they were where the call was refused."""
-    i, last_B2 = self.index[...], self.last[...]
+  def _advance(self, t: int, segment_ids, positions, error, prefill: bool):
+    """(last `[B, 2]`, index, error) after T new tokens: the last of them in the original
+    order, the new count and the call's error record, or what they were where the call
+    was refused."""
+    i, last_B2, refused = self.index[...], self.last[...], is_refused(error)
     if self.order != "document":  # document order never reads `last` (`new_tokens`)
       j = cp_decode.last_token(self.context_parallel if self.order == "row" else None, t,
                                prefill)
       new_B2 = jnp.stack([segment_ids[:, j], positions[:, j]], axis=1)
       last_B2 = new_B2 if refused is None else jnp.where(refused, last_B2, new_B2)
-    return last_B2, i + (t if refused is None else jnp.where(refused, 0, t))
+    index = i + (t if refused is None else jnp.where(refused, 0, t))
+    return last_B2, index, self.error[...] if error is None else error
 
   def _variables(self) -> tuple[nnx.Cache, ...]:
     """The variables of an `Update`, in its order."""
-    return (self.keys, self.values, self.segment_ids, self.positions, self.last, self.index)
+    return (self.keys, self.values, self.segment_ids, self.positions, self.last, self.index,
+            self.error)
 
   def commit(self, update: Update) -> None:
     """Writes an `Update`: what `append` or `attend_sharded` computed the cache to be after
@@ -289,22 +350,21 @@ class KVCache(nnx.Module):
     for variable, value in zip(self._variables(), update, strict=True):
       variable[...] = value
 
-  def append(self, k, v, segment_ids, positions, refused):
+  def append(self, k, v, segment_ids, positions, error):
     """One device: the whole cache with the T new tokens at `index` (keys and values in k's
     and v's dtypes, segment ids, positions), and the `Update` that writes them (the cache as
-    it was where `refused`) for `commit`. Nothing is written here."""
+    it was where the error record `error` refuses the call) for `commit`. Nothing is
+    written here."""
     i = self.index[...]
     t = k.shape[1]
     zero = jnp.zeros((), jnp.int32)
     written = []
     for cache, new in ((self.keys, k), (self.values, v), (self.segment_ids, segment_ids),
                        (self.positions, positions)):
-      new = new.astype(cache.dtype)
       start = (zero, i) + (zero,) * (new.ndim - 2)
-      if refused is not None:  # write back what is there (the start clamps the same way)
-        new = jnp.where(refused, lax.dynamic_slice(cache[...], start, new.shape), new)
-      written.append(lax.dynamic_update_slice(cache[...], new, start))
-    update = (*written, *self._advance(t, segment_ids, positions, refused, prefill=False))
+      written.append(cp_decode.update_slice(cache[...], new.astype(cache.dtype), start,
+                                            is_refused(error)))
+    update = (*written, *self._advance(t, segment_ids, positions, error, prefill=False))
     keys, values, ids, pos = written
     return keys.astype(k.dtype), values.astype(v.dtype), ids, pos, update
 
@@ -318,11 +378,12 @@ class KVCache(nnx.Module):
     return dict(q_index=jnp.broadcast_to(new, (b, t)),
                 kv_index=jnp.broadcast_to(slots, (b, self.max_length)))
 
-  def attend_sharded(self, q, k, v, segment_ids, positions, refused, attention_fn, options,
+  def attend_sharded(self, q, k, v, segment_ids, positions, error, attention_fn, options,
                      prefill: bool):
     """Context parallelism: (out `[B, T, H, Dv]` float32, lse `[B, T, H]`) of the new tokens
     against the sharded cache with them, and the `Update` that writes them (the cache as it
-    was where `refused`) for `commit`. Nothing is written here.
+    was where the error record `error` refuses the call) for `commit`. Nothing is written
+    here; a refused call still attends (every device alike, so the collectives match).
 
     A prefill runs the strategy over the new tokens (`attention_fn` with
     `context_parallel`), merged by lse with what the cache held before; a decode step
@@ -347,23 +408,16 @@ class KVCache(nnx.Module):
     cache = tuple(c[...] for c in (self.keys, self.values, self.segment_ids, self.positions))
     new = (k.astype(cache[0].dtype), v.astype(cache[1].dtype), segment_ids, positions)
 
-    def run(cache):
-      if prefill:  # the new tokens among themselves, then against what was cached before
-        out, lse = attention_fn(q, k, v, segment_ids=segment_ids, positions=positions,
-                                context_parallel=cp, **options)
-        before = cp_decode.attend(local, q, cache, segment_ids, positions,
-                                  specs.sequence_sharded(), sequence_sharded=True, when=i > 0)
-        out, lse = merge_partials(out.astype(jnp.float32), lse, *before)
-        return cp_decode.write(cache, new, i, specs.sequence_sharded(), prefill=True), out, lse
-      cache = cp_decode.write(cache, new, i, specs, prefill=False)
-      return (cache, *cp_decode.attend(local, q, cache, segment_ids, positions, specs))
-
-    def skip(cache):  # refused: nothing is written and no collective runs
-      shape = q.shape[:3]
-      return cache, jnp.zeros(shape + v.shape[3:], jnp.float32), jnp.full(shape, -jnp.inf)
-
-    if refused is None:
-      cache, out, lse = run(cache)
+    refused = is_refused(error)
+    if prefill:  # the new tokens among themselves, then against what was cached before
+      out, lse = attention_fn(q, k, v, segment_ids=segment_ids, positions=positions,
+                              context_parallel=cp, **options)
+      before = cp_decode.attend(local, q, cache, segment_ids, positions,
+                                specs.sequence_sharded(), sequence_sharded=True, when=i > 0)
+      out, lse = merge_partials(out.astype(jnp.float32), lse, *before)
+      cache = cp_decode.write(cache, new, i, specs.sequence_sharded(), prefill=True,
+                              refused=refused)
     else:
-      cache, out, lse = lax.cond(refused, skip, run, cache)
-    return out, lse, (*cache, *self._advance(t, segment_ids, positions, refused, prefill))
+      cache = cp_decode.write(cache, new, i, specs, prefill=False, refused=refused)
+      out, lse = cp_decode.attend(local, q, cache, segment_ids, positions, specs)
+    return out, lse, (*cache, *self._advance(t, segment_ids, positions, error, prefill))

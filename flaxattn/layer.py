@@ -33,7 +33,7 @@ from flax.nnx.nn.linear import default_kernel_init
 
 from flaxattn import checks
 from flaxattn.attention import apply_sinks, attention, check_soft_cap
-from flaxattn.kv_cache import KVCache
+from flaxattn.kv_cache import KVCache, is_refused
 from flaxattn.layout import Layout, resolve, shape_error
 from flaxattn.masks import Causal, Full, Mask, check_mask
 from flaxattn.mods import ScoreMod, check_score_mod
@@ -315,7 +315,8 @@ class MultiHeadAttention(nnx.Module):
         ids or positions in decode under `load_balance="document"`. Decode that would write
         past the cache, or default segment ids after a cache that ends in padding: a
         ValueError before anything is written when the cache is concrete; inside a compiled
-        program the call writes nothing, returns NaN and logs the error (`flaxattn.kv_cache`).
+        program the call writes nothing, returns NaN and records the error in the cache,
+        raised at the next eager decode call or `self.cache.check()` (`flaxattn.kv_cache`).
     """
     inputs_k, inputs_v = self._check_inputs(inputs_q, inputs_k, inputs_v)
     # Any leading batch axes (none, or several) fold into one, and unfold on the way out.
@@ -351,13 +352,13 @@ class MultiHeadAttention(nnx.Module):
                      kv_positions, self.context_parallel)
     b = q_BTHD.shape[0]  # the batch axes folded into one
     cache = self._cache(k_BSKD) if decode else None
-    refused = None  # a decode call the cache refuses from inside a program: see kv_cache
+    error = None  # the cache's error record after a call inside a program: see kv_cache
     update = None  # the cache after the call, written last: a call that raises writes nothing
     prefill = False
     if cache is not None:
       prefill = cache.is_prefill(t)
-      ids_BT, pos_BT, refused = cache.new_tokens(t, layout.q_segment_ids, layout.q_positions,
-                                                 prefill)
+      ids_BT, pos_BT, error = cache.new_tokens(t, layout.q_segment_ids, layout.q_positions,
+                                               prefill)
       layout = Layout(ids_BT, ids_BT, pos_BT, pos_BT)
     if self.rope is not None:
       q_pos_BT, k_pos_BS = layout.positions(b, t, s)
@@ -382,7 +383,7 @@ class MultiHeadAttention(nnx.Module):
       if "logit_soft_cap" in extras:
         options["logit_soft_cap"] = extras["logit_soft_cap"]
       out, lse, update = cache.attend_sharded(
-          q_BTHD, k_BSKD, v_BSKD, layout.q_segment_ids, layout.q_positions, refused,
+          q_BTHD, k_BSKD, v_BSKD, layout.q_segment_ids, layout.q_positions, error,
           self.attention_fn, options, prefill)
       if "sinks" in extras:
         out, lse = apply_sinks(out, lse, extras["sinks"])
@@ -390,14 +391,14 @@ class MultiHeadAttention(nnx.Module):
     else:
       if cache is not None:  # attend to the whole cache, the new tokens included
         k_BSKD, v_BSKD, kv_ids_BS, kv_pos_BS, update = cache.append(
-            k_BSKD, v_BSKD, layout.q_segment_ids, layout.q_positions, refused)
+            k_BSKD, v_BSKD, layout.q_segment_ids, layout.q_positions, error)
         layout = dataclasses.replace(layout, kv_segment_ids=kv_ids_BS, kv_positions=kv_pos_BS,
                                      **cache.indices(t))
       q_BTHD, k_BSKD, v_BSKD = dtypes.promote_dtype((q_BTHD, k_BSKD, v_BSKD), dtype=self.dtype)
       x_BTHD = self.attention_fn(q_BTHD, k_BSKD, v_BSKD, mask=mask, backend=self.backend,
                                  context_parallel=self.context_parallel,
                                  **self._ids(layout), **extras)
-    if refused is not None:
+    if (refused := is_refused(error)) is not None:
       x_BTHD = jnp.where(refused, jnp.nan, x_BTHD)
     x_BTHD = constrain(x_BTHD, Q_NAMES)
     out_BTE = constrain(self.out(x_BTHD, out_sharding=out_sharding), X_NAMES)
@@ -539,11 +540,11 @@ class MultiHeadAttention(nnx.Module):
     return x_BS.reshape(self.cache.batch_axes + x_BS.shape[1:])
 
   def _cache(self, k) -> KVCache:
-    """The cache, checked against new keys `k` `[B, T, Hkv, D]` (see `KVCache.check`)."""
+    """The cache, checked against new keys `k` `[B, T, Hkv, D]` (see `KVCache.check_keys`)."""
     if self.cache is None:
       raise ValueError("decode=True expects a KV cache: call init_cache((batch, max_length,"
                        " features)) first.")
-    self.cache.check(k, self.context_parallel)
+    self.cache.check_keys(k, self.context_parallel)
     return self.cache
 
   def set_view(self, deterministic: bool | None = None, decode: bool | None = None,

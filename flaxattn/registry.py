@@ -86,13 +86,6 @@ def lowering_for(*platforms: str):
     yield
 
 
-def exporting() -> bool:
-  """Whether a program traced now is for a platform other than this process's: an export
-  under `lowering_for`, or a mesh of another platform's devices (the compile-only devices
-  of `flaxattn.aot`). Such a program cannot hold host callbacks for a GPU."""
-  return bool(_LOWERING_FOR.value) or lowering_platforms()[0] != jax.default_backend()
-
-
 def lowering_platforms() -> tuple[str, ...]:
   """The platforms a program traced now holds kernels for (the first is its `Call`'s): those
   of `lowering_for`, else the platform of the devices it runs on (the mesh's devices under

@@ -7,6 +7,7 @@ import re
 import jax
 import jax.numpy as jnp
 import pytest
+from jax import lax
 
 from flaxattn import aot
 from helpers import compile_for, target_devices
@@ -102,6 +103,24 @@ def test_compiles_and_reads_the_memory_plan(name, kind):
   assert 0 < plan.temporaries < 64 * n * n
   assert plan.total == plan.arguments + plan.temporaries + plan.outputs - plan.aliased
   assert plan.peak >= max(plan.arguments, plan.outputs)  # the compiler's own figure
+
+
+@pytest.mark.parametrize("name", [None, "v5p-8", "h100"], ids=["here", "v5p-8", "h100"])
+def test_host_syncs_finds_what_waits_for_the_host(name):
+  """What the decode tests count to be none, found where it is: a conditional, a loop and a
+  host callback, compiled for this process's platform and by the targets' compilers (no
+  callback for a GPU: this host has no GPU runtime to compile one for)."""
+  def f(x):
+    x = lax.cond(x[0, 0] > 0, lambda x: jnp.tanh(x @ x), lambda x: x @ x.T, x)
+    x = lax.while_loop(lambda x: x[0, 0] < 10.0, lambda x: jnp.tanh(x @ x) * 2 + 1, x)
+    if name != "h100":
+      jax.debug.callback(print, x[0])
+    return x
+
+  x = jax.ShapeDtypeStruct((64, 64), jnp.float32)
+  compiled = jax.jit(f).lower(x).compile() if name is None else compile_for(name, f, x)
+  assert aot.host_syncs(compiled.as_text()) == {"conditional": 1, "while": 1,
+                                                "host_callback": int(name != "h100")}
 
 
 def test_reads_kernels():

@@ -150,6 +150,27 @@ def test_tilings_run_each_kernel_under_each_tiling(monkeypatch):
   assert rows[0] == f"| 128x64 w8 s2 | 1.0 | 2.0 | {gpu._number(n + 1.0)} | 2.0 |"
 
 
+def test_decode_row_runs_small_here(tmp_path):
+  """The decode row's code on this host with a small layer (what a GPU run would hit first):
+  the step, the loop, the attention alone and jax.nn's, no step refused, the floor from
+  the bytes read; and `--decode` with no kernel row skips cleanly without a GPU."""
+  shape = gpu.DecodeShape(embed=64, heads=4, kv_heads=2, room=16, loop=4)
+  row = gpu.decode_row(256, 1, 1e10, shape)
+  assert row["kernel"] == "split_k"  # what "auto" takes for a GPU's decode step
+  # keys and values [1, 256, 2, 16] bf16, ids and positions int32; the q and out weights
+  # [64, 64] and the k and v weights [64, 32], bf16
+  assert row["bytes_read"] == 2 * 256 * 2 * 16 * 2 + 2 * 256 * 4 + (2 * 64 * 64 + 2 * 64 * 32) * 2
+  assert row["floor_ms"] == pytest.approx(row["bytes_read"] / 1e10 * 1e3)
+  for key in ("step_ms", "loop_step_ms", "attention_ms", "jax_nn_xla_ms"):
+    assert row[key] > 0
+  assert row["step_over_floor"] == pytest.approx(row["step_ms"] / row["floor_ms"])
+  assert len(gpu.decode_table([row])) == 4
+  if jax.default_backend() != "gpu":
+    path = tmp_path / "decode.json"
+    assert gpu.main(["--decode", "--rows", "--trainer-steps", "0", "--json", str(path)]) == 0
+    assert "no GPU" in json.loads(path.read_text())["skipped"]
+
+
 def test_goals_skip_without_a_gpu(tmp_path):
   """`python -m bench.gpu_goals` without a GPU: one line, exit 0, the JSON says why."""
   from bench import gpu_goals

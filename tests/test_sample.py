@@ -1,5 +1,8 @@
-"""train.sample: KV-cache generation equals the full forward's argmax step by step, nucleus
-and temperature sampling, and `python -m train.sample` on a tiny trained run."""
+"""train.sample: generation as one compiled program equals the full forward's argmax step by
+step, alone and for a batch of prompts of different lengths (each row what it gets alone,
+greedy or seeded); nucleus and temperature sampling; the end-of-sequence stop; one program
+for every max_new_tokens of a bucket; a decode step that never waits for the host; and
+`python -m train.sample` on a tiny trained run."""
 
 import dataclasses
 import shutil
@@ -14,7 +17,8 @@ from flax import nnx
 import flaxattn
 import helpers
 import trainer
-from helpers import normal
+from flaxattn import aot
+from helpers import compile_for, normal
 from models.llama import Llama, LlamaConfig
 from train import sample
 
@@ -34,8 +38,8 @@ def windowed():
 
 
 @nnx.jit
-def _forward(model, tokens):
-  return model(tokens)
+def _forward(model, tokens, segment_ids=None):
+  return model(tokens, segment_ids=segment_ids)
 
 
 def test_greedy_generation_is_the_full_forward_argmax_step_by_step(windowed):
@@ -44,6 +48,87 @@ def test_greedy_generation_is_the_full_forward_argmax_step_by_step(windowed):
   logits = np.asarray(_forward(windowed, jnp.asarray(text)[None]))[0]
   # Token i of the text is the argmax of the full forward at position i - 1.
   np.testing.assert_array_equal(np.argmax(logits[len(PROMPT) - 1:-1], axis=-1), new)
+
+
+# Prompts of 6, 3 and 8 tokens: rows padded to the longest, with a document that ends early.
+BATCH = [PROMPT, np.array([33, 2, 60], np.int32), np.array([8, 8, 1, 50, 12, 7, 44, 19], np.int32)]
+
+
+def test_a_batch_of_prompts_is_the_full_forward_argmax_of_each(windowed):
+  """Greedy rows of different lengths, each against the full forward of its own text (one
+  padded batch: segment ids keep the texts apart)."""
+  new = sample.generate(windowed, BATCH, 8)
+  texts = [np.concatenate([p, n]) for p, n in zip(BATCH, new, strict=True)]
+  tokens, seg = np.zeros((3, 16), np.int32), np.zeros((3, 16), np.int32)
+  for row, text in enumerate(texts):
+    tokens[row, :text.size], seg[row, :text.size] = text, 1
+  logits = np.asarray(_forward(windowed, jnp.asarray(tokens), jnp.asarray(seg)))
+  for row, (prompt, text) in enumerate(zip(BATCH, texts, strict=True)):
+    want = np.argmax(logits[row, prompt.size - 1:text.size - 1], axis=-1)
+    np.testing.assert_array_equal(want, text[prompt.size:], err_msg=f"row {row}")
+
+
+def test_a_seeded_batch_draws_what_each_prompt_draws_alone(windowed):
+  kwargs = dict(temperature=2.0, top_p=0.9, seed=4)
+  alone = [sample.generate(windowed, prompt, 8, **kwargs) for prompt in BATCH]
+  batch = sample.generate(windowed, BATCH, 8, **kwargs)
+  for a, b in zip(alone, batch, strict=True):
+    np.testing.assert_array_equal(a, b)
+  assert len({tuple(a) for a in alone}) == 3
+
+
+def test_generation_stops_at_the_end_token_and_keeps_one_program(windowed):
+  """A row ends with its first eos_id (kept); the others go on. Every max_new_tokens in a
+  bucket runs the same compiled program: the loop's bound is a run-time value."""
+  greedy = sample.generate(windowed, BATCH, 8)
+  eos = int(greedy[0][2])
+  first = [int(np.flatnonzero(row == eos)[0]) + 1 if eos in row else 8 for row in greedy]
+  stopped = sample.generate(windowed, BATCH, 8, eos_id=eos)
+  for row, n, want in zip(stopped, first, greedy, strict=True):
+    np.testing.assert_array_equal(row, want[:n])
+  compiled = sample._generate._cache_size()  # pylint: disable=protected-access
+  for n in (5, 7):  # a prompt of 8 and 8 new tokens: the cache's bucket is 16 slots
+    got = sample.generate(windowed, BATCH, n)
+    for row, want in zip(got, greedy, strict=True):
+      np.testing.assert_array_equal(row, want[:n])
+  assert sample._generate._cache_size() == compiled  # pylint: disable=protected-access
+
+
+def test_a_refusal_inside_generate_raises_at_its_return(windowed, monkeypatch):
+  """A cache two slots short of the tokens asked for (as if `buckets` were wrong): the
+  loop's third step is refused on the device, and generate raises it when it returns,
+  naming the cache index."""
+  monkeypatch.setattr(sample, "buckets", lambda cp, p, n, limit: (8, 10))
+  with pytest.raises(ValueError, match=r"writing 1 token\(s\) at cache index 10 needs 11"
+                                       r" slots, the cache has max_length 10"):
+    sample.generate(windowed, PROMPT, 4)
+
+
+@pytest.mark.parametrize("target", [None, "h100", "v5p-8"], ids=["here", "h100", "v5p-8"])
+def test_a_decode_step_never_waits_for_the_host(target):
+  """The step generate's loop runs (`sample.step`, a 2-layer Llama with the default
+  backend, sampling), compiled for this process's devices and by the H100 and v5p
+  compilers: no conditional and no host callback (before, 2 conditionals and 6 callback
+  references per layer here), nor a loop on the targets (on a CPU the PRNG's rounds are
+  one, with its trip count known)."""
+  model = Llama(dataclasses.replace(SMALL, attention_backend="auto"), rngs=nnx.Rngs(0))
+  model.init_cache(2, 16)
+  graphdef, state = nnx.split(model)
+
+  def decode_step(state, tokens_B, positions_B, key):
+    m = nnx.merge(graphdef, state)
+    return sample.step(m, tokens_B, positions_B, key, 1.0, 0.9), nnx.state(m)
+
+  args = (jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state),
+          jax.ShapeDtypeStruct((2,), jnp.int32), jax.ShapeDtypeStruct((2,), jnp.int32),
+          jax.ShapeDtypeStruct((), jax.random.key(0).dtype))
+  if target is None:
+    compiled = jax.jit(decode_step).lower(*args).compile()
+  else:
+    compiled = compile_for(target, decode_step, *args)
+  found = aot.host_syncs(compiled.as_text())
+  assert found["conditional"] == found["host_callback"] == 0, found
+  assert target is None or found["while"] == 0, found
 
 
 def test_top_p_near_zero_is_greedy_and_seeds_reproduce(windowed):
@@ -132,11 +217,18 @@ def run_dir(tmp_path_factory):
 
 @pytest.mark.slow  # runs the trainer
 def test_sample_command_prints_text(run_dir):
-  out = trainer.run([sys.executable, "-m", "train.sample", str(run_dir), "--prompt", "def f(",
-                     "--max_new_tokens", "8", "--temperature", "0.7", "--top_p", "0.9",
-                     "--seed", "1"])
-  assert out.returncode == 0, out.stderr[-3000:]
-  assert out.stdout.startswith("def f(") and len(out.stdout.encode()) > len("def f(")
+  """One prompt: its text. Two: each after a line naming it, the first as it is alone."""
+  args = ["--max_new_tokens", "8", "--temperature", "0.7", "--top_p", "0.9", "--seed", "1"]
+  one = trainer.run([sys.executable, "-m", "train.sample", str(run_dir), "--prompt", "def f(",
+                     *args])
+  assert one.returncode == 0, one.stderr[-3000:]
+  assert one.stdout.startswith("def f(") and len(one.stdout.encode()) > len("def f(")
+  two = trainer.run([sys.executable, "-m", "train.sample", str(run_dir), "--prompt", "def f(",
+                     "--prompt", "import os", *args])
+  assert two.returncode == 0, two.stderr[-3000:]
+  first, second = two.stdout.split("--- prompt 2\n")
+  assert first == "--- prompt 1\n" + one.stdout
+  assert second.startswith("import os") and len(second) > len("import os\n")
 
 
 @pytest.mark.slow  # runs the trainer

@@ -1,22 +1,26 @@
-"""`python -m train.sample RUN_DIR --prompt TEXT --max_new_tokens N`: text from a trained run.
+"""`python -m train.sample RUN_DIR --prompt TEXT [--prompt TEXT ...] --max_new_tokens N`:
+text from a trained run.
 
   python -m train.sample runs/demo --prompt "def main(" --max_new_tokens 64
-  python -m train.sample runs/demo --prompt "import " --max_new_tokens 64 \\
+  python -m train.sample runs/demo --prompt "import " --prompt "class " --max_new_tokens 64 \\
       --temperature 0.8 --top_p 0.95 --seed 1
 
 The run's config.json gives the model, its copy of its tokenizer's files (or
 data.tokenizer) the tokenizer; its newest checkpoint gives the parameters, read without
 changing the run_dir (`train.export.restore_model`; a run may still be training there); a
-`scan_layers` model is decoded through `models.llama.unroll_layers`. The prompt is one
+`scan_layers` model is decoded through `models.llama.unroll_layers`. Each prompt is one
 document from position 0, beginning with the special tokens the run's tokenizer begins a
-document with (`Tokenizer.document`; no end): one decode call fills the KV cache with it
-(prefill), then each new token is one decode call. Greedy at temperature 0, else
-temperature and nucleus (top-p) sampling with a JAX PRNG key from the seed. Runs on one
-device of the run's platform; with `--context_parallel N`, on a mesh of N devices (axis
-`context`) with the run's `context_parallel` strategy and load balancing: each layer's KV
-cache is sharded over them (N simulated devices on a CPU host need
-XLA_FLAGS=--xla_force_host_platform_device_count=N). Greedy tokens are the same either
-way. Prints the prompt followed by the new text.
+document with (`Tokenizer.document`; no end). Several prompts are one batch, each row what
+that prompt alone would give. `generate` runs as one compiled program: one decode call fills
+the KV cache with the prompts (prefill), then a loop on the device draws a token per prompt
+per step, until `--max_new_tokens` or the tokenizer's EOS token (where it has one) in every
+row. Greedy at temperature 0, else temperature and nucleus (top-p) sampling with a JAX PRNG
+key from the seed. Runs on one device of the run's platform; with `--context_parallel N`, on
+a mesh of N devices (axis `context`) with the run's `context_parallel` strategy and load
+balancing: each layer's KV cache is sharded over them (N simulated devices on a CPU host
+need XLA_FLAGS=--xla_force_host_platform_device_count=N). Greedy tokens are the same either
+way. Prints each prompt followed by its new text (several: each after a line
+`--- prompt I`).
 
 Exit status 0; 2 for a bad argument or run_dir (one line naming it, before anything is
 allocated or compiled: the KV cache's length is checked as it will be allocated, the prompt
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import logging
 import math
 import sys
@@ -36,7 +41,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax import lax
 
+import flaxattn
 from flaxattn import balance
 from flaxattn import decode as cp_decode
 from models.llama import Llama, unroll_layers
@@ -47,7 +54,8 @@ def next_token(logits_BV: jax.Array, key: jax.Array, temperature, top_p) -> jax.
 
   Args:
     logits_BV: next-token logits.
-    key: a JAX PRNG key (unused at temperature 0).
+    key: a JAX PRNG key (unused at temperature 0). Every row draws with it as it would
+      alone (a batch of one), so a row's tokens do not depend on the rows beside it.
     temperature: 0 (a Python number) for the argmax; else a float or traced scalar > 0 that
       divides the logits before sampling.
     top_p: nucleus sampling: only the most probable tokens whose probabilities sum to at
@@ -64,29 +72,72 @@ def next_token(logits_BV: jax.Array, key: jax.Array, temperature, top_p) -> jax.
   kept_BV = jnp.cumsum(sorted_BV, axis=-1) - sorted_BV < top_p
   least_B1 = jnp.min(jnp.where(kept_BV, sorted_BV, jnp.inf), axis=-1, keepdims=True)
   logits_BV = jnp.where(probs_BV >= least_B1, logits_BV, -jnp.inf)
-  return jax.random.categorical(key, logits_BV, axis=-1).astype(jnp.int32)
+
+  def draw(logits_V):  # the key is not mapped: each row's noise is a batch of one's
+    return jax.random.categorical(key, logits_V[None], axis=-1)[0]
+  return jax.vmap(draw)(logits_BV).astype(jnp.int32)
 
 
-@nnx.jit(static_argnames="greedy")
-def _decode(model: Llama, tokens_BT, key, temperature, top_p, greedy: bool, ids=(None, None),
-            last=-1):
-  # One program for every temperature > 0 and top_p: only greediness is static.
-  logits_BTV = model(tokens_BT, segment_ids=ids[0], positions=ids[1], decode=True)
-  return next_token(logits_BTV[:, last], key, 0 if greedy else temperature, top_p)
+def step(model: Llama, tokens_B, positions_B, key, temperature, top_p):
+  """A decode step: the next token `[B]` int32 of each row after `tokens_B` `[B]` int at
+  `positions_B` `[B]` int32 (each row's position in its document, segment id 1), appended
+  to the model's KV caches; sampled as `next_token` samples. One step of `generate`'s loop,
+  and what a caller that dispatches each token itself would jit."""
+  ids_B1 = jnp.ones((tokens_B.shape[0], 1), jnp.int32)
+  logits_B1V = model(tokens_B[:, None], segment_ids=ids_B1, positions=positions_B[:, None],
+                     decode=True)
+  return next_token(logits_B1V[:, 0], key, temperature, top_p)
 
 
-def _sharded_prompt(cp, prompt, t: int):
-  """A prompt laid out for a context-parallel prefill: padded (segment id 0) to `t` tokens
-  (`_cache_length`), in load-balanced order when `cp` balances; returns (tokens, (segment
-  ids, positions)) `[1, t]` and the array index of the last prompt token."""
-  tokens, seg, pos = (np.zeros((1, t), np.int32) for _ in range(3))
-  real = slice(0, prompt.size)
-  tokens[0, real], seg[0, real], pos[0, real] = prompt, 1, np.arange(prompt.size)
-  order = np.arange(t)[None]
-  if cp.load_balance and cp.balanced_shards() > 1:
-    tokens, seg, pos, order = (balance.load_balance(x, cp.balanced_shards())
+@functools.partial(jax.jit, static_argnames=("graphdef", "greedy"), donate_argnames="cache")
+def _generate(graphdef, cache, rest, tokens_BP, ids_BP, pos_BP, last_B, keys_N, temperature,
+              top_p, max_new_tokens, eos_id, greedy: bool):
+  """The whole of `generate` on the device: (new tokens `[B, N]`, how many of them are
+  generated, the KV caches after them). The prompts `[B, P]` (padding: segment id 0, each
+  row's last prompt token at `last_B`) fill the caches in one call; then a loop of `step`s
+  while fewer than `max_new_tokens` are out and some row has not drawn `eos_id`. N is the
+  static length of `keys_N`; `max_new_tokens` and `eos_id` are run-time values, so one
+  program serves every count up to N."""
+  model = nnx.merge(graphdef, cache, rest)
+  temperature = 0 if greedy else temperature
+  x_BPE = model.hidden(model.embeddings(tokens_BP), segment_ids=ids_BP, positions=pos_BP,
+                       decode=True)
+  x_B1E = jnp.take_along_axis(x_BPE, last_B[:, None, None], axis=1)
+  token_B = next_token(model.logits(x_B1E)[:, 0], keys_N[0], temperature, top_p)
+  out_BN = jnp.zeros((token_B.shape[0], keys_N.shape[0]), jnp.int32).at[:, 0].set(token_B)
+  next_B = jnp.max(jnp.where(ids_BP != 0, pos_BP, -1), axis=1) + 1  # the first new position
+
+  def more(carry):
+    n, _, done_B, _, _ = carry
+    return (n < max_new_tokens) & ~jnp.all(done_B)
+
+  def one(carry):
+    n, token_B, done_B, out_BN, cache = carry
+    model = nnx.merge(graphdef, cache, rest)
+    token_B = step(model, token_B, next_B + n - 1, keys_N[n], temperature, top_p)
+    out_BN = lax.dynamic_update_slice_in_dim(out_BN, token_B[:, None], n, axis=1)
+    return n + 1, token_B, done_B | (token_B == eos_id), out_BN, nnx.state(model, nnx.Cache)
+
+  carry = (jnp.int32(1), token_B, token_B == eos_id, out_BN, nnx.state(model, nnx.Cache))
+  n, _, _, out_BN, cache = lax.while_loop(more, one, carry)
+  return out_BN, n, cache
+
+
+def _prompt_rows(cp, prompts: list[np.ndarray], t: int):
+  """The prompts as rows `[B, t]` for one prefill: tokens, segment ids (1, then 0 for the
+  padding after each prompt, never attended), positions, in `flaxattn.load_balance` order
+  where `cp` balances; and the array index `[B]` of each row's last prompt token."""
+  b = len(prompts)
+  tokens, seg, pos = (np.zeros((b, t), np.int32) for _ in range(3))
+  for row, prompt in enumerate(prompts):
+    real = slice(0, prompt.size)
+    tokens[row, real], seg[row, real], pos[row, real] = prompt, 1, np.arange(prompt.size)
+  order = np.broadcast_to(np.arange(t), (b, t))
+  if cp is not None and cp.load_balance and cp.balanced_shards() > 1:
+    tokens, seg, pos, order = (np.asarray(balance.load_balance(x, cp.balanced_shards()))
                                for x in (tokens, seg, pos, order))
-  return tokens, (seg, pos), int(np.argmax(order[0] == prompt.size - 1))
+  last = [int(np.argmax(order[row] == prompt.size - 1)) for row, prompt in enumerate(prompts)]
+  return tokens, seg, pos, np.asarray(last, np.int32)
 
 
 # jax.random.key takes a seed that fits a signed 64-bit int.
@@ -129,84 +180,155 @@ def check_prompt(text: str) -> None:
                      " not UTF-8; pass the prompt in UTF-8.") from None
 
 
-def _cache_length(cp, prompt_tokens: int, max_new_tokens: int) -> tuple[int, int]:
-  """(the prompt's length as prefilled, the KV cache's length) for `max_new_tokens` after
-  a prompt of `prompt_tokens`: under context parallelism `cp` the prompt is padded to a
-  multiple of what a prefill splits into, and the cache to a multiple of the shards."""
+def _multiples(cp) -> tuple[int, int]:
+  """What the prefill's length and the cache's must be multiples of under context
+  parallelism `cp` (None: one device): what a prefill splits into, and the shards."""
   if cp is None:
-    return prompt_tokens, prompt_tokens + max_new_tokens
-  parts, shards = cp_decode.prefill_multiple(cp), cp_decode.shards(cp)
+    return 1, 1
+  return cp_decode.prefill_multiple(cp), cp_decode.shards(cp)
+
+
+def _cache_length(cp, prompt_tokens: int, max_new_tokens: int) -> tuple[int, int]:
+  """(the prompt's length as prefilled, the KV cache's length), the least that fit
+  `max_new_tokens` after a prompt of `prompt_tokens`: under context parallelism `cp` the
+  prompt is padded to a multiple of what a prefill splits into, and the cache to a multiple
+  of the shards."""
+  parts, shards = _multiples(cp)
   prefill = -(-prompt_tokens // parts) * parts
   return prefill, -(-(prefill + max_new_tokens) // shards) * shards
 
 
-def generate(model: Llama, prompt, max_new_tokens: int, *, temperature: float = 0.0,
-             top_p: float = 1.0, seed: int = 0, context_parallel=None) -> np.ndarray:
-  """`max_new_tokens` tokens continuing `prompt`, decoded with a KV cache.
+def _bucket(n: int, multiple: int, most: int) -> int:
+  """The least `multiple * 2**k` >= n, at most `most`; n rounded up to `multiple` where that
+  is more."""
+  b = multiple
+  while b < n:
+    b *= 2
+  return max(min(b, most), -(-n // multiple) * multiple)
+
+
+def buckets(cp, prompt_tokens: int, max_new_tokens: int, max_seq_len: int) -> tuple[int, int]:
+  """(the prompt's length as prefilled, the KV cache's length) as `generate` allocates them:
+  each padded to a power of two times its multiple (`_cache_length`), at most max_seq_len,
+  so that one compiled program serves every prompt length and `max_new_tokens` of the same
+  buckets. Where a bucket would not fit, the least length that does (`_cache_length`)."""
+  parts, shards = _multiples(cp)
+  most = max_seq_len // shards * shards
+  prefill = _bucket(prompt_tokens, parts, (most - max_new_tokens) // parts * parts)
+  return prefill, _bucket(prefill + max_new_tokens, shards, most)
+
+
+def _as_prompts(prompts) -> tuple[list[np.ndarray], bool]:
+  """(the prompts as int32 arrays, whether one prompt `[P]` was given rather than a list).
+
+  Raises:
+    ValueError: a prompt that is not `[P]` token ids, or no prompt.
+  """
+  one = not (isinstance(prompts, (list, tuple)) and prompts
+             and all(np.ndim(p) == 1 for p in prompts))
+  found = [np.asarray(prompts, np.int32)] if one else [np.asarray(p, np.int32) for p in prompts]
+  for i, prompt in enumerate(found):
+    if prompt.ndim != 1:
+      which = "" if one else f" {i}"
+      raise ValueError(f"generate(prompts=...) expects token ids of shape [P] or a list of"
+                       f" them, got prompt{which} of shape {prompt.shape}.")
+  return found, one
+
+
+def generate(model: Llama, prompts, max_new_tokens: int, *, temperature: float = 0.0,
+             top_p: float = 1.0, seed: int = 0, eos_id: int | None = None,
+             context_parallel=None):
+  """Up to `max_new_tokens` tokens continuing each prompt, decoded with a KV cache in one
+  compiled program: the prompts fill the caches in one call (prefill), then a
+  `lax.while_loop` draws one token per row per step, on the device, until `max_new_tokens`
+  or until every row has drawn `eos_id`.
+
+  Prompts of different lengths share the batch: each row is padded after its prompt
+  (segment id 0: never attended) and continues from its own position, so each row's
+  tokens are those it would get alone, with the same seed. The prompt is padded to a power
+  of two and the cache to a power of two (at most the model's max_seq_len;
+  `buckets`), and the loop's bound is a run-time value: every `max_new_tokens` whose cache
+  falls in the same bucket (and every prompt length in the same bucket) runs the same
+  compiled program.
 
   Args:
     model: a `Llama` of the unrolled layout (see `models.llama.unroll_layers`); its KV
-      cache is (re)allocated for `len(prompt) + max_new_tokens` tokens. With its
-      `context_parallel` set, call under the mesh: the prompt is padded to a length that
-      splits over the sequence shards (in load-balanced order where it balances), prefilled
-      with the strategy, and the cache is sharded (`Llama.init_cache`).
-    context_parallel: a `flaxattn.ContextParallel` the model decodes with from now on (see
-      `Llama.init_cache`); None: the model's own.
-    prompt: token ids `[P]` int, one document from position 0.
-    max_new_tokens: how many tokens to generate.
+      caches are (re)allocated for `len(prompt) + max_new_tokens` tokens (bucketed). With
+      its `context_parallel` set, call under the mesh: the prompts are padded to a length
+      that splits over the sequence shards (in load-balanced order where it balances),
+      prefilled with the strategy, and the caches are sharded (`Llama.init_cache`).
+    prompts: token ids `[P]` int, one document from position 0; or a list of them, of any
+      lengths (a batch).
+    max_new_tokens: how many tokens to generate per prompt at most.
     temperature: 0 for greedy decoding, else the sampling temperature.
     top_p: nucleus sampling mass in (0, 1] (see `next_token`).
-    seed: the PRNG seed of the sampling; the same seed draws the same tokens.
+    seed: the PRNG seed of the sampling: token i of every row is drawn with the i-th key
+      of `jax.random.split(jax.random.key(seed), ...)`, so the same seed draws the same
+      tokens, alone or in a batch.
+    eos_id: a token id that ends a row's continuation (kept as its last token); None:
+      every row runs to `max_new_tokens`.
+    context_parallel: a `flaxattn.ContextParallel` the model decodes with from now on (see
+      `Llama.init_cache`); None: the model's own.
 
   Returns:
-    the new token ids `[max_new_tokens]` int32 (numpy).
+    For one prompt `[P]`: its new token ids `[N]` int32 (numpy), N = `max_new_tokens`, or
+    fewer when it ends with `eos_id`. For a list: a list of them, one per prompt.
 
   Raises:
     ValueError: a prompt not `[P]` or empty, `max_new_tokens` < 1, `temperature` not
       finite or < 0, `top_p` outside (0, 1], a `seed` out of `SEED_RANGE`, or a KV cache
-      (prompt and new tokens, padded under context parallelism) longer than the model's
-      max_seq_len; before anything is allocated or compiled.
+      (the longest prompt and new tokens, padded under context parallelism) longer than
+      the model's max_seq_len; before anything is allocated or compiled. After the
+      program, a decode call its KV caches refused (`flaxattn.KVCache.check`).
   """
-  prompt = np.asarray(prompt, np.int32)
+  prompts, one = _as_prompts(prompts)
   limit = model.config.max_seq_len
-  if prompt.ndim != 1:
-    raise ValueError(f"generate(prompt=...) expects token ids of shape [P], got shape"
-                     f" {prompt.shape}.")
-  if prompt.size == 0:
-    raise ValueError(f"--prompt expects text of at least one token, got {prompt.size} tokens.")
-  if prompt.size > limit:
-    raise ValueError(f"--prompt expects at most the model's max_seq_len={limit} tokens, got"
-                     f" {prompt.size}; shorten the prompt.")
+  for prompt in prompts:
+    if prompt.size == 0:
+      raise ValueError(f"--prompt expects text of at least one token, got {prompt.size}"
+                       " tokens.")
+    if prompt.size > limit:
+      raise ValueError(f"--prompt expects at most the model's max_seq_len={limit} tokens, got"
+                       f" {prompt.size}; shorten the prompt.")
   check_sampling(max_new_tokens, temperature, top_p, seed)
   cp = context_parallel or model.context_parallel
-  prefill, slots = _cache_length(cp, prompt.size, max_new_tokens)
+  longest = max(prompt.size for prompt in prompts)
+  prefill, slots = _cache_length(cp, longest, max_new_tokens)
   if slots > limit:
     shards = 1 if cp is None else cp_decode.shards(cp)
     padded = "" if cp is None else (f", padded to {prefill} to split over {shards} devices,"
                                     f" the cache to a multiple of {shards}")
     most = limit // shards * shards - prefill
     if most < 1:
-      raise ValueError(f"--prompt of {prompt.size} tokens{padded} leaves no room for a new token"
+      raise ValueError(f"--prompt of {longest} tokens{padded} leaves no room for a new token"
                        f" in max_seq_len={limit}; shorten the prompt.")
-    raise ValueError(f"--max_new_tokens expects at most {most} after a prompt of {prompt.size}"
+    raise ValueError(f"--max_new_tokens expects at most {most} after a prompt of {longest}"
                      f" tokens{padded} (max_seq_len={limit}), got {max_new_tokens}; generate"
                      " fewer tokens or shorten the prompt.")
-  keys = jax.random.split(jax.random.key(seed), max_new_tokens)
-  args = (jnp.float32(temperature), jnp.float32(top_p), temperature == 0)
-  if cp is None:
-    model.init_cache(1, slots)
-    token_B = _decode(model, jnp.asarray(prompt)[None], keys[0], *args)
-  else:  # explicit ids: the padding of the prompt is never attended
-    tokens, ids, last = _sharded_prompt(cp, prompt, prefill)
-    model.init_cache(1, slots, context_parallel=cp)
-    token_B = _decode(model, jnp.asarray(tokens), keys[0], *args, ids=ids, last=last)
-  out = [token_B]
-  for i, key in enumerate(keys[1:]):
-    ids = (None, None) if cp is None else (np.ones((1, 1), np.int32),
-                                           np.full((1, 1), prompt.size + i, np.int32))
-    token_B = _decode(model, token_B[:, None], key, *args, ids=ids)
-    out.append(token_B)
-  return np.asarray(jnp.concatenate(out))
+  prefill, slots = buckets(cp, longest, max_new_tokens, limit)
+  tokens, ids, pos, last = _prompt_rows(cp, prompts, prefill)
+  model.init_cache(len(prompts), slots, context_parallel=cp)
+  graphdef, cache, rest = nnx.split(model, nnx.Cache, ...)
+  # Token i is drawn with key i, as many keys as the cache has room for (a prefix of a
+  # longer split is the same keys, so the bucket does not change the draws).
+  keys_N = jax.random.split(jax.random.key(seed), slots - prefill)
+  out_BN, n, cache = _generate(
+      graphdef, cache, rest, tokens, ids, pos, last, keys_N, jnp.float32(temperature),
+      jnp.float32(top_p), jnp.int32(max_new_tokens), jnp.int32(-1 if eos_id is None else eos_id),
+      greedy=temperature == 0)
+  nnx.update(model, cache)
+  for _, cache in nnx.iter_modules(model):  # the host's read of the caches after the loop
+    if isinstance(cache, flaxattn.KVCache):
+      cache.check()
+  out_BN = np.asarray(out_BN)[:, :int(n)]
+  rows = [row[:_ends(row, eos_id)] for row in out_BN]
+  return rows[0] if one else rows
+
+
+def _ends(row: np.ndarray, eos_id: int | None) -> int:
+  """How many tokens of `row` are its continuation: up to its first `eos_id`, kept."""
+  hits = np.flatnonzero(row == eos_id) if eos_id is not None else np.zeros(0, int)
+  return int(hits[0]) + 1 if hits.size else row.size
 
 
 def load(run_dir: str):
@@ -267,7 +389,6 @@ def on_mesh(model: Llama, run_dir: str, n: int, devices=None):
   """
   from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-  import flaxattn
   from train import run_dir as run_dir_lib
 
   devices = jax.devices() if devices is None else devices
@@ -295,7 +416,8 @@ def main(argv: list[str]) -> int:
       prog="python -m train.sample", description=(__doc__ or "").split("\n\n")[0],
       formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("run_dir", metavar="RUN_DIR", help="the run_dir of a `python -m train` run")
-  parser.add_argument("--prompt", required=True, help="the text to continue")
+  parser.add_argument("--prompt", required=True, action="append",
+                      help="the text to continue; repeat it for a batch of prompts")
   parser.add_argument("--max_new_tokens", type=int, required=True, help="tokens to generate")
   parser.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
   parser.add_argument("--top_p", type=float, default=1.0, help="nucleus mass in (0, 1]")
@@ -311,12 +433,13 @@ def main(argv: list[str]) -> int:
   logging.getLogger("absl").setLevel(logging.ERROR)  # orbax notes that it reads read-only
   try:
     check_sampling(args.max_new_tokens, args.temperature, args.top_p, args.seed)
-    check_prompt(args.prompt)
+    for prompt in args.prompt:
+      check_prompt(prompt)
     model, tok, _ = load(args.run_dir)
     with on_mesh(model, args.run_dir, args.context_parallel) as cp:
-      new = generate(model, tok.document(args.prompt, end=False), args.max_new_tokens,
-                     temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                     context_parallel=cp)
+      new = generate(model, [tok.document(p, end=False) for p in args.prompt],
+                     args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                     seed=args.seed, eos_id=tok.eos_id, context_parallel=cp)
   except checkpoint.CheckpointError as e:
     print(f"checkpoint error: {e}", file=sys.stderr)
     return 1
@@ -326,7 +449,10 @@ def main(argv: list[str]) -> int:
   except KeyboardInterrupt:
     print("sample interrupted.", file=sys.stderr)
     return 130
-  print(args.prompt + tok.decode(new))
+  for i, (prompt, tokens) in enumerate(zip(args.prompt, new, strict=True)):
+    if len(args.prompt) > 1:
+      print(f"--- prompt {i + 1}")
+    print(prompt + tok.decode(tokens))
   return 0
 
 
