@@ -1,5 +1,6 @@
-"""What every test shares: q/k/v, packed layouts, the comparison with the reference, and the
-context-parallel cases that cp_check.py runs and test_context_parallel.py reads.
+"""What every test shares: q/k/v, packed layouts, the comparison with the reference, mask and
+bias arrays as MaskMods and ScoreMods, and the context-parallel cases that cp_check.py runs
+and test_context_parallel.py reads.
 
 Data is made on the host with numpy, so that each shape costs no compiled random-number
 program (the tests are compile-bound on CPU).
@@ -7,6 +8,7 @@ program (the tests are compile-bound on CPU).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -83,8 +85,10 @@ def target_precision():
   return jax.default_matmul_precision("default")
 
 
-# float32 matches to rounding; bfloat16 inputs round q/k/v and p before the matmuls.
-TOL = {jnp.float32: dict(atol=2e-5, rtol=2e-5), jnp.bfloat16: dict(atol=3e-2, rtol=3e-2)}
+# float32 matches to rounding; bfloat16 and float16 inputs round q/k/v and p before the
+# matmuls (float16 has 3 more mantissa bits).
+TOL = {jnp.float32: dict(atol=2e-5, rtol=2e-5), jnp.bfloat16: dict(atol=3e-2, rtol=3e-2),
+       jnp.float16: dict(atol=2e-3, rtol=2e-3)}
 
 
 def normal(shape, seed=0, dtype=jnp.float32) -> jax.Array:
@@ -237,6 +241,55 @@ def dense_oracle(q, k, v, layout, mask, scale, sinks=None, soft_cap=None, score_
   probs_BHTS = jnp.exp(scores_BHTS - safe)[..., :s]
   out = jnp.einsum("bhts,bshd->bthd", probs_BHTS, v_BSHD).astype(q.dtype)
   return out, lse_BHT.transpose(0, 2, 1)
+
+
+def at(x, *index):
+  """`x` read at broadcasting index arrays (b, h, q_idx, kv_idx, or the last of them) with
+  numpy's broadcasting rules: x's axes align with the last `x.ndim` indices, and an axis of
+  size 1 is read at 0. So a bias `[B|1, H|1, T|1, S|1]` or `[H, T, S]`, or bounds
+  `[B|1, H|1, T]`, serve every score."""
+  index = index[len(index) - x.ndim:]
+  return x[tuple(i if n > 1 else 0 for i, n in zip(index, x.shape, strict=True))]
+
+
+def _read_mask(b, h, q_idx, kv_idx, allowed):
+  return at(allowed, b, h, q_idx, kv_idx)
+
+
+def _add_bias(score, b, h, q_idx, kv_idx, bias, cap=None):
+  score = score + at(bias, b, h, q_idx, kv_idx).astype(jnp.float32)
+  return score if cap is None else cap * jnp.tanh(score / cap)
+
+
+def array_mask(allowed) -> flaxattn.MaskMod:
+  """The mask of a bool array that broadcasts to `[B, H, T, S]` (True: the key may be
+  seen), as a `MaskMod` reading it."""
+  return flaxattn.MaskMod(_read_mask, jnp.asarray(allowed, bool))
+
+
+def array_bias(bias, cap: float | None = None) -> flaxattn.ScoreMod:
+  """An additive logits bias that broadcasts to `[B, H, T, S]`, as a `ScoreMod` (its
+  gradient is the bias's); with `cap`, a tanh soft cap of the biased score after it."""
+  fn = _add_bias if cap is None else functools.partial(_add_bias, cap=cap)
+  return flaxattn.ScoreMod(fn, bias)
+
+
+def assert_results_close(got, want, dtype, names=("dq", "dk", "dv")):
+  """`(grads, (out, lse))` of a kernel against the oracle's (as `grads_of` returns them),
+  within `TOL[dtype]`: out; lse, infinite in the same places; each gradient (named by
+  `names`) finite and relative to its largest magnitude (at least 1)."""
+  (got_g, (got_o, got_l)), (want_g, (want_o, want_l)) = got, want
+  tol = TOL[dtype]
+  np.testing.assert_allclose(np.asarray(got_o, np.float32), np.asarray(want_o, np.float32),
+                             err_msg="out", **tol)
+  np.testing.assert_array_equal(np.isinf(got_l), np.isinf(want_l))
+  np.testing.assert_allclose(np.where(np.isinf(got_l), 0, got_l),
+                             np.where(np.isinf(want_l), 0, want_l), err_msg="lse", **tol)
+  for name, g, w in zip(names, got_g, want_g, strict=True):
+    g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+    assert np.isfinite(g).all(), name
+    scale = max(1.0, float(np.abs(w).max()))
+    np.testing.assert_allclose(g / scale, w / scale, err_msg=name, **tol)
 
 
 def compare(kernel, layout, mask, q, k, v, dtype):
