@@ -185,9 +185,11 @@ def _blockwise_bwd(q, k, v, out, lse, dout, dlse, toks: Tokens, kinds, lo_t, hi_
       dq, dk, dv, d_ops = carry
       q_blk, do_blk = rows(q, i), rows(dout, i)
       k_i, v_i, allowed = k_blk, v_blk, None
-      if masked:  # masked-out keys' non-finite values stay out of dQ (ds @ k) and dP
+      if masked:  # masked-out keys' non-finite values stay out of dQ (ds @ k) and dP, and
+        # a query's out of the dK of keys it may not see (dK sums ds x q)
         allowed = _allowed(mask, toks, bi, (i * bq, bq), cols, hkv, g)
         k_i, v_i = (values_apart(x, allowed)[0] for x in (k_blk, v_blk))
+        q_blk = values_apart(q_blk, jnp.swapaxes(allowed, -1, -2))[0]
       s, back = _scores(q_blk, k_i, allowed, soft_cap,
                         _score_mod(score_mod, toks, bi, (i * bq, bq), cols, hkv, g))
       p = jnp.exp(s - rows(lse_safe, i)[..., None])
@@ -195,6 +197,8 @@ def _blockwise_bwd(q, k, v, out, lse, dout, dlse, toks: Tokens, kinds, lo_t, hi_
                            preferred_element_type=jnp.float32)
       dp = jnp.einsum("hmd,hkd->hmk", do_blk, v_i, preferred_element_type=jnp.float32)
       ds, d_ops_blk = back(p * (dp - rows(delta, i)[..., None]))
+      if masked:  # an excluded pair's ds is 0, even where dP overflowed (0 x inf = NaN)
+        ds = jnp.where(allowed, ds, 0.0)
       d_ops = [a + x for a, x in zip(d_ops, d_ops_blk, strict=True)]
       dk = dk + jnp.einsum("hmk,hmd->hkd", ds.astype(q.dtype), q_blk,
                            preferred_element_type=jnp.float32)

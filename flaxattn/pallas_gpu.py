@@ -203,18 +203,25 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, q_pos_ref, kv_seg_ref, kv_po
 def _probs_and_grads(q, k, v, do, lse, delta, allowed, scale, soft_cap, mod):
   """p and dS of one block (dS: the loss's gradient w.r.t. the scaled scores before the
   cap; the scale itself is applied to dQ and dK once, at the end), k as dQ takes it, and
-  the gradients of the score mod's float reads (`mods.change_scores`). `allowed` (a
-  partial block): masked-out keys' non-finite keys and values are zeroed, so they reach
-  neither dP nor dQ."""
+  the gradients of the score mod's float reads (`mods.change_scores`), and q as dK takes
+  it. `allowed` (a partial block): masked-out keys' non-finite keys and values are zeroed,
+  so they reach neither dP nor dQ; an excluded pair's dS is 0 even where dP overflowed (a
+  huge value: 0 x inf would be NaN); a non-finite query row is zeroed for dK, where its
+  excluded pairs' dS (0) would carry it (its allowed pairs' dS are NaN already)."""
+  q_dk = q
   if allowed is not None:
     ok = allowed()
     k, v = (values_apart(x, ok)[0] for x in (k, v))
+    bad_R = jnp.sum(q.astype(jnp.float32) * 0.0, axis=-1) != 0.0  # NaN or inf in the row
+    q_dk = jnp.where(bad_R[:, None], jnp.zeros((), q.dtype), q)
   s, back = _scores(q, k, scale, soft_cap, mod)
   if allowed is not None:
     s = jnp.where(ok, s, -jnp.inf)
   p = jnp.exp(s - lse[:, None])
   ds, d_reads = back(p * (_dot(do, v, (1, 1)) - delta[:, None]))
-  return p, ds, k, d_reads
+  if allowed is not None:
+    ds = jnp.where(ok, ds, 0.0)
+  return p, ds, q_dk, k, d_reads
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, q_pos_ref, kv_seg_ref,
@@ -232,8 +239,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, q_pos
     reads = []
     allowed, mod = _block_mods(at, masked, program, groups, lambda: (rows, _ids(
         cols, kv_seg_ref, kv_pos_ref, at.kv_index_ref)), True, reads)
-    _, ds, k, d_reads = _probs_and_grads(q, k_ref[cols, :], v_ref[cols, :], do, lse, delta,
-                                         allowed, scale, soft_cap, mod)
+    _, ds, _, k, d_reads = _probs_and_grads(q, k_ref[cols, :], v_ref[cols, :], do, lse,
+                                            delta, allowed, scale, soft_cap, mod)
     # Each read's gradient is added at the indices it read, which elements of a block and
     # other programs share: atomic adds in Triton, a scatter-add in interpret mode
     # (`addupdate`; interpret mode's `pl_triton.atomic_add` counts an index that
@@ -260,9 +267,10 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, q_po
     q, do = q_ref[block, :], do_ref[block, :]
     allowed, mod = _block_mods(at, masked, program, groups, lambda: (_ids(
         block, q_seg_ref, q_pos_ref, at.q_index_ref, at.q_head_ref), keys), True)
-    p, ds, _, _ = _probs_and_grads(q, k, v, do, lse_ref[block], delta_ref[block], allowed,
-                                   scale, soft_cap, mod)
-    return dk + _dot(ds.astype(q.dtype), q, (0, 0)), dv + _dot(p.astype(do.dtype), do, (0, 0))
+    p, ds, q_dk, _, _ = _probs_and_grads(q, k, v, do, lse_ref[block], delta_ref[block],
+                                         allowed, scale, soft_cap, mod)
+    return (dk + _dot(ds.astype(q.dtype), q_dk, (0, 0)),
+            dv + _dot(p.astype(do.dtype), do, (0, 0)))
 
   init = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
   dk, dv = _visit(order_ref, full_ref, partial_ref, update, init)

@@ -65,7 +65,10 @@ def reference_attention(q, k, v, layout: Layout, *, mask: Mask, scale: float, re
   k_BKSD, k_bad_BKT = values_apart(k.astype(jnp.float32).transpose(0, 2, 1, 3), allowed_BKTS)
   v_BKSD, v_bad_BKT = values_apart(v.astype(jnp.float32).transpose(0, 2, 1, 3), allowed_BKTS)
   bad_BKT = k_bad_BKT | v_bad_BKT
-  scores_BKGTS = jnp.einsum("btkgd,bksd->bkgts", q_BTKGD, k_BKSD) * scale
+  # A query's non-finite features reach no key's gradient it may not see (dK sums dS x q).
+  q_BKGTD, _ = values_apart(q_BTKGD.transpose(0, 2, 3, 1, 4), jnp.swapaxes(
+      jnp.broadcast_to(allowed_BKGTS, (b, hkv, g, t, s)), -1, -2))
+  scores_BKGTS = jnp.einsum("bkgtd,bksd->bkgts", q_BKGTD, k_BKSD) * scale
   if soft_cap is not None:
     scores_BKGTS = soft_cap * jnp.tanh(scores_BKGTS / soft_cap)
   if score_mod is not None:
@@ -75,7 +78,9 @@ def reference_attention(q, k, v, layout: Layout, *, mask: Mask, scale: float, re
   lse_BKGT = jax.nn.logsumexp(scores_BKGTS, axis=-1)
   # A row with no allowed key has lse = -inf; keep its probabilities (and gradients) zero.
   safe_lse = jnp.where(jnp.isfinite(lse_BKGT), lse_BKGT, 0.0)
-  probs_BKGTS = jnp.exp(scores_BKGTS - safe_lse[..., None])
+  # Zero where masked, as a value: the gradient of an excluded pair stays 0 even where its
+  # value is huge (dP = dO . v overflowing to inf would give 0 x inf = NaN in every row).
+  probs_BKGTS = jnp.where(allowed_BKGTS, jnp.exp(scores_BKGTS - safe_lse[..., None]), 0.0)
   out_BTKGD = jnp.einsum("bkgts,bksd->btkgd", probs_BKGTS, v_BKSD)
   out_BTKGD = jnp.where(bad_BKT.transpose(0, 2, 1)[..., None, None], jnp.nan, out_BTKGD)
   out = out_BTKGD.reshape(b, t, h, v.shape[-1]).astype(q.dtype)

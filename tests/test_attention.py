@@ -198,25 +198,28 @@ GAP_POS = np.array([list(range(18)) + [0, 0] + list(range(28))], np.int32)
 @pytest.mark.parametrize("backend", [
     "reference", "blockwise", Blockwise(block_q=16, block_kv=16), "pallas_gpu",
     PallasGpu(block_q=16, block_kv=16)], ids=lambda b: b if isinstance(b, str) else b.name + "16")
-def test_a_non_finite_key_or_value_reaches_only_the_rows_that_see_it(backend):
+def test_an_excluded_non_finite_or_huge_token_reaches_only_the_rows_that_see_it(backend):
   q, k, v = qkv(8, 1, 48, 48, 4, 2, 16)
   attend = grads_of(lambda q, k, v: flaxattn.attention(
       q, k, v, segment_ids=GAP_SEG, positions=GAP_POS, backend=backend, return_lse=True))
   want_g, (want_o, want_l) = attend(q, k, v)
-  # (which of k/v, token): padding keys (no row sees them); token 30, position 10 of the
-  # second document, seen by that document's tokens 30..47.
-  for which, token in (("k", 18), ("v", 19), ("v", 30)):
-    for value in (np.nan, np.inf):
-      args = {"q": q, "k": k, "v": v}
-      args[which] = args[which].at[0, token, 0, 3].set(value)  # KV head 0: query heads 0, 1
-      got_g, (got_o, got_l) = attend(*args.values())
-      sees = np.arange(48) >= (30 if token == 30 else 48)
-      case = f"{which}[{token}] = {value}"
-      np.testing.assert_allclose(got_o[0, ~sees], want_o[0, ~sees], err_msg=case,
-                                 **TOL[jnp.float32])
-      np.testing.assert_allclose(got_l[0, ~sees], want_l[0, ~sees], err_msg=case,
-                                 **TOL[jnp.float32])
-      assert not np.isfinite(got_o[0, sees, :2]).any(), case
-      if not sees.any():  # nothing sees it: every gradient as without it
-        for name, got, want in zip("qkv", got_g, want_g, strict=True):
-          np.testing.assert_allclose(got, want, err_msg=f"d{name}, {case}", **TOL[jnp.float32])
+  # (which of q/k/v, token, value): padding keys (no row sees them) and a padding query
+  # (it sees nothing), non-finite or huge; token 30, position 10 of the second document,
+  # seen by that document's tokens 30..47.
+  huge = float(np.finfo(np.float32).max)
+  for which, token, value in [(w, t, x) for w, t in (("k", 18), ("v", 19), ("v", 30))
+                              for x in (np.nan, np.inf)] + [("v", 19, huge), ("k", 18, huge),
+                                                            ("q", 18, np.nan)]:
+    args = {"q": q, "k": k, "v": v}
+    args[which] = args[which].at[0, token, 0, 3].set(value)  # KV head 0: query heads 0, 1
+    got_g, (got_o, got_l) = attend(*args.values())
+    sees = np.arange(48) >= (30 if token == 30 else 48)
+    case = f"{which}[{token}] = {value}"
+    np.testing.assert_allclose(got_o[0, ~sees], want_o[0, ~sees], err_msg=case,
+                               **TOL[jnp.float32])
+    np.testing.assert_allclose(got_l[0, ~sees], want_l[0, ~sees], err_msg=case,
+                               **TOL[jnp.float32])
+    assert not np.isfinite(got_o[0, sees, :2]).any(), case
+    if not sees.any():  # nothing sees it: every gradient as without it
+      for name, got, want in zip("qkv", got_g, want_g, strict=True):
+        np.testing.assert_allclose(got, want, err_msg=f"d{name}, {case}", **TOL[jnp.float32])
