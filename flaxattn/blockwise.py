@@ -197,7 +197,7 @@ def _blockwise_bwd(q, k, v, out, lse, dout, dlse, toks: Tokens, kinds, lo_t, hi_
                            preferred_element_type=jnp.float32)
       dp = jnp.einsum("hmd,hkd->hmk", do_blk, v_i, preferred_element_type=jnp.float32)
       ds, d_ops_blk = back(p * (dp - rows(delta, i)[..., None]))
-      if masked:  # an excluded pair's ds is 0, even where dP overflowed (0 x inf = NaN)
+      if allowed is not None:  # an excluded pair's ds is 0, even where dP overflowed
         ds = jnp.where(allowed, ds, 0.0)
       d_ops = [a + x for a, x in zip(d_ops, d_ops_blk, strict=True)]
       dk = dk + jnp.einsum("hmk,hmd->hkd", ds.astype(q.dtype), q_blk,
