@@ -7,7 +7,7 @@ TPU slice or NVIDIA GPUs, answered from any host by the target's own compiler.
   python -m train.compile configs/tpu_v5p_8b_cp64.yaml --target v5p-128 \
       --compare context_parallel.strategy=ring,all_gather
 
-The trainer's step (`train.loop.train_step` on the state and batch `python -m train` builds:
+The trainer's step (`train.state.train_step` on the state and batch `python -m train` builds:
 `train.mesh.make`, `train.state.abstract_state`, `train.data.abstract_batch`) is compiled
 for TARGET's compile-only devices (`flaxattn.aot`), and XLA's memory plan per device is
 reported with what the target lets a program use. No chip and no data are needed: libtpu
@@ -236,17 +236,17 @@ def compile_step(cfg, target, model: str = "the config's model.* keys") -> Resul
 
 
 def lower_step(cfg, parallel):
-  """The trainer's step (`train.loop.train_step`) of run `cfg` lowered on `parallel`
+  """The trainer's step (`train.state.train_step`) of run `cfg` lowered on `parallel`
   (`train.mesh.make`), on the state and batch `python -m train` builds
   (`train.state.abstract_state`, `train.data.abstract_batch`): shapes only, no memory."""
   from flax import nnx
 
-  from train import data, loop, state
+  from train import data, state
 
   with nnx.logical_axis_rules(parallel.rules):
     _, graphdef, abstract = state.abstract_state(cfg, parallel.mesh, parallel.cp)
     batch = data.abstract_batch(parallel.mesh, cfg.batch_size, cfg.seq_len)
-    return loop.train_step.lower(nnx.merge(graphdef, abstract), batch)
+    return state.train_step.lower(nnx.merge(graphdef, abstract), batch)
 
 
 def estimate_on(cfg, devices, chip):

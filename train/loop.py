@@ -33,7 +33,6 @@ import time
 
 import jax
 import numpy as np
-import optax
 from flax import nnx
 
 import flaxattn
@@ -42,23 +41,13 @@ from train import data, distributed, evaluation, init_from, metrics, storage, st
 from train import mesh as mesh_lib
 from train import run_dir as run_dir_lib
 from train import state as state_lib
+from train.compile import estimate_on
 from train.config import ConfigError, TrainConfig
 from train.data import tokenizers
-from train.state import Start, TrainState, restore_state
+from train.state import Start, TrainState, restore_state, train_step
 from train.stop import Stopped, StopRequest
 
 log = logging.getLogger(__name__)
-
-
-# The state is donated: its new value reuses the old one's buffers, so a step holds one copy
-# of the parameters and optimizer moments, not two.
-@nnx.jit(donate_argnums=0)
-def train_step(state: TrainState, batch: dict) -> dict:
-  """One AdamW step on `batch` (global `[B, T]` arrays), updating `state` in place (its
-  arrays are donated); returns scalar metrics."""
-  (loss, aux), grads = nnx.value_and_grad(loss_fn, has_aux=True)(state.model, batch)
-  state.optimizer.update(state.model, grads)
-  return {"loss": loss, "grad_norm": optax.global_norm(grads), "tokens": aux["tokens"]}
 
 
 def run(cfg: TrainConfig) -> tuple[int, bool]:
@@ -107,7 +96,7 @@ def _setup(cfg: TrainConfig, stop: StopRequest
   tokenizers.check_vocab(tok, cfg.model.vocab_size, cfg.data.tokenizer)
   distributed.start_backend(cfg.platform)
   # Strategy "auto" becomes one strategy here, logged with its reason; the config keeps it.
-  parallel = mesh_lib.make(strategy.resolve(cfg, jax.devices()))
+  parallel = mesh_lib.make(strategy.resolve(cfg, jax.devices(), estimate_on))
   _check_backend(cfg, parallel)
   run_data = data.make(cfg, tok, parallel.mesh, parallel.cp, stop.call)
   run_dir_lib.check_corpus(cfg, run_data.corpus)

@@ -16,7 +16,7 @@ import jax
 import optax
 from flax import nnx
 
-from models.llama import Llama, LlamaConfig
+from models.llama import Llama, LlamaConfig, loss_fn
 from train import init_from, optimizer, run_dir
 from train.checkpoint import Checkpoints
 from train.config import OptimizerConfig, TrainConfig
@@ -32,6 +32,17 @@ class TrainState(nnx.Module):
     self.model = model
     self.optimizer = opt
     self.schedule = schedule
+
+
+# The state is donated: its new value reuses the old one's buffers, so a step holds one copy
+# of the parameters and optimizer moments, not two.
+@nnx.jit(donate_argnums=0)
+def train_step(state: TrainState, batch: dict) -> dict:
+  """One AdamW step on `batch` (global `[B, T]` arrays), updating `state` in place (its
+  arrays are donated); returns scalar metrics."""
+  (loss, aux), grads = nnx.value_and_grad(loss_fn, has_aux=True)(state.model, batch)
+  state.optimizer.update(state.model, grads)
+  return {"loss": loss, "grad_norm": optax.global_norm(grads), "tokens": aux["tokens"]}
 
 
 def make_state(model: LlamaConfig, opt: OptimizerConfig, steps: int, seed: int = 0,

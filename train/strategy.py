@@ -149,10 +149,12 @@ def modelled_seconds(cfg: TrainConfig, num_devices: int, platform: str) -> float
   return total
 
 
-def resolve(cfg: TrainConfig, devices) -> TrainConfig:
+def resolve(cfg: TrainConfig, devices, estimate_on: Callable) -> TrainConfig:
   """`cfg` with strategy "auto" replaced by the choice for `devices` (`choose`: compiled
   where their chip has published figures and `context_parallel.auto_compile` is set, else
-  modelled), logged with its reason; any other `cfg` as it is.
+  modelled), logged with its reason; any other `cfg` as it is. `estimate_on(cfg, devices,
+  chip)`: a compiled step's estimate, or None where it does not fit
+  (`train.compile.estimate_on`).
 
   Raises:
     ConfigError: as `choose`.
@@ -168,7 +170,6 @@ def resolve(cfg: TrainConfig, devices) -> TrainConfig:
          else "")
 
   def step_seconds(c: TrainConfig) -> float | None:
-    from train.compile import estimate_on
     e = estimate_on(c, devices, chip)
     return None if e is None else e.step_s
 
